@@ -1,0 +1,42 @@
+# The two commands a newcomer needs: `make run` and `make test`. Everything else is optional.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP_RUN := $(VENV)/.installed-run
+STAMP_DEV := $(VENV)/.installed-dev
+
+.PHONY: run test lint bench clean
+
+$(BIN)/python:
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PYTHON)) on PATH"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch is pinned to the CPU build first so nothing pulls the CUDA wheels.
+$(STAMP_RUN): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	@touch $@
+
+$(STAMP_DEV): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $@ $(STAMP_RUN)
+
+run: $(STAMP_RUN)
+	$(BIN)/tagplan demo
+
+# pytest exits 5 when it collected nothing: that is a failure, never a silent pass.
+test: $(STAMP_DEV)
+	@$(BIN)/python -m pytest -q -n 2 --dist loadfile; status=$$?; \
+	if [ $$status -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$status
+
+lint: $(STAMP_DEV)
+	$(BIN)/ruff check tagplan tests bench
+	$(BIN)/mypy tagplan
+
+bench: $(STAMP_RUN)
+	$(BIN)/python bench/frontends_speed.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

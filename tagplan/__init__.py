@@ -1,0 +1,3 @@
+"""tagplan: a topology-aware planner for distributed training on heterogeneous clusters."""
+
+__version__ = "0.1.0"

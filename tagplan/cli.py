@@ -1,0 +1,119 @@
+"""The `tagplan` command. Bad input prints one clear message and exits with code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tagplan.errors import SpecError
+from tagplan.ir.workload import DType
+
+EXIT_BAD_INPUT = 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    inspect = sub.add_parser("inspect", help="show a model or a cluster as tagplan sees it")
+    kinds = inspect.add_subparsers(dest="what", required=True)
+    model = kinds.add_parser("model", help="a model SPEC: zoo name, FAMILY?k=v, hf:ConfigClass?k=v, or a file")
+    model.add_argument("spec")
+    model.add_argument("--batch", type=_positive_int, default=1, help="samples (for flops_per_batch)")
+    model.add_argument("--seq", type=_positive_int, default=None, help="tokens per sample (default: the model's)")
+    model.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
+    model.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+    model.set_defaults(func=_inspect_model)
+    cluster = kinds.add_parser("cluster", help="a cluster SPEC: PRESET[:nodes=N][+...] or a file")
+    cluster.add_argument("spec")
+    cluster.add_argument("--nodes", type=_positive_int, default=None, help="nodes, for one-node topology files")
+    cluster.add_argument("--gpu", default=None, help="GPU type, for topology files that do not name it")
+    cluster.add_argument("--nic-gbps", type=float, default=None, help="NIC speed in Gb/s, for topology files")
+    cluster.add_argument("--nccl-tests", action="append", default=None, metavar="LOG",
+                         help="nccl-tests output whose measured bandwidth replaces the catalog's (repeatable)")
+    cluster.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
+    cluster.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+    cluster.set_defaults(func=_inspect_cluster)
+
+
+def _inspect_model(args: argparse.Namespace) -> int:
+    from tagplan.frontends.model_spec import load_model
+    from tagplan.views import model_summary, model_table
+
+    graph = load_model(args.spec, seq_len=args.seq, dtype=DType(args.dtype))
+    summary = model_summary(graph, batch=args.batch)
+    _emit(summary, args.json, model_table)
+    return 0
+
+
+def _inspect_cluster(args: argparse.Namespace) -> int:
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.views import cluster_summary, cluster_table
+
+    cluster = load_cluster(args.spec, nodes=args.nodes, gpu=args.gpu, nic_speed_Gbps=args.nic_gbps,
+                           nccl_tests=args.nccl_tests)
+    _emit(cluster_summary(cluster, dtype=DType(args.dtype)), args.json, cluster_table)
+    return 0
+
+
+def _emit(summary: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], Any]) -> None:
+    if as_json:
+        json.dump(summary, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    from rich.console import Console
+
+    Console().print(table(summary))
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    demo = sub.add_parser("demo", help="inspect the default example model and cluster")
+    demo.add_argument("--model", default="gpt3-1.3b")
+    demo.add_argument("--cluster", default="p3.8xlarge:nodes=3+g4dn.12xlarge:nodes=1")
+    demo.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    for what, spec in (("model", args.model), ("cluster", args.cluster)):
+        ns = build_parser().parse_args(["inspect", what, spec])
+        ns.func(ns)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every subcommand."""
+    parser = argparse.ArgumentParser(prog="tagplan", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_inspect(sub)
+    _add_demo(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    try:
+        return int(args.func(args))
+    except SpecError as exc:
+        print(f"tagplan: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `tagplan ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

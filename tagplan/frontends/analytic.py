@@ -1,0 +1,146 @@
+"""Closed-form op builders: derive one block's ops from its shapes, without tracing.
+
+Every figure is forward, per sample (one sequence of `s` tokens), in the graph's dtype. FLOPs
+count a multiply-add as 2 (as FlopCounterMode and the Megatron papers do); memory-bound ops
+count one FLOP per output element (five for norms and softmax). `saved_bytes` follows the
+convention of the traced front-end: a matmul saves its activation input, attention saves
+q, k, v and its output (flash-style, no s x s matrix), norms their input, nonlinear
+elementwise ops their input; a tensor saved by several consumers is counted once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from tagplan.ir.model import Block, Op, OpKind, PartitionDim
+
+_TOKEN_DIMS = (PartitionDim.BATCH, PartitionDim.SEQUENCE)
+
+
+@dataclass
+class BlockBuilder:
+    """Accumulates ops of one block; `build` freezes them into a `Block` with a structural hash."""
+
+    kind: str
+    seq_len: int
+    nbytes: int
+    ops: list[Op] = field(default_factory=list)
+    params: int = 0
+    _saved: set[str] = field(default_factory=set)
+
+    def _add(self, op: Op, params: int = 0) -> str:
+        self.ops.append(op)
+        self.params += params
+        return op.name
+
+    def _save_once(self, key: str, nbytes: float) -> float:
+        if key in self._saved:
+            return 0.0
+        self._saved.add(key)
+        return nbytes
+
+    def linear(self, name: str, src: str, d_in: int, d_out: int, *, bias: bool = False,
+               tokens: int | None = None, experts: bool = False) -> str:
+        """A dense projection of `tokens` (default `seq_len`) rows from `d_in` to `d_out`."""
+        t = self.seq_len if tokens is None else tokens
+        params = d_in * d_out + (d_out if bias else 0)
+        dims = (*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT, PartitionDim.HIDDEN_IN)
+        return self._add(Op(
+            name=name, kind=OpKind.MATMUL, flops=2.0 * t * d_in * d_out,
+            bytes_read=(t * d_in + params) * self.nbytes, bytes_written=t * d_out * self.nbytes,
+            param_bytes=params * self.nbytes, saved_bytes=self._save_once(src, t * d_in * self.nbytes),
+            output_shape=(1, t, d_out), partition_dims=(*dims, PartitionDim.EXPERTS) if experts else dims,
+            inputs=(src,) if src else (),
+        ), params)
+
+    def attention(self, name: str, srcs: tuple[str, ...], heads: int, kv_heads: int, head_dim: int,
+                  *, kv_len: int | None = None) -> str:
+        """Scaled dot-product attention: QK^T and AV, each 2 * s * s_kv * heads * head_dim FLOPs."""
+        s, skv = self.seq_len, self.seq_len if kv_len is None else kv_len
+        q_bytes = s * heads * head_dim * self.nbytes
+        kv_bytes = 2 * skv * kv_heads * head_dim * self.nbytes
+        flops = 4.0 * s * skv * heads * head_dim + 5.0 * s * skv * heads  # matmuls + softmax
+        saved = sum(self._save_once(src, 0.0) for src in srcs) + q_bytes + kv_bytes + q_bytes
+        return self._add(Op(
+            name=name, kind=OpKind.ATTENTION, flops=flops, bytes_read=q_bytes + kv_bytes,
+            bytes_written=q_bytes, saved_bytes=saved, output_shape=(1, s, heads * head_dim),
+            partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs,
+        ))
+
+    def norm(self, name: str, src: str, width: int, *, bias: bool = True) -> str:
+        """LayerNorm (bias=True) or RMSNorm (bias=False) over `width` features."""
+        elems = self.seq_len * width
+        params = width * (2 if bias else 1)
+        return self._add(Op(
+            name=name, kind=OpKind.LAYERNORM, flops=5.0 * elems,
+            bytes_read=elems * self.nbytes + params * self.nbytes, bytes_written=elems * self.nbytes,
+            param_bytes=params * self.nbytes, saved_bytes=self._save_once(src, elems * self.nbytes),
+            output_shape=(1, self.seq_len, width), partition_dims=_TOKEN_DIMS, inputs=(src,),
+        ), params)
+
+    def elementwise(self, name: str, srcs: tuple[str, ...], width: int, *, saves_input: bool,
+                    tokens: int | None = None) -> str:
+        """A pointwise op over `tokens x width` elements reading each of `srcs` once."""
+        t = self.seq_len if tokens is None else tokens
+        elems = t * width
+        saved = sum(self._save_once(src, elems * self.nbytes) for src in srcs) if saves_input else 0.0
+        return self._add(Op(
+            name=name, kind=OpKind.ELEMENTWISE, flops=float(elems),
+            bytes_read=len(srcs) * elems * self.nbytes, bytes_written=elems * self.nbytes,
+            saved_bytes=saved, output_shape=(1, t, width),
+            partition_dims=(*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT), inputs=srcs,
+        ))
+
+    def embedding(self, name: str, rows: int, width: int, *, tokens: int | None = None,
+                  owns_params: bool = True) -> str:
+        """A table lookup of `tokens` rows from a `rows x width` table."""
+        t = self.seq_len if tokens is None else tokens
+        params = rows * width if owns_params else 0
+        return self._add(Op(
+            name=name, kind=OpKind.EMBEDDING, flops=0.0,
+            bytes_read=t * width * self.nbytes + t * 8, bytes_written=t * width * self.nbytes,
+            param_bytes=params * self.nbytes, saved_bytes=t * 8.0, output_shape=(1, t, width),
+            partition_dims=(*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT),
+        ), params)
+
+    def softmax_loss(self, name: str, src: str, classes: int, *, tokens: int | None = None) -> str:
+        """Softmax cross-entropy over `classes` logits per token (saves its output)."""
+        t = self.seq_len if tokens is None else tokens
+        elems = t * classes
+        return self._add(Op(
+            name=name, kind=OpKind.SOFTMAX, flops=5.0 * elems, bytes_read=elems * self.nbytes,
+            bytes_written=t * 4.0, saved_bytes=elems * self.nbytes, output_shape=(1, t),
+            partition_dims=(*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT), inputs=(src,),
+        ))
+
+    def all_to_all(self, name: str, src: str, width: int, top_k: int) -> str:
+        """Expert dispatch or combine: each token's activation goes to `top_k` experts."""
+        volume = self.seq_len * width * top_k * self.nbytes
+        return self._add(Op(
+            name=name, kind=OpKind.ALL_TO_ALL, flops=0.0, bytes_read=volume, bytes_written=volume,
+            output_shape=(1, self.seq_len * top_k, width),
+            partition_dims=(*_TOKEN_DIMS, PartitionDim.EXPERTS), inputs=(src,),
+        ))
+
+    def add_params(self, name: str, count: int, src: str = "") -> str:
+        """Parameters used outside a modelled matmul (tables, class tokens, extra experts).
+
+        The op costs no FLOPs; it reads its weights once per micro-batch, charged here per sample.
+        """
+        return self._add(Op(
+            name=name, kind=OpKind.OTHER, flops=0.0, bytes_read=count * self.nbytes,
+            bytes_written=0.0, param_bytes=count * self.nbytes, output_shape=(count,),
+            inputs=(src,) if src else (),
+        ), count)
+
+    def build(self, output_width: int, *, output_tokens: int | None = None) -> Block:
+        """Freeze into a Block whose hash covers every op field, so equal shapes hash equal."""
+        t = self.seq_len if output_tokens is None else output_tokens
+        digest = hashlib.sha256(f"{self.kind}|{output_width}|{t}".encode())
+        for op in self.ops:
+            digest.update(op.model_dump_json().encode())
+        return Block(
+            hash=digest.hexdigest()[:16], kind=self.kind, ops=tuple(self.ops), params=self.params,
+            output_bytes=float(t * output_width * self.nbytes),
+        )

@@ -1,0 +1,20 @@
+"""Shared base for IR records: frozen, strict pydantic models with exact JSON round-trip."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Record(BaseModel):
+    """A frozen, validated record; unknown keys are rejected so typos fail loudly."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    def to_json(self) -> str:
+        """Return the record as compact JSON text (exact round-trip with `from_json`)."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Record":
+        """Parse and validate JSON text produced by `to_json` (or written by hand)."""
+        return cls.model_validate_json(text)

@@ -1,0 +1,176 @@
+"""Cluster: devices grouped into nodes, the links inside each node, NICs, and the network.
+
+Bandwidths are unidirectional bytes/s as NCCL models them (see reference/hardware.md); a device
+pair's bandwidth and latency, and the bottleneck of a group, are queries of this object.
+Devices are numbered node-major: node 0's GPUs first, in local order.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from functools import cached_property
+from typing import NamedTuple
+
+from pydantic import Field, model_validator
+
+from tagplan.ir.base import Record
+from tagplan.ir.workload import DType
+
+
+class LinkKind(str, Enum):
+    """Physical class of a link between two devices."""
+
+    NVSWITCH = "nvswitch"
+    NVLINK = "nvlink"
+    XGMI = "xgmi"
+    PCIE = "pcie"  # through PCIe switches (PIX/PXB)
+    PCIE_HOST = "pcie_host"  # through a host bridge (PHB/NODE)
+    SMP = "smp"  # across CPU sockets (SYS)
+    NETWORK = "network"  # between nodes, through NICs
+    LOCAL = "local"  # a device with itself
+
+
+class DeviceSpec(Record):
+    """One accelerator type: vendor datasheet figures (dense, no sparsity)."""
+
+    name: str = Field(min_length=1)
+    peak_flops_bf16: float | None = Field(gt=0, description="dense FLOP/s; None where unsupported")
+    peak_flops_fp16: float = Field(gt=0, description="dense FLOP/s")
+    peak_flops_fp32: float = Field(gt=0, description="dense FLOP/s (non-tensor-core)")
+    mem_bytes: int = Field(gt=0)
+    mem_bandwidth_Bps: float = Field(gt=0)
+
+    def peak_flops(self, dtype: DType) -> float:
+        """Peak dense FLOP/s in `dtype`; bf16 on a device without it runs as fp16."""
+        if dtype is DType.FP32:
+            return self.peak_flops_fp32
+        if dtype is DType.BF16 and self.peak_flops_bf16 is not None:
+            return self.peak_flops_bf16
+        return self.peak_flops_fp16
+
+
+class PairLink(Record):
+    """An explicit link between two GPUs of one node (local indices), overriding the fabric."""
+
+    a: int = Field(ge=0)
+    b: int = Field(ge=0)
+    kind: LinkKind
+    bandwidth_Bps: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+
+
+class Node(Record):
+    """One machine: `gpus` devices of one type on an intra-node fabric, with NICs."""
+
+    name: str = Field(min_length=1)
+    device: DeviceSpec
+    gpus: int = Field(gt=0)
+    fabric: LinkKind = LinkKind.PCIE
+    fabric_bandwidth_Bps: float = Field(gt=0, description="per GPU pair, unidirectional")
+    fabric_latency_s: float = Field(default=2e-6, ge=0)
+    pair_links: tuple[PairLink, ...] = Field(default=(), description="overrides for some pairs")
+    nics: int = Field(default=1, ge=0)
+    nic_bandwidth_Bps: float = Field(default=1.25e9, gt=0, description="per NIC, unidirectional")
+
+    @model_validator(mode="after")
+    def _check_pairs(self) -> "Node":
+        for i, p in enumerate(self.pair_links):
+            if p.a >= self.gpus or p.b >= self.gpus or p.a == p.b:
+                raise ValueError(
+                    f"node {self.name!r}: pair_links[{i}] ({p.a}, {p.b}) must name two different "
+                    f"GPUs in 0..{self.gpus - 1}"
+                )
+        return self
+
+    @cached_property
+    def _pairs(self) -> dict[tuple[int, int], PairLink]:
+        return {(min(p.a, p.b), max(p.a, p.b)): p for p in self.pair_links}
+
+    @property
+    def nic_bandwidth_per_gpu_Bps(self) -> float:
+        """Network bandwidth a GPU gets when all GPUs of the node send at once."""
+        return self.nics * self.nic_bandwidth_Bps / self.gpus
+
+
+class Network(Record):
+    """The network between nodes."""
+
+    latency_s: float = Field(default=5e-6, ge=0, description="per hop, one way")
+    oversubscription: float = Field(default=1.0, ge=1.0, description="core:edge bandwidth ratio")
+
+
+class Device(NamedTuple):
+    """A device of the cluster, by global index."""
+
+    index: int
+    node: int
+    local: int
+    spec: DeviceSpec
+
+
+class Link(NamedTuple):
+    """A device pair's connection: unidirectional bandwidth (bytes/s) and latency (s)."""
+
+    kind: LinkKind
+    bandwidth_Bps: float
+    latency_s: float
+
+
+class Cluster(Record):
+    """Nodes (which may differ in GPU type and count) joined by one network."""
+
+    name: str = Field(min_length=1)
+    nodes: tuple[Node, ...] = Field(min_length=1)
+    network: Network = Network()
+
+    @cached_property
+    def devices(self) -> tuple[Device, ...]:
+        """All devices, node-major."""
+        out: list[Device] = []
+        for n, node in enumerate(self.nodes):
+            out.extend(Device(len(out), n, g, node.device) for g in range(node.gpus))
+        return tuple(out)
+
+    @property
+    def num_devices(self) -> int:
+        """Number of devices."""
+        return len(self.devices)
+
+    @property
+    def device_types(self) -> tuple[str, ...]:
+        """Distinct device type names, in order of first appearance."""
+        return tuple(dict.fromkeys(node.device.name for node in self.nodes))
+
+    def device(self, index: int) -> Device:
+        """The device with global index `index`; IndexError names the valid range."""
+        if not 0 <= index < self.num_devices:
+            raise IndexError(f"device {index} is not in cluster {self.name!r} (0..{self.num_devices - 1})")
+        return self.devices[index]
+
+    def link(self, a: int, b: int) -> Link:
+        """The connection between devices `a` and `b` (unidirectional bandwidth, latency)."""
+        da, db = self.device(a), self.device(b)
+        if a == b:
+            return Link(LinkKind.LOCAL, da.spec.mem_bandwidth_Bps, 0.0)
+        if da.node == db.node:
+            node = self.nodes[da.node]
+            pair = node._pairs.get((min(da.local, db.local), max(da.local, db.local)))
+            if pair is not None:
+                return Link(pair.kind, pair.bandwidth_Bps, pair.latency_s)
+            return Link(node.fabric, node.fabric_bandwidth_Bps, node.fabric_latency_s)
+        na, nb = self.nodes[da.node], self.nodes[db.node]
+        bw = min(na.nic_bandwidth_per_gpu_Bps, nb.nic_bandwidth_per_gpu_Bps) / self.network.oversubscription
+        return Link(LinkKind.NETWORK, bw, self.network.latency_s)
+
+    def bottleneck(self, devices: list[int] | tuple[int, ...]) -> Link:
+        """The slowest pairwise link within a group (bandwidth minimum, latency maximum)."""
+        if len(devices) < 2:
+            d = devices[0] if devices else 0
+            return self.link(d, d)
+        links = [self.link(a, b) for i, a in enumerate(devices) for b in devices[i + 1 :]]
+        slowest = min(links, key=lambda link: link.bandwidth_Bps)
+        return Link(slowest.kind, slowest.bandwidth_Bps, max(link.latency_s for link in links))
+
+    def node_devices(self, node: int) -> tuple[int, ...]:
+        """Global indices of node `node`'s devices."""
+        return tuple(d.index for d in self.devices if d.node == node)

@@ -1,0 +1,162 @@
+"""ModelGraph: ops grouped into blocks, and the ordered layer sequence that pipelines split.
+
+Folding is built in: a `Block` is stored once per structural hash and each `Layer` names the
+block it instantiates, so a 96-layer GPT holds one transformer block, not 96 copies.
+
+All per-op quantities are per sample (one sequence of `seq_len` tokens) in the graph's dtype;
+a batch of b samples costs b times as much. Parameter quantities are per model copy.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from functools import cached_property
+
+from pydantic import Field, model_validator
+
+from tagplan.ir.base import Record
+from tagplan.ir.workload import DType
+
+
+class OpKind(str, Enum):
+    """What an op does, as far as cost and sharding care."""
+
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    LAYERNORM = "layernorm"
+    SOFTMAX = "softmax"
+    ELEMENTWISE = "elementwise"
+    REDUCTION = "reduction"
+    EMBEDDING = "embedding"
+    CONV = "conv"
+    ALL_TO_ALL = "all_to_all"
+    VIEW = "view"
+    OTHER = "other"
+
+
+class PartitionDim(str, Enum):
+    """A dimension an op may be partitioned along."""
+
+    BATCH = "batch"
+    SEQUENCE = "sequence"
+    HEADS = "heads"
+    HIDDEN_IN = "hidden_in"
+    HIDDEN_OUT = "hidden_out"
+    EXPERTS = "experts"
+
+
+class Op(Record):
+    """One operator of a block. Byte and FLOP figures are forward, per sample."""
+
+    name: str = Field(min_length=1)
+    kind: OpKind
+    flops: float = Field(ge=0, description="forward FLOPs per sample")
+    bytes_read: float = Field(ge=0, description="bytes read per sample, weights included")
+    bytes_written: float = Field(ge=0, description="bytes written per sample")
+    param_bytes: float = Field(default=0, ge=0, description="bytes of parameters this op owns")
+    saved_bytes: float = Field(default=0, ge=0, description="activation bytes kept for backward")
+    output_shape: tuple[int, ...] = ()
+    partition_dims: tuple[PartitionDim, ...] = ()
+    inputs: tuple[str, ...] = Field(default=(), description="names of producer ops in the block")
+
+
+class Block(Record):
+    """A unique block (folding unit). `hash` is structural: equal blocks hash equal."""
+
+    hash: str = Field(min_length=1)
+    kind: str = Field(default="block", description="embedding, block, head, ... (free text)")
+    ops: tuple[Op, ...]
+    params: int = Field(ge=0, description="parameter count")
+    output_bytes: float = Field(ge=0, description="activation bytes per sample sent to the next layer")
+
+    @model_validator(mode="after")
+    def _unique_op_names(self) -> "Block":
+        names = [op.name for op in self.ops]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"block {self.hash}: duplicate op names {dup[:5]}")
+        return self
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs per sample."""
+        return sum(op.flops for op in self.ops)
+
+    @property
+    def param_bytes(self) -> float:
+        """Parameter bytes in the graph's dtype."""
+        return sum(op.param_bytes for op in self.ops)
+
+    @property
+    def saved_bytes(self) -> float:
+        """Activation bytes per sample saved for the backward pass."""
+        return sum(op.saved_bytes for op in self.ops)
+
+
+class Layer(Record):
+    """One entry of the layer sequence: a named instance of a block."""
+
+    name: str = Field(min_length=1)
+    block: str = Field(min_length=1, description="hash of the Block this layer instantiates")
+    inputs: tuple[int, ...] | None = Field(
+        default=None, description="indices of earlier layers read; None means the previous one"
+    )
+
+
+class ModelGraph(Record):
+    """A model as an ordered sequence of layers over unique blocks, traced at `seq_len`."""
+
+    name: str = Field(min_length=1)
+    family: str = Field(default="custom")
+    seq_len: int = Field(gt=0, description="tokens per sample the figures were computed for")
+    dtype: DType = DType.BF16
+    blocks: tuple[Block, ...] = Field(min_length=1)
+    layers: tuple[Layer, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> "ModelGraph":
+        hashes = [b.hash for b in self.blocks]
+        if len(set(hashes)) != len(hashes):
+            raise ValueError(f"model {self.name!r}: blocks repeat a hash")
+        known = set(hashes)
+        for i, layer in enumerate(self.layers):
+            if layer.block not in known:
+                raise ValueError(
+                    f"layers[{i}] ({layer.name!r}): block {layer.block!r} is not one of "
+                    f"the model's blocks {sorted(known)[:8]}"
+                )
+            for src in layer.inputs or ():
+                if not 0 <= src < i:
+                    raise ValueError(f"layers[{i}].inputs: {src} must index an earlier layer (0..{i - 1})")
+        return self
+
+    @cached_property
+    def block_by_hash(self) -> dict[str, Block]:
+        """Blocks keyed by structural hash."""
+        return {b.hash: b for b in self.blocks}
+
+    def block_of(self, layer_index: int) -> Block:
+        """The block instantiated by layer `layer_index`."""
+        return self.block_by_hash[self.layers[layer_index].block]
+
+    def layer_inputs(self, layer_index: int) -> tuple[int, ...]:
+        """Indices of the layers whose outputs layer `layer_index` reads."""
+        explicit = self.layers[layer_index].inputs
+        if explicit is not None:
+            return explicit
+        return () if layer_index == 0 else (layer_index - 1,)
+
+    @property
+    def params(self) -> int:
+        """Total parameter count."""
+        return sum(self.block_of(i).params for i in range(len(self.layers)))
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Forward FLOPs per sample (a training step is about 3x this)."""
+        return sum(self.block_of(i).flops for i in range(len(self.layers)))
+
+    @property
+    def unique_blocks(self) -> int:
+        """Number of distinct blocks after folding."""
+        return len({layer.block for layer in self.layers})

@@ -1,0 +1,159 @@
+"""Plan: pipeline stages, each a layer range on an ordered device group with a (dp, tp) mesh.
+
+This is the one type that passes between search, cost, GNN, service and export (Plan JSON v1,
+docs/PLAN_FORMAT.md). Within a stage, devices are ordered tp-fastest then dp: replica r holds
+`devices[r * tp:(r + 1) * tp]`.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+
+from pydantic import Field, model_validator
+
+from tagplan.ir.base import Record
+from tagplan.ir.cluster import Cluster
+from tagplan.ir.model import ModelGraph
+
+PLAN_VERSION = 1
+
+
+class Schedule(str, Enum):
+    """Pipeline schedule."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+
+class ShardStrategy(str, Enum):
+    """How one op is partitioned across a stage's tensor-parallel group."""
+
+    REPLICATE = "replicate"
+    BATCH = "batch"
+    SEQUENCE = "sequence"
+    HEADS = "heads"
+    COLUMN = "column"
+    ROW = "row"
+    EXPERTS = "experts"
+
+
+class Stage(Record):
+    """A contiguous layer range `[start, end)` on `dp * tp` devices."""
+
+    layers: tuple[int, int]
+    devices: tuple[int, ...] = Field(min_length=1)
+    dp: int = Field(default=1, gt=0)
+    tp: int = Field(default=1, gt=0)
+    batch_shares: tuple[float, ...] | None = Field(
+        default=None, description="per data-parallel replica, summing to 1; None means even"
+    )
+    recompute: bool = False
+    zero: int = Field(default=0, ge=0, le=3, description="ZeRO stage 0-3")
+    sharding: dict[str, ShardStrategy] | None = Field(
+        default=None, description="per-op strategy by op name, filled by the intra-stage solver"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "Stage":
+        start, end = self.layers
+        if not 0 <= start < end:
+            raise ValueError(f"layers [{start}, {end}) must satisfy 0 <= start < end")
+        if self.dp * self.tp != len(self.devices):
+            raise ValueError(
+                f"dp * tp = {self.dp} * {self.tp} = {self.dp * self.tp} but the stage has "
+                f"{len(self.devices)} devices {list(self.devices)[:16]}"
+            )
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"devices repeat within a stage: {list(self.devices)}")
+        if self.batch_shares is not None:
+            shares = self.batch_shares
+            if len(shares) != self.dp:
+                raise ValueError(f"batch_shares has {len(shares)} entries; dp is {self.dp}")
+            if any(s <= 0 for s in shares):
+                raise ValueError(f"batch_shares must all be > 0, got {list(shares)}")
+            if not math.isclose(sum(shares), 1.0, abs_tol=1e-6):
+                raise ValueError(f"batch_shares must sum to 1, got {sum(shares):.6f}")
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers in the stage."""
+        return self.layers[1] - self.layers[0]
+
+    def replica(self, r: int) -> tuple[int, ...]:
+        """Devices of data-parallel replica `r` (one tensor-parallel group)."""
+        return self.devices[r * self.tp : (r + 1) * self.tp]
+
+    def shares(self) -> tuple[float, ...]:
+        """Batch share of each replica (even when `batch_shares` is None)."""
+        return self.batch_shares if self.batch_shares is not None else (1.0 / self.dp,) * self.dp
+
+
+class Plan(Record):
+    """A whole parallelization plan (Plan JSON v1)."""
+
+    version: int = Field(default=PLAN_VERSION, ge=1, le=PLAN_VERSION)
+    micro_batches: int = Field(default=1, gt=0, description="micro-batches per iteration")
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    stages: tuple[Stage, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Plan":
+        for i in range(1, len(self.stages)):
+            prev, cur = self.stages[i - 1].layers, self.stages[i].layers
+            if cur[0] != prev[1]:
+                raise ValueError(
+                    f"stages[{i}].layers starts at {cur[0]} but stages[{i - 1}] ends at {prev[1]}; "
+                    "stages must cover contiguous layer ranges in order"
+                )
+        groups = [s.devices for s in self.stages]
+        if self.schedule is Schedule.INTERLEAVED_1F1B:
+            self._check_interleaved(groups)
+        else:
+            seen: dict[int, int] = {}
+            for i, group in enumerate(groups):
+                for d in group:
+                    if d in seen:
+                        raise ValueError(
+                            f"device {d} is in stages {seen[d]} and {i}; only the "
+                            f"'{Schedule.INTERLEAVED_1F1B.value}' schedule may reuse devices"
+                        )
+                    seen[d] = i
+        return self
+
+    def _check_interleaved(self, groups: list[tuple[int, ...]]) -> None:
+        distinct = list(dict.fromkeys(groups))
+        chunks, rest = divmod(len(groups), len(distinct))
+        pattern = distinct * chunks
+        if rest or groups != pattern:
+            raise ValueError(
+                f"interleaved_1f1b needs the device groups to repeat round-robin "
+                f"(g0, g1, ..., g0, g1, ...); got {len(groups)} stages over {len(distinct)} groups"
+            )
+        flat = [d for g in distinct for d in g]
+        if len(set(flat)) != len(flat):
+            raise ValueError("interleaved_1f1b: distinct stage groups must not share devices")
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """All devices the plan uses, in stage order, without repeats."""
+        return tuple(dict.fromkeys(d for s in self.stages for d in s.devices))
+
+
+def check_plan(plan: Plan, model: ModelGraph, cluster: Cluster) -> None:
+    """Raise ValueError unless `plan` covers the model's layers exactly and uses real devices."""
+    first, last = plan.stages[0].layers[0], plan.stages[-1].layers[1]
+    if first != 0 or last != len(model.layers):
+        raise ValueError(
+            f"plan covers layers [{first}, {last}) but model {model.name!r} has "
+            f"{len(model.layers)} layers [0, {len(model.layers)})"
+        )
+    for i, stage in enumerate(plan.stages):
+        bad = [d for d in stage.devices if not 0 <= d < cluster.num_devices]
+        if bad:
+            raise ValueError(
+                f"stages[{i}].devices {bad[:8]} are not in cluster {cluster.name!r} "
+                f"(0..{cluster.num_devices - 1})"
+            )

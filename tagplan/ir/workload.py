@@ -1,0 +1,66 @@
+"""The training workload: what one iteration processes, in which precision, with which optimizer."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field
+
+from tagplan.ir.base import Record
+
+
+class DType(str, Enum):
+    """Compute dtype of activations and weights used in matmuls."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per element."""
+        return 4 if self is DType.FP32 else 2
+
+
+class Optimizer(str, Enum):
+    """Optimizer whose state is kept per parameter."""
+
+    ADAM = "adam"
+    ADAMW = "adamw"
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd_momentum"
+
+
+# fp32 state bytes per parameter beyond the weights and gradients. Mixed precision keeps an fp32
+# master copy (4 B) on top of the optimizer's moments; see reference/hardware.md (2 + 2 + 12).
+_STATE_BYTES = {
+    Optimizer.ADAM: 8,
+    Optimizer.ADAMW: 8,
+    Optimizer.SGD: 0,
+    Optimizer.SGD_MOMENTUM: 4,
+}
+
+
+class Workload(Record):
+    """One training iteration: global batch (samples), sequence length (tokens), dtype, optimizer."""
+
+    global_batch: int = Field(default=8, gt=0, description="samples per iteration, all replicas")
+    seq_len: int = Field(default=2048, gt=0, description="tokens per sample")
+    dtype: DType = DType.BF16
+    optimizer: Optimizer = Optimizer.ADAM
+
+    @property
+    def weight_bytes_per_param(self) -> int:
+        """Bytes of one weight in the compute dtype."""
+        return self.dtype.nbytes
+
+    @property
+    def grad_bytes_per_param(self) -> int:
+        """Bytes of one gradient (kept in the compute dtype)."""
+        return self.dtype.nbytes
+
+    @property
+    def optimizer_bytes_per_param(self) -> int:
+        """Bytes of optimizer state per parameter, including the fp32 master copy if mixed."""
+        master = 0 if self.dtype is DType.FP32 else 4
+        return _STATE_BYTES[self.optimizer] + master

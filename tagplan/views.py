@@ -1,0 +1,105 @@
+"""Summaries of IR objects for people (rich tables) and tools (JSON-ready dicts, stable keys)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from tagplan.ir.cluster import Cluster
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.workload import DType
+
+
+def model_summary(model: ModelGraph, *, batch: int = 1) -> dict[str, Any]:
+    """`{name, params, flops_per_sample, layers: [{name, hash, params, flops}], unique_blocks, ...}`.
+
+    Layer `flops` are forward FLOPs per sample; `flops_per_batch` is forward for `batch` samples.
+    """
+    layers = []
+    for i, layer in enumerate(model.layers):
+        block = model.block_of(i)
+        layers.append({"name": layer.name, "hash": block.hash, "kind": block.kind, "params": block.params,
+                       "flops": block.flops, "param_bytes": block.param_bytes,
+                       "saved_bytes": block.saved_bytes, "output_bytes": block.output_bytes})
+    return {
+        "name": model.name, "family": model.family, "params": model.params,
+        "flops_per_sample": model.flops_per_sample, "unique_blocks": model.unique_blocks,
+        "seq_len": model.seq_len, "dtype": model.dtype.value, "batch": batch,
+        "flops_per_batch": model.flops_per_sample * batch, "layers": layers,
+    }
+
+
+def cluster_summary(cluster: Cluster, *, dtype: DType = DType.BF16) -> dict[str, Any]:
+    """`{name, devices: [{index, node, type, peak_flops, mem_bytes}], nodes: [...], links: [...]}`.
+
+    `peak_flops` is dense FLOP/s in `dtype`; bandwidths are unidirectional bytes/s.
+    """
+    devices = [{"index": d.index, "node": d.node, "local": d.local, "type": d.spec.name,
+                "peak_flops": d.spec.peak_flops(dtype), "mem_bytes": d.spec.mem_bytes,
+                "mem_bandwidth_Bps": d.spec.mem_bandwidth_Bps} for d in cluster.devices]
+    nodes, links = [], []
+    for n, node in enumerate(cluster.nodes):
+        members = list(cluster.node_devices(n))
+        nodes.append({"index": n, "name": node.name, "type": node.device.name, "gpus": node.gpus,
+                      "devices": members, "fabric": node.fabric.value,
+                      "fabric_bandwidth_Bps": node.fabric_bandwidth_Bps, "nics": node.nics,
+                      "nic_bandwidth_Bps": node.nic_bandwidth_Bps,
+                      "nic_bandwidth_per_gpu_Bps": node.nic_bandwidth_per_gpu_Bps})
+        if node.gpus > 1:
+            links.append({"scope": "intra", "node": n, "kind": node.fabric.value, "devices": members,
+                          "bandwidth_Bps": node.fabric_bandwidth_Bps, "latency_s": node.fabric_latency_s})
+        for p in node.pair_links:
+            links.append({"scope": "pair", "node": n, "kind": p.kind.value, "src": members[p.a],
+                          "dst": members[p.b], "bandwidth_Bps": p.bandwidth_Bps, "latency_s": p.latency_s})
+        if len(cluster.nodes) > 1:
+            links.append({"scope": "nic", "node": n, "kind": "network", "nics": node.nics,
+                          "bandwidth_Bps": node.nic_bandwidth_per_gpu_Bps, "latency_s": cluster.network.latency_s})
+    return {"name": cluster.name, "num_devices": cluster.num_devices, "device_types": list(cluster.device_types),
+            "devices": devices, "nodes": nodes, "links": links,
+            "network": {"latency_s": cluster.network.latency_s,
+                        "oversubscription": cluster.network.oversubscription}}
+
+
+def _si(x: float, unit: str = "") -> str:
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}".strip()
+
+
+def model_table(summary: dict[str, Any], max_rows: int = 40) -> Table:
+    """A table of the layer sequence; runs of identical blocks are collapsed into one row."""
+    title = (f"{summary['name']}: {_si(summary['params'])} params, {_si(summary['flops_per_sample'], 'FLOP')} "
+             f"fwd/sample at seq {summary['seq_len']} ({summary['dtype']}), {summary['unique_blocks']} unique blocks")
+    table = Table(title=title)
+    for col in ("layers", "kind", "hash", "params", "fwd FLOP/sample", "saved act./sample"):
+        table.add_column(col, justify="right" if col not in {"layers", "kind", "hash"} else "left")
+    runs: list[list[dict[str, Any]]] = []
+    for layer in summary["layers"]:
+        if runs and runs[-1][0]["hash"] == layer["hash"]:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    for run in runs[:max_rows]:
+        first = run[0]
+        name = first["name"] if len(run) == 1 else f"{first['name']}..{run[-1]['name'].rsplit('.', 1)[-1]} x{len(run)}"
+        table.add_row(name, first["kind"], first["hash"][:10], _si(first["params"]), _si(first["flops"]),
+                      _si(first["saved_bytes"], "B"))
+    return table
+
+
+def cluster_table(summary: dict[str, Any]) -> Table:
+    """A table with one row per node: GPUs, fabric, NICs."""
+    table = Table(title=f"{summary['name']}: {summary['num_devices']} devices "
+                        f"({', '.join(summary['device_types'])})")
+    for col in ("node", "devices", "GPU", "peak (dense)", "memory", "fabric", "GPU-GPU", "network/GPU"):
+        table.add_column(col)
+    by_index = {d["index"]: d for d in summary["devices"]}
+    for node in summary["nodes"]:
+        first = by_index[node["devices"][0]]
+        span = f"{node['devices'][0]}-{node['devices'][-1]}"
+        table.add_row(node["name"], span, f"{node['gpus']} x {node['type']}", _si(first["peak_flops"], "FLOP/s"),
+                      _si(first["mem_bytes"], "B"), node["fabric"], _si(node["fabric_bandwidth_Bps"], "B/s"),
+                      _si(node["nic_bandwidth_per_gpu_Bps"], "B/s"))
+    return table
