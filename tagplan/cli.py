@@ -25,7 +25,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_inspect(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
     inspect = sub.add_parser("inspect", help="show a model or a cluster as tagplan sees it")
     kinds = inspect.add_subparsers(dest="what", required=True)
     model = kinds.add_parser("model", help="a model SPEC: zoo name, FAMILY?k=v, hf:ConfigClass?k=v, or a file")
@@ -77,7 +77,7 @@ def _emit(summary: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any
     Console().print(table(summary))
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="inspect the default example model and cluster")
     demo.add_argument("--model", default="gpt3-1.3b")
     demo.add_argument("--cluster", default="p3.8xlarge:nodes=3+g4dn.12xlarge:nodes=1")

@@ -11,11 +11,18 @@ from dataclasses import fields, replace
 from urllib.parse import parse_qsl
 
 from tagplan.errors import SpecError, unknown
-from tagplan.frontends.families import (
-    TransformerShape, assemble, bert_block, gpt_block, llama_block, lm_head, t5_block,
-    token_embedding, vit_block,
-)
 from tagplan.frontends.analytic import BlockBuilder
+from tagplan.frontends.families import (
+    TransformerShape,
+    assemble,
+    bert_block,
+    gpt_block,
+    llama_block,
+    lm_head,
+    t5_block,
+    token_embedding,
+    vit_block,
+)
 from tagplan.ir.model import Block, ModelGraph
 from tagplan.ir.workload import DType
 
@@ -68,7 +75,7 @@ def build_t5(name: str, shape: TransformerShape, seq: int, dtype: DType) -> Mode
               ("encoder.final", fb.build(shape.hidden)),
               *[(f"decoder.block.{i}", dec0 if i == 0 else dec) for i in range(dec_n)], ("head", head)]
     enc_out = enc_n + 1  # the encoder.final layer carries the encoder output forward
-    links = {enc_out + 1 + i: (enc_out + i, enc_out) for i in range(1, dec_n)}
+    links: dict[int, tuple[int, ...]] = {enc_out + 1 + i: (enc_out + i, enc_out) for i in range(1, dec_n)}
     return assemble(name, "t5", seq, dtype, layers, links)
 
 

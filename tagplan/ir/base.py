@@ -15,6 +15,6 @@ class Record(BaseModel):
         return self.model_dump_json()
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Record":
+    def from_json(cls, text: str | bytes) -> Record:
         """Parse and validate JSON text produced by `to_json` (or written by hand)."""
         return cls.model_validate_json(text)

@@ -7,9 +7,9 @@ Devices are numbered node-major: node 0's GPUs first, in local order.
 
 from __future__ import annotations
 
-from enum import Enum
+from dataclasses import dataclass
+from enum import StrEnum
 from functools import cached_property
-from typing import NamedTuple
 
 from pydantic import Field, model_validator
 
@@ -17,7 +17,7 @@ from tagplan.ir.base import Record
 from tagplan.ir.workload import DType
 
 
-class LinkKind(str, Enum):
+class LinkKind(StrEnum):
     """Physical class of a link between two devices."""
 
     NVSWITCH = "nvswitch"
@@ -73,7 +73,7 @@ class Node(Record):
     nic_bandwidth_Bps: float = Field(default=1.25e9, gt=0, description="per NIC, unidirectional")
 
     @model_validator(mode="after")
-    def _check_pairs(self) -> "Node":
+    def _check_pairs(self) -> Node:
         for i, p in enumerate(self.pair_links):
             if p.a >= self.gpus or p.b >= self.gpus or p.a == p.b:
                 raise ValueError(
@@ -99,7 +99,8 @@ class Network(Record):
     oversubscription: float = Field(default=1.0, ge=1.0, description="core:edge bandwidth ratio")
 
 
-class Device(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Device:
     """A device of the cluster, by global index."""
 
     index: int
@@ -108,7 +109,8 @@ class Device(NamedTuple):
     spec: DeviceSpec
 
 
-class Link(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Link:
     """A device pair's connection: unidirectional bandwidth (bytes/s) and latency (s)."""
 
     kind: LinkKind

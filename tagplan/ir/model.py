@@ -9,7 +9,7 @@ a batch of b samples costs b times as much. Parameter quantities are per model c
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from functools import cached_property
 
 from pydantic import Field, model_validator
@@ -18,7 +18,7 @@ from tagplan.ir.base import Record
 from tagplan.ir.workload import DType
 
 
-class OpKind(str, Enum):
+class OpKind(StrEnum):
     """What an op does, as far as cost and sharding care."""
 
     MATMUL = "matmul"
@@ -34,7 +34,7 @@ class OpKind(str, Enum):
     OTHER = "other"
 
 
-class PartitionDim(str, Enum):
+class PartitionDim(StrEnum):
     """A dimension an op may be partitioned along."""
 
     BATCH = "batch"
@@ -70,7 +70,7 @@ class Block(Record):
     output_bytes: float = Field(ge=0, description="activation bytes per sample sent to the next layer")
 
     @model_validator(mode="after")
-    def _unique_op_names(self) -> "Block":
+    def _unique_op_names(self) -> Block:
         names = [op.name for op in self.ops]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -114,7 +114,7 @@ class ModelGraph(Record):
     layers: tuple[Layer, ...] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _check_references(self) -> "ModelGraph":
+    def _check_references(self) -> ModelGraph:
         hashes = [b.hash for b in self.blocks]
         if len(set(hashes)) != len(hashes):
             raise ValueError(f"model {self.name!r}: blocks repeat a hash")

@@ -8,7 +8,7 @@ docs/PLAN_FORMAT.md). Within a stage, devices are ordered tp-fastest then dp: re
 from __future__ import annotations
 
 import math
-from enum import Enum
+from enum import StrEnum
 
 from pydantic import Field, model_validator
 
@@ -19,7 +19,7 @@ from tagplan.ir.model import ModelGraph
 PLAN_VERSION = 1
 
 
-class Schedule(str, Enum):
+class Schedule(StrEnum):
     """Pipeline schedule."""
 
     GPIPE = "gpipe"
@@ -27,7 +27,7 @@ class Schedule(str, Enum):
     INTERLEAVED_1F1B = "interleaved_1f1b"
 
 
-class ShardStrategy(str, Enum):
+class ShardStrategy(StrEnum):
     """How one op is partitioned across a stage's tensor-parallel group."""
 
     REPLICATE = "replicate"
@@ -56,7 +56,7 @@ class Stage(Record):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "Stage":
+    def _check(self) -> Stage:
         start, end = self.layers
         if not 0 <= start < end:
             raise ValueError(f"layers [{start}, {end}) must satisfy 0 <= start < end")
@@ -100,7 +100,7 @@ class Plan(Record):
     stages: tuple[Stage, ...] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _check(self) -> "Plan":
+    def _check(self) -> Plan:
         for i in range(1, len(self.stages)):
             prev, cur = self.stages[i - 1].layers, self.stages[i].layers
             if cur[0] != prev[1]:

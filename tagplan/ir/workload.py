@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 from pydantic import Field
 
 from tagplan.ir.base import Record
 
 
-class DType(str, Enum):
+class DType(StrEnum):
     """Compute dtype of activations and weights used in matmuls."""
 
     BF16 = "bf16"
@@ -22,7 +22,7 @@ class DType(str, Enum):
         return 4 if self is DType.FP32 else 2
 
 
-class Optimizer(str, Enum):
+class Optimizer(StrEnum):
     """Optimizer whose state is kept per parameter."""
 
     ADAM = "adam"

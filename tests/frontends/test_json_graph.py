@@ -34,7 +34,8 @@ def test_errors_name_line_and_field(tmp_path: Path) -> None:
     data["blocks"]["stem"]["ops"][0]["flops"] = -5
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps(data))
-    with pytest.raises(SpecError, match=r"blocks.stem.ops\[0\]: invalid\n  flops: .*greater than or equal to 0 \(got -5\)"):
+    message = r"blocks.stem.ops\[0\]: invalid\n  flops: .*greater than or equal to 0 \(got -5\)"
+    with pytest.raises(SpecError, match=message):
         load_model(str(wrong))
     data = json.loads(EXAMPLE.read_text())
     data["layers"][1]["block"] = "nope"

@@ -29,7 +29,8 @@ def test_layer_must_reference_a_known_block() -> None:
     op = Op(name="x", kind=OpKind.ELEMENTWISE, flops=1, bytes_read=1, bytes_written=1)
     block = Block(hash="abc", ops=(op,), params=0, output_bytes=1)
     with pytest.raises(ValidationError, match=r"layers\[1\] \('b'\): block 'zzz' is not one of"):
-        ModelGraph(name="m", seq_len=1, blocks=(block,), layers=(Layer(name="a", block="abc"), Layer(name="b", block="zzz")))
+        layers = (Layer(name="a", block="abc"), Layer(name="b", block="zzz"))
+        ModelGraph(name="m", seq_len=1, blocks=(block,), layers=layers)
     with pytest.raises(ValidationError, match=r"layers\[0\].inputs: 0 must index an earlier layer"):
         ModelGraph(name="m", seq_len=1, blocks=(block,), layers=(Layer(name="a", block="abc", inputs=(0,)),))
     with pytest.raises(ValidationError, match="flops"):

@@ -3,10 +3,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from tagplan.ir import Plan, Schedule, ShardStrategy, Stage, check_plan
+from tagplan.frontends.families import TransformerShape
 from tagplan.frontends.model_spec import load_model
 from tagplan.frontends.parametric import build_gpt
-from tagplan.frontends.families import TransformerShape
+from tagplan.ir import Plan, Schedule, ShardStrategy, Stage, check_plan
 from tagplan.ir.workload import DType
 
 
@@ -76,7 +76,8 @@ def test_interleaved_schedule_reuses_device_groups_round_robin() -> None:
     stages = tuple(Stage(layers=(i, i + 1), devices=groups[i % 2], tp=2) for i in range(4))
     plan = Plan(schedule=Schedule.INTERLEAVED_1F1B, micro_batches=4, stages=stages)
     assert plan.devices == (0, 1, 2, 3)
-    bad = (stages[0], stages[1], stages[3].model_copy(update={"layers": (2, 3)}), stages[2].model_copy(update={"layers": (3, 4)}))
+    swapped = (stages[3].model_copy(update={"layers": (2, 3)}), stages[2].model_copy(update={"layers": (3, 4)}))
+    bad = (stages[0], stages[1], *swapped)
     with pytest.raises(ValidationError, match="round-robin"):
         Plan(schedule=Schedule.INTERLEAVED_1F1B, stages=bad)
 
