@@ -63,3 +63,15 @@ def test_cluster_round_trip(nodes: int, gpus: int, over: float, nic: float) -> N
                 network=Network(oversubscription=over))
     assert Cluster.from_json(c.to_json()) == c
     assert c.num_devices == nodes * gpus
+
+
+def test_copies_recompute_derived_tables_and_revalidate() -> None:
+    node = mixed().nodes[1]
+    cluster = Cluster(name="one", nodes=(node,))
+    assert cluster.link(0, 3).kind is LinkKind.SMP  # warms the cached pair table
+    plain = cluster.model_copy(update={"nodes": (node.model_copy(update={"pair_links": ()}),)})
+    assert plain.link(0, 3).kind is LinkKind.PCIE
+    bigger = cluster.model_copy(update={"nodes": (node.model_copy(update={"gpus": 6}),)})
+    assert bigger.num_devices == 6 and cluster.num_devices == 4
+    with pytest.raises(ValidationError, match="gpus"):
+        node.model_copy(update={"gpus": -1})

@@ -1,0 +1,179 @@
+"""The shipped device catalog: datasheet figures from reference/hardware.md as `DeviceSpec` values.
+
+Units follow the IR: FLOP/s (datasheet TFLOP/s x 1e12, dense, no sparsity), bytes (GB x 1e9:
+datasheets use decimal gigabytes, so an "80 GB" A100 is 80e9 bytes here, not 80 GiB) and bytes/s
+(GB/s x 1e9). V100 and T4 have no BF16 (`peak_flops_bf16=None`; the IR then runs bf16 as fp16).
+The RTX 4090's fp16 figure is 165 TFLOP/s with fp16 accumulate; with fp32 accumulate, which
+mixed-precision training uses, it is 82.6, so plans for it may be optimistic by up to 2x.
+MI250X figures are per GCD (one MI250X package is two devices to the software).
+
+Besides the datasheet, each device carries the figures the front-ends need to turn a topology
+into bandwidths (`DeviceLinks`): the host PCIe link and NVLink count and per-link rate, as NCCL
+models them (PCIe x16 Gen3/4/5 = 12/24/48 GB/s; NVLink 20 GB/s sm70/sm80, 20.6 GB/s sm90).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from pydantic import ValidationError
+
+from tagplan.errors import SpecError, unknown
+from tagplan.ir.cluster import DeviceSpec, LinkKind
+
+_TFLOPS = 1e12
+_GB = 1e9  # decimal, as datasheets
+
+PCIE_GEN3_BPS = 12e9
+PCIE_GEN4_BPS = 24e9
+PCIE_GEN5_BPS = 48e9
+NVLINK_SM80_BPS = 20e9  # per link, unidirectional; also V100 (sm70)
+NVLINK_SM90_BPS = 20.6e9
+# Peer traffic through a CPU host bridge (nvidia-smi PHB/NODE) is split into 64 B TLPs and costs
+# 20% more PCIe bandwidth (NCCL's INTEL_P2P_OVERHEAD), so it gets 5/6 of the host link.
+HOST_BRIDGE_FACTOR = 5 / 6
+# Across CPU sockets (nvidia-smi SYS): NCCL's Skylake UPI figure (SKL_QPI_BW in NCCL's topo.h),
+# below every PCIe x16 rate, so SYS pairs always rank below PHB/PIX pairs.
+SMP_BPS = 10e9
+
+# One-way latency per link class: rough orders of magnitude that only have to rank the classes
+# (NVLink < PCIe switch < host bridge < socket crossing); calibration replaces them.
+NVLINK_LATENCY_S = 2e-6
+PCIE_LATENCY_S = 3e-6
+PCIE_HOST_LATENCY_S = 4e-6
+SMP_LATENCY_S = 6e-6
+
+
+class DeviceLinks(NamedTuple):
+    """How a device attaches to its node: host link, NVLink/xGMI figures (unidirectional bytes/s)."""
+
+    host_link_Bps: float
+    nvlinks: int = 0  # NVLink links per GPU (0: none)
+    nvlink_rate_Bps: float = NVLINK_SM80_BPS
+    xgmi_pair_Bps: float = 0.0  # per GPU pair on a full xGMI mesh (0: none)
+    default_fabric: LinkKind = LinkKind.PCIE
+
+
+def _spec(name: str, bf16: float | None, fp16: float, fp32: float, mem_GB: float, bw_GBps: float) -> DeviceSpec:
+    return DeviceSpec(
+        name=name,
+        peak_flops_bf16=None if bf16 is None else bf16 * _TFLOPS,
+        peak_flops_fp16=fp16 * _TFLOPS,
+        peak_flops_fp32=fp32 * _TFLOPS,
+        mem_bytes=int(mem_GB * _GB),
+        mem_bandwidth_Bps=bw_GBps * _GB,
+    )
+
+
+_NVL, _NVS, _XGMI = LinkKind.NVLINK, LinkKind.NVSWITCH, LinkKind.XGMI
+
+# name: (bf16, fp16, fp32 TFLOP/s, memory GB, memory GB/s), links
+_TABLE: dict[str, tuple[tuple[float | None, float, float, float, float], DeviceLinks]] = {
+    "V100-SXM2-16GB": ((None, 125, 15.7, 16, 900), DeviceLinks(PCIE_GEN3_BPS, 6, default_fabric=_NVL)),
+    "V100-SXM2-32GB": ((None, 125, 15.7, 32, 900), DeviceLinks(PCIE_GEN3_BPS, 6, default_fabric=_NVL)),
+    "V100-PCIe-16GB": ((None, 112, 14, 16, 900), DeviceLinks(PCIE_GEN3_BPS)),
+    "V100-PCIe-32GB": ((None, 112, 14, 32, 900), DeviceLinks(PCIE_GEN3_BPS)),
+    "A100-SXM-40GB": ((312, 312, 19.5, 40, 1555), DeviceLinks(PCIE_GEN4_BPS, 12, default_fabric=_NVS)),
+    "A100-SXM-80GB": ((312, 312, 19.5, 80, 2039), DeviceLinks(PCIE_GEN4_BPS, 12, default_fabric=_NVS)),
+    # NVLink bridges join pairs only; the default fabric stays PCIe.
+    "A100-PCIe-80GB": ((312, 312, 19.5, 80, 1935), DeviceLinks(PCIE_GEN4_BPS, 12)),
+    "H100-SXM": ((989, 989, 67, 80, 3350), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM90_BPS, default_fabric=_NVS)),
+    "H100-PCIe": ((756, 756, 51, 80, 2000), DeviceLinks(PCIE_GEN5_BPS, 12, NVLINK_SM90_BPS)),
+    "H200-SXM": ((989, 989, 67, 141, 4800), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM90_BPS, default_fabric=_NVS)),
+    "L40S": ((362, 362, 91.6, 48, 864), DeviceLinks(PCIE_GEN4_BPS)),
+    "L4": ((121, 121, 30.3, 24, 300), DeviceLinks(PCIE_GEN4_BPS)),
+    "T4": ((None, 65, 8.1, 16, 320), DeviceLinks(PCIE_GEN3_BPS)),
+    "A10": ((125, 125, 31.2, 24, 600), DeviceLinks(PCIE_GEN4_BPS)),
+    "RTX4090": ((165, 165, 82.6, 24, 1008), DeviceLinks(PCIE_GEN4_BPS)),
+    # xGMI: one Infinity Fabric link per pair; MI300X ~128 GB/s bidirectional -> 64 GB/s one way.
+    "MI250X": ((191.5, 191.5, 47.9, 64, 1600), DeviceLinks(PCIE_GEN4_BPS, xgmi_pair_Bps=50e9, default_fabric=_XGMI)),
+    "MI300X": ((1307, 1307, 163.4, 192, 5300), DeviceLinks(PCIE_GEN5_BPS, xgmi_pair_Bps=64e9, default_fabric=_XGMI)),
+}
+
+CATALOG: dict[str, DeviceSpec] = {name: _spec(name, *figs) for name, (figs, _) in _TABLE.items()}
+
+# Keys are normalised (see `_key`). Bare family names pick the smallest-memory variant, so a plan
+# made for "a100" also fits an 80 GB part; nvidia-smi spellings map to the part they print.
+_ALIASES: dict[str, str] = {
+    "v100": "V100-SXM2-16GB", "v100sxm2": "V100-SXM2-16GB", "v10016gb": "V100-SXM2-16GB",
+    "v10032gb": "V100-SXM2-32GB", "v100pcie": "V100-PCIe-16GB",
+    "a100": "A100-SXM-40GB", "a100sxm440gb": "A100-SXM-40GB", "a10040gb": "A100-SXM-40GB",
+    "a100sxm480gb": "A100-SXM-80GB", "a10080gb": "A100-SXM-80GB", "a100sxm80gb": "A100-SXM-80GB",
+    "a10080gbpcie": "A100-PCIe-80GB", "a100pcie80gb": "A100-PCIe-80GB",
+    "h100": "H100-SXM", "h100sxm5": "H100-SXM", "h10080gbhbm3": "H100-SXM", "h100sxm580gb": "H100-SXM",
+    "h200": "H200-SXM", "h200141gbhbm3e": "H200-SXM",
+    "rtx4090": "RTX4090", "4090": "RTX4090", "mi250": "MI250X", "mi300": "MI300X",
+}
+_VENDOR_PREFIX = re.compile(r"^(nvidia|tesla|geforce|amd|instinct|\s|-|_)+", re.IGNORECASE)
+
+
+def _key(name: str) -> str:
+    """`name` lower-cased, without vendor prefixes and separators: 'NVIDIA A100-SXM4-80GB' -> 'a100sxm480gb'."""
+    return re.sub(r"[^a-z0-9]", "", _VENDOR_PREFIX.sub("", name.strip()).lower())
+
+
+_BY_KEY: dict[str, str] = {**{_key(n): n for n in CATALOG}, **_ALIASES}
+
+
+def known_devices() -> tuple[str, ...]:
+    """Catalog names, in catalog order."""
+    return tuple(CATALOG)
+
+
+def lookup_device(name: str) -> DeviceSpec:
+    """The catalog device called `name` (case and separators ignored; nvidia-smi names accepted).
+
+    Raises SpecError naming the value and listing the known devices when none matches.
+    """
+    canonical = _BY_KEY.get(_key(name))
+    if canonical is None:
+        raise unknown("GPU type", name, known_devices())
+    return CATALOG[canonical]
+
+
+def device_links(device: DeviceSpec) -> DeviceLinks:
+    """Link figures of a catalog device; a custom device gets PCIe Gen4 x16 and no NVLink/xGMI."""
+    entry = _TABLE.get(device.name)
+    return entry[1] if entry is not None else DeviceLinks(PCIE_GEN4_BPS)
+
+
+def custom_device(data: Mapping[str, object], field: str) -> DeviceSpec:
+    """A device defined inline by the `DeviceSpec` fields (FLOP/s, bytes, bytes/s).
+
+    With `base: <catalog name>` the catalog device's figures are the defaults the other keys
+    override (and the name defaults to the base's). `field` is the path used in error messages.
+    Raises SpecError naming the field, the value and what is accepted.
+    """
+    values = dict(data)
+    base = values.pop("base", None)
+    if base is not None:
+        values = {**lookup_device(str(base)).model_dump(), **values}
+    try:
+        return DeviceSpec.model_validate(values)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        got = "nothing" if first["type"] == "missing" else repr(first.get("input"))
+        accepted = ", ".join(["base", *DeviceSpec.model_fields])
+        raise SpecError(
+            f"{field}.{where}: {first['msg']} (got {got}); a custom device takes {accepted} "
+            "(FLOP/s, bytes, bytes/s)"
+        ) from None
+
+
+def device_value(value: object, field: str) -> DeviceSpec:
+    """The device a cluster-file value names: a catalog name, or a mapping (see `custom_device`).
+
+    SpecError messages start with `field`, the path of the value in the file.
+    """
+    if isinstance(value, Mapping):
+        return custom_device(value, field)
+    if not isinstance(value, str):
+        raise SpecError(f"{field}: {value!r} is not accepted; expected a GPU name or a mapping of "
+                        "DeviceSpec fields")
+    try:
+        return lookup_device(value)
+    except SpecError as err:
+        raise SpecError(f"{field}: {err}") from None
