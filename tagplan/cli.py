@@ -74,7 +74,8 @@ def _emit(summary: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any
         return
     from rich.console import Console
 
-    Console().print(table(summary))
+    # Piped output gets a wide page rather than rich's 80-column default.
+    Console(width=None if sys.stdout.isatty() else 160).print(table(summary))
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
