@@ -1,0 +1,148 @@
+"""Group traced ops into layers: layer keys from `nn_module_stack`, merging, naming, edges.
+
+The rules (indexed containers, unkeyed runs, "embed"/"pre"/"head"/"post" names, merging of
+layers with neither FLOPs nor parameters) are in the module docstring of
+`tagplan/frontends/torch_export.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import fx
+
+from tagplan.frontends.tracing.nodes import OpNode, Scale, Trace, first_tensor
+from tagplan.ir.model import OpKind
+
+_INDEXED = re.compile(r"(^|\.)\d+$")
+
+
+@dataclass
+class Group:
+    """A run of ops that becomes one layer."""
+
+    key: str | None
+    ops: list[OpNode]
+    name: str = ""
+    kind: str = "block"
+
+
+def layer_groups(ops: list[OpNode]) -> list[Group]:
+    """The layers of a traced op sequence, grouped, merged and named."""
+    return name_groups(merge_empty(group_ops(ops)))
+
+
+def layer_key(stack: tuple[str, ...], indexed: bool) -> str | None:
+    """Outermost indexed module path; without indexed containers, the top-level child."""
+    if indexed:
+        return next((p for p in stack if _INDEXED.search(p)), None)
+    inner = stack[-1] if stack else ""
+    return inner.split(".")[0] or None
+
+
+def group_ops(ops: list[OpNode]) -> list[Group]:
+    """Split the op sequence into runs by layer key; unkeyed nodes inside a layer join it."""
+    indexed = any(_INDEXED.search(p) for op in ops for p in op.stack)
+    groups: list[Group] = []
+    for op in ops:
+        op.key = layer_key(op.stack, indexed)
+        if groups and groups[-1].key == op.key:
+            groups[-1].ops.append(op)
+        elif op.key is not None and len(groups) >= 2 and groups[-1].key is None and groups[-2].key == op.key:
+            groups[-2].ops.extend(groups.pop().ops)
+            groups[-1].ops.append(op)
+        else:
+            groups.append(Group(op.key, [op]))
+    return groups
+
+
+def merge_empty(groups: list[Group]) -> list[Group]:
+    """Fold layers with neither FLOPs nor parameters into the next (or, at the end, previous)."""
+    out: list[Group] = []
+    pending: list[OpNode] = []
+    for g in groups:
+        if not any(op.flops > 0 or op.owned for op in g.ops):
+            pending.extend(g.ops)
+            continue
+        out.append(Group(g.key, pending + g.ops))
+        pending = []
+    if pending and out:
+        out[-1].ops.extend(pending)
+    elif pending:
+        out.append(Group(None, pending))
+    return out
+
+
+def name_groups(groups: list[Group]) -> list[Group]:
+    """Name each layer and give it a kind (embedding, block, head, other)."""
+    keyed = [i for i, g in enumerate(groups) if g.key is not None]
+    short = short_names([g.key for g in groups if g.key is not None])
+    for i, g in enumerate(groups):
+        has_embedding = any(op.kind is OpKind.EMBEDDING for op in g.ops)
+        has_params = any(op.owned for op in g.ops)
+        if g.key is not None:
+            g.name, g.kind = short[g.key], "block"
+        elif not keyed:
+            g.name, g.kind = "model", "block"
+        elif i < keyed[0]:
+            g.name = "embed" if has_embedding or has_params else "pre"
+            g.kind = "embedding" if has_embedding or has_params else "other"
+        elif i > keyed[-1]:
+            g.name, g.kind = ("head" if has_params else "post"), "head"
+        else:
+            g.name, g.kind = _middle_name(g), ("embedding" if has_embedding else "other")
+    _uniquify(groups)
+    return groups
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """Layer names from keys: drop the leading path common to all (`transformer.h.3` -> `h.3`)."""
+    stems = [k.split(".")[:-1] for k in keys]
+    common = 0
+    while stems and all(len(s) > common and s[common] == stems[0][common] for s in stems):
+        common += 1
+    return {k: ".".join(k.split(".")[max(0, min(common, len(k.split(".")) - 2)) :]) for k in keys}
+
+
+def _middle_name(g: Group) -> str:
+    """A layer between blocks is named after its modules that hold parameters."""
+    paths: list[str] = []
+    for op in g.ops:
+        reads_params = op.owned or any(a.op == "get_attr" for a in op.inputs)
+        if reads_params and op.path and op.path not in paths:
+            paths.append(op.path)
+    return "+".join(paths[:3]) or "mid"
+
+
+def _uniquify(groups: list[Group]) -> None:
+    """Number repeated layer names: the second `mid` becomes `mid#2`."""
+    seen: dict[str, int] = {}
+    for g in groups:
+        n = seen.get(g.name, 0)
+        seen[g.name] = n + 1
+        if n:
+            g.name = f"{g.name}#{n + 1}"
+
+
+def layer_edges(trace: Trace, groups: list[Group], scale: Scale) -> tuple[list[list[int]], list[float]]:
+    """Per layer: the earlier layers whose activations it reads, and the per-sample bytes of its
+    activations that later layers read (each tensor once)."""
+    layer_of = {op.node: i for i, g in enumerate(groups) for op in g.ops}
+    sources: list[set[int]] = [set() for _ in groups]
+    sent: list[dict[fx.Node, float]] = [{} for _ in groups]
+    for op in trace.ops:
+        dst = layer_of[op.node]
+        for a in op.inputs:
+            producer = trace.op_of.get(a)
+            if producer is None or a not in trace.tainted or layer_of[producer.node] == dst:
+                continue
+            src = layer_of[producer.node]
+            sources[dst].add(src)
+            sent[src].setdefault(trace.root.get(a, a), scale.nbytes(first_tensor(a)))
+    return [sorted(s) for s in sources], [sum(d.values()) for d in sent]
+
+
+def layer_inputs(i: int, sources: list[int]) -> tuple[int, ...] | None:
+    """`Layer.inputs` for layer `i`: None means "the previous layer" (or, first, the model inputs)."""
+    return None if sources == [i - 1] or (i == 0 and not sources) else tuple(sources)
