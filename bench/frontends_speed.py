@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +37,16 @@ def time_build(spec: str, seq: int | None, repeats: int) -> tuple[float, float, 
     return statistics.median(times), min(times), graph.params, len(graph.layers)
 
 
+def time_cli(args: list[str], repeats: int = 3) -> float:
+    """Median wall seconds of the `tagplan` command as a user runs it (a fresh process)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "tagplan.cli", *args], check=True, capture_output=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
     rows = []
     print(f"{'spec':55s} {'median s':>9s} {'min s':>8s} {'params':>12s} {'layers':>6s}")
@@ -44,10 +56,12 @@ def main() -> None:
         rows.append({"spec": spec, "seq_len": seq, "median_s": median, "min_s": best,
                      "params": params, "layers": layers})
         print(f"{spec:55s} {median:9.4f} {best:8.4f} {params / 1e9:11.2f}B {layers:6d}")
+    cli = time_cli(["inspect", "model", "gpt3-175b", "--json"])
+    print(f"{'CLI: tagplan inspect model gpt3-175b --json':55s} {cli:9.4f}  (whole process, target < 5 s)")
     out = Path(__file__).parent / "results" / "frontends_speed.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
-                               "rows": rows}, indent=2))
+                               "rows": rows, "cli_inspect_gpt3_175b_s": cli}, indent=2))
     print(f"wrote {out}")
 
 
