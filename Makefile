@@ -10,7 +10,6 @@ STAMP_DEV := $(VENV)/.installed-dev
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need Python 3.11 ($(PYTHON)) on PATH"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned to the CPU build first so nothing pulls the CUDA wheels.
 $(STAMP_RUN): pyproject.toml | $(BIN)/python

@@ -40,6 +40,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     cluster.add_argument("--nodes", type=_positive_int, default=None, help="nodes, for one-node topology files")
     cluster.add_argument("--gpu", default=None, help="GPU type, for topology files that do not name it")
     cluster.add_argument("--nic-gbps", type=float, default=None, help="NIC speed in Gb/s, for topology files")
+    cluster.add_argument("--network-latency-us", type=float, default=None,
+                         help="one-way latency between nodes in microseconds (default: by NIC class)")
     cluster.add_argument("--nccl-tests", action="append", default=None, metavar="LOG",
                          help="nccl-tests output whose measured bandwidth replaces the catalog's (repeatable)")
     cluster.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
@@ -62,7 +64,7 @@ def _inspect_cluster(args: argparse.Namespace) -> int:
     from tagplan.views import cluster_summary, cluster_table
 
     cluster = load_cluster(args.spec, nodes=args.nodes, gpu=args.gpu, nic_speed_Gbps=args.nic_gbps,
-                           nccl_tests=args.nccl_tests)
+                           network_latency_us=args.network_latency_us, nccl_tests=args.nccl_tests)
     _emit(cluster_summary(cluster, dtype=DType(args.dtype)), args.json, cluster_table)
     return 0
 

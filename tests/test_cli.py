@@ -66,3 +66,17 @@ def test_hf_config_offline() -> None:
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["unique_blocks"] >= 2
+
+
+def test_inspect_cluster_from_topology_file_with_network_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    topo = Path(__file__).parent / "frontends" / "fixtures" / "topo_dgx_a100.txt"
+    args = ["inspect", "cluster", str(topo), "--nodes", "2", "--gpu", "A100-SXM-80GB", "--nic-gbps", "200",
+            "--network-latency-us", "7", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["devices"]) == 16 and out["device_types"] == ["A100-SXM-80GB"]
+    assert out["network"]["latency_s"] == pytest.approx(7e-6)
+    nic = next(link for link in out["links"] if link["scope"] == "nic")
+    assert nic["bandwidth_Bps"] == pytest.approx(200e9 / 8)  # 8 NICs shared by 8 GPUs
