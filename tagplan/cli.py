@@ -7,10 +7,12 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from tagplan.cost.comm import CommMode
 from tagplan.errors import SpecError
-from tagplan.ir.workload import DType
+from tagplan.ir.workload import DType, Optimizer, Workload
 
 EXIT_BAD_INPUT = 2
 
@@ -74,10 +76,64 @@ def _emit(summary: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any
         json.dump(summary, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
+    # Piped output gets a wide page rather than rich's 80-column default.
+    _console().print(table(summary))
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    sim = sub.add_parser("simulate", help="predict one iteration of a plan: time, memory, breakdown, timeline")
+    sim.add_argument("--model", required=True, help="model SPEC")
+    sim.add_argument("--cluster", required=True, help="cluster SPEC")
+    sim.add_argument("--plan", required=True, help="a Plan JSON file, or a baseline: dp | megatron")
+    sim.add_argument("--batch", type=_positive_int, default=None, help="global batch in samples (default 8)")
+    sim.add_argument("--seq", type=_positive_int, default=None, help="tokens per sample (default: the model's)")
+    sim.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
+    sim.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adam")
+    sim.add_argument("--comm-mode", choices=[m.value for m in CommMode], default="topology",
+                     help="bytes_only ignores the topology (an ablation; its times only compare with each other)")
+    sim.add_argument("--timeline", default=None, metavar="OUT.json", help="write a Chrome trace (open in Perfetto)")
+    sim.add_argument("--plan-out", default=None, metavar="PLAN.json", help="write the simulated plan (for baselines)")
+    sim.add_argument("--json", action="store_true", help="the Report as JSON on stdout")
+    sim.set_defaults(func=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from tagplan.cost.baselines import data_parallel, megatron
+    from tagplan.cost.plan_file import load_plan
+    from tagplan.cost.simulator import Simulator
+    from tagplan.cost.timeline import chrome_trace
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.frontends.model_spec import load_model
+    from tagplan.views import report_table
+
+    dtype = DType(args.dtype)
+    model = load_model(args.model, seq_len=args.seq, dtype=dtype)
+    workload = Workload(global_batch=args.batch or 8, seq_len=model.seq_len, dtype=dtype,
+                        optimizer=Optimizer(args.optimizer))
+    sim = Simulator(model, load_cluster(args.cluster), workload, comm_mode=CommMode(args.comm_mode))
+    if args.plan in ("dp", "megatron"):
+        baseline = (data_parallel if args.plan == "dp" else megatron)(sim)
+        if baseline.plan is None:
+            raise SpecError(f"--plan {args.plan}: the baseline does not apply: {baseline.reason}")
+        plan = baseline.plan
+    else:
+        plan = load_plan(args.plan)
+    result = sim.run(plan)
+    if args.timeline:
+        Path(args.timeline).write_text(json.dumps(chrome_trace(result)))
+    if args.plan_out:
+        Path(args.plan_out).write_text(plan.model_dump_json(indent=2))
+    if args.json:
+        sys.stdout.write(result.report.model_dump_json(indent=2) + "\n")
+    else:
+        _console().print(report_table(result.report, plan))
+    return 0
+
+
+def _console() -> Any:
     from rich.console import Console
 
-    # Piped output gets a wide page rather than rich's 80-column default.
-    Console(width=None if sys.stdout.isatty() else 160).print(table(summary))
+    return Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -100,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_inspect(sub)
+    _add_simulate(sub)
     _add_demo(sub)
     return parser
 

@@ -6,8 +6,10 @@ from typing import Any
 
 from rich.table import Table
 
+from tagplan.cost.report import Report
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan
 from tagplan.ir.workload import DType
 
 
@@ -102,4 +104,27 @@ def cluster_table(summary: dict[str, Any]) -> Table:
         table.add_row(node["name"], span, f"{node['gpus']} x {node['type']}", _si(first["peak_flops"], "FLOP/s"),
                       _si(first["mem_bytes"], "B"), node["fabric"], _si(node["fabric_bandwidth_Bps"], "B/s"),
                       _si(node["nic_bandwidth_per_gpu_Bps"], "B/s"))
+    return table
+
+
+def report_table(report: Report, plan: Plan) -> Table:
+    """The report for people: headline figures, the breakdown, and one row per stage."""
+    b = report.breakdown
+    title = (f"iteration {report.iteration_time_s:.3f} s | {report.throughput_samples_s:.2f} samples/s | "
+             f"{report.tflops_per_device:.1f} TFLOP/s per device | MFU {report.mfu:.1%} | peak memory "
+             f"{_si(report.peak_memory_bytes, 'B')} on device {report.worst_device} "
+             f"({'fits' if report.fits else 'DOES NOT FIT'})\n"
+             f"compute {b.compute:.3f} s, tp {b.tp_comm:.3f} s, dp {b.dp_comm:.3f} s, pp {b.pp_comm:.3f} s, "
+             f"bubble {b.bubble:.3f} s, optimizer {b.optimizer:.3f} s | {plan.micro_batches} micro-batches, "
+             f"{plan.schedule.value}")
+    table = Table(title=title)
+    for col in ("stage", "layers", "devices", "dp x tp", "fwd/mb", "bwd/mb", "tp comm/mb", "dp sync", "p2p",
+                "in flight", "zero", "recompute"):
+        table.add_column(col, justify="right")
+    for s, stage in zip(report.stages, plan.stages, strict=True):
+        devs = stage.devices
+        table.add_row(str(s.index), f"[{s.layers[0]}, {s.layers[1]})", f"{devs[0]}..{devs[-1]}", f"{s.dp} x {s.tp}",
+                      f"{s.forward_s * 1e3:.2f} ms", f"{s.backward_s * 1e3:.2f} ms", f"{s.tp_comm_s * 1e3:.2f} ms",
+                      f"{s.dp_sync_s * 1e3:.2f} ms", f"{s.p2p_s * 1e3:.3f} ms", str(s.in_flight), str(stage.zero),
+                      "yes" if stage.recompute else "no")
     return table

@@ -41,10 +41,14 @@ class BlockBuilder:
         return nbytes
 
     def linear(self, name: str, src: str, d_in: int, d_out: int, *, bias: bool = False,
-               tokens: int | None = None, experts: bool = False) -> str:
-        """A dense projection of `tokens` (default `seq_len`) rows from `d_in` to `d_out`."""
+               tokens: int | None = None, experts: int = 0) -> str:
+        """A dense projection of `tokens` (default `seq_len`) rows from `d_in` to `d_out`.
+
+        With `experts` = E > 0 it is a bank of E expert projections over the routed tokens:
+        the FLOPs are those of `tokens` rows, the parameters those of all E experts.
+        """
         t = self.seq_len if tokens is None else tokens
-        params = d_in * d_out + (d_out if bias else 0)
+        params = (d_in * d_out + (d_out if bias else 0)) * max(experts, 1)
         dims = (*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT, PartitionDim.HIDDEN_IN)
         return self._add(Op(
             name=name, kind=OpKind.MATMUL, flops=2.0 * t * d_in * d_out,
@@ -105,12 +109,17 @@ class BlockBuilder:
         ), params)
 
     def softmax_loss(self, name: str, src: str, classes: int, *, tokens: int | None = None) -> str:
-        """Softmax cross-entropy over `classes` logits per token (saves its output)."""
+        """Softmax cross-entropy over `classes` logits per token, computed in fp32 as frameworks do.
+
+        PyTorch and Megatron upcast the logits and make several passes (max, exp, sum, log,
+        gather): we charge one read of the logits plus three fp32 passes, and the fp32 softmax
+        kept for the backward (which is the largest activation of a big-vocabulary model).
+        """
         t = self.seq_len if tokens is None else tokens
         elems = t * classes
         return self._add(Op(
-            name=name, kind=OpKind.SOFTMAX, flops=5.0 * elems, bytes_read=elems * self.nbytes,
-            bytes_written=t * 4.0, saved_bytes=elems * self.nbytes, output_shape=(1, t),
+            name=name, kind=OpKind.SOFTMAX, flops=5.0 * elems, bytes_read=elems * (self.nbytes + 2 * 4.0),
+            bytes_written=elems * 4.0 + t * 4.0, saved_bytes=elems * 4.0, output_shape=(1, t),
             partition_dims=(*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT), inputs=(src,),
         ))
 

@@ -66,7 +66,7 @@ def _gelu_mlp(b: BlockBuilder, x: str, h: int, ffn: int, *, act: str = "gelu") -
 
 
 def _swiglu(b: BlockBuilder, x: str, h: int, ffn: int, prefix: str = "mlp", *,
-            tokens: int | None = None, experts: bool = False) -> str:
+            tokens: int | None = None, experts: int = 0) -> str:
     gate = b.linear(f"{prefix}.gate", x, h, ffn, tokens=tokens, experts=experts)
     up = b.linear(f"{prefix}.up", x, h, ffn, tokens=tokens, experts=experts)
     act = b.elementwise(f"{prefix}.silu", (gate,), ffn, saves_input=True, tokens=tokens)
@@ -97,9 +97,7 @@ def llama_block(shape: TransformerShape, seq: int, nbytes: int, *, moe: bool = F
         b.linear("router", n, h, shape.experts)
         d = b.all_to_all("dispatch", n, h, shape.top_k)
         routed = seq * shape.top_k
-        y = _swiglu(b, d, h, ffn, "experts", tokens=routed, experts=True)
-        # Every expert's weights exist once per model; the builder counted one expert's.
-        b.add_params("experts.other_weights", 3 * h * ffn * (shape.experts - 1), y)
+        y = _swiglu(b, d, h, ffn, "experts", tokens=routed, experts=shape.experts)
         m = b.all_to_all("combine", y, h, shape.top_k)
     else:
         m = _swiglu(b, n, h, ffn)

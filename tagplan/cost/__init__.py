@@ -1,0 +1,1 @@
+"""Cost model: compute, collectives, memory, pipeline schedule simulation and the plan simulator."""

@@ -1,0 +1,77 @@
+"""Memory per device: weights, gradients, optimizer state, activations, framework overhead.
+
+- Model state per parameter follows the workload (mixed-precision Adam: 2 + 2 + 12 bytes);
+  ZeRO stage 1 divides the optimizer state by the data-parallel degree, stage 2 also the
+  gradients, stage 3 also the weights.
+- Activations: the bytes a micro-batch saves for backward on this device (1/tp of the block's
+  with tensor + sequence parallelism) times the micro-batches in flight on the stage, which the
+  pipeline simulation reports for the schedule (1F1B: stage s of S holds min(S - s, M); GPipe
+  all M). With recomputation a layer keeps only its input, and one layer's full activations
+  are live while its backward recomputes them.
+- Transient: the largest single op output of the stage (e.g. the logits) and its gradient.
+- `FRAMEWORK_OVERHEAD_BYTES`: CUDA context (0.3-0.5 GB), cuBLAS workspaces, NCCL buffers for
+  the communicators, and caching-allocator fragmentation; PyTorch jobs typically show 0.7-1.5
+  GB beyond what tensors account for. One documented constant, not tuned per case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tagplan.ir.model import Block
+from tagplan.ir.workload import Workload
+
+FRAMEWORK_OVERHEAD_BYTES = 1.0e9
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """Bytes one device holds at its peak."""
+
+    weights_bytes: float
+    gradients_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    transient_bytes: float
+    overhead_bytes: float = FRAMEWORK_OVERHEAD_BYTES
+
+    @property
+    def total_bytes(self) -> float:
+        """Sum of all parts."""
+        return (self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.transient_bytes + self.overhead_bytes)
+
+
+def model_state_bytes(params: float, workload: Workload, *, zero: int, dp: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes on one device holding `params` parameters."""
+    weights = params * workload.weight_bytes_per_param
+    grads = params * workload.grad_bytes_per_param
+    optim = params * workload.optimizer_bytes_per_param
+    if zero >= 1:
+        optim /= dp
+    if zero >= 2:
+        grads /= dp
+    if zero >= 3:
+        weights /= dp
+    return weights, grads, optim
+
+
+def activation_bytes_per_sample(blocks: list[Block], input_bytes: list[float], *, tp: int, recompute: bool) -> float:
+    """Saved bytes per sample per micro-batch on one device, kept until that micro-batch's backward.
+
+    `input_bytes[i]` is the activation entering `blocks[i]` (what recomputation keeps).
+    """
+    if recompute:
+        return sum(input_bytes) / tp
+    return sum(b.saved_bytes for b in blocks) / tp
+
+
+def recompute_working_bytes_per_sample(blocks: list[Block], *, tp: int, recompute: bool) -> float:
+    """Extra bytes per sample live while one recomputed layer runs its backward."""
+    return max((b.saved_bytes for b in blocks), default=0.0) / tp if recompute else 0.0
+
+
+def transient_bytes_per_sample(blocks: list[Block], *, tp: int) -> float:
+    """The largest op output of the stage and its gradient, per sample."""
+    largest = max((op.bytes_written for b in blocks for op in b.ops), default=0.0)
+    return 2.0 * largest / tp

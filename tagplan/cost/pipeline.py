@@ -1,0 +1,363 @@
+"""Discrete-event simulation of a pipeline schedule's tasks (stage x micro-batch x forward/backward).
+
+Numeric only: it sees per-stage times, never a model or a cluster. A *lane* is one physical pipeline
+rank (a stage's device group); it runs its tasks one after another in the order `lane_order` gives.
+
+Dependencies, with `S` pipeline stages and p2p transfers that delay the consumer but occupy no lane:
+
+    F(s, m) >= end F(s-1, m) + stages[s-1].send_forward_s
+    B(S-1, m) >= end F(S-1, m)
+    B(s, m) >= end B(s+1, m) + stages[s+1].send_backward_s
+
+and each task starts at `max(lane free, dependency ready)`. The last stage's `send_forward_s` and the
+first stage's `send_backward_s` are never used.
+
+Ordering rules, per lane:
+- gpipe: all forwards m = 0..M-1, then all backwards m = 0..M-1 (the order of
+  torch.distributed.pipelining's ScheduleGPipe).
+- 1f1b (PipeDream-flush, Megatron's non-interleaved schedule): stage s runs
+  `min(S - s - 1, M)` warm-up forwards, then (forward, backward) pairs, then the cool-down backwards.
+- interleaved_1f1b (Megatron's virtual pipeline, Narayanan et al. SC'21): `S` lanes each hold
+  `v = num_stages / S` chunks; pipeline stage `chunk * S + lane`. The k-th forward on a lane is chunk
+  `(k // S) % v`, the k-th backward chunk `v - 1 - (k // S) % v`, both of micro-batch
+  `(k // (S v)) S + k % S`; lane r runs `min(2 (S - r - 1) + (v - 1) S, M v)` warm-up forwards, then
+  1F1B pairs, then cool-down. Needs `M % S == 0`.
+
+Speed: the event loop is O(tasks). Each schedule is compiled once per
+`(num_stages, micro_batches, schedule, lanes)` into flat task ids, dependencies and the per-stage
+in-flight counts; `_compiled_schedule` is that explicit, keyed memo table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from functools import lru_cache
+from numbers import Real
+
+from tagplan.ir.plan import Schedule
+
+
+class Phase(StrEnum):
+    """Direction of a pipeline task."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+TaskKey = tuple[int, int, Phase]
+"""(stage, micro_batch, phase): one task of the schedule."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageTiming:
+    """Times of one pipeline stage for one micro-batch, in seconds."""
+
+    forward_s: float
+    """Forward on this stage (compute + tensor-parallel communication)."""
+    backward_s: float
+    """Backward, including recomputation if any."""
+    send_forward_s: float = 0.0
+    """p2p time to send the activations to the next stage (unused on the last stage)."""
+    send_backward_s: float = 0.0
+    """p2p time to send the activation gradient to the previous stage (unused on the first stage)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, Real) and math.isfinite(float(value)) and float(value) >= 0):
+                raise ValueError(f"StageTiming.{f.name} must be a finite number of seconds >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One executed task: where it ran and when, in seconds from the iteration's start."""
+
+    stage: int
+    micro_batch: int
+    phase: Phase
+    lane: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """Outcome of one simulated iteration; all times in seconds from its start."""
+
+    tasks: tuple[Task, ...]
+    """Every task, lane by lane, each lane in execution order; empty when not recorded."""
+    lane_end_s: tuple[float, ...]
+    """Per lane: when its last task ends."""
+    stage_last_backward_s: tuple[tuple[float, float], ...]
+    """Per stage: (start, end) of its last backward, which data-parallel gradient sync can overlap."""
+    busy_s: tuple[float, ...]
+    """Per lane: sum of its task durations."""
+    max_in_flight: tuple[int, ...]
+    """Per stage: most micro-batches forwarded but not yet fully backwarded at once (activation memory)."""
+    makespan_s: float
+    """When the last task of any lane ends."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    """A schedule as flat task ids: forward (s, m) is `s * M + m`, backward (s, m) is `S * M + s * M + m`."""
+
+    num_stages: int
+    micro_batches: int
+    orders: tuple[tuple[int, ...], ...]
+    deps: tuple[int, ...]
+    """Per task id: the task id it waits for, or -1."""
+    max_in_flight: tuple[int, ...]
+    last_backward: tuple[int, ...]
+    """Per stage: the task id of its last backward."""
+
+
+def lane_order(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> list[list[TaskKey]]:
+    """Return, per lane, its ordered `(stage, micro_batch, phase)` tasks under `schedule`."""
+    _check_count("num_stages", num_stages)
+    _check_count("micro_batches", micro_batches)
+    _check_count("lanes", lanes)
+    schedule = Schedule(schedule)
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        return _interleaved(num_stages, micro_batches, lanes)
+    if lanes != num_stages:
+        raise ValueError(f"schedule '{schedule.value}' runs one stage per lane: lanes={lanes} != {num_stages} stages")
+    if schedule is Schedule.GPIPE:
+        fwd = [[(s, m, Phase.FORWARD) for m in range(micro_batches)] for s in range(num_stages)]
+        return [f + [(s, m, Phase.BACKWARD) for m in range(micro_batches)] for s, f in enumerate(fwd)]
+    return [
+        _one_f_one_b(
+            [(s, m, Phase.FORWARD) for m in range(micro_batches)],
+            [(s, m, Phase.BACKWARD) for m in range(micro_batches)],
+            warmup=min(num_stages - s - 1, micro_batches),
+        )
+        for s in range(num_stages)
+    ]
+
+
+def _interleaved(num_stages: int, micro_batches: int, lanes: int) -> list[list[TaskKey]]:
+    """Megatron's interleaved 1F1B order (forward_backward_pipelining_with_interleaving)."""
+    S, M = lanes, micro_batches
+    if num_stages % S:
+        raise ValueError(
+            f"interleaved_1f1b needs num_stages ({num_stages}) to be a multiple of lanes S ({S}): "
+            "each lane holds the same number of virtual chunks"
+        )
+    if M % S:
+        raise ValueError(f"interleaved_1f1b needs micro_batches ({M}) to be a multiple of S ({S}) pipeline lanes")
+    v = num_stages // S
+
+    # k-th task on a lane: chunk (k // S) % v (reversed for backwards), micro-batch (k // (S v)) S + k % S
+    chunk_mb = [((k // S) % v, (k // (S * v)) * S + k % S) for k in range(M * v)]
+    return [
+        _one_f_one_b(
+            [(c * S + r, m, Phase.FORWARD) for c, m in chunk_mb],
+            [((v - 1 - c) * S + r, m, Phase.BACKWARD) for c, m in chunk_mb],
+            warmup=min((S - r - 1) * 2 + (v - 1) * S, M * v),
+        )
+        for r in range(S)
+    ]
+
+
+def _one_f_one_b(fwd: list[TaskKey], bwd: list[TaskKey], *, warmup: int) -> list[TaskKey]:
+    """`warmup` forwards, then (forward, backward) pairs, then the remaining backwards."""
+    order = fwd[:warmup]
+    for f, b in zip(fwd[warmup:], bwd, strict=False):
+        order += (f, b)
+    order += bwd[len(fwd) - warmup :]
+    return order
+
+
+def simulate_pipeline(
+    stages: Sequence[StageTiming],
+    micro_batches: int,
+    schedule: Schedule,
+    *,
+    lanes: int | None = None,
+    record_tasks: bool = True,
+) -> PipelineResult:
+    """Simulate one iteration of `schedule` over `stages` (pipeline order) and return its timings.
+
+    `lanes` defaults to `len(stages)` for gpipe and 1f1b; interleaved_1f1b needs it (the number of
+    physical stages S, with `len(stages) = S * v`). With `record_tasks=False` the result's `tasks` is
+    empty and the call is several times faster (what the planner wants).
+    """
+    if not stages:
+        raise ValueError("stages is empty: a pipeline needs at least one stage")
+    schedule = Schedule(schedule)
+    if lanes is None:
+        if schedule is Schedule.INTERLEAVED_1F1B:
+            raise ValueError("interleaved_1f1b needs lanes=S, the number of physical pipeline stages")
+        lanes = len(stages)
+    _check_count("micro_batches", micro_batches)  # before the memo table, where 2.0 would hit the entry for 2
+    _check_count("lanes", lanes)
+    compiled = _compiled_schedule(len(stages), micro_batches, schedule, lanes)
+    return _simulate(compiled, stages, record_tasks)
+
+
+def simulate_orders(
+    stages: Sequence[StageTiming],
+    micro_batches: int,
+    orders: Sequence[Sequence[TaskKey]],
+    *,
+    record_tasks: bool = True,
+) -> PipelineResult:
+    """Simulate explicit per-lane task orders (a custom schedule); see `simulate_pipeline`.
+
+    Every (stage, micro-batch, phase) must appear exactly once and each stage on one lane only.
+    Raises RuntimeError when the orders deadlock.
+    """
+    if not stages:
+        raise ValueError("stages is empty: a pipeline needs at least one stage")
+    _check_count("micro_batches", micro_batches)
+    return _simulate(_compile(orders, len(stages), micro_batches), stages, record_tasks)
+
+
+_PHASE_OFFSET = {Phase.FORWARD: 0, Phase.BACKWARD: 1}
+
+
+@lru_cache(maxsize=32)
+def _compiled_schedule(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> _Compiled:
+    return _compile(lane_order(num_stages, micro_batches, schedule, lanes), num_stages, micro_batches)
+
+
+def _compile(orders: Sequence[Sequence[TaskKey]], num_stages: int, micro_batches: int) -> _Compiled:
+    S, M = num_stages, micro_batches
+    n = 2 * S * M
+    seen = [False] * n
+    stage_lane = [-1] * S
+    flat: list[tuple[int, ...]] = []
+    for lane, order in enumerate(orders):
+        ids = []
+        for stage, mb, phase in order:
+            if not (0 <= stage < S and 0 <= mb < M):
+                raise ValueError(f"task {(stage, mb, phase)} on lane {lane} is outside {S} stages x {M} micro-batches")
+            if stage_lane[stage] not in (-1, lane):
+                raise ValueError(f"stage {stage} has tasks on lanes {stage_lane[stage]} and {lane}; it needs one lane")
+            if phase not in _PHASE_OFFSET:
+                raise ValueError(f"task {(stage, mb, phase)} on lane {lane}: phase must be one of {list(Phase)}")
+            tid = _PHASE_OFFSET[phase] * S * M + stage * M + mb
+            if seen[tid]:
+                raise ValueError(f"task {(stage, mb, str(phase))} appears twice")
+            seen[tid] = True
+            stage_lane[stage] = lane
+            ids.append(tid)
+        flat.append(tuple(ids))
+    if not all(seen):
+        stage, mb = divmod(seen.index(False) % (S * M), M)
+        raise ValueError(f"the orders miss some tasks, e.g. stage {stage}, micro-batch {mb}")
+    fwd_deps = [-1] * M + list(range(S * M - M))
+    bwd_deps = [S * M + t for t in range(M, S * M)] + list(range(S * M - M, S * M))
+    return _Compiled(S, M, tuple(flat), tuple(fwd_deps + bwd_deps), *_stage_stats(flat, S, M))
+
+
+def _stage_stats(orders: list[tuple[int, ...]], S: int, M: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage: max micro-batches in flight and its last backward's task id (each stage is on one lane)."""
+    in_flight, peak, last = [0] * S, [0] * S, [0] * S
+    for order in orders:
+        for tid in order:
+            stage = (tid // M) % S
+            if tid < S * M:
+                in_flight[stage] += 1
+                peak[stage] = max(peak[stage], in_flight[stage])
+            else:
+                in_flight[stage] -= 1
+                last[stage] = tid
+    return tuple(peak), tuple(last)
+
+
+def _simulate(c: _Compiled, stages: Sequence[StageTiming], record_tasks: bool) -> PipelineResult:
+    if len(stages) != c.num_stages:
+        raise ValueError(f"{len(stages)} stage timings for a schedule of {c.num_stages} stages")
+    M = c.micro_batches
+    dur: list[float] = []
+    for attr in ("forward_s", "backward_s"):
+        for st in stages:
+            dur += [getattr(st, attr)] * M
+    lag = [0.0] * M
+    for st in stages[:-1]:
+        lag += [st.send_forward_s] * M
+    for st in stages[1:]:
+        lag += [st.send_backward_s] * M
+    lag += [0.0] * M
+    start, end, lane_end = _run(c, dur, lag)
+    tasks: tuple[Task, ...] = ()
+    if record_tasks:
+        tasks = tuple(_records(c, start, end))
+    return PipelineResult(
+        tasks=tasks,
+        lane_end_s=tuple(lane_end),
+        stage_last_backward_s=tuple((start[t], end[t]) for t in c.last_backward),
+        busy_s=tuple(sum(dur[t] for t in order) for order in c.orders),
+        max_in_flight=c.max_in_flight,
+        makespan_s=max(lane_end),
+    )
+
+
+def _run(c: _Compiled, dur: list[float], lag: list[float]) -> tuple[list[float], list[float], list[float]]:
+    """Event loop: advance each lane until its next task waits for an unfinished dependency, then park
+    the lane on that dependency; finishing a task wakes the (single) lane parked on it. O(tasks)."""
+    n = len(dur)
+    start = [0.0] * n
+    end = [-1.0] * n  # -1: not yet run (times are >= 0)
+    waiter = [-1] * n
+    deps, orders = c.deps, c.orders
+    pos = [0] * len(orders)
+    free = [0.0] * len(orders)
+    runnable = list(range(len(orders)))
+    while runnable:
+        lane = runnable.pop()
+        order = orders[lane]
+        i, t, count = pos[lane], free[lane], len(order)
+        while i < count:
+            tid = order[i]
+            d = deps[tid]
+            if d >= 0:
+                ready = end[d]
+                if ready < 0.0:
+                    waiter[d] = lane
+                    break
+                ready += lag[tid]
+                if ready > t:
+                    t = ready
+            start[tid] = t
+            t += dur[tid]
+            end[tid] = t
+            if waiter[tid] >= 0:
+                runnable.append(waiter[tid])
+            i += 1
+        pos[lane], free[lane] = i, t
+    blocked = [lane for lane, order in enumerate(orders) if pos[lane] < len(order)]
+    if blocked:
+        lane = blocked[0]
+        tid = orders[lane][pos[lane]]
+        raise RuntimeError(
+            f"pipeline order deadlocks on lanes {blocked}: lane {lane}'s next task {_key(c, tid)} "
+            f"waits for {_key(c, deps[tid])}, which never runs before it"
+        )
+    return start, end, free
+
+
+def _key(c: _Compiled, tid: int) -> TaskKey:
+    backward, rest = divmod(tid, c.num_stages * c.micro_batches)
+    stage, mb = divmod(rest, c.micro_batches)
+    return stage, mb, Phase.BACKWARD if backward else Phase.FORWARD
+
+
+def _records(c: _Compiled, start: list[float], end: list[float]) -> list[Task]:
+    M, per_phase = c.micro_batches, c.num_stages * c.micro_batches
+    phases = (Phase.FORWARD, Phase.BACKWARD)
+    records = []
+    for lane, order in enumerate(c.orders):
+        for tid in order:
+            backward, rest = divmod(tid, per_phase)
+            records.append(Task(rest // M, rest % M, phases[backward], lane, start[tid], end[tid]))
+    return records
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

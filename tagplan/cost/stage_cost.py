@@ -1,0 +1,125 @@
+"""Per-stage costs for one micro-batch: compute, tensor-parallel communication, parameters.
+
+`StageCoster` keeps the explicit memo tables the search relies on: per-block compute keyed by
+(block hash, device type, dtype, tp, samples, sharding), per-block TP communication keyed by
+(block hash, TP group, samples, sharding). Equal blocks on equal meshes are costed once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from tagplan.cost.calibration import Calibration
+from tagplan.cost.comm import Collective, CommModel
+from tagplan.cost.compute import BlockTime, block_time, local_param_count
+from tagplan.cost.sharding import ShardedBlock, shard_block
+from tagplan.ir.cluster import Cluster, DeviceSpec
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import ShardStrategy, Stage
+from tagplan.ir.workload import Workload
+
+ShardingKey = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCost:
+    """One replica's per-micro-batch seconds (compute and TP all-reduces), forward and backward."""
+
+    forward_compute_s: float
+    backward_compute_s: float
+    forward_tp_s: float
+    backward_tp_s: float
+
+    @property
+    def forward_s(self) -> float:
+        """Forward task seconds."""
+        return self.forward_compute_s + self.forward_tp_s
+
+    @property
+    def backward_s(self) -> float:
+        """Backward task seconds."""
+        return self.backward_compute_s + self.backward_tp_s
+
+
+class StageCoster:
+    """Costs stages of plans for one (model, cluster, workload), with keyed memo tables."""
+
+    def __init__(self, model: ModelGraph, cluster: Cluster, workload: Workload, calibration: Calibration,
+                 comm: CommModel) -> None:
+        self.model, self.cluster, self.workload = model, cluster, workload
+        self.calibration, self.comm = calibration, comm
+        self.block_memo: dict[tuple[object, ...], BlockTime] = {}
+        self.tp_memo: dict[tuple[object, ...], tuple[float, float]] = {}
+        self.shard_memo: dict[tuple[str, ShardingKey], ShardedBlock] = {}
+
+    def sharded(self, block_hash: str, overrides: dict[str, ShardStrategy] | None) -> ShardedBlock:
+        """The block's strategies and all-reduces under the plan's overrides (memoised)."""
+        key = (block_hash, _sharding_key(overrides))
+        hit = self.shard_memo.get(key)
+        if hit is None:
+            hit = self.shard_memo[key] = shard_block(self.model.block_by_hash[block_hash], overrides)
+        return hit
+
+    def block_counts(self, stage: Stage) -> Counter[str]:
+        """How many layers of each block hash the stage holds."""
+        start, end = stage.layers
+        return Counter(self.model.layers[i].block for i in range(start, end))
+
+    def replica(self, stage: Stage, replica: int, samples: float) -> ReplicaCost:
+        """Per-micro-batch seconds of one replica processing `samples` samples."""
+        group = stage.replica(replica)
+        spec = self.slowest(group)
+        fwd = bwd = tp_f = tp_b = 0.0
+        for block_hash, count in self.block_counts(stage).items():
+            sharded = self.sharded(block_hash, stage.sharding)
+            t = self._block(block_hash, sharded, spec, stage.tp, samples, stage.sharding)
+            comm_f, comm_b = self._tp(block_hash, sharded, group, samples, stage.sharding)
+            fwd += count * t.forward_s
+            bwd += count * (t.backward_s + (t.forward_s if stage.recompute else 0.0))
+            tp_f += count * comm_f
+            tp_b += count * (comm_b + (comm_f if stage.recompute else 0.0))
+        return ReplicaCost(fwd, bwd, tp_f, tp_b)
+
+    def local_params(self, stage: Stage) -> float:
+        """Parameters one device of the stage holds (before ZeRO)."""
+        nbytes = self.model.dtype.nbytes
+        return sum(count * local_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
+                                             stage.tp, nbytes)
+                   for h, count in self.block_counts(stage).items())
+
+    def slowest(self, group: tuple[int, ...]) -> DeviceSpec:
+        """The device type of the group with the lowest peak (it paces a synchronous group)."""
+        specs = [self.cluster.devices[d].spec for d in group]
+        return min(specs, key=lambda s: s.peak_flops(self.workload.dtype))
+
+    def _block(self, block_hash: str, sharded: ShardedBlock, spec: DeviceSpec, tp: int, samples: float,
+               overrides: dict[str, ShardStrategy] | None) -> BlockTime:
+        key = (block_hash, spec.name, self.workload.dtype, tp, samples, _sharding_key(overrides))
+        hit = self.block_memo.get(key)
+        if hit is None:
+            hit = self.block_memo[key] = block_time(
+                self.model.block_by_hash[block_hash], sharded.strategies, samples=samples, tp=tp, spec=spec,
+                dtype=self.workload.dtype, calibration=self.calibration)
+        return hit
+
+    def _tp(self, block_hash: str, sharded: ShardedBlock, group: tuple[int, ...], samples: float,
+            overrides: dict[str, ShardStrategy] | None) -> tuple[float, float]:
+        if len(group) < 2 or not sharded.comms:
+            return 0.0, 0.0
+        key = (block_hash, group, samples, _sharding_key(overrides))
+        hit = self.tp_memo.get(key)
+        if hit is None:
+            forward = backward = 0.0
+            for c in sharded.comms:
+                t = self.comm.collective(Collective.ALL_REDUCE, group, c.bytes_per_sample * samples).time_s
+                if c.backward:
+                    backward += t
+                else:
+                    forward += t
+            hit = self.tp_memo[key] = (forward, backward)
+        return hit
+
+
+def _sharding_key(overrides: dict[str, ShardStrategy] | None) -> ShardingKey:
+    return tuple(sorted((k, v.value) for k, v in overrides.items())) if overrides else ()
