@@ -80,3 +80,34 @@ def test_inspect_cluster_from_topology_file_with_network_flags(capsys: pytest.Ca
     assert out["network"]["latency_s"] == pytest.approx(7e-6)
     nic = next(link for link in out["links"] if link["scope"] == "nic")
     assert nic["bandwidth_Bps"] == pytest.approx(200e9 / 8)  # 8 NICs shared by 8 GPUs
+
+
+def test_simulate_megatron_gpt3_175b_on_128_dgx(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    timeline = tmp_path / "trace.json"
+    args = ["simulate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80gb:nodes=128", "--plan", "megatron",
+            "--batch", "1536", "--seq", "2048", "--json", "--timeline", str(timeline)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert 0 < report["mfu"] < 1
+    parts = report["breakdown"]
+    assert set(parts) == {"compute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer"}
+    assert sum(parts.values()) == pytest.approx(report["iteration_time_s"], rel=0.01)
+    for key in ("iteration_time_s", "throughput_samples_s", "tokens_per_s", "tflops_per_device", "peak_memory_bytes",
+                "fits", "memory_per_device_bytes"):
+        assert key in report
+    assert len(report["memory_per_device_bytes"]) == 1024
+    assert report["throughput_samples_s"] == pytest.approx(1536 / report["iteration_time_s"])
+    events = json.loads(timeline.read_text())["traceEvents"]
+    assert any(e.get("cat") == "backward" for e in events)
+
+
+def test_simulate_plan_file_and_bad_plan(tmp_path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"micro_batches": 2, "schedule": "1f1b", "stages": [
+        {"layers": [0, 7], "devices": [0, 1], "tp": 2}, {"layers": [7, 14], "devices": [2, 3], "dp": 2}]}))
+    ok = run_cli("simulate", "--model", "gpt3-125m", "--cluster", "g4dn.12xlarge", "--plan", str(plan), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["devices_used"] == 4
+    plan.write_text(json.dumps({"micro_batches": 2, "stages": [{"layers": [0, 14], "devices": [0, 9]}]}))
+    bad = run_cli("simulate", "--model", "gpt3-125m", "--cluster", "g4dn.12xlarge", "--plan", str(plan))
+    assert bad.returncode == 2 and "stages.0" in bad.stderr and "Traceback" not in bad.stderr

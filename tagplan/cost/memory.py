@@ -73,5 +73,5 @@ def recompute_working_bytes_per_sample(blocks: list[Block], *, tp: int, recomput
 
 def transient_bytes_per_sample(blocks: list[Block], *, tp: int) -> float:
     """The largest op output of the stage and its gradient, per sample."""
-    largest = max((op.bytes_written for b in blocks for op in b.ops), default=0.0)
+    largest = max((b.largest_output_bytes for b in blocks), default=0.0)
     return 2.0 * largest / tp

@@ -52,6 +52,7 @@ class StageReport(Record):
     p2p_s: float
     in_flight: int
     samples_per_micro_batch: float
+    memory: DeviceMemoryReport = Field(description="the stage's device with the highest memory / capacity")
 
 
 class Report(Record):
@@ -66,7 +67,9 @@ class Report(Record):
     worst_device: int = Field(description="the device with the highest memory / capacity ratio")
     fits: bool
     breakdown: Breakdown
-    memory_per_device: tuple[DeviceMemoryReport, ...]
+    devices: tuple[int, ...] = Field(description="the plan's devices, ascending")
+    memory_per_device_bytes: tuple[float, ...] = Field(description="peak bytes of each of `devices`")
+    worst_device_memory: DeviceMemoryReport
     stages: tuple[StageReport, ...]
     devices_used: int
     model_flops_per_iteration: float

@@ -63,18 +63,24 @@ class Simulator:
         self.calibration, self.comm_mode = calibration, comm_mode
         self.comm = CommModel(cluster, comm_mode)
         self.coster = StageCoster(model, cluster, workload, calibration, self.comm)
+        self._model_flops = sum(model_flops(model.block_of(i)) for i in range(len(model.layers)))
 
     def simulate(self, plan: Plan) -> Report:
         """The Report of one iteration of `plan`."""
-        return self.run(plan).report
+        return self.run(plan, record_tasks=False).report
 
-    def run(self, plan: Plan) -> Simulation:
-        """Simulate `plan`; SpecError for a plan that does not apply to this model or cluster."""
+    def run(self, plan: Plan, *, record_tasks: bool = True) -> Simulation:
+        """Simulate `plan`; SpecError for a plan that does not apply to this model or cluster.
+
+        `record_tasks=False` skips the per-task records a timeline needs (about half the time of
+        the pipeline simulation).
+        """
         _check(plan, self.model, self.cluster, self.workload)
         costs = [self._stage(plan, i) for i in range(len(plan.stages))]
         lanes = _lanes(plan)
         timings = [self._timing(plan, i, c) for i, c in enumerate(costs)]
-        pipe = simulate_pipeline(timings, plan.micro_batches, plan.schedule, lanes=len(lanes))
+        pipe = simulate_pipeline(timings, plan.micro_batches, plan.schedule, lanes=len(lanes),
+                                 record_tasks=record_tasks)
         no_p2p = [StageTiming(t.forward_s, t.backward_s, 0.0, 0.0) for t in timings]
         pipe_no_p2p = simulate_pipeline(no_p2p, plan.micro_batches, plan.schedule, lanes=len(lanes),
                                         record_tasks=False)
@@ -143,7 +149,8 @@ class Simulator:
         gather = sum(costs[i].dp_sync_s[1] for i in members)
         start, end = pipe.stage_last_backward_s[members[0]]
         layers = max(sum(plan.stages[i].num_layers for i in members), 1)
-        first_forward = min(costs[i].critical.forward_s for i in members)
+        # the overlap window is compute only, so more bandwidth can never lengthen the iteration
+        first_forward = min(costs[i].critical.forward_compute_s for i in members)
         # Gradient buckets reduce while the last backward runs, and updated weights are gathered
         # while the next iteration's first forward runs (Megatron's overlap_grad_reduce and
         # overlap_param_gather, DeepSpeed's prefetch); the last bucket of each cannot overlap.
@@ -173,19 +180,23 @@ class Simulator:
         critical = max(range(len(finish)), key=lambda i: finish[i])
         iteration = finish[critical]
         breakdown = self._breakdown(plan, costs, lanes[critical][1], pipe, makespan_no_p2p, tails[critical], iteration)
-        memory = self._memory(plan, costs, pipe)
-        devices = plan.devices
-        flops = 3.0 * self.workload.global_batch * sum(model_flops(self.model.block_of(i))
-                                                      for i in range(len(self.model.layers)))
+        parts = self._memory(plan, costs, pipe)
+        devices = tuple(sorted(parts))
+        totals = tuple(_total(parts[d]) for d in devices)
+        ratio = {d: t / self.cluster.devices[d].spec.mem_bytes for d, t in zip(devices, totals, strict=True)}
+        worst = max(devices, key=ratio.__getitem__)
+        stage_worst = [max(s.devices, key=ratio.__getitem__) for s in plan.stages]
+        flops = 3.0 * self.workload.global_batch * self._model_flops
         peak = sum(self.cluster.devices[d].spec.peak_flops(self.workload.dtype) for d in devices)
-        worst = max(memory, key=lambda m: m.memory_bytes / m.capacity_bytes)
         return Report(
             iteration_time_s=iteration, throughput_samples_s=self.workload.global_batch / iteration,
             tokens_per_s=self.workload.global_batch * self.model.seq_len / iteration,
             tflops_per_device=flops / iteration / len(devices) / 1e12, mfu=flops / (iteration * peak),
-            peak_memory_bytes=max(m.memory_bytes for m in memory), worst_device=worst.device,
-            fits=all(m.fits for m in memory), breakdown=breakdown, memory_per_device=tuple(memory),
-            stages=tuple(self._stage_report(plan, i, c, pipe) for i, c in enumerate(costs)),
+            peak_memory_bytes=max(totals), worst_device=worst, fits=all(r <= 1.0 for r in ratio.values()),
+            breakdown=breakdown, devices=devices, memory_per_device_bytes=totals,
+            worst_device_memory=_device_report(self.cluster, worst, parts[worst]),
+            stages=tuple(self._stage_report(plan, i, c, pipe, _device_report(self.cluster, d, parts[d]))
+                         for i, (c, d) in enumerate(zip(costs, stage_worst, strict=True))),
             devices_used=len(devices), model_flops_per_iteration=flops, comm_mode=self.comm_mode.value,
         )
 
@@ -204,32 +215,49 @@ class Simulator:
         return Breakdown(compute=compute, tp_comm=tp, dp_comm=dp_exposed + zero3_exposed, pp_comm=pp, bubble=bubble,
                          optimizer=optimizer)
 
-    def _memory(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult) -> list[DeviceMemoryReport]:
+    def _memory(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult) -> dict[int, list[DeviceMemory]]:
+        """Per device, the memory of each stage it holds (interleaved plans hold several)."""
         parts: dict[int, list[DeviceMemory]] = {}
         for i, stage in enumerate(plan.stages):
+            per_sample = self._activation_memory(stage)
+            memo: dict[float, DeviceMemory] = {}  # replicas with equal shares hold equal memory
             for r in range(stage.dp):
-                mem = self._stage_memory(stage, costs[i], r, pipe.max_in_flight[i])
+                samples = costs[i].samples[r]
+                mem = memo.get(samples)
+                if mem is None:
+                    mem = memo[samples] = self._stage_memory(stage, costs[i], samples, per_sample,
+                                                             pipe.max_in_flight[i])
                 for d in stage.replica(r):
                     parts.setdefault(d, []).append(mem)
-        return [_device_report(self.cluster, d, mems) for d, mems in sorted(parts.items())]
+        return parts
 
-    def _stage_memory(self, stage: Stage, cost: StagePlanCost, replica: int, in_flight: int) -> DeviceMemory:
-        start, end = stage.layers
-        blocks = [self.model.block_of(i) for i in range(start, end)]
-        inputs = [self.model.block_of(i - 1).output_bytes if i > 0 else 0.0 for i in range(start, end)]
+    def _activation_memory(self, stage: Stage) -> tuple[float, float]:
+        """(saved bytes kept per in-flight micro-batch, working bytes) per sample on one device."""
+        key = (stage.layers, stage.tp, stage.recompute)
+        hit = self.coster.memory_memo.get(key)
+        if hit is None:
+            start, end = stage.layers
+            blocks = [self.model.block_of(i) for i in range(start, end)]
+            inputs = [self.model.block_of(i - 1).output_bytes if i > 0 else 0.0 for i in range(start, end)]
+            saved = activation_bytes_per_sample(blocks, inputs, tp=stage.tp, recompute=stage.recompute)
+            working = (recompute_working_bytes_per_sample(blocks, tp=stage.tp, recompute=stage.recompute)
+                       + transient_bytes_per_sample(blocks, tp=stage.tp))
+            hit = self.coster.memory_memo[key] = (saved, working)
+        return hit
+
+    def _stage_memory(self, stage: Stage, cost: StagePlanCost, samples: float, per_sample: tuple[float, float],
+                      in_flight: int) -> DeviceMemory:
         weights, grads, optim = model_state_bytes(cost.local_params, self.workload, zero=stage.zero, dp=stage.dp)
-        samples = cost.samples[replica]
-        saved = activation_bytes_per_sample(blocks, inputs, tp=stage.tp, recompute=stage.recompute)
-        working = recompute_working_bytes_per_sample(blocks, tp=stage.tp, recompute=stage.recompute)
-        transient = transient_bytes_per_sample(blocks, tp=stage.tp)
-        return DeviceMemory(weights, grads, optim, saved * samples * in_flight, (working + transient) * samples)
+        saved, working = per_sample
+        return DeviceMemory(weights, grads, optim, saved * samples * in_flight, working * samples)
 
-    def _stage_report(self, plan: Plan, i: int, cost: StagePlanCost, pipe: PipelineResult) -> StageReport:
+    def _stage_report(self, plan: Plan, i: int, cost: StagePlanCost, pipe: PipelineResult,
+                      memory: DeviceMemoryReport) -> StageReport:
         s = plan.stages[i]
         c = cost.critical
         return StageReport(index=i, layers=s.layers, dp=s.dp, tp=s.tp, forward_s=c.forward_s, backward_s=c.backward_s,
                            tp_comm_s=c.forward_tp_s + c.backward_tp_s, dp_sync_s=sum(cost.dp_sync_s), p2p_s=cost.p2p_s,
-                           in_flight=pipe.max_in_flight[i], samples_per_micro_batch=max(cost.samples))
+                           in_flight=pipe.max_in_flight[i], samples_per_micro_batch=max(cost.samples), memory=memory)
 
 
 def simulate(model: ModelGraph, cluster: Cluster, plan: Plan, workload: Workload, *,
@@ -246,6 +274,12 @@ def _lanes(plan: Plan) -> list[tuple[tuple[int, ...], list[int]]]:
     return list(order.items())
 
 
+def _total(mems: list[DeviceMemory]) -> float:
+    """A device's peak bytes: model state and activations of all its stages, the largest transient."""
+    return (sum(m.weights_bytes + m.gradients_bytes + m.optimizer_bytes + m.activations_bytes for m in mems)
+            + max(m.transient_bytes for m in mems) + mems[0].overhead_bytes)
+
+
 def _device_report(cluster: Cluster, device: int, mems: list[DeviceMemory]) -> DeviceMemoryReport:
     spec = cluster.devices[device].spec
     weights = sum(m.weights_bytes for m in mems)
@@ -254,9 +288,10 @@ def _device_report(cluster: Cluster, device: int, mems: list[DeviceMemory]) -> D
     acts = sum(m.activations_bytes for m in mems)
     other = max(m.transient_bytes for m in mems) + mems[0].overhead_bytes
     total = weights + grads + optim + acts + other
-    return DeviceMemoryReport(device=device, type=spec.name, memory_bytes=total, capacity_bytes=float(spec.mem_bytes),
-                              fits=total <= spec.mem_bytes, weights_bytes=weights, gradients_bytes=grads,
-                              optimizer_bytes=optim, activations_bytes=acts, other_bytes=other)
+    return DeviceMemoryReport(
+        device=device, type=spec.name, memory_bytes=total, capacity_bytes=float(spec.mem_bytes),
+        fits=total <= spec.mem_bytes, weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim,
+        activations_bytes=acts, other_bytes=other)
 
 
 def _check(plan: Plan, model: ModelGraph, cluster: Cluster, workload: Workload) -> None:

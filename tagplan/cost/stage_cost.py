@@ -52,6 +52,10 @@ class StageCoster:
         self.block_memo: dict[tuple[object, ...], BlockTime] = {}
         self.tp_memo: dict[tuple[object, ...], tuple[float, float]] = {}
         self.shard_memo: dict[tuple[str, ShardingKey], ShardedBlock] = {}
+        self.memory_memo: dict[tuple[object, ...], tuple[float, float]] = {}
+        self.params_memo: dict[tuple[object, ...], float] = {}
+        self.spec_memo: dict[tuple[int, ...], DeviceSpec] = {}
+        self.counts_memo: dict[tuple[int, int], Counter[str]] = {}
 
     def sharded(self, block_hash: str, overrides: dict[str, ShardStrategy] | None) -> ShardedBlock:
         """The block's strategies and all-reduces under the plan's overrides (memoised)."""
@@ -63,8 +67,11 @@ class StageCoster:
 
     def block_counts(self, stage: Stage) -> Counter[str]:
         """How many layers of each block hash the stage holds."""
-        start, end = stage.layers
-        return Counter(self.model.layers[i].block for i in range(start, end))
+        hit = self.counts_memo.get(stage.layers)
+        if hit is None:
+            start, end = stage.layers
+            hit = self.counts_memo[stage.layers] = Counter(self.model.layers[i].block for i in range(start, end))
+        return hit
 
     def replica(self, stage: Stage, replica: int, samples: float) -> ReplicaCost:
         """Per-micro-batch seconds of one replica processing `samples` samples."""
@@ -83,6 +90,13 @@ class StageCoster:
 
     def local_params(self, stage: Stage) -> float:
         """Parameters one device of the stage holds (before ZeRO)."""
+        key = (stage.layers, stage.tp, _sharding_key(stage.sharding))
+        hit = self.params_memo.get(key)
+        if hit is None:
+            hit = self.params_memo[key] = self._local_params(stage)
+        return hit
+
+    def _local_params(self, stage: Stage) -> float:
         nbytes = self.model.dtype.nbytes
         return sum(count * local_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
                                              stage.tp, nbytes)
@@ -90,8 +104,11 @@ class StageCoster:
 
     def slowest(self, group: tuple[int, ...]) -> DeviceSpec:
         """The device type of the group with the lowest peak (it paces a synchronous group)."""
-        specs = [self.cluster.devices[d].spec for d in group]
-        return min(specs, key=lambda s: s.peak_flops(self.workload.dtype))
+        hit = self.spec_memo.get(group)
+        if hit is None:
+            specs = [self.cluster.devices[d].spec for d in group]
+            hit = self.spec_memo[group] = min(specs, key=lambda s: s.peak_flops(self.workload.dtype))
+        return hit
 
     def _block(self, block_hash: str, sharded: ShardedBlock, spec: DeviceSpec, tp: int, samples: float,
                overrides: dict[str, ShardStrategy] | None) -> BlockTime:

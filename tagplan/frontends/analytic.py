@@ -66,6 +66,7 @@ class BlockBuilder:
         kv_bytes = 2 * skv * kv_heads * head_dim * self.nbytes
         flops = 4.0 * s * skv * heads * head_dim + 5.0 * s * skv * heads  # matmuls + softmax
         saved = sum(self._save_once(src, 0.0) for src in srcs) + q_bytes + kv_bytes + q_bytes
+        self._saved.add(name)  # its output is saved here: the output projection must not count it again
         return self._add(Op(
             name=name, kind=OpKind.ATTENTION, flops=flops, bytes_read=q_bytes + kv_bytes,
             bytes_written=q_bytes, saved_bytes=saved, output_shape=(1, s, heads * head_dim),

@@ -77,20 +77,25 @@ class Block(Record):
             raise ValueError(f"block {self.hash}: duplicate op names {dup[:5]}")
         return self
 
-    @property
+    @cached_property
     def flops(self) -> float:
         """Forward FLOPs per sample."""
         return sum(op.flops for op in self.ops)
 
-    @property
+    @cached_property
     def param_bytes(self) -> float:
         """Parameter bytes in the graph's dtype."""
         return sum(op.param_bytes for op in self.ops)
 
-    @property
+    @cached_property
     def saved_bytes(self) -> float:
         """Activation bytes per sample saved for the backward pass."""
         return sum(op.saved_bytes for op in self.ops)
+
+    @cached_property
+    def largest_output_bytes(self) -> float:
+        """Bytes per sample of the block's largest op output."""
+        return max((op.bytes_written for op in self.ops), default=0.0)
 
 
 class Layer(Record):

@@ -1,0 +1,62 @@
+"""simulate() latency: a 96-layer model on 1024 devices with 64 micro-batches (target: median < 20 ms).
+
+The search calls the simulator thousands of times with one `Simulator` (shared memo tables), so
+the figure that matters is a warm call on a new plan of an already-costed shape; the cold first
+call is reported too. Prints a table and writes bench/results/simulator.json.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from tagplan.cost.simulator import Simulator
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir.plan import Plan, Stage
+from tagplan.ir.workload import Workload
+
+
+def plan_for(layers: int, devices: int, tp: int, pp: int, micro_batches: int, zero: int) -> Plan:
+    """An even 1F1B plan with the embedding on the first stage and the head on the last."""
+    per_stage = devices // pp
+    blocks = layers - 2
+    bounds = [1 + blocks * s // pp for s in range(pp + 1)]
+    bounds[0], bounds[-1] = 0, layers
+    stages = tuple(Stage(layers=(bounds[s], bounds[s + 1]), devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
+                         dp=per_stage // tp, tp=tp, zero=zero) for s in range(pp))
+    return Plan(micro_batches=micro_batches, stages=stages)
+
+
+def main() -> None:
+    model = load_model("gpt3-175b")  # 96 transformer layers
+    cluster = load_cluster("dgx-a100-80gb:nodes=128")  # 1024 devices
+    sim = Simulator(model, cluster, Workload(global_batch=1024, seq_len=2048))
+    cases = [("tp8 pp8 dp16", plan_for(len(model.layers), 1024, 8, 8, 64, 1)),
+             ("tp8 pp16 dp8", plan_for(len(model.layers), 1024, 8, 16, 64, 1)),
+             ("tp4 pp8 dp32", plan_for(len(model.layers), 1024, 4, 8, 64, 0))]
+    rows = []
+    print(f"{'plan':16s} {'cold ms':>9s} {'warm median ms':>15s} {'warm min ms':>12s}")
+    for name, plan in cases:
+        start = time.perf_counter()
+        sim.simulate(plan)
+        cold = (time.perf_counter() - start) * 1e3
+        warm = []
+        for _ in range(20):
+            start = time.perf_counter()
+            sim.simulate(plan)
+            warm.append((time.perf_counter() - start) * 1e3)
+        median = statistics.median(warm)
+        rows.append({"plan": name, "cold_ms": cold, "warm_median_ms": median, "warm_min_ms": min(warm)})
+        print(f"{name:16s} {cold:9.2f} {statistics.median(warm):15.2f} {min(warm):12.2f}")
+    out = Path(__file__).parent / "results" / "simulator.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": "gpt3-175b (96 layers)", "devices": 1024, "micro_batches": 64,
+                               "target_median_ms": 20, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+import pytest
+
+from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration, EfficiencyCurve
+from tagplan.cost.compute import op_time
+from tagplan.ir import DeviceSpec, DType, Op, OpKind, ShardStrategy
+
+SPEC = DeviceSpec(name="X", peak_flops_bf16=100e12, peak_flops_fp16=100e12, peak_flops_fp32=10e12,
+                  mem_bytes=10**10, mem_bandwidth_Bps=1e12)
+FLAT = Calibration(compute={"*": {OpKind.MATMUL: EfficiencyCurve(flops=(1.0,), efficiency=(0.5,)),
+                                  OpKind.ATTENTION: EfficiencyCurve(flops=(1.0,), efficiency=(0.5,))}},
+                   memory_efficiency={"*": 0.8}, launch_overhead_s=1e-6)
+
+
+def test_compute_bound_matmul_uses_flops_and_backward_is_two_gemms() -> None:
+    op = Op(name="mm", kind=OpKind.MATMUL, flops=1e9, bytes_read=1e3, bytes_written=1e3)
+    t = op_time(op, samples=4, tp=2, strategy=ShardStrategy.COLUMN, spec=SPEC, dtype=DType.BF16, calibration=FLAT)
+    body = 4 * 1e9 / 2 / (100e12 * 0.5)
+    assert t.forward_s == pytest.approx(body + 1e-6)
+    assert t.backward_s == pytest.approx(2 * body + 2e-6)
+
+
+def test_memory_bound_op_uses_bandwidth() -> None:
+    op = Op(name="ln", kind=OpKind.LAYERNORM, flops=10.0, bytes_read=4e6, bytes_written=4e6)
+    t = op_time(op, samples=2, tp=1, strategy=ShardStrategy.SEQUENCE, spec=SPEC, dtype=DType.BF16, calibration=FLAT)
+    assert t.forward_s == pytest.approx(2 * 8e6 / (1e12 * 0.8) + 1e-6)
+
+
+def test_weights_are_read_once_per_micro_batch_not_per_sample() -> None:
+    op = Op(name="mm", kind=OpKind.MATMUL, flops=1.0, bytes_read=1e6 + 8e8, bytes_written=1e6, param_bytes=8e8)
+    one = op_time(op, samples=1, tp=1, strategy=ShardStrategy.COLUMN, spec=SPEC, dtype=DType.BF16, calibration=FLAT)
+    many = op_time(op, samples=8, tp=1, strategy=ShardStrategy.COLUMN, spec=SPEC, dtype=DType.BF16,
+                   calibration=FLAT)
+    assert many.forward_s - 1e-6 == pytest.approx((8 * 2e6 + 8e8) / 0.8e12)
+    assert many.forward_s < 8 * one.forward_s
+
+
+def test_replicated_ops_are_not_divided_and_views_are_free() -> None:
+    op = Op(name="mm", kind=OpKind.MATMUL, flops=1e9, bytes_read=0, bytes_written=0)
+    rep = op_time(op, samples=1, tp=4, strategy=ShardStrategy.REPLICATE, spec=SPEC, dtype=DType.BF16,
+                  calibration=FLAT)
+    col = op_time(op, samples=1, tp=4, strategy=ShardStrategy.COLUMN, spec=SPEC, dtype=DType.BF16, calibration=FLAT)
+    assert rep.forward_s - 1e-6 == pytest.approx(4 * (col.forward_s - 1e-6))
+    view = Op(name="v", kind=OpKind.VIEW, flops=0, bytes_read=1e9, bytes_written=1e9)
+    assert op_time(view, samples=1, tp=1, strategy=ShardStrategy.SEQUENCE, spec=SPEC, dtype=DType.BF16,
+                   calibration=FLAT).forward_s == 0.0
+
+
+def test_default_gemm_efficiency_grows_with_size_and_stays_below_peak() -> None:
+    curve = DEFAULT_CALIBRATION.curve("A100-SXM-80GB", OpKind.MATMUL)
+    assert curve is not None
+    values = [curve.at(f) for f in (1e5, 1e7, 1e9, 1e11, 1e13)]
+    assert values == sorted(values) and values[-1] < 1.0 and values[0] > 0
+    assert DEFAULT_CALIBRATION.curve("A100-SXM-80GB", OpKind.LAYERNORM) is None  # memory-bound
+
+
+def test_calibration_validation_and_round_trip() -> None:
+    with pytest.raises(ValueError, match="increasing"):
+        EfficiencyCurve(flops=(10.0, 1.0), efficiency=(0.5, 0.6))
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        EfficiencyCurve(flops=(1.0,), efficiency=(1.5,))
+    assert Calibration.from_json(DEFAULT_CALIBRATION.to_json()) == DEFAULT_CALIBRATION
+    curve = EfficiencyCurve(flops=(1e6, 1e8), efficiency=(0.2, 0.6))
+    assert curve.at(1e7) == pytest.approx(0.4)  # linear in log10(FLOPs)

@@ -1,0 +1,213 @@
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tagplan.cost.calibration import Calibration
+from tagplan.cost.comm import CommMode
+from tagplan.cost.simulator import Simulator, simulate
+from tagplan.errors import SpecError
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir import Cluster, LinkKind, Network, Node, Plan, Schedule, Stage, Workload
+
+from .conftest import flat_cluster, matmul_model, unit_spec
+
+
+def one_per_stage(stages: int, layers: int, micro_batches: int, schedule: Schedule = Schedule.ONE_F_ONE_B) -> Plan:
+    per = layers // stages
+    return Plan(micro_batches=micro_batches, schedule=schedule,
+                stages=tuple(Stage(layers=(s * per, (s + 1) * per), devices=(s,)) for s in range(stages)))
+
+
+@pytest.mark.parametrize(("stages", "micro_batches"), [(1, 1), (2, 4), (4, 8), (4, 3)])
+def test_1f1b_equal_stages_take_m_plus_s_minus_1_slots(ideal: Calibration, stages: int, micro_batches: int) -> None:
+    """(M + S - 1) * (t_f + t_b) without communication; t_f = FLOPs / peak, t_b = 2 t_f."""
+    model = matmul_model(8, flops=1e9)
+    workload = Workload(global_batch=micro_batches * 2, seq_len=1)
+    report = simulate(model, flat_cluster(stages), one_per_stage(stages, 8, micro_batches), workload,
+                      calibration=ideal)
+    t_f = (8 // stages) * 1e9 * 2 / 1e12  # layers x FLOPs x samples per micro-batch / peak
+    assert report.iteration_time_s == pytest.approx((micro_batches + stages - 1) * 3 * t_f, rel=1e-9)
+    assert report.breakdown.total_s == pytest.approx(report.iteration_time_s, rel=1e-9)
+    assert report.breakdown.compute == pytest.approx(micro_batches * 3 * t_f, rel=1e-9)
+
+
+def test_a_slow_stage_dominates(ideal: Calibration) -> None:
+    """Stage 1 on a device 4x slower: GPipe takes sum(t_s) + (M - 1) * t_slow (a flow shop)."""
+    fast, slow = unit_spec("FAST", peak=4e12), unit_spec("SLOW", peak=1e12)
+    nodes = (Node(name="a", device=fast, gpus=1, fabric_bandwidth_Bps=1e30),
+             Node(name="b", device=slow, gpus=1, fabric_bandwidth_Bps=1e30, nic_bandwidth_Bps=1e30))
+    cluster = Cluster(name="mixed", nodes=nodes, network=Network(latency_s=0.0))
+    model, m = matmul_model(2, flops=1e9), 6
+    report = simulate(model, cluster, one_per_stage(2, 2, m, Schedule.GPIPE), Workload(global_batch=m, seq_len=1),
+                      calibration=ideal)
+    t_fast, t_slow = 3e9 / 4e12, 3e9 / 1e12
+    assert report.iteration_time_s == pytest.approx(t_fast + t_slow + (m - 1) * t_slow, rel=1e-9)
+    assert report.breakdown.bubble > 0
+
+
+def test_p2p_on_the_links_between_stages_lengthens_the_pipeline(ideal: Calibration) -> None:
+    """GPipe: (M + S - 1)(t_f + t_b) + 2 (S - 1) c, with c one micro-batch's transfer time."""
+    model = matmul_model(2, flops=1e9, output_bytes=1e6)
+    plan = one_per_stage(2, 2, 4, Schedule.GPIPE)
+    workload = Workload(global_batch=4, seq_len=1)
+    fast = simulate(model, flat_cluster(2), plan, workload, calibration=ideal)
+    slow = simulate(model, flat_cluster(2, bandwidth_Bps=1e9, latency_s=1e-5), plan, workload, calibration=ideal)
+    transfer = 1e-5 + 1e6 / 1e9  # one micro-batch's activations over the stage link
+    assert slow.iteration_time_s == pytest.approx(fast.iteration_time_s + 2 * transfer, rel=1e-6)
+    assert slow.breakdown.pp_comm == pytest.approx(2 * transfer, rel=1e-6)
+
+
+def test_uneven_batch_shares_are_simulated_replica_by_replica(ideal: Calibration) -> None:
+    """Two replicas, one 3x faster: even shares wait for the slow one; 3:1 shares balance them."""
+    fast, slow = unit_spec("FAST", peak=3e12), unit_spec("SLOW", peak=1e12)
+    nodes = (Node(name="a", device=fast, gpus=1, fabric_bandwidth_Bps=1e30, nic_bandwidth_Bps=1e30),
+             Node(name="b", device=slow, gpus=1, fabric_bandwidth_Bps=1e30, nic_bandwidth_Bps=1e30))
+    cluster = Cluster(name="mixed", nodes=nodes, network=Network(latency_s=0.0))
+    model, workload = matmul_model(4, flops=1e9), Workload(global_batch=8, seq_len=1)
+    even = Plan(stages=(Stage(layers=(0, 4), devices=(0, 1), dp=2),))
+    balanced = Plan(stages=(Stage(layers=(0, 4), devices=(0, 1), dp=2, batch_shares=(0.75, 0.25)),))
+    t_even = simulate(model, cluster, even, workload, calibration=ideal).iteration_time_s
+    t_balanced = simulate(model, cluster, balanced, workload, calibration=ideal).iteration_time_s
+    assert t_even == pytest.approx(4 * 3 * 1e9 * 4 / 1e12, rel=1e-9)  # slow replica, 4 samples
+    assert t_balanced == pytest.approx(4 * 3 * 1e9 * 6 / 3e12, rel=1e-9)  # both replicas finish together
+    assert t_balanced < t_even
+
+
+def test_interleaving_shrinks_the_bubble(ideal: Calibration) -> None:
+    model, workload = matmul_model(8, flops=1e9), Workload(global_batch=8, seq_len=1)
+    plain = one_per_stage(2, 8, 8)
+    groups = [(0,), (1,)]
+    inter = Plan(micro_batches=8, schedule=Schedule.INTERLEAVED_1F1B,
+                 stages=tuple(Stage(layers=(2 * i, 2 * i + 2), devices=groups[i % 2]) for i in range(4)))
+    a = simulate(model, flat_cluster(2), plain, workload, calibration=ideal)
+    b = simulate(model, flat_cluster(2), inter, workload, calibration=ideal)
+    assert b.iteration_time_s < a.iteration_time_s
+    assert b.breakdown.bubble == pytest.approx(a.breakdown.bubble / 2, rel=1e-9)
+
+
+def test_gpt3_175b_stage_memory_under_tp8_pp8_zero1_matches_a_hand_computation() -> None:
+    model = load_model("gpt3-175b")
+    cluster = load_cluster("dgx-a100-80gb:nodes=128")
+    h, s, tp, pp, dp, m = 12288, 2048, 8, 8, 16, 64
+    bounds = [0] + [1 + 12 * (i + 1) for i in range(7)] + [98]
+    plan = Plan(micro_batches=m, stages=tuple(
+        Stage(layers=(bounds[i], bounds[i + 1]), devices=tuple(range(128 * i, 128 * (i + 1))), dp=dp, tp=tp, zero=1)
+        for i in range(pp)))
+    report = Simulator(model, cluster, Workload(global_batch=1024, seq_len=s)).simulate(plan)
+    mem = report.stages[1].memory  # stage 1: twelve transformer blocks
+    # Matmul weights and biases split 8 ways (12h^2 + 9h per block); the two LayerNorms (4h) replicated.
+    params = 12 * ((12 * h * h + 9 * h) / tp + 4 * h)
+    assert mem.weights_bytes == pytest.approx(2 * params, rel=1e-9)
+    assert mem.gradients_bytes == pytest.approx(2 * params, rel=1e-9)
+    assert mem.optimizer_bytes == pytest.approx(12 * params / dp, rel=1e-9)  # ZeRO-1: fp32 master, m, v
+    # 1F1B: stage 1 of 8 holds 7 micro-batches; each block saves 16 s h bf16 elements per sample
+    # (Korthikanti et al. 2022's 34 s h bytes minus the two dropout masks, with flash attention),
+    # divided by tp under sequence parallelism; one sample per micro-batch per replica.
+    assert report.stages[1].in_flight == 7
+    assert mem.activations_bytes == pytest.approx(7 * 12 * 32 * s * h / tp, rel=0.01)
+    assert report.fits
+
+
+def test_more_bandwidth_never_makes_the_dgx_plan_slower() -> None:
+    model = load_model("gpt?layers=8&hidden=1024&heads=16&vocab=1000", seq_len=512)
+    plan = Plan(micro_batches=4, stages=(Stage(layers=(0, 5), devices=tuple(range(8)), dp=2, tp=4, zero=1),
+                                         Stage(layers=(5, 10), devices=tuple(range(8, 16)), dp=2, tp=4)))
+    workload = Workload(global_batch=16, seq_len=512)
+    times = []
+    for factor in (1.0, 2.0, 10.0):
+        cluster = load_cluster("dgx-a100-40gb:nodes=2")
+        nodes = tuple(n.model_copy(update={"fabric_bandwidth_Bps": n.fabric_bandwidth_Bps * factor,
+                                           "nic_bandwidth_Bps": n.nic_bandwidth_Bps * factor}) for n in cluster.nodes)
+        times.append(simulate(model, cluster.model_copy(update={"nodes": nodes}), plan, workload).iteration_time_s)
+    assert times[0] >= times[1] >= times[2]
+    assert times[0] > times[2]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(1.0, 100.0), st.floats(1e8, 1e11), st.sampled_from([1, 2, 4]), st.integers(0, 3),
+       st.sampled_from(list(Schedule)[:2]))
+def test_property_more_bandwidth_is_never_slower(factor: float, nic: float, tp: int, zero: int,
+                                                 schedule: Schedule) -> None:
+    model = load_model("llama?layers=4&hidden=256&heads=4&vocab=500", seq_len=128)
+    spec = unit_spec("G", peak=1e14, mem_bytes=10**11).model_copy(update={"mem_bandwidth_Bps": 1e12})
+
+    def cluster(f: float) -> Cluster:
+        node = Node(name="n", device=spec, gpus=4, fabric=LinkKind.PCIE, fabric_bandwidth_Bps=2e10 * f,
+                    nics=1, nic_bandwidth_Bps=nic * f)
+        return Cluster(name="c", nodes=(node, node.model_copy(update={"name": "m"})))
+
+    per = 8 // (2 * tp)
+    plan = Plan(micro_batches=2, schedule=schedule, stages=(
+        Stage(layers=(0, 3), devices=tuple(range(4)), dp=4 // tp, tp=tp, zero=zero),
+        Stage(layers=(3, 6), devices=tuple(range(4, 8)), dp=per if per else 1, tp=4 // max(per, 1), zero=zero)))
+    workload = Workload(global_batch=8, seq_len=128)
+    slow = simulate(model, cluster(1.0), plan, workload).iteration_time_s
+    fast = simulate(model, cluster(factor), plan, workload).iteration_time_s
+    assert fast <= slow * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B])
+def test_more_micro_batches_never_raise_peak_activation_memory(schedule: Schedule) -> None:
+    """Fixed global batch: GPipe keeps all M in flight (M x B/M constant); 1F1B at most S (falls)."""
+    model = load_model("gpt?layers=6&hidden=256&heads=4&vocab=500", seq_len=128)
+    cluster = flat_cluster(4, spec=unit_spec(mem_bytes=10**12))
+    workload = Workload(global_batch=32, seq_len=128)
+    acts = []
+    for m in (1, 2, 4, 8, 16, 32):
+        plan = Plan(micro_batches=m, schedule=schedule, stages=tuple(
+            Stage(layers=(2 * i, 2 * i + 2), devices=(i,)) for i in range(4)))
+        report = simulate(model, cluster, plan, workload)
+        acts.append(max(st.memory.activations_bytes for st in report.stages))
+    assert all(b <= a * (1 + 1e-9) for a, b in itertools.pairwise(acts))
+    if schedule is Schedule.ONE_F_ONE_B:
+        assert acts[-1] < acts[0]
+
+
+def test_1f1b_never_holds_more_activations_than_gpipe() -> None:
+    model = load_model("gpt?layers=6&hidden=256&heads=4&vocab=500", seq_len=128)
+    cluster, workload = flat_cluster(4), Workload(global_batch=32, seq_len=128)
+    for m in (2, 8, 32):
+        mems = []
+        for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
+            plan = Plan(micro_batches=m, schedule=schedule, stages=tuple(
+                Stage(layers=(2 * i, 2 * i + 2), devices=(i,)) for i in range(4)))
+            mems.append(simulate(model, cluster, plan, workload).peak_memory_bytes)
+        assert mems[0] <= mems[1]
+
+
+def test_a_plan_that_does_not_fit_is_reported_not_raised() -> None:
+    model = load_model("gpt3-6.7b")
+    cluster = load_cluster("g4dn.12xlarge")  # 4 x T4 16 GB
+    plan = Plan(micro_batches=1, stages=(Stage(layers=(0, len(model.layers)), devices=(0, 1, 2, 3), dp=4),))
+    report = simulate(model, cluster, plan, Workload(global_batch=4, seq_len=2048))
+    assert not report.fits
+    assert report.worst_device in (0, 1, 2, 3)
+    assert report.peak_memory_bytes > 16e9
+    assert report.worst_device_memory.memory_bytes == report.peak_memory_bytes
+
+
+def test_plans_that_do_not_apply_name_the_problem() -> None:
+    model = matmul_model(4, flops=1.0)
+    with pytest.raises(SpecError, match=r"devices \[9\] are not in cluster"):
+        simulate(model, flat_cluster(2), Plan(stages=(Stage(layers=(0, 4), devices=(9,)),)), Workload())
+    with pytest.raises(SpecError, match=r"covers layers \[0, 3\)"):
+        simulate(model, flat_cluster(2), Plan(stages=(Stage(layers=(0, 3), devices=(0,)),)), Workload())
+    inter = Plan(micro_batches=3, schedule=Schedule.INTERLEAVED_1F1B, stages=tuple(
+        Stage(layers=(i, i + 1), devices=((0,), (1,))[i % 2]) for i in range(4)))
+    with pytest.raises(SpecError, match=r"micro_batches \(3\) to be a multiple of the pipeline depth \(2\)"):
+        simulate(model, flat_cluster(2), inter, Workload(global_batch=8))
+
+
+def test_bytes_only_mode_ignores_the_topology() -> None:
+    model = load_model("gpt?layers=4&hidden=512&heads=8&vocab=1000", seq_len=256)
+    plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 6), devices=tuple(range(8)), dp=8),))
+    workload = Workload(global_batch=16, seq_len=256)
+    fast, slow = load_cluster("dgx-a100-80gb"), load_cluster("p3.16xlarge")
+    topo = [simulate(model, c, plan, workload).breakdown.dp_comm for c in (fast, slow)]
+    volume = [simulate(model, c, plan, workload, comm_mode=CommMode.BYTES_ONLY).stages[0].dp_sync_s
+              for c in (fast, slow)]
+    assert topo[0] < topo[1]
+    assert volume[0] == pytest.approx(volume[1])
