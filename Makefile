@@ -36,6 +36,8 @@ lint: $(STAMP_DEV)
 
 bench: $(STAMP_RUN)
 	$(BIN)/python bench/frontends_speed.py
+	$(BIN)/python bench/simulator.py
+	$(BIN)/python bench/validate_megatron.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
