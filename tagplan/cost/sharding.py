@@ -1,99 +1,215 @@
-"""How a block's ops split over a tensor-parallel group, and the collectives that follow.
+"""Tensor-parallel sharding of a block: per-op strategies, tensor layouts, and the collectives they imply.
 
-The default is Megatron-LM's pattern, derived from the dataflow rather than from op names:
-a matmul whose input is replicated is split by columns (its output is sharded); a matmul whose
-input is sharded is split by rows (its output is a partial sum, all-reduced in the forward);
-attention on sharded q/k/v splits by heads; pointwise ops follow their input; ops on replicated
-activations run sequence-parallel (Megatron-Core's default with TP, which turns each all-reduce
-into a reduce-scatter + all-gather of the same ring cost). The backward mirrors the forward:
-each column-split group all-reduces the gradient of its (replicated) input once.
+A tensor on a TP group is in one of four layouts: replicated (R), split along its hidden/heads
+dimension (H), split along its tokens (S: batch or sequence), or a partial sum (P). A strategy
+fixes, for each op, the layout it needs on its inputs, the layout of its output, and the layouts
+of the gradients in the backward pass:
 
-A plan's per-op `sharding` overrides the default op by op; the search's intra-stage solver
-(issue 4) fills it.
+| op, strategy | input | output | input grad | output grad |
+|---|---|---|---|---|
+| matmul COLUMN (Megatron's column-parallel) | R | H | P | H |
+| matmul ROW (row-parallel) | H | P | H | R |
+| matmul SEQUENCE / BATCH (tokens split, weights replicated) | S | S | S | S |
+| matmul EXPERTS (experts split over the group) | S | S | S | S |
+| attention HEADS | H | H | H | H |
+| embedding ROW (vocab-parallel) | indices | P | - | R |
+| pointwise, norms: REPLICATE / SEQUENCE / COLUMN | R / S / H | same | same | same |
+| anything REPLICATE | R | R | R | R |
+
+Moving a tensor between layouts costs a collective (forward on activations, backward on
+gradients, the same table): P->R all-reduce, P->S or P->H reduce-scatter, S->R or H->R
+all-gather, S<->H all-to-all, R->S or R->H a free slice; nothing converts into P. Gradients
+that several consumers return in one layout are summed locally first (q, k and v reduce once).
+With the block boundary in S this reproduces Megatron-LM with sequence parallelism exactly:
+per transformer block all-gather + reduce-scatter twice forward and twice backward.
+
+Token-split matmuls keep replicated weights, whose gradients are all-reduced once per
+iteration (`per_iteration`), like data parallelism.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-from tagplan.ir.model import Block, OpKind
-from tagplan.ir.plan import ShardStrategy
+from tagplan.cost.comm import Collective
+from tagplan.ir.model import Block, Op, OpKind
+from tagplan.ir.plan import ShardStrategy as St
 
-_SPLIT = {ShardStrategy.COLUMN, ShardStrategy.HEADS, ShardStrategy.EXPERTS}
+
+class Layout(StrEnum):
+    """How a tensor lies on a tensor-parallel group."""
+
+    R = "replicated"
+    H = "hidden_split"
+    S = "token_split"
+    P = "partial_sum"
+
+
+BOUNDARY = Layout.S  # activations between layers: sequence parallel, as Megatron-Core runs TP
+
+_GEMM = (OpKind.MATMUL, OpKind.CONV)
+_SPLIT_LAYOUT = {St.REPLICATE: Layout.R, St.SEQUENCE: Layout.S, St.BATCH: Layout.S, St.COLUMN: Layout.H,
+                 St.HEADS: Layout.H, St.EXPERTS: Layout.S}
+
+
+@dataclass(frozen=True, slots=True)
+class OpLayouts:
+    """Layouts an op under a strategy needs and produces (None: input is not an activation)."""
+
+    input: Layout | None
+    output: Layout
+    input_grad: Layout | None
+    output_grad: Layout
 
 
 @dataclass(frozen=True, slots=True)
 class TPComm:
-    """One tensor-parallel all-reduce per sample (bytes are the full activation, per sample)."""
+    """One collective over the TP group: bytes per sample in the nccl-tests size convention."""
 
     op: str
+    collective: Collective
     bytes_per_sample: float
     backward: bool
+    per_iteration: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class ShardedBlock:
-    """A block's per-op strategies and the all-reduces they imply."""
+    """A block's per-op strategies and the collectives they imply."""
 
-    strategies: dict[str, ShardStrategy]
+    strategies: dict[str, St]
     comms: tuple[TPComm, ...]
 
 
-def default_strategies(block: Block) -> dict[str, ShardStrategy]:
-    """Megatron-style strategy per op, propagated along the block's dataflow."""
-    sharded: dict[str, bool] = {}
-    out: dict[str, ShardStrategy] = {}
+def candidate_strategies(op: Op) -> tuple[St, ...]:
+    """The strategies `op` may take, by kind (first is the kind's usual choice)."""
+    if op.kind in _GEMM:
+        return (St.COLUMN, St.ROW, St.SEQUENCE, St.REPLICATE)
+    if op.kind is OpKind.ATTENTION:
+        return (St.HEADS, St.REPLICATE)
+    if op.kind is OpKind.EMBEDDING:
+        return (St.ROW, St.COLUMN, St.SEQUENCE, St.REPLICATE)
+    if op.kind in (OpKind.LAYERNORM, OpKind.REDUCTION):
+        return (St.SEQUENCE, St.REPLICATE)
+    return (St.SEQUENCE, St.COLUMN, St.REPLICATE)
+
+
+def layouts(op: Op, strategy: St) -> OpLayouts:
+    """The layouts of `op`'s input, output and their gradients under `strategy`."""
+    if op.kind in _GEMM and strategy is St.COLUMN:
+        return OpLayouts(Layout.R, Layout.H, Layout.P, Layout.H)
+    if op.kind in _GEMM and strategy is St.ROW:
+        return OpLayouts(Layout.H, Layout.P, Layout.H, Layout.R)
+    if op.kind is OpKind.EMBEDDING:
+        out = {St.ROW: Layout.P, St.COLUMN: Layout.H}.get(strategy, _SPLIT_LAYOUT.get(strategy, Layout.R))
+        return OpLayouts(None, out, None, Layout.R if out is Layout.P else out)
+    layout = _SPLIT_LAYOUT.get(strategy, Layout.R)
+    return OpLayouts(layout, layout, layout, layout)
+
+
+def transition(src: Layout, dst: Layout) -> Collective | None:
+    """The collective that moves a tensor from `src` to `dst` (None: free). ValueError into P."""
+    if src is dst or (src is Layout.R and dst in (Layout.S, Layout.H)):
+        return None
+    if dst is Layout.P:
+        raise ValueError(f"no collective turns a {src.value} tensor into a partial sum")
+    if src is Layout.P:
+        return Collective.ALL_REDUCE if dst is Layout.R else Collective.REDUCE_SCATTER
+    if dst is Layout.R:
+        return Collective.ALL_GATHER
+    return Collective.ALL_TO_ALL
+
+
+def divides(strategy: St) -> bool:
+    """Whether an op under `strategy` does 1/tp of the work on each device (all but REPLICATE)."""
+    return strategy is not St.REPLICATE
+
+
+def divides_params(strategy: St, kind: OpKind) -> bool:
+    """Whether the op's parameters are split over the group."""
+    return kind in (*_GEMM, OpKind.EMBEDDING) and strategy in (St.COLUMN, St.ROW, St.EXPERTS)
+
+
+def collective_bytes(collective: Collective, tensor_bytes: float, tp: int) -> float:
+    """Bytes in the nccl-tests size convention for moving a tensor of `tensor_bytes` in total."""
+    return tensor_bytes / tp if collective is Collective.ALL_TO_ALL else tensor_bytes
+
+
+def comm_events(block: Block, strategies: dict[str, St], *, boundary: Layout = BOUNDARY) -> tuple[TPComm, ...]:
+    """Every collective of one micro-batch of `block` under `strategies` (tp-independent bytes)."""
+    resolved = resolve(block, strategies, boundary)
+    by_name = {op.name: op for op in block.ops}
+    events: list[TPComm] = []
+    grads: dict[str, dict[Layout, str]] = {}  # tensor -> gradient layouts returned -> by which op
+    converted: set[tuple[str, Layout]] = set()  # a gathered tensor serves every consumer (q, k, v)
     for op in block.ops:
-        inputs_sharded = any(sharded.get(src, False) for src in op.inputs)
-        if op.kind in (OpKind.MATMUL, OpKind.CONV):
-            strategy = ShardStrategy.ROW if inputs_sharded else ShardStrategy.COLUMN
-        elif op.kind is OpKind.ATTENTION:
-            strategy = ShardStrategy.HEADS if inputs_sharded else ShardStrategy.SEQUENCE
-        elif op.kind is OpKind.EMBEDDING:
-            strategy = ShardStrategy.ROW  # vocab-parallel table; the lookup's partial sums are all-reduced
-        elif op.kind is OpKind.ALL_TO_ALL:
-            strategy = ShardStrategy.EXPERTS
+        lay = resolved[op.name]
+        if op.kind in _GEMM and strategies[op.name] in (St.SEQUENCE, St.BATCH) and op.param_bytes:
+            events.append(TPComm(op.name, Collective.ALL_REDUCE, op.param_bytes, backward=True, per_iteration=True))
+        if lay.input is None:
+            continue
+        for src in op.inputs or ("",):
+            src_layout = resolved[src].output if src in resolved else boundary
+            size = by_name[src].bytes_written if src in by_name else block.output_bytes
+            if (src, lay.input) not in converted:
+                converted.add((src, lay.input))
+                _move(events, op.name, src_layout, lay.input, size, backward=False)
+            grads.setdefault(src, {})[lay.input_grad or lay.input] = op.name
+    last = block.ops[-1]
+    _move(events, last.name, resolved[last.name].output, boundary, last.bytes_written, backward=False)
+    grads.setdefault(last.name, {})[boundary] = "output"
+    for tensor, returned in grads.items():
+        need = resolved[tensor].output_grad if tensor in resolved else boundary
+        size = by_name[tensor].bytes_written if tensor in by_name else block.output_bytes
+        for layout, consumer in returned.items():
+            _move(events, consumer, layout, need, size, backward=True)
+    return tuple(events)
+
+
+def _move(events: list[TPComm], op: str, src: Layout, dst: Layout, size: float, *, backward: bool) -> None:
+    collective = transition(src, dst)
+    if collective is not None and size > 0:
+        events.append(TPComm(op, collective, size, backward=backward))
+
+
+def resolve(block: Block, strategies: dict[str, St], boundary: Layout = BOUNDARY) -> dict[str, OpLayouts]:
+    """Layouts of every op; views take their input's layout whatever their recorded strategy."""
+    out: dict[str, OpLayouts] = {}
+    for op in block.ops:
+        if op.kind is OpKind.VIEW:
+            src = next((out[i] for i in op.inputs if i in out), None)
+            layout = src.output if src is not None else boundary
+            grad = src.output_grad if src is not None else boundary
+            out[op.name] = OpLayouts(layout, layout, grad, grad)
         else:
-            strategy = ShardStrategy.COLUMN if inputs_sharded else ShardStrategy.SEQUENCE
-        out[op.name] = strategy
-        # Expert dispatch hands each expert whole tokens: the experts' first matmul is column-split.
-        sharded[op.name] = strategy in _SPLIT and op.kind is not OpKind.ALL_TO_ALL
+            out[op.name] = layouts(op, strategies[op.name])
     return out
 
 
-def shard_block(block: Block, overrides: dict[str, ShardStrategy] | None = None) -> ShardedBlock:
-    """Strategies (defaults, then `overrides`) and the forward/backward all-reduces they imply."""
+def default_strategies(block: Block) -> dict[str, St]:
+    """Megatron's pattern propagated along the dataflow: column on replicated-or-token-split
+    inputs, row on hidden-split inputs, heads for attention, sequence parallel elsewhere."""
+    split: dict[str, bool] = {}
+    out: dict[str, St] = {}
+    for op in block.ops:
+        sharded = any(split.get(src, False) for src in op.inputs)
+        if op.kind in _GEMM:
+            strategy = St.ROW if sharded else St.COLUMN
+        elif op.kind is OpKind.ATTENTION:
+            strategy = St.HEADS if sharded else St.REPLICATE
+        elif op.kind is OpKind.EMBEDDING:
+            strategy = St.ROW
+        else:
+            strategy = St.COLUMN if sharded else St.SEQUENCE
+        out[op.name] = strategy
+        split[op.name] = strategy in (St.COLUMN, St.HEADS) and op.kind is not OpKind.ALL_TO_ALL
+    return out
+
+
+def shard_block(block: Block, overrides: dict[str, St] | None = None) -> ShardedBlock:
+    """Strategies (defaults, then `overrides`) and the collectives they imply."""
     strategies = default_strategies(block)
     if overrides:
         strategies.update({k: v for k, v in overrides.items() if k in strategies})
-    comms: list[TPComm] = []
-    reduced_inputs: set[tuple[str, ...]] = set()
-    for op in block.ops:
-        strategy = strategies[op.name]
-        if strategy is ShardStrategy.ROW:
-            comms.append(TPComm(op.name, op.bytes_written, backward=False))
-        elif strategy is ShardStrategy.COLUMN and op.kind in (OpKind.MATMUL, OpKind.CONV):
-            inputs_replicated = not any(strategies.get(src) in _SPLIT for src in op.inputs)
-            if inputs_replicated and op.inputs not in reduced_inputs:
-                reduced_inputs.add(op.inputs)  # q, k and v share one input: one gradient all-reduce
-                comms.append(TPComm(op.name, _input_bytes(block, op.inputs), backward=True))
-    return ShardedBlock(strategies, tuple(comms))
-
-
-def _input_bytes(block: Block, inputs: tuple[str, ...]) -> float:
-    by_name = {op.name: op for op in block.ops}
-    produced = [by_name[name].bytes_written for name in inputs if name in by_name]
-    if produced:
-        return max(produced)
-    return block.output_bytes  # the block's own input: same width as its output in a residual stream
-
-
-def divides(strategy: ShardStrategy) -> bool:
-    """Whether an op under `strategy` does 1/tp of the work on each device (all but REPLICATE)."""
-    return strategy is not ShardStrategy.REPLICATE
-
-
-def divides_params(strategy: ShardStrategy, kind: OpKind) -> bool:
-    """Whether the op's parameters are split over the group (matmuls, tables, experts)."""
-    return kind in (OpKind.MATMUL, OpKind.CONV, OpKind.EMBEDDING) and strategy in (
-        ShardStrategy.COLUMN, ShardStrategy.ROW, ShardStrategy.EXPERTS)
+    return ShardedBlock(strategies, comm_events(block, strategies))

@@ -100,7 +100,9 @@ class Simulator:
             nxt = plan.stages[index + 1]
             act = self.model.block_of(stage.layers[1] - 1).output_bytes * per_micro
             p2p = self.comm.p2p_groups(stage.devices, nxt.devices, act).time_s
-        return StagePlanCost(critical, samples, params, p2p, self._dp_sync(stage, params), self._zero3(stage, params))
+        reduce, gather = self._dp_sync(stage, params)
+        reduce += self.coster.per_iteration_tp_s(stage)
+        return StagePlanCost(critical, samples, params, p2p, (reduce, gather), self._zero3(stage, params))
 
     def _dp_sync(self, stage: Stage, params: float) -> tuple[float, float]:
         """(gradient reduction, parameter all-gather) seconds of one stage's data-parallel sync.

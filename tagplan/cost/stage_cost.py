@@ -11,9 +11,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from tagplan.cost.calibration import Calibration
-from tagplan.cost.comm import Collective, CommModel
+from tagplan.cost.comm import CommModel
 from tagplan.cost.compute import BlockTime, block_time, local_param_count
-from tagplan.cost.sharding import ShardedBlock, shard_block
+from tagplan.cost.sharding import ShardedBlock, collective_bytes, shard_block
 from tagplan.ir.cluster import Cluster, DeviceSpec
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import ShardStrategy, Stage
@@ -122,6 +122,7 @@ class StageCoster:
 
     def _tp(self, block_hash: str, sharded: ShardedBlock, group: tuple[int, ...], samples: float,
             overrides: dict[str, ShardStrategy] | None) -> tuple[float, float]:
+        """(forward, backward) seconds of the block's per-micro-batch collectives on `group`."""
         if len(group) < 2 or not sharded.comms:
             return 0.0, 0.0
         key = (block_hash, group, samples, _sharding_key(overrides))
@@ -129,13 +130,28 @@ class StageCoster:
         if hit is None:
             forward = backward = 0.0
             for c in sharded.comms:
-                t = self.comm.collective(Collective.ALL_REDUCE, group, c.bytes_per_sample * samples).time_s
+                if c.per_iteration:
+                    continue
+                nbytes = collective_bytes(c.collective, c.bytes_per_sample * samples, len(group))
+                t = self.comm.collective(c.collective, group, nbytes).time_s
                 if c.backward:
                     backward += t
                 else:
                     forward += t
             hit = self.tp_memo[key] = (forward, backward)
         return hit
+
+    def per_iteration_tp_s(self, stage: Stage) -> float:
+        """Seconds of once-per-iteration TP collectives (weight gradients of token-split matmuls)."""
+        if stage.tp < 2:
+            return 0.0
+        group = stage.replica(0)
+        total = 0.0
+        for block_hash, count in self.block_counts(stage).items():
+            for c in self.sharded(block_hash, stage.sharding).comms:
+                if c.per_iteration:
+                    total += count * self.comm.collective(c.collective, group, c.bytes_per_sample).time_s
+        return total
 
 
 def _sharding_key(overrides: dict[str, ShardStrategy] | None) -> ShardingKey:
