@@ -62,8 +62,8 @@ def megatron(sim: Simulator) -> Baseline:
     tp = max(t for t in (1, 2, 4, 8) if t <= min(per_node, MAX_TP) and per_node % t == 0)
     nodes = len(cluster.nodes)
     last_reason = "no configuration fits in memory"
-    for pp in [p for p in range(1, nodes + 1) if nodes % p == 0] + _intra_node_pp(nodes, per_node, tp):
-        result = megatron_plan(sim, tp=tp, pp=pp)
+    for pp, degree in [(p, tp) for p in range(1, nodes + 1) if nodes % p == 0] + _intra_node_pp(nodes, per_node, tp):
+        result = megatron_plan(sim, tp=degree, pp=pp)
         if result.plan is not None:
             return result
         last_reason = result.reason
@@ -85,9 +85,9 @@ def megatron_plan(sim: Simulator, *, tp: int, pp: int) -> Baseline:
     return Baseline("megatron", plan)
 
 
-def _intra_node_pp(nodes: int, per_node: int, tp: int) -> list[int]:
-    """Deeper pipelines that split nodes, tried when whole-node stages do not fit."""
-    return [nodes * k for k in (2, 4, 8) if per_node % (tp * k) == 0]
+def _intra_node_pp(nodes: int, per_node: int, tp: int) -> list[tuple[int, int]]:
+    """(pp, tp) for deeper pipelines that split each node into k stages of per_node / k devices."""
+    return [(nodes * k, min(tp, per_node // k)) for k in (2, 4, 8) if per_node % k == 0 and per_node // k >= 1]
 
 
 def _megatron_stages(model: ModelGraph, devices: int, tp: int, pp: int) -> list[Stage] | str:

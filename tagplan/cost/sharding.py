@@ -29,6 +29,7 @@ iteration (`per_iteration`), like data parallelism.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -139,7 +140,7 @@ def collective_bytes(collective: Collective, tensor_bytes: float, tp: int) -> fl
 def comm_events(block: Block, strategies: dict[str, St], *, boundary: Layout = BOUNDARY) -> tuple[TPComm, ...]:
     """Every collective of one micro-batch of `block` under `strategies` (tp-independent bytes)."""
     resolved = resolve(block, strategies, boundary)
-    by_name = {op.name: op for op in block.ops}
+    size = _sizes(block)
     events: list[TPComm] = []
     grads: dict[str, dict[Layout, str]] = {}  # tensor -> gradient layouts returned -> by which op
     converted: set[tuple[str, Layout]] = set()  # a gathered tensor serves every consumer (q, k, v)
@@ -147,24 +148,52 @@ def comm_events(block: Block, strategies: dict[str, St], *, boundary: Layout = B
         lay = resolved[op.name]
         if op.kind in _GEMM and strategies[op.name] in (St.SEQUENCE, St.BATCH) and op.param_bytes:
             events.append(TPComm(op.name, Collective.ALL_REDUCE, op.param_bytes, backward=True, per_iteration=True))
-        if lay.input is None:
+        if lay.input is None or op.kind is OpKind.VIEW:
             continue
         for src in op.inputs or ("",):
             src_layout = resolved[src].output if src in resolved else boundary
-            size = by_name[src].bytes_written if src in by_name else block.output_bytes
             if (src, lay.input) not in converted:
                 converted.add((src, lay.input))
-                _move(events, op.name, src_layout, lay.input, size, backward=False)
+                _move(events, op.name, src_layout, lay.input, size(src), backward=False)
             grads.setdefault(src, {})[lay.input_grad or lay.input] = op.name
-    last = block.ops[-1]
-    _move(events, last.name, resolved[last.name].output, boundary, last.bytes_written, backward=False)
-    grads.setdefault(last.name, {})[boundary] = "output"
+    output = output_op(block)
+    if output is not None and not _ends_in_loss(block, output):
+        _move(events, output, resolved[output].output, boundary, size(output), backward=False)
+        grads.setdefault(output, {})[boundary] = "output"
     for tensor, returned in grads.items():
         need = resolved[tensor].output_grad if tensor in resolved else boundary
-        size = by_name[tensor].bytes_written if tensor in by_name else block.output_bytes
         for layout, consumer in returned.items():
-            _move(events, consumer, layout, need, size, backward=True)
+            _move(events, consumer, layout, need, size(tensor), backward=True)
     return tuple(events)
+
+
+def _sizes(block: Block) -> Callable[[str], float]:
+    """Bytes per sample of a tensor, following views back to the op that made it."""
+    by_name = {op.name: op for op in block.ops}
+
+    def size(name: str) -> float:
+        seen = 0
+        while name in by_name and by_name[name].kind is OpKind.VIEW and by_name[name].inputs and seen < 64:
+            name, seen = by_name[name].inputs[0], seen + 1
+        op = by_name.get(name)
+        if op is None or op.kind is OpKind.VIEW:
+            return block.output_bytes
+        return op.bytes_written
+
+    return size
+
+
+def output_op(block: Block) -> str | None:
+    """The op whose result leaves the block: the last real op no other op of the block reads."""
+    consumed = {src for op in block.ops for src in op.inputs}
+    leaves = [op.name for op in block.ops if op.name not in consumed and op.kind is not OpKind.VIEW]
+    return leaves[-1] if leaves else None
+
+
+def _ends_in_loss(block: Block, output: str) -> bool:
+    """A model's last layer hands back a loss (or logits), not activations: no boundary layout."""
+    op = next(o for o in block.ops if o.name == output)
+    return block.kind == "head" or op.kind is OpKind.SOFTMAX
 
 
 def _move(events: list[TPComm], op: str, src: Layout, dst: Layout, size: float, *, backward: bool) -> None:
@@ -192,6 +221,8 @@ def default_strategies(block: Block) -> dict[str, St]:
     inputs, row on hidden-split inputs, heads for attention, sequence parallel elsewhere."""
     split: dict[str, bool] = {}
     out: dict[str, St] = {}
+    tables = [op for op in block.ops if op.kind is OpKind.EMBEDDING]
+    vocab = max(tables, key=lambda op: op.param_bytes).name if tables else None
     for op in block.ops:
         sharded = any(split.get(src, False) for src in op.inputs)
         if op.kind in _GEMM:
@@ -199,7 +230,8 @@ def default_strategies(block: Block) -> dict[str, St]:
         elif op.kind is OpKind.ATTENTION:
             strategy = St.HEADS if sharded else St.REPLICATE
         elif op.kind is OpKind.EMBEDDING:
-            strategy = St.ROW
+            # the token table is vocab-parallel; position and segment tables stay replicated (Megatron)
+            strategy = St.ROW if op.name == vocab else St.SEQUENCE
         else:
             strategy = St.COLUMN if sharded else St.SEQUENCE
         out[op.name] = strategy

@@ -24,10 +24,11 @@ from tagplan.cost.memory import (
 )
 from tagplan.cost.pipeline import PipelineResult, StageTiming, simulate_pipeline
 from tagplan.cost.report import Breakdown, DeviceMemoryReport, Report, StageReport
-from tagplan.cost.stage_cost import ReplicaCost, StageCoster
+from tagplan.cost.sharding import divides
+from tagplan.cost.stage_cost import ReplicaCost, StageCoster, sharding_key
 from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
-from tagplan.ir.model import ModelGraph
+from tagplan.ir.model import Block, ModelGraph
 from tagplan.ir.plan import Plan, Schedule, Stage, check_plan
 from tagplan.ir.workload import Workload
 
@@ -93,7 +94,10 @@ class Simulator:
         per_micro = self.workload.global_batch / plan.micro_batches
         samples = tuple(per_micro * share for share in stage.shares())
         replicas = [self.coster.replica(stage, r, samples[r]) for r in range(stage.dp)]
-        critical = max(replicas, key=lambda c: c.forward_s + c.backward_s)
+        # The stage waits for its slowest replica in each phase separately.
+        fwd = max(replicas, key=lambda c: c.forward_s)
+        bwd = max(replicas, key=lambda c: c.backward_s)
+        critical = ReplicaCost(fwd.forward_compute_s, bwd.backward_compute_s, fwd.forward_tp_s, bwd.backward_tp_s)
         params = self.coster.local_params(stage)
         p2p = 0.0
         if index + 1 < len(plan.stages):
@@ -127,10 +131,14 @@ class Simulator:
     def _zero3(self, stage: Stage, params: float) -> tuple[float, float]:
         if stage.zero < 3 or stage.dp < 2:
             return 0.0, 0.0
-        group = tuple(stage.devices[r * stage.tp] for r in range(stage.dp))
-        gather = self.comm.collective(Collective.ALL_GATHER, group, params * self.workload.weight_bytes_per_param)
-        scatter = self.comm.collective(Collective.REDUCE_SCATTER, group, params * self.workload.grad_bytes_per_param)
-        return gather.time_s, gather.time_s + scatter.time_s
+        gather = scatter = 0.0
+        for j in range(stage.tp):  # the slowest of the tp groups paces the stage
+            group = tuple(stage.devices[r * stage.tp + j] for r in range(stage.dp))
+            weights = params * self.workload.weight_bytes_per_param
+            gather = max(gather, self.comm.collective(Collective.ALL_GATHER, group, weights).time_s)
+            grads = params * self.workload.grad_bytes_per_param
+            scatter = max(scatter, self.comm.collective(Collective.REDUCE_SCATTER, group, grads).time_s)
+        return gather, gather + scatter
 
     def _timing(self, plan: Plan, index: int, cost: StagePlanCost) -> StageTiming:
         # ZeRO-3 prefetches parameters: a task takes the longer of its compute and its gathers.
@@ -235,17 +243,24 @@ class Simulator:
 
     def _activation_memory(self, stage: Stage) -> tuple[float, float]:
         """(saved bytes kept per in-flight micro-batch, working bytes) per sample on one device."""
-        key = (stage.layers, stage.tp, stage.recompute)
+        key = (stage.layers, stage.tp, stage.recompute, sharding_key(stage.sharding))
         hit = self.coster.memory_memo.get(key)
         if hit is None:
             start, end = stage.layers
             blocks = [self.model.block_of(i) for i in range(start, end)]
             inputs = [self.model.block_of(i - 1).output_bytes if i > 0 else 0.0 for i in range(start, end)]
             saved = activation_bytes_per_sample(blocks, inputs, tp=stage.tp, recompute=stage.recompute)
+            if stage.sharding and stage.tp > 1 and not stage.recompute:
+                saved = sum(self._saved_split(self.model.block_of(i), stage) for i in range(start, end))
             working = (recompute_working_bytes_per_sample(blocks, tp=stage.tp, recompute=stage.recompute)
                        + transient_bytes_per_sample(blocks, tp=stage.tp))
             hit = self.coster.memory_memo[key] = (saved, working)
         return hit
+
+    def _saved_split(self, block: Block, stage: Stage) -> float:
+        """Saved bytes per sample of one block on one device: split ops keep 1/tp, replicated ones all."""
+        strategies = self.coster.sharded(block.hash, stage.sharding).strategies
+        return sum(op.saved_bytes / (stage.tp if divides(strategies[op.name]) else 1) for op in block.ops)
 
     def _stage_memory(self, stage: Stage, cost: StagePlanCost, samples: float, per_sample: tuple[float, float],
                       in_flight: int) -> DeviceMemory:

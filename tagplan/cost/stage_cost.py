@@ -56,10 +56,11 @@ class StageCoster:
         self.params_memo: dict[tuple[object, ...], float] = {}
         self.spec_memo: dict[tuple[int, ...], DeviceSpec] = {}
         self.counts_memo: dict[tuple[int, int], Counter[str]] = {}
+        self.class_memo: dict[tuple[int, ...], tuple[object, ...]] = {}
 
     def sharded(self, block_hash: str, overrides: dict[str, ShardStrategy] | None) -> ShardedBlock:
         """The block's strategies and all-reduces under the plan's overrides (memoised)."""
-        key = (block_hash, _sharding_key(overrides))
+        key = (block_hash, sharding_key(overrides))
         hit = self.shard_memo.get(key)
         if hit is None:
             hit = self.shard_memo[key] = shard_block(self.model.block_by_hash[block_hash], overrides)
@@ -90,7 +91,7 @@ class StageCoster:
 
     def local_params(self, stage: Stage) -> float:
         """Parameters one device of the stage holds (before ZeRO)."""
-        key = (stage.layers, stage.tp, _sharding_key(stage.sharding))
+        key = (stage.layers, stage.tp, sharding_key(stage.sharding))
         hit = self.params_memo.get(key)
         if hit is None:
             hit = self.params_memo[key] = self._local_params(stage)
@@ -112,7 +113,7 @@ class StageCoster:
 
     def _block(self, block_hash: str, sharded: ShardedBlock, spec: DeviceSpec, tp: int, samples: float,
                overrides: dict[str, ShardStrategy] | None) -> BlockTime:
-        key = (block_hash, spec.name, self.workload.dtype, tp, samples, _sharding_key(overrides))
+        key = (block_hash, spec.name, self.workload.dtype, tp, samples, sharding_key(overrides))
         hit = self.block_memo.get(key)
         if hit is None:
             hit = self.block_memo[key] = block_time(
@@ -125,7 +126,8 @@ class StageCoster:
         """(forward, backward) seconds of the block's per-micro-batch collectives on `group`."""
         if len(group) < 2 or not sharded.comms:
             return 0.0, 0.0
-        key = (block_hash, group, samples, _sharding_key(overrides))
+        # Keyed by the group's link class, not its device ids: equal meshes on equal links share it.
+        key = (block_hash, self.link_class(group), samples, sharding_key(overrides))
         hit = self.tp_memo.get(key)
         if hit is None:
             forward = backward = 0.0
@@ -141,6 +143,19 @@ class StageCoster:
             hit = self.tp_memo[key] = (forward, backward)
         return hit
 
+    def link_class(self, group: tuple[int, ...]) -> tuple[object, ...]:
+        """What a collective's time depends on: size, node spread and the group's link figures."""
+        hit = self.class_memo.get(group)
+        if hit is None:
+            hit = self.class_memo[group] = self._link_class(group)
+        return hit
+
+    def _link_class(self, group: tuple[int, ...]) -> tuple[object, ...]:
+        topo = self.comm.topology(group)
+        return (topo.size, topo.num_nodes, topo.k, topo.k_min, topo.ring_bandwidth_Bps, topo.ring_latency_s,
+                topo.slowest_intra_bandwidth_Bps, topo.slowest_intra_latency_s, topo.inter_bandwidth_Bps,
+                topo.inter_latency_s, topo.alltoall_intra_s_per_B)
+
     def per_iteration_tp_s(self, stage: Stage) -> float:
         """Seconds of once-per-iteration TP collectives (weight gradients of token-split matmuls)."""
         if stage.tp < 2:
@@ -154,5 +169,5 @@ class StageCoster:
         return total
 
 
-def _sharding_key(overrides: dict[str, ShardStrategy] | None) -> ShardingKey:
+def sharding_key(overrides: dict[str, ShardStrategy] | None) -> ShardingKey:
     return tuple(sorted((k, v.value) for k, v in overrides.items())) if overrides else ()

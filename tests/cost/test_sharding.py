@@ -51,3 +51,22 @@ def test_overrides_change_the_communication() -> None:
     block = load_model("gpt?layers=1&hidden=256&heads=4&vocab=100", seq_len=32).block_of(1)
     swapped = shard_block(block, {"mlp.fc1": S.ROW})
     assert len(swapped.comms) > len(shard_block(block).comms)  # fc1's input must now be split first
+
+
+def test_traced_gpt2_collectives_follow_views_and_find_the_block_output() -> None:
+    spec = "hf:GPT2Config?n_layer=1&n_embd=128&n_head=4&vocab_size=100&bos_token_id=0&eos_token_id=0"
+    model = load_model(spec, seq_len=16)
+    names = [layer.name for layer in model.layers]
+    block = model.block_of(names.index("h.0"))
+    events = shard_block(block).comms
+    assert sorted(c.collective.value for c in events if not c.backward) == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+    assert sorted(c.collective.value for c in events if c.backward) == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+    assert all(c.bytes_per_sample > 0 for c in events)
+
+
+def test_embedding_reduces_once_and_the_head_keeps_vocab_parallel_logits() -> None:
+    model = load_model("gpt?layers=1&hidden=128&heads=4&vocab=100", seq_len=16)
+    embed = shard_block(model.block_of(0)).comms
+    assert [(c.collective.value, c.backward) for c in embed] == [("reduce_scatter", False), ("all_gather", True)]
+    head = shard_block(model.block_of(len(model.layers) - 1)).comms
+    assert "all_to_all" not in {c.collective.value for c in head}

@@ -1,0 +1,169 @@
+"""The decision process: a state is a partial plan; each action fills one small decision.
+
+Order of decisions: pipeline depth -> device groups of the stages -> tensor-parallel degree of
+each stage (data parallel is the rest of its group) -> each layer boundary, among candidates
+near the compute-balanced split for the stages' real speeds -> batch shares across unequal
+replicas (even or by speed) -> micro-batches -> recomputation and ZeRO. Every action is legal
+by construction, so every terminal state is a valid Plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
+
+from tagplan.cost.simulator import Simulator
+from tagplan.ir.plan import Plan, Schedule, Stage
+from tagplan.search.groups import Partition, partitions, stage_counts, tp_options
+
+MEMORY_OPTIONS: tuple[tuple[bool, int], ...] = ((False, 1), (False, 0), (False, 2), (False, 3), (True, 1), (True, 3))
+
+
+@dataclass(frozen=True)
+class PlanState:
+    """A partial plan; None (or a short tuple) marks decisions not taken yet."""
+
+    stages: int | None = None
+    groups: Partition | None = None
+    tps: tuple[int, ...] = ()
+    bounds: tuple[int, ...] = ()  # end layer of each stage but the last
+    balanced_shares: bool | None = None
+    micro_batches: int | None = None
+    memory: tuple[bool, int] | None = None  # (recompute, ZeRO stage)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One decision: which field it fills and the value."""
+
+    field: str
+    value: object
+
+
+class PlanSpace:
+    """The decision process over plans of one (model, cluster, workload) — an MCTS Environment."""
+
+    def __init__(self, sim: Simulator, *, max_stages: int = 64, boundary_radius: int = 2) -> None:
+        self.sim = sim
+        self.layers = len(sim.model.layers)
+        self.max_stages = min(max_stages, self.layers, sim.cluster.num_devices)
+        self.radius = boundary_radius
+
+    @cached_property
+    def layer_flops(self) -> list[float]:
+        """Forward FLOPs per sample of each layer (plus a small floor so empty layers still weigh)."""
+        return [max(self.sim.model.block_of(i).flops, 1.0) for i in range(self.layers)]
+
+    def actions(self, state: PlanState) -> list[Action]:
+        """Legal actions from `state`, most natural first; empty when the plan is complete."""
+        if state.stages is None:
+            return [Action("stages", s) for s in stage_counts(self.sim.cluster, self.max_stages)]
+        if state.groups is None:
+            return [Action("groups", g) for g in partitions(self.sim.cluster, state.stages, self.sim.workload.dtype)]
+        if len(state.tps) < state.stages:
+            group = state.groups[len(state.tps)]
+            return [Action("tps", t) for t in reversed(tp_options(self.sim.cluster, group))]
+        if len(state.bounds) < state.stages - 1:
+            return [Action("bounds", b) for b in self._boundary_candidates(state)]
+        if state.balanced_shares is None:
+            return [Action("balanced_shares", v) for v in ((True, False) if self._unequal(state) else (False,))]
+        if state.micro_batches is None:
+            return [Action("micro_batches", m) for m in self._micro_batch_candidates(state)]
+        if state.memory is None:
+            return [Action("memory", m) for m in MEMORY_OPTIONS]
+        return []
+
+    def step(self, state: PlanState, action: Action) -> PlanState:
+        """The state with `action`'s decision filled in."""
+        changes: dict[str, Any] = {action.field: action.value}
+        if action.field in ("tps", "bounds"):
+            changes[action.field] = (*getattr(state, action.field), action.value)
+        return replace(state, **changes)
+
+    def is_terminal(self, state: PlanState) -> bool:
+        """Whether every decision is taken."""
+        return state.memory is not None
+
+    def complete(self, state: PlanState) -> PlanState:
+        """The default policy: take each remaining decision's first (most natural) candidate."""
+        while not self.is_terminal(state):
+            options = self.actions(state)
+            if not options:
+                raise RuntimeError(f"dead end in the decision process at {state}")
+            state = self.step(state, self._default(state, options))
+        return state
+
+    def _default(self, state: PlanState, options: list[Action]) -> Action:
+        if state.groups is not None and len(state.tps) < len(state.groups):
+            return self._default_tp(state, options)
+        return options[0]
+
+    def _default_tp(self, state: PlanState, options: list[Action]) -> Action:
+        """The smallest TP whose weights and optimizer state take under half a device (ZeRO-1)."""
+        group = state.groups[len(state.tps)] if state.groups else ()
+        share = self.sim.model.params / max(state.stages or 1, 1)
+        memory = min(self.sim.cluster.devices[d].spec.mem_bytes for d in group)
+        for action in reversed(options):  # options are largest-first
+            tp = int(str(action.value))
+            dp = len(group) // tp
+            if share / tp * (4 + 12 / dp) < 0.5 * memory:
+                return action
+        return options[0]
+
+    def _boundary_candidates(self, state: PlanState) -> list[int]:
+        """Layer cut after the balanced point for the stages' speeds, and its neighbours."""
+        k = len(state.bounds)
+        start = state.bounds[-1] if state.bounds else 0
+        remaining = state.stages - k if state.stages else 1
+        speeds = [self._speed(g) for g in (state.groups or ())[k:]]
+        target = sum(self.layer_flops[start:]) * speeds[0] / sum(speeds)
+        acc, ideal = 0.0, start + 1
+        for i in range(start, self.layers):
+            acc += self.layer_flops[i]
+            if acc >= target:
+                ideal = i + 1 if acc - target < target - (acc - self.layer_flops[i]) else max(i, start + 1)
+                break
+        low, high = start + 1, self.layers - (remaining - 1)
+        cands = [min(max(ideal + d, low), high) for d in (0, 1, -1, 2, -2)[: 2 * self.radius + 1]]
+        return list(dict.fromkeys(cands))
+
+    def _speed(self, group: tuple[int, ...]) -> float:
+        return sum(self.sim.cluster.devices[d].spec.peak_flops(self.sim.workload.dtype) for d in group)
+
+    def _unequal(self, state: PlanState) -> bool:
+        for group, tp in zip(state.groups or (), state.tps, strict=False):
+            names = {self.sim.cluster.devices[group[r * tp]].spec.name for r in range(len(group) // tp)}
+            if len(names) > 1:
+                return True
+        return False
+
+    def _micro_batch_candidates(self, state: PlanState) -> list[int]:
+        """Micro-batch counts that split the batch evenly over every stage's replicas, near 4 x depth."""
+        batch = self.sim.workload.global_batch
+        dps = [len(g) // t for g, t in zip(state.groups or (), state.tps, strict=True)]
+        valid = [m for m in range(1, batch + 1)
+                 if batch % m == 0 and all((batch // m) % dp == 0 or state.balanced_shares for dp in dps)]
+        if not valid:
+            valid = [m for m in range(1, batch + 1) if batch % m == 0 and batch // m >= max(dps)] or [1]
+        depth = state.stages or 1
+        return sorted(valid, key=lambda m: (abs(m - 4 * depth) / (4 * depth), m))[:6]
+
+    def to_plan(self, state: PlanState) -> Plan:
+        """The Plan a terminal state describes."""
+        assert state.groups is not None and state.micro_batches is not None and state.memory is not None
+        recompute, zero = state.memory
+        bounds = [0, *state.bounds, self.layers]
+        stages = []
+        for i, (group, tp) in enumerate(zip(state.groups, state.tps, strict=True)):
+            dp = len(group) // tp
+            shares = self._shares(group, tp) if state.balanced_shares and dp > 1 else None
+            stages.append(Stage(layers=(bounds[i], bounds[i + 1]), devices=group, dp=dp, tp=tp, batch_shares=shares,
+                                recompute=recompute, zero=zero if dp > 1 else 0))
+        return Plan(micro_batches=state.micro_batches, schedule=Schedule.ONE_F_ONE_B, stages=tuple(stages))
+
+    def _shares(self, group: tuple[int, ...], tp: int) -> tuple[float, ...] | None:
+        speeds = [self._speed(group[r * tp:(r + 1) * tp]) for r in range(len(group) // tp)]
+        if len(set(speeds)) == 1:
+            return None
+        return tuple(s / sum(speeds) for s in speeds)
