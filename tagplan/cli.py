@@ -6,13 +6,15 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from tagplan.cost.comm import CommMode
 from tagplan.errors import SpecError
 from tagplan.ir.workload import DType, Optimizer, Workload
+from tagplan.search.result import Objective
 
 EXIT_BAD_INPUT = 2
 
@@ -136,6 +138,66 @@ def _console() -> Any:
     return Console(width=None if sys.stdout.isatty() else 160)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    cmd = sub.add_parser("plan", help="search the best plan: MCTS judged by the simulator, with baselines")
+    cmd.add_argument("--model", required=True, help="model SPEC")
+    cmd.add_argument("--cluster", required=True, help="cluster SPEC")
+    cmd.add_argument("--batch", type=_positive_int, default=None, help="global batch in samples (default 8)")
+    cmd.add_argument("--seq", type=_positive_int, default=None, help="tokens per sample (default: the model's)")
+    cmd.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
+    cmd.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adam")
+    cmd.add_argument("--budget-s", type=float, default=30.0, help="wall-clock budget of the search (seconds)")
+    cmd.add_argument("--max-evaluations", type=_positive_int, default=400, help="plans simulated at most")
+    cmd.add_argument("--objective", choices=[o.value for o in Objective], default="time")
+    cmd.add_argument("--time-bound-s", type=float, default=None,
+                     help="for --objective memory|gpus: slowest acceptable iteration (default 1.25 x the fastest)")
+    cmd.add_argument("--exhaustive-limit", type=int, default=0,
+                     help="also enumerate the whole space when it has at most this many plans")
+    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--out", default=None, metavar="PLAN.json", help="write the best plan (Plan JSON v1)")
+    cmd.add_argument("--json", action="store_true", help="the full result as JSON on stdout")
+    cmd.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.frontends.model_spec import load_model
+    from tagplan.search.planner import plan
+    from tagplan.views import plan_result_table
+
+    if args.budget_s <= 0:
+        raise SpecError(f"--budget-s {args.budget_s}: must be a positive number of seconds")
+    dtype = DType(args.dtype)
+    model = load_model(args.model, seq_len=args.seq, dtype=dtype)
+    cluster = load_cluster(args.cluster)
+    workload = Workload(global_batch=args.batch or 8, seq_len=model.seq_len, dtype=dtype,
+                        optimizer=Optimizer(args.optimizer))
+    with _progress(args.max_evaluations, enabled=not args.json and sys.stderr.isatty()) as tick:
+        result = plan(model, cluster, workload, objective=Objective(args.objective), budget_s=args.budget_s,
+                      max_evaluations=args.max_evaluations, seed=args.seed, time_bound_s=args.time_bound_s,
+                      exhaustive_limit=args.exhaustive_limit, progress=tick)
+    if args.out:
+        Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))
+    if args.json:
+        sys.stdout.write(json.dumps(result.to_json()) + "\n")
+    else:
+        _console().print(plan_result_table(result))
+    return 0
+
+
+@contextmanager
+def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar on a terminal; nothing when piped."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("searching plans", total=total)
+        yield lambda done, _total: bar.update(task, completed=done)
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="inspect the default example model and cluster")
     demo.add_argument("--model", default="gpt3-1.3b")
@@ -157,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_inspect(sub)
     _add_simulate(sub)
+    _add_plan(sub)
     _add_demo(sub)
     return parser
 

@@ -11,6 +11,7 @@ from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan
 from tagplan.ir.workload import DType
+from tagplan.search.result import Candidate, PlanResult
 
 
 def model_summary(model: ModelGraph, *, batch: int = 1) -> dict[str, Any]:
@@ -127,4 +128,31 @@ def report_table(report: Report, plan: Plan) -> Table:
                       f"{s.forward_s * 1e3:.2f} ms", f"{s.backward_s * 1e3:.2f} ms", f"{s.tp_comm_s * 1e3:.2f} ms",
                       f"{s.dp_sync_s * 1e3:.2f} ms", f"{s.p2p_s * 1e3:.3f} ms", str(s.in_flight), str(stage.zero),
                       "yes" if stage.recompute else "no")
+    return table
+
+
+def plan_result_table(result: PlanResult) -> Table:
+    """The best plan beside the baselines and the frontier, for people."""
+    best = result.best
+    title = (f"best plan ({best.source}, objective {result.objective.value}): {best.report.iteration_time_s:.3f} s "
+             f"per iteration, {best.report.throughput_samples_s:.2f} samples/s, MFU {best.report.mfu:.1%}, "
+             f"peak {_si(best.report.peak_memory_bytes, 'B')} | searched {result.search.evaluations} plans in "
+             f"{result.search.wall_s:.1f} s")
+    table = Table(title=title)
+    for col in ("plan", "stages (layers: dp x tp @ devices)", "micro-batches", "iteration", "samples/s",
+                "peak memory", "GPUs", "vs best"):
+        table.add_column(col)
+    rows: list[tuple[str, Candidate | None, str]] = [("best", best, "")]
+    rows += [(name, b.candidate, b.reason) for name, b in result.baselines.items()]
+    rows += [(f"pareto {i}", c, "") for i, c in enumerate(result.pareto)]
+    for name, cand, reason in rows:
+        if cand is None:
+            table.add_row(name, f"n/a: {reason}", "", "", "", "", "", "")
+            continue
+        stages = "; ".join(f"[{s.layers[0]},{s.layers[1]}): {s.dp}x{s.tp} @ {s.devices[0]}..{s.devices[-1]}"
+                           for s in cand.plan.stages)
+        r = cand.report
+        table.add_row(name, stages, str(cand.plan.micro_batches), f"{r.iteration_time_s:.3f} s",
+                      f"{r.throughput_samples_s:.2f}", _si(r.peak_memory_bytes, "B"), str(r.devices_used),
+                      f"{r.iteration_time_s / best.report.iteration_time_s:.2f}x")
     return table

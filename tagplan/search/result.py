@@ -1,0 +1,83 @@
+"""What the planner returns: the best plan, the frontier, the baselines, and search statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from tagplan.cost.report import Report
+from tagplan.ir.plan import Plan
+
+
+class Objective(StrEnum):
+    """What "best" means."""
+
+    TIME = "time"  # minimise iteration time among plans that fit
+    MEMORY = "memory"  # minimise peak memory per device, within the time bound
+    GPUS = "gpus"  # minimise GPUs used, within the time bound
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A simulated plan and where it came from (search, a baseline, exhaustive)."""
+
+    plan: Plan
+    report: Report
+    source: str = "search"
+
+    @property
+    def objectives(self) -> tuple[float, float, float]:
+        """(iteration seconds, peak bytes per device, GPUs used), all minimised."""
+        return (self.report.iteration_time_s, self.report.peak_memory_bytes, float(self.report.devices_used))
+
+    def to_json(self) -> dict[str, Any]:
+        """`{plan, report, source}` as plain JSON values."""
+        return {"plan": self.plan.model_dump(mode="json"), "report": self.report.model_dump(mode="json"),
+                "source": self.source}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A baseline's simulated plan, or None with the reason it does not apply or fit."""
+
+    name: str
+    candidate: Candidate | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SearchInfo:
+    """Search statistics."""
+
+    wall_s: float
+    evaluations: int
+    cache_hits: int
+    simulations: int
+    stopped_by: str
+    intra_solves: int = 0
+    intra_cache_hits: int = 0
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The planner's answer."""
+
+    best: Candidate
+    pareto: tuple[Candidate, ...]
+    baselines: dict[str, Baseline]
+    search: SearchInfo
+    objective: Objective = Objective.TIME
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        """`{best, pareto, baselines, baseline_reasons, search}` (the CLI's and service's contract)."""
+        return {
+            "objective": self.objective.value,
+            "best": self.best.to_json(),
+            "pareto": [c.to_json() for c in self.pareto],
+            "baselines": {name: (b.candidate.to_json() if b.candidate else None) for name, b in self.baselines.items()},
+            "baseline_reasons": {name: b.reason for name, b in self.baselines.items() if b.candidate is None},
+            "search": vars(self.search),
+            "notes": list(self.notes),
+        }
