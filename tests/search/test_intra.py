@@ -1,0 +1,45 @@
+from tagplan.cost.calibration import DEFAULT_CALIBRATION
+from tagplan.cost.comm import CommModel
+from tagplan.cost.sharding import default_strategies
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir import DType, ShardStrategy
+from tagplan.search.intra import solve_block
+
+
+def solutions(spec: str, cluster_spec: str, seq: int, tp: int, micro_batches: int = 8):
+    cluster = load_cluster(cluster_spec)
+    comm = CommModel(cluster)
+    group = tuple(range(tp))
+    block = load_model(spec, seq_len=seq).block_of(1)
+    sols = solve_block(block, tp=tp, samples=1, spec=cluster.devices[0].spec, dtype=DType.BF16,
+                       calibration=DEFAULT_CALIBRATION,
+                       comm=lambda c, n: comm.collective(c, group, n).time_s, micro_batches=micro_batches)
+    return block, sols
+
+
+def test_recovers_megatron_column_row_pattern_as_the_least_memory_plan() -> None:
+    for spec in ("gpt?layers=1&hidden=2048&heads=16&vocab=100", "llama?layers=1&hidden=2048&heads=16&vocab=100"):
+        block, sols = solutions(spec, "dgx-a100-80gb", 2048, 4)
+        leanest = min(sols, key=lambda s: s.memory_bytes)
+        megatron = default_strategies(block)
+        matmuls = [op.name for op in block.ops if op.kind.value == "matmul"]
+        assert {n: leanest.strategies[n] for n in matmuls} == {n: megatron[n] for n in matmuls}
+        assert leanest.strategies["attn.sdpa"] is ShardStrategy.HEADS
+
+
+def test_frontier_is_sorted_and_non_dominated() -> None:
+    _, sols = solutions("gpt?layers=1&hidden=1024&heads=16&vocab=100", "dgx-a100-80gb", 512, 4)
+    assert sols
+    for a, b in zip(sols, sols[1:], strict=False):
+        assert a.time_s <= b.time_s and a.memory_bytes > b.memory_bytes
+
+
+def test_slow_links_push_the_fastest_plan_away_from_activation_collectives() -> None:
+    """On PCIe T4s the time-optimal plan splits tokens (DP-like) rather than paying per-layer collectives."""
+    block, fast = solutions("gpt?layers=1&hidden=1024&heads=16&vocab=100", "dgx-a100-80gb", 1024, 4, 64)
+    _, slow = solutions("gpt?layers=1&hidden=1024&heads=16&vocab=100", "g4dn.12xlarge", 1024, 4, 64)
+    megatron = default_strategies(block)
+    assert slow[0].strategies["mlp.fc1"] is not megatron["mlp.fc1"] or slow[0].strategies["attn.q"] is not \
+        megatron["attn.q"]
+    assert fast[0].time_s < slow[0].time_s

@@ -1,0 +1,84 @@
+import json
+
+import pytest
+
+from tagplan.cli import main
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir import Workload
+from tagplan.search.pareto import dominates
+from tagplan.search.planner import plan
+from tagplan.search.result import Objective
+
+SMALL = [
+    ("gpt?layers=4&hidden=256&heads=4&vocab=500", "p3.8xlarge+g4dn.12xlarge", 16),
+    ("llama?layers=4&hidden=256&heads=4&vocab=500", "dgx-a100-80gb+g4dn.12xlarge", 16),
+    ("gpt?layers=6&hidden=512&heads=8&vocab=500", "p3.8xlarge:nodes=2", 8),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "cluster", "batch"), SMALL)
+def test_planner_matches_the_exhaustive_optimum_on_small_heterogeneous_cases(model: str, cluster: str,
+                                                                              batch: int) -> None:
+    result = plan(load_model(model, seq_len=256), load_cluster(cluster), Workload(global_batch=batch, seq_len=256),
+                  max_evaluations=400, budget_s=60, exhaustive_limit=20000)
+    exhaustive = result.baselines["exhaustive"].candidate
+    assert exhaustive is not None
+    assert result.best.report.iteration_time_s <= exhaustive.report.iteration_time_s * 1.02
+
+
+def test_tp_stays_inside_nvlink_nodes_and_not_across_a_slow_network() -> None:
+    result = plan(load_model("gpt?layers=8&hidden=2048&heads=16&vocab=1000", seq_len=1024),
+                  load_cluster("p3.8xlarge:nodes=2"), Workload(global_batch=16, seq_len=1024), max_evaluations=150)
+    cluster = load_cluster("p3.8xlarge:nodes=2")
+    for stage in result.best.plan.stages:
+        for r in range(stage.dp):
+            nodes = {cluster.devices[d].node for d in stage.replica(r)}
+            assert len(nodes) == 1
+
+
+def test_faster_gpus_get_more_layers_or_batch() -> None:
+    result = plan(load_model("gpt?layers=12&hidden=1024&heads=16&vocab=1000", seq_len=512),
+                  load_cluster("dgx-a100-80gb+g4dn.12xlarge"), Workload(global_batch=32, seq_len=512),
+                  max_evaluations=200)
+    cluster = load_cluster("dgx-a100-80gb+g4dn.12xlarge")
+    best = result.best.plan
+    per_device: dict[str, list[float]] = {}
+    for stage in best.stages:
+        shares = stage.shares()
+        for r in range(stage.dp):
+            work = stage.num_layers * shares[r] / stage.tp
+            for d in stage.replica(r):
+                per_device.setdefault(cluster.devices[d].spec.name, []).append(work)
+    if "T4" in per_device:  # the plan may also leave the slow node to a small share
+        assert max(per_device["T4"]) <= max(per_device["A100-SXM-80GB"])
+    assert result.best.report.iteration_time_s <= min(
+        b.candidate.report.iteration_time_s for b in result.baselines.values() if b.candidate)
+
+
+def test_frontier_is_non_dominated_and_same_seed_same_plan() -> None:
+    args = (load_model("gpt?layers=6&hidden=512&heads=8&vocab=500", seq_len=256), load_cluster("p3.8xlarge:nodes=2"),
+            Workload(global_batch=16, seq_len=256))
+    a = plan(*args, max_evaluations=80, seed=3)
+    b = plan(*args, max_evaluations=80, seed=3)
+    assert a.best.plan == b.best.plan
+    for x in a.pareto:
+        assert not any(dominates(y.objectives, x.objectives) for y in a.pareto)
+    memory = plan(*args, max_evaluations=80, seed=3, objective=Objective.MEMORY)
+    assert memory.best.report.peak_memory_bytes <= a.best.report.peak_memory_bytes
+    assert memory.best.report.iteration_time_s <= 1.25 * a.best.report.iteration_time_s + 1e-12
+
+
+def test_cli_plan_beats_both_baselines(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "gpt3-1.3b", "--cluster", "p3.8xlarge:nodes=3+g4dn.12xlarge:nodes=1", "--batch", "32",
+            "--seq", "1024", "--json", "--max-evaluations", "150"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"best", "pareto", "baselines", "search"}
+    best = out["best"]["report"]["iteration_time_s"]
+    for name in ("data_parallel", "megatron"):
+        baseline = out["baselines"][name]
+        assert baseline is None and out["baseline_reasons"][name] or best <= baseline["report"]["iteration_time_s"]
+    assert out["baselines"]["exhaustive"] is None and "exhaustive" in out["baseline_reasons"]
+    assert out["search"]["evaluations"] <= 150 and out["search"]["wall_s"] > 0

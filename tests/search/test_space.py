@@ -1,0 +1,47 @@
+from tagplan.cost.simulator import Simulator
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir import Workload
+from tagplan.search.exhaustive import terminals
+from tagplan.search.groups import partitions, tp_options
+from tagplan.search.space import PlanSpace, PlanState
+
+
+def space(model: str, cluster: str, batch: int = 8, seq: int = 128) -> PlanSpace:
+    return PlanSpace(Simulator(load_model(model, seq_len=seq), load_cluster(cluster), Workload(global_batch=batch,
+                                                                                               seq_len=seq)))
+
+
+def test_every_terminal_is_a_valid_plan_covering_the_model() -> None:
+    sp = space("gpt?layers=4&hidden=128&heads=4&vocab=100", "p3.8xlarge+g4dn.12xlarge")
+    states = terminals(sp, limit=20000)
+    assert states
+    for state in states[:: max(len(states) // 200, 1)]:
+        plan = sp.to_plan(state)
+        assert plan.stages[0].layers[0] == 0 and plan.stages[-1].layers[1] == 6
+        assert sorted(plan.devices) == list(range(8))
+
+
+def test_tp_groups_never_cross_nodes() -> None:
+    cluster = load_cluster("dgx-a100-80gb:nodes=2")
+    assert tp_options(cluster, tuple(range(16))) == [1, 2, 4, 8]
+    mixed = load_cluster("dgx-a100-80gb+g4dn.12xlarge")
+    assert 8 not in tp_options(mixed, tuple(range(12)))  # the T4 node has only 4 GPUs
+    for part in partitions(mixed, 2, space("gpt?layers=2&hidden=64&heads=4&vocab=10", "dgx-a100-80gb")
+                           .sim.workload.dtype):
+        assert sorted(d for group in part for d in group) == list(range(12))
+
+
+def test_boundaries_give_faster_stages_more_layers() -> None:
+    sp = space("gpt?layers=24&hidden=256&heads=4&vocab=100", "dgx-a100-80gb+g4dn.12xlarge")
+    state = PlanState(stages=2)
+    fast_first = next(a.value for a in sp.actions(state) if a.value[0][0] == 0)  # A100 node first
+    state = PlanState(stages=2, groups=fast_first, tps=(1, 1))
+    cut = sp.actions(state)[0].value
+    assert cut > 13  # 8 A100s (312 TFLOP/s each) against 4 T4s (65): most of the 26 layers go first
+
+
+def test_default_completion_is_deterministic_and_terminal() -> None:
+    sp = space("gpt?layers=4&hidden=128&heads=4&vocab=100", "dgx-a100-80gb")
+    a, b = sp.complete(PlanState()), sp.complete(PlanState())
+    assert a == b and sp.is_terminal(a)
