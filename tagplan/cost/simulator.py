@@ -59,11 +59,13 @@ class Simulator:
     """Simulates plans of one model on one cluster and workload; reuse it to share memo tables."""
 
     def __init__(self, model: ModelGraph, cluster: Cluster, workload: Workload, *,
-                 calibration: Calibration = DEFAULT_CALIBRATION, comm_mode: CommMode = CommMode.TOPOLOGY) -> None:
+                 calibration: Calibration = DEFAULT_CALIBRATION, comm_mode: CommMode = CommMode.TOPOLOGY,
+                 fold: bool = True) -> None:
+        """`fold=False` costs every layer on its own and keeps no memo between plans (for ablation)."""
         self.model, self.cluster, self.workload = model, cluster, workload
         self.calibration, self.comm_mode = calibration, comm_mode
         self.comm = CommModel(cluster, comm_mode)
-        self.coster = StageCoster(model, cluster, workload, calibration, self.comm)
+        self.coster = StageCoster(model, cluster, workload, calibration, self.comm, fold=fold)
         self._model_flops = sum(model_flops(model.block_of(i)) for i in range(len(model.layers)))
 
     def simulate(self, plan: Plan) -> Report:
@@ -77,6 +79,8 @@ class Simulator:
         the pipeline simulation).
         """
         _check(plan, self.model, self.cluster, self.workload)
+        if not self.coster.fold:
+            self.coster.clear()
         costs = [self._stage(plan, i) for i in range(len(plan.stages))]
         lanes = _lanes(plan)
         timings = [self._timing(plan, i, c) for i, c in enumerate(costs)]

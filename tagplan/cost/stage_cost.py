@@ -46,8 +46,9 @@ class StageCoster:
     """Costs stages of plans for one (model, cluster, workload), with keyed memo tables."""
 
     def __init__(self, model: ModelGraph, cluster: Cluster, workload: Workload, calibration: Calibration,
-                 comm: CommModel) -> None:
+                 comm: CommModel, *, fold: bool = True) -> None:
         self.model, self.cluster, self.workload = model, cluster, workload
+        self.fold = fold
         self.calibration, self.comm = calibration, comm
         self.block_memo: dict[tuple[object, ...], BlockTime] = {}
         self.tp_memo: dict[tuple[object, ...], tuple[float, float]] = {}
@@ -74,12 +75,24 @@ class StageCoster:
             hit = self.counts_memo[stage.layers] = Counter(self.model.layers[i].block for i in range(start, end))
         return hit
 
+    def units(self, stage: Stage) -> list[tuple[str, int]]:
+        """(block hash, layers) to cost: one entry per unique block when folding, per layer otherwise."""
+        if self.fold:
+            return list(self.block_counts(stage).items())
+        start, end = stage.layers
+        return [(self.model.layers[i].block, 1) for i in range(start, end)]
+
+    def clear(self) -> None:
+        """Forget every memoised cost (what the search does without folding)."""
+        for table in (self.block_memo, self.tp_memo, self.shard_memo, self.memory_memo, self.params_memo):
+            table.clear()
+
     def replica(self, stage: Stage, replica: int, samples: float) -> ReplicaCost:
         """Per-micro-batch seconds of one replica processing `samples` samples."""
         group = stage.replica(replica)
         spec = self.slowest(group)
         fwd = bwd = tp_f = tp_b = 0.0
-        for block_hash, count in self.block_counts(stage).items():
+        for block_hash, count in self.units(stage):
             sharded = self.sharded(block_hash, stage.sharding)
             t = self._block(block_hash, sharded, spec, stage.tp, samples, stage.sharding)
             comm_f, comm_b = self._tp(block_hash, sharded, group, samples, stage.sharding)

@@ -67,10 +67,15 @@ def plan(model: ModelGraph, cluster: Cluster, workload: Workload, *, objective: 
          budget_s: float = 30.0, max_evaluations: int = 400, seed: int = 0, prior: Prior | None = None,
          evaluator: Evaluator | None = None, time_bound_s: float | None = None,
          calibration: Calibration = DEFAULT_CALIBRATION, comm_mode: CommMode = CommMode.TOPOLOGY,
-         exhaustive_limit: int = 0, progress: Callable[[int, int], None] | None = None) -> PlanResult:
-    """Search plans of `model` on `cluster` for `workload` and return the best, frontier and baselines."""
+         exhaustive_limit: int = 0, progress: Callable[[int, int], None] | None = None,
+         fold: bool = True) -> PlanResult:
+    """Search plans of `model` on `cluster` for `workload` and return the best, frontier and baselines.
+
+    `fold=False` disables block folding (every layer costed on its own, no memo between plans):
+    an ablation for the benchmark.
+    """
     start = time.perf_counter()
-    sim = Simulator(model, cluster, workload, calibration=calibration, comm_mode=comm_mode)
+    sim = Simulator(model, cluster, workload, calibration=calibration, comm_mode=comm_mode, fold=fold)
     space = PlanSpace(sim)
     judge = SimulatorEvaluator(space)
     found = mcts(space, PlanState(), prior=prior or uniform_prior, evaluator=evaluator or judge,

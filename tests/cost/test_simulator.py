@@ -211,3 +211,14 @@ def test_bytes_only_mode_ignores_the_topology() -> None:
               for c in (fast, slow)]
     assert topo[0] < topo[1]
     assert volume[0] == pytest.approx(volume[1])
+
+
+def test_folding_changes_speed_not_results() -> None:
+    model = load_model("gpt?layers=6&hidden=256&heads=4&vocab=500", seq_len=128)
+    cluster, workload = load_cluster("dgx-a100-80gb"), Workload(global_batch=16, seq_len=128)
+    plan = Plan(micro_batches=4, stages=(Stage(layers=(0, 4), devices=(0, 1, 2, 3), dp=2, tp=2, zero=1),
+                                         Stage(layers=(4, 8), devices=(4, 5, 6, 7), dp=1, tp=4)))
+    folded = Simulator(model, cluster, workload).simulate(plan)
+    unfolded = Simulator(model, cluster, workload, fold=False).simulate(plan)
+    assert unfolded.iteration_time_s == pytest.approx(folded.iteration_time_s, rel=1e-12)
+    assert unfolded.peak_memory_bytes == pytest.approx(folded.peak_memory_bytes, rel=1e-12)

@@ -1,3 +1,5 @@
+import itertools
+
 from tagplan.cost.calibration import DEFAULT_CALIBRATION
 from tagplan.cost.comm import CommModel
 from tagplan.cost.sharding import default_strategies
@@ -31,7 +33,7 @@ def test_recovers_megatron_column_row_pattern_as_the_least_memory_plan() -> None
 def test_frontier_is_sorted_and_non_dominated() -> None:
     _, sols = solutions("gpt?layers=1&hidden=1024&heads=16&vocab=100", "dgx-a100-80gb", 512, 4)
     assert sols
-    for a, b in zip(sols, sols[1:], strict=False):
+    for a, b in itertools.pairwise(sols):
         assert a.time_s <= b.time_s and a.memory_bytes > b.memory_bytes
 
 

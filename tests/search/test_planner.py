@@ -79,6 +79,6 @@ def test_cli_plan_beats_both_baselines(capsys: pytest.CaptureFixture[str]) -> No
     best = out["best"]["report"]["iteration_time_s"]
     for name in ("data_parallel", "megatron"):
         baseline = out["baselines"][name]
-        assert baseline is None and out["baseline_reasons"][name] or best <= baseline["report"]["iteration_time_s"]
+        assert (baseline is None and out["baseline_reasons"][name]) or best <= baseline["report"]["iteration_time_s"]
     assert out["baselines"]["exhaustive"] is None and "exhaustive" in out["baseline_reasons"]
     assert out["search"]["evaluations"] <= 150 and out["search"]["wall_s"] > 0
