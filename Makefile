@@ -38,6 +38,7 @@ bench: $(STAMP_RUN)
 	$(BIN)/python bench/frontends_speed.py
 	$(BIN)/python bench/simulator.py
 	$(BIN)/python bench/validate_megatron.py
+	$(BIN)/python bench/planner.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -209,7 +209,9 @@ def _demo(args: argparse.Namespace) -> int:
     for what, spec in (("model", args.model), ("cluster", args.cluster)):
         ns = build_parser().parse_args(["inspect", what, spec])
         ns.func(ns)
-    return 0
+    ns = build_parser().parse_args(["plan", "--model", args.model, "--cluster", args.cluster, "--batch", "32",
+                                    "--seq", "1024", "--max-evaluations", "200", "--budget-s", "20"])
+    return int(ns.func(ns))
 
 
 def build_parser() -> argparse.ArgumentParser:
