@@ -56,16 +56,6 @@ def model_state_bytes(params: float, workload: Workload, *, zero: int, dp: int) 
     return weights, grads, optim
 
 
-def activation_bytes_per_sample(blocks: list[Block], input_bytes: list[float], *, tp: int, recompute: bool) -> float:
-    """Saved bytes per sample per micro-batch on one device, kept until that micro-batch's backward.
-
-    `input_bytes[i]` is the activation entering `blocks[i]` (what recomputation keeps).
-    """
-    if recompute:
-        return sum(input_bytes) / tp
-    return sum(b.saved_bytes for b in blocks) / tp
-
-
 def recompute_working_bytes_per_sample(blocks: list[Block], *, tp: int, recompute: bool) -> float:
     """Extra bytes per sample live while one recomputed layer runs its backward."""
     return max((b.saved_bytes for b in blocks), default=0.0) / tp if recompute else 0.0

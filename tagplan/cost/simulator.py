@@ -17,7 +17,6 @@ from tagplan.cost.comm import Collective, CommMode, CommModel
 from tagplan.cost.compute import model_flops
 from tagplan.cost.memory import (
     DeviceMemory,
-    activation_bytes_per_sample,
     model_state_bytes,
     recompute_working_bytes_per_sample,
     transient_bytes_per_sample,
@@ -246,16 +245,21 @@ class Simulator:
         return parts
 
     def _activation_memory(self, stage: Stage) -> tuple[float, float]:
-        """(saved bytes kept per in-flight micro-batch, working bytes) per sample on one device."""
+        """(saved bytes kept per in-flight micro-batch, working bytes) per sample on one device.
+
+        Computed from the stage's unique blocks and counts (folding), not layer by layer.
+        """
         key = (stage.layers, stage.tp, stage.recompute, sharding_key(stage.sharding))
         hit = self.coster.memory_memo.get(key)
         if hit is None:
-            start, end = stage.layers
-            blocks = [self.model.block_of(i) for i in range(start, end)]
-            inputs = [self.model.block_of(i - 1).output_bytes if i > 0 else 0.0 for i in range(start, end)]
-            saved = activation_bytes_per_sample(blocks, inputs, tp=stage.tp, recompute=stage.recompute)
-            if stage.sharding and stage.tp > 1 and not stage.recompute:
-                saved = sum(self._saved_split(self.model.block_of(i), stage) for i in range(start, end))
+            units = [(self.model.block_by_hash[h], n) for h, n in self.coster.units(stage)]
+            blocks = [b for b, _ in units]
+            if stage.recompute:
+                saved = self.coster.input_bytes(stage) / stage.tp
+            elif stage.sharding and stage.tp > 1:
+                saved = sum(n * self._saved_split(b, stage) for b, n in units)
+            else:
+                saved = sum(n * b.saved_bytes for b, n in units) / stage.tp
             working = (recompute_working_bytes_per_sample(blocks, tp=stage.tp, recompute=stage.recompute)
                        + transient_bytes_per_sample(blocks, tp=stage.tp))
             hit = self.coster.memory_memo[key] = (saved, working)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 
 from tagplan.cost.calibration import Calibration
 from tagplan.cost.comm import CommModel
@@ -68,12 +69,38 @@ class StageCoster:
         return hit
 
     def block_counts(self, stage: Stage) -> Counter[str]:
-        """How many layers of each block hash the stage holds."""
+        """How many layers of each block hash the stage holds (prefix counts: O(unique blocks))."""
         hit = self.counts_memo.get(stage.layers)
         if hit is None:
             start, end = stage.layers
-            hit = self.counts_memo[stage.layers] = Counter(self.model.layers[i].block for i in range(start, end))
+            hit = Counter({h: p[end] - p[start] for h, p in self._prefix_counts.items() if p[end] > p[start]})
+            self.counts_memo[stage.layers] = hit
         return hit
+
+    @cached_property
+    def _prefix_counts(self) -> dict[str, list[int]]:
+        """Per block hash, how many of the first i layers instantiate it."""
+        out: dict[str, list[int]] = {}
+        for i, layer in enumerate(self.model.layers):
+            if layer.block not in out:
+                out[layer.block] = [0] * (i + 1)
+            for h, p in out.items():
+                p.append(p[-1] + (1 if h == layer.block else 0))
+        return out
+
+    @cached_property
+    def _prefix_inputs(self) -> list[float]:
+        """Cumulative bytes per sample entering layers 0..i-1 (what recomputation keeps)."""
+        acc, out = 0.0, [0.0]
+        for i in range(len(self.model.layers)):
+            acc += self.model.block_of(i - 1).output_bytes if i > 0 else 0.0
+            out.append(acc)
+        return out
+
+    def input_bytes(self, stage: Stage) -> float:
+        """Bytes per sample entering the stage's layers, summed over its layers."""
+        start, end = stage.layers
+        return self._prefix_inputs[end] - self._prefix_inputs[start]
 
     def units(self, stage: Stage) -> list[tuple[str, int]]:
         """(block hash, layers) to cost: one entry per unique block when folding, per layer otherwise."""

@@ -151,17 +151,17 @@ class ModelGraph(Record):
             return explicit
         return () if layer_index == 0 else (layer_index - 1,)
 
-    @property
+    @cached_property
     def params(self) -> int:
         """Total parameter count."""
         return sum(self.block_of(i).params for i in range(len(self.layers)))
 
-    @property
+    @cached_property
     def flops_per_sample(self) -> float:
         """Forward FLOPs per sample (a training step is about 3x this)."""
         return sum(self.block_of(i).flops for i in range(len(self.layers)))
 
-    @property
+    @cached_property
     def unique_blocks(self) -> int:
         """Number of distinct blocks after folding."""
         return len({layer.block for layer in self.layers})

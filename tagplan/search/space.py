@@ -9,8 +9,10 @@ by construction, so every terminal state is a valid Plan.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, replace
 from functools import cached_property
+from itertools import accumulate
 from typing import Any
 
 from tagplan.cost.simulator import Simulator
@@ -49,11 +51,17 @@ class PlanSpace:
         self.layers = len(sim.model.layers)
         self.max_stages = min(max_stages, self.layers, sim.cluster.num_devices)
         self.radius = boundary_radius
+        self._speeds: dict[tuple[int, ...], float] = {}
 
     @cached_property
     def layer_flops(self) -> list[float]:
         """Forward FLOPs per sample of each layer (plus a small floor so empty layers still weigh)."""
         return [max(self.sim.model.block_of(i).flops, 1.0) for i in range(self.layers)]
+
+    @cached_property
+    def cumulative_flops(self) -> list[float]:
+        """Prefix sums of `layer_flops` (cumulative[i] = FLOPs of layers 0..i-1)."""
+        return [0.0, *accumulate(self.layer_flops)]
 
     def actions(self, state: PlanState) -> list[Action]:
         """Legal actions from `state`, most natural first; empty when the plan is complete."""
@@ -117,19 +125,21 @@ class PlanSpace:
         start = state.bounds[-1] if state.bounds else 0
         remaining = state.stages - k if state.stages else 1
         speeds = [self._speed(g) for g in (state.groups or ())[k:]]
-        target = sum(self.layer_flops[start:]) * speeds[0] / sum(speeds)
-        acc, ideal = 0.0, start + 1
-        for i in range(start, self.layers):
-            acc += self.layer_flops[i]
-            if acc >= target:
-                ideal = i + 1 if acc - target < target - (acc - self.layer_flops[i]) else max(i, start + 1)
-                break
+        cum = self.cumulative_flops
+        target = cum[start] + (cum[-1] - cum[start]) * speeds[0] / sum(speeds)
+        i = min(bisect.bisect_left(cum, target), self.layers)  # first cut whose prefix reaches the target
+        ideal = i if i > start and cum[i] - target < target - cum[i - 1] else max(i - 1, start + 1)
         low, high = start + 1, self.layers - (remaining - 1)
         cands = [min(max(ideal + d, low), high) for d in (0, 1, -1, 2, -2)[: 2 * self.radius + 1]]
         return list(dict.fromkeys(cands))
 
     def _speed(self, group: tuple[int, ...]) -> float:
-        return sum(self.sim.cluster.devices[d].spec.peak_flops(self.sim.workload.dtype) for d in group)
+        """Sum of the group's dense peaks (FLOP/s), memoised per group."""
+        hit = self._speeds.get(group)
+        if hit is None:
+            hit = self._speeds[group] = sum(self.sim.cluster.devices[d].spec.peak_flops(self.sim.workload.dtype)
+                                            for d in group)
+        return hit
 
     def _unequal(self, state: PlanState) -> bool:
         for group, tp in zip(state.groups or (), state.tps, strict=False):

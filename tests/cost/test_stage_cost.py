@@ -1,0 +1,27 @@
+from collections import Counter
+
+from tagplan.cost.simulator import Simulator
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir import Stage, Workload
+
+
+def test_prefix_block_counts_equal_a_direct_count_for_every_range() -> None:
+    model = load_model("t5?layers=3&hidden=64&heads=4&ffn=128&vocab=50", seq_len=8)
+    coster = Simulator(model, load_cluster("dgx-a100-80gb"), Workload()).coster
+    n = len(model.layers)
+    for start in range(n):
+        for end in range(start + 1, n + 1):
+            expected = Counter(model.layers[i].block for i in range(start, end))
+            assert coster.block_counts(Stage(layers=(start, end), devices=(0,))) == expected
+
+
+def test_equal_blocks_on_equal_links_are_costed_once() -> None:
+    model = load_model("gpt?layers=8&hidden=256&heads=4&vocab=100", seq_len=64)
+    sim = Simulator(model, load_cluster("dgx-a100-80gb:nodes=2"), Workload(global_batch=8, seq_len=64))
+    a = Stage(layers=(0, 10), devices=(0, 1, 2, 3), tp=4)
+    b = Stage(layers=(0, 10), devices=(8, 9, 10, 11), tp=4)  # another node, same link class
+    sim.coster.replica(a, 0, 1.0)
+    before = (len(sim.coster.block_memo), len(sim.coster.tp_memo))
+    sim.coster.replica(b, 0, 1.0)
+    assert (len(sim.coster.block_memo), len(sim.coster.tp_memo)) == before
