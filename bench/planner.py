@@ -96,8 +96,8 @@ def ablation(evaluations: int, budget_s: float) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(x: float | None, spec: str = ".2f") -> str:
-    return "n/a" if x is None else format(x, spec)
+def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "n/a" if x is None else format(x, spec) + suffix
 
 
 def markdown(rows: list[dict[str, Any]], scaling: list[dict[str, Any]], abl: list[dict[str, Any]]) -> str:
@@ -107,8 +107,8 @@ def markdown(rows: list[dict[str, Any]], scaling: list[dict[str, Any]], abl: lis
            "| evaluations |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['case']} | {r['best_samples_s']:.2f} | {_fmt(r['vs_data_parallel'])}x | "
-                   f"{_fmt(r['vs_megatron'])}x | {_fmt(r['vs_exhaustive'], '.3f')}x | {r['stages']} | "
+        out.append(f"| {r['case']} | {r['best_samples_s']:.2f} | {_fmt(r['vs_data_parallel'], suffix='x')} | "
+                   f"{_fmt(r['vs_megatron'], suffix='x')} | {_fmt(r['vs_exhaustive'], '.3f', 'x')} | {r['stages']} | "
                    f"{r['wall_s']:.1f} | {r['evaluations']} |")
     het = [r["vs_megatron"] for r in rows if r.get("heterogeneous") and r["vs_megatron"]]
     if het:
