@@ -21,7 +21,7 @@ from tagplan.cost.memory import (
     recompute_working_bytes_per_sample,
     transient_bytes_per_sample,
 )
-from tagplan.cost.pipeline import PipelineResult, StageTiming, simulate_pipeline
+from tagplan.cost.pipeline import Phase, PipelineResult, StageTiming, lane_order, simulate_pipeline
 from tagplan.cost.report import Breakdown, DeviceMemoryReport, Report, StageReport
 from tagplan.cost.sharding import divides
 from tagplan.cost.stage_cost import ReplicaCost, StageCoster, sharding_key
@@ -231,6 +231,7 @@ class Simulator:
     def _memory(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult) -> dict[int, list[DeviceMemory]]:
         """Per device, the memory of each stage it holds (interleaved plans hold several)."""
         parts: dict[int, list[DeviceMemory]] = {}
+        in_flight = self._in_flight(plan, pipe)
         for i, stage in enumerate(plan.stages):
             per_sample = self._activation_memory(stage)
             memo: dict[float, DeviceMemory] = {}  # replicas with equal shares hold equal memory
@@ -238,11 +239,34 @@ class Simulator:
                 samples = costs[i].samples[r]
                 mem = memo.get(samples)
                 if mem is None:
-                    mem = memo[samples] = self._stage_memory(stage, costs[i], samples, per_sample,
-                                                             pipe.max_in_flight[i])
+                    mem = memo[samples] = self._stage_memory(stage, costs[i], samples, per_sample, in_flight[i])
                 for d in stage.replica(r):
                     parts.setdefault(d, []).append(mem)
         return parts
+
+    def _in_flight(self, plan: Plan, pipe: PipelineResult) -> list[float]:
+        """Micro-batches whose activations each stage holds at its device's peak.
+
+        One chunk per device: the stage's own maximum. Interleaved plans hold several chunks per
+        device whose maxima fall at different times, so each chunk's count is scaled so that the
+        sum over a device's chunks equals the true peak found by walking the lane's task order.
+        """
+        counts = [float(c) for c in pipe.max_in_flight]
+        if plan.schedule is not Schedule.INTERLEAVED_1F1B:
+            return counts
+        lanes = len(pipe.lane_end_s)
+        weight = [self._activation_memory(s)[0] for s in plan.stages]
+        for lane, order in enumerate(lane_order(len(plan.stages), plan.micro_batches, plan.schedule, lanes)):
+            peak = current = 0.0
+            for stage, _, phase in order:
+                current += weight[stage] if phase is Phase.FORWARD else -weight[stage]
+                peak = max(peak, current)
+            members = range(lane, len(plan.stages), lanes)
+            naive = sum(weight[i] * counts[i] for i in members)
+            if naive > 0:
+                for i in members:
+                    counts[i] *= peak / naive
+        return counts
 
     def _activation_memory(self, stage: Stage) -> tuple[float, float]:
         """(saved bytes kept per in-flight micro-batch, working bytes) per sample on one device.
@@ -271,7 +295,7 @@ class Simulator:
         return sum(op.saved_bytes / (stage.tp if divides(strategies[op.name]) else 1) for op in block.ops)
 
     def _stage_memory(self, stage: Stage, cost: StagePlanCost, samples: float, per_sample: tuple[float, float],
-                      in_flight: int) -> DeviceMemory:
+                      in_flight: float) -> DeviceMemory:
         weights, grads, optim = model_state_bytes(cost.local_params, self.workload, zero=stage.zero, dp=stage.dp)
         saved, working = per_sample
         return DeviceMemory(weights, grads, optim, saved * samples * in_flight, working * samples)

@@ -76,7 +76,7 @@ def plan(model: ModelGraph, cluster: Cluster, workload: Workload, *, objective: 
     """
     start = time.perf_counter()
     sim = Simulator(model, cluster, workload, calibration=calibration, comm_mode=comm_mode, fold=fold)
-    space = PlanSpace(sim)
+    space = PlanSpace(sim, subsets=objective is Objective.GPUS)
     judge = SimulatorEvaluator(space)
     found = mcts(space, PlanState(), prior=prior or uniform_prior, evaluator=evaluator or judge,
                  max_evaluations=max_evaluations, max_wall_s=budget_s, seed=seed, progress=progress)

@@ -16,6 +16,7 @@ from itertools import accumulate
 from typing import Any
 
 from tagplan.cost.simulator import Simulator
+from tagplan.ir.cluster import Cluster
 from tagplan.ir.plan import Plan, Schedule, Stage
 from tagplan.search.groups import Partition, partitions, stage_counts, tp_options
 
@@ -32,7 +33,9 @@ class PlanState:
     bounds: tuple[int, ...] = ()  # end layer of each stage but the last
     balanced_shares: bool | None = None
     micro_batches: int | None = None
+    chunks: int | None = None  # virtual pipeline chunks per device: 1 is 1F1B, more is interleaved 1F1B
     memory: tuple[bool, int] | None = None  # (recompute, ZeRO stage)
+    nodes: int | None = None  # for the GPU objective: use only the first `nodes` nodes
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,12 @@ class Action:
 class PlanSpace:
     """The decision process over plans of one (model, cluster, workload) — an MCTS Environment."""
 
-    def __init__(self, sim: Simulator, *, max_stages: int = 64, boundary_radius: int = 2) -> None:
+    def __init__(self, sim: Simulator, *, max_stages: int = 64, boundary_radius: int = 2,
+                 subsets: bool = False) -> None:
+        """`subsets=True` adds a first decision: how many of the cluster's nodes to use (GPU objective)."""
         self.sim = sim
+        self.subsets = subsets
+        self._clusters: dict[int, Cluster] = {}
         self.layers = len(sim.model.layers)
         self.max_stages = min(max_stages, self.layers, sim.cluster.num_devices)
         self.radius = boundary_radius
@@ -58,6 +65,25 @@ class PlanSpace:
         """Forward FLOPs per sample of each layer (plus a small floor so empty layers still weigh)."""
         return [max(self.sim.model.block_of(i).flops, 1.0) for i in range(self.layers)]
 
+    def cluster(self, state: PlanState) -> Cluster:
+        """The cluster the plan may use: all of it, or its first `state.nodes` nodes (same device ids)."""
+        if state.nodes is None or state.nodes == len(self.sim.cluster.nodes):
+            return self.sim.cluster
+        hit = self._clusters.get(state.nodes)
+        if hit is None:
+            hit = self._clusters[state.nodes] = self.sim.cluster.model_copy(
+                update={"nodes": self.sim.cluster.nodes[: state.nodes]})
+        return hit
+
+    def _chunk_candidates(self, state: PlanState) -> list[int]:
+        """1 (plain 1F1B), and 2 chunks per device when every stage has 2+ layers and M fills the pipe."""
+        stages = state.stages or 1
+        bounds = [0, *state.bounds, self.layers]
+        enough = all(bounds[i + 1] - bounds[i] >= 2 for i in range(stages))
+        if stages > 1 and enough and state.micro_batches and state.micro_batches % stages == 0:
+            return [1, 2]
+        return [1]
+
     @cached_property
     def cumulative_flops(self) -> list[float]:
         """Prefix sums of `layer_flops` (cumulative[i] = FLOPs of layers 0..i-1)."""
@@ -65,10 +91,14 @@ class PlanSpace:
 
     def actions(self, state: PlanState) -> list[Action]:
         """Legal actions from `state`, most natural first; empty when the plan is complete."""
+        if self.subsets and state.nodes is None:
+            n = len(self.sim.cluster.nodes)
+            return [Action("nodes", k) for k in sorted({n, *(n // d for d in (2, 4, 8) if n // d >= 1)}, reverse=True)]
+        cluster = self.cluster(state)
         if state.stages is None:
-            return [Action("stages", s) for s in stage_counts(self.sim.cluster, self.max_stages)]
+            return [Action("stages", s) for s in stage_counts(cluster, min(self.max_stages, cluster.num_devices))]
         if state.groups is None:
-            return [Action("groups", g) for g in partitions(self.sim.cluster, state.stages, self.sim.workload.dtype)]
+            return [Action("groups", g) for g in partitions(cluster, state.stages, self.sim.workload.dtype)]
         if len(state.tps) < state.stages:
             group = state.groups[len(state.tps)]
             return [Action("tps", t) for t in reversed(tp_options(self.sim.cluster, group))]
@@ -78,6 +108,8 @@ class PlanSpace:
             return [Action("balanced_shares", v) for v in ((True, False) if self._unequal(state) else (False,))]
         if state.micro_batches is None:
             return [Action("micro_batches", m) for m in self._micro_batch_candidates(state)]
+        if state.chunks is None:
+            return [Action("chunks", v) for v in self._chunk_candidates(state)]
         if state.memory is None:
             return [Action("memory", m) for m in MEMORY_OPTIONS]
         return []
@@ -164,13 +196,29 @@ class PlanSpace:
         assert state.groups is not None and state.micro_batches is not None and state.memory is not None
         recompute, zero = state.memory
         bounds = [0, *state.bounds, self.layers]
-        stages = []
-        for i, (group, tp) in enumerate(zip(state.groups, state.tps, strict=True)):
+        chunks = state.chunks or 1
+        meshes = []
+        for group, tp in zip(state.groups, state.tps, strict=True):
             dp = len(group) // tp
             shares = self._shares(group, tp) if state.balanced_shares and dp > 1 else None
-            stages.append(Stage(layers=(bounds[i], bounds[i + 1]), devices=group, dp=dp, tp=tp, batch_shares=shares,
-                                recompute=recompute, zero=zero if dp > 1 else 0))
-        return Plan(micro_batches=state.micro_batches, schedule=Schedule.ONE_F_ONE_B, stages=tuple(stages))
+            meshes.append({"devices": group, "dp": dp, "tp": tp, "batch_shares": shares, "recompute": recompute,
+                           "zero": zero if dp > 1 else 0})
+        if chunks == 1:
+            stages = tuple(Stage(layers=(bounds[i], bounds[i + 1]), **m) for i, m in enumerate(meshes))
+            return Plan(micro_batches=state.micro_batches, schedule=Schedule.ONE_F_ONE_B, stages=stages)
+        return Plan(micro_batches=state.micro_batches, schedule=Schedule.INTERLEAVED_1F1B,
+                    stages=self._interleave(bounds, meshes, chunks))
+
+    def _interleave(self, bounds: list[int], meshes: list[dict[str, Any]], chunks: int) -> tuple[Stage, ...]:
+        """Each device group's layers cut into `chunks` parts, laid out round-robin (Megatron's virtual stages)."""
+        sizes = [[(bounds[s + 1] - bounds[s]) * (c + 1) // chunks - (bounds[s + 1] - bounds[s]) * c // chunks
+                  for c in range(chunks)] for s in range(len(meshes))]
+        stages, start = [], 0
+        for c in range(chunks):
+            for s, mesh in enumerate(meshes):
+                stages.append(Stage(layers=(start, start + sizes[s][c]), **mesh))
+                start += sizes[s][c]
+        return tuple(stages)
 
     def _shares(self, group: tuple[int, ...], tp: int) -> tuple[float, ...] | None:
         speeds = [self._speed(group[r * tp:(r + 1) * tp]) for r in range(len(group) // tp)]

@@ -222,3 +222,15 @@ def test_folding_changes_speed_not_results() -> None:
     unfolded = Simulator(model, cluster, workload, fold=False).simulate(plan)
     assert unfolded.iteration_time_s == pytest.approx(folded.iteration_time_s, rel=1e-12)
     assert unfolded.peak_memory_bytes == pytest.approx(folded.peak_memory_bytes, rel=1e-12)
+
+
+def test_interleaved_memory_is_the_lane_peak_not_the_sum_of_chunk_peaks(ideal: Calibration) -> None:
+    """S=4 lanes, v=2 chunks, M=8: lane 1 holds at most 9 chunk-micro-batches at once, not 6 + 6."""
+    model = matmul_model(8, flops=1e9, output_bytes=1e6)
+    groups = [(0,), (1,), (2,), (3,)]
+    plan = Plan(micro_batches=8, schedule=Schedule.INTERLEAVED_1F1B,
+                stages=tuple(Stage(layers=(i, i + 1), devices=groups[i % 4]) for i in range(8)))
+    report = simulate(model, flat_cluster(4), plan, Workload(global_batch=8, seq_len=1), calibration=ideal)
+    lane1 = [s.memory.activations_bytes for s in report.stages if s.index % 4 == 1]
+    assert report.stages[1].memory.activations_bytes == pytest.approx(9 * 1e6, rel=1e-9)
+    assert len(lane1) == 2

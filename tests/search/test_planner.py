@@ -82,3 +82,13 @@ def test_cli_plan_beats_both_baselines(capsys: pytest.CaptureFixture[str]) -> No
         assert (baseline is None and out["baseline_reasons"][name]) or best <= baseline["report"]["iteration_time_s"]
     assert out["baselines"]["exhaustive"] is None and "exhaustive" in out["baseline_reasons"]
     assert out["search"]["evaluations"] <= 150 and out["search"]["wall_s"] > 0
+
+
+def test_gpu_objective_can_use_fewer_nodes_within_the_time_bound() -> None:
+    model = load_model("gpt?layers=4&hidden=256&heads=4&vocab=500", seq_len=128)
+    cluster = load_cluster("p3.8xlarge:nodes=4")  # a tiny model over 10 Gb/s: more nodes barely help
+    workload = Workload(global_batch=16, seq_len=128)
+    fastest = plan(model, cluster, workload, max_evaluations=150)
+    frugal = plan(model, cluster, workload, max_evaluations=150, objective=Objective.GPUS)
+    assert frugal.best.report.devices_used < 16
+    assert frugal.best.report.iteration_time_s <= 1.25 * fastest.best.report.iteration_time_s + 1e-12

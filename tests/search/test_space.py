@@ -45,3 +45,23 @@ def test_default_completion_is_deterministic_and_terminal() -> None:
     sp = space("gpt?layers=4&hidden=128&heads=4&vocab=100", "dgx-a100-80gb")
     a, b = sp.complete(PlanState()), sp.complete(PlanState())
     assert a == b and sp.is_terminal(a)
+
+
+def test_interleaved_plans_are_proposed_and_valid() -> None:
+    sp = space("gpt?layers=8&hidden=128&heads=4&vocab=100", "p3.8xlarge:nodes=2", batch=8)
+    state = PlanState(stages=2)
+    state = sp.step(state, sp.actions(state)[0])
+    state = sp.step(sp.step(state, sp.actions(state)[0]), sp.actions(sp.step(state, sp.actions(state)[0]))[0])
+    while state.chunks is None:
+        options = sp.actions(state)
+        if options[0].field == "micro_batches":
+            options = [a for a in options if a.value % 2 == 0] or options
+        if options[0].field == "chunks":
+            assert [a.value for a in options] == [1, 2]
+            state = sp.step(state, options[1])
+            break
+        state = sp.step(state, options[0])
+    plan = sp.to_plan(sp.complete(state))
+    assert plan.schedule.value == "interleaved_1f1b" and len(plan.stages) == 4
+    assert plan.stages[0].devices == plan.stages[2].devices != plan.stages[1].devices
+    sp.sim.simulate(plan)  # valid and simulable
