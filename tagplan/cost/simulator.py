@@ -105,7 +105,7 @@ class Simulator:
         p2p = 0.0
         if index + 1 < len(plan.stages):
             nxt = plan.stages[index + 1]
-            act = self.model.block_of(stage.layers[1] - 1).output_bytes * per_micro
+            act = self.coster.cut_bytes(stage.layers[1]) * per_micro
             p2p = self.comm.p2p_groups(stage.devices, nxt.devices, act).time_s
         reduce, gather = self._dp_sync(stage, params)
         reduce += self.coster.per_iteration_tp_s(stage)
@@ -150,7 +150,7 @@ class Simulator:
         back = plan.stages[index - 1] if index > 0 else None
         send_back = 0.0
         if back is not None:
-            act = self.model.block_of(back.layers[1] - 1).output_bytes * self.workload.global_batch / plan.micro_batches
+            act = self.coster.cut_bytes(back.layers[1]) * self.workload.global_batch / plan.micro_batches
             send_back = self.comm.p2p_groups(plan.stages[index].devices, back.devices, act).time_s
         return StageTiming(forward_s=fwd, backward_s=bwd, send_forward_s=cost.p2p_s, send_backward_s=send_back)
 

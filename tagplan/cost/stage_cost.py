@@ -59,6 +59,7 @@ class StageCoster:
         self.spec_memo: dict[tuple[int, ...], DeviceSpec] = {}
         self.counts_memo: dict[tuple[int, int], Counter[str]] = {}
         self.class_memo: dict[tuple[int, ...], tuple[object, ...]] = {}
+        self.cut_memo: dict[int, float] = {}
 
     def sharded(self, block_hash: str, overrides: dict[str, ShardStrategy] | None) -> ShardedBlock:
         """The block's strategies and all-reduces under the plan's overrides (memoised)."""
@@ -96,6 +97,15 @@ class StageCoster:
             acc += self.model.block_of(i - 1).output_bytes if i > 0 else 0.0
             out.append(acc)
         return out
+
+    def cut_bytes(self, cut: int) -> float:
+        """Bytes per sample crossing a pipeline cut before layer `cut`: every earlier layer's output
+        that a later layer reads (T5's decoder blocks also read the encoder's output)."""
+        hit = self.cut_memo.get(cut)
+        if hit is None:
+            sources = {j for i in range(cut, len(self.model.layers)) for j in self.model.layer_inputs(i) if j < cut}
+            hit = self.cut_memo[cut] = sum(self.model.block_of(j).output_bytes for j in sources)
+        return hit
 
     def input_bytes(self, stage: Stage) -> float:
         """Bytes per sample entering the stage's layers, summed over its layers."""

@@ -25,3 +25,14 @@ def test_equal_blocks_on_equal_links_are_costed_once() -> None:
     before = (len(sim.coster.block_memo), len(sim.coster.tp_memo))
     sim.coster.replica(b, 0, 1.0)
     assert (len(sim.coster.block_memo), len(sim.coster.tp_memo)) == before
+
+
+def test_a_cut_inside_the_t5_decoder_carries_the_encoder_output_too() -> None:
+    model = load_model("t5?layers=3&hidden=64&heads=4&ffn=128&vocab=50", seq_len=8)
+    coster = Simulator(model, load_cluster("dgx-a100-80gb"), Workload()).coster
+    names = [layer.name for layer in model.layers]
+    inside_decoder = names.index("decoder.block.2")
+    in_encoder = names.index("encoder.block.2")
+    width = model.block_of(1).output_bytes
+    assert coster.cut_bytes(in_encoder) == width
+    assert coster.cut_bytes(inside_decoder) == 2 * width  # the previous block's output and the encoder's
