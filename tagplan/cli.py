@@ -154,6 +154,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--exhaustive-limit", type=int, default=0,
                      help="also enumerate the whole space when it has at most this many plans")
     cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--scorer", choices=["auto", "gnn", "simulator"], default="auto",
+                     help="search prior: the GNN (auto: when a checkpoint is installed) or uniform; "
+                          "plans are always ranked by the simulator")
     cmd.add_argument("--out", default=None, metavar="PLAN.json", help="write the best plan (Plan JSON v1)")
     cmd.add_argument("--json", action="store_true", help="the full result as JSON on stdout")
     cmd.set_defaults(func=_plan)
@@ -175,7 +178,7 @@ def _plan(args: argparse.Namespace) -> int:
     with _progress(args.max_evaluations, enabled=not args.json and sys.stderr.isatty()) as tick:
         result = plan(model, cluster, workload, objective=Objective(args.objective), budget_s=args.budget_s,
                       max_evaluations=args.max_evaluations, seed=args.seed, time_bound_s=args.time_bound_s,
-                      exhaustive_limit=args.exhaustive_limit, progress=tick)
+                      exhaustive_limit=args.exhaustive_limit, progress=tick, prior_factory=_gnn_prior(args.scorer))
     if args.out:
         Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))
     if args.json:
@@ -183,6 +186,25 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         _console().print(plan_result_table(result))
     return 0
+
+
+def _gnn_prior(choice: str) -> Callable[[Any], Any] | None:
+    """A factory of the GNN prior from the registry's active checkpoint (or the packaged one)."""
+    if choice == "simulator":
+        return None
+    from tagplan.training.registry import Registry
+
+    path = Registry().checkpoint()
+    if path is None or not path.exists():
+        if choice == "gnn":
+            raise SpecError("--scorer gnn: no GNN checkpoint is installed; train one with `tagplan train`")
+        return None
+    from tagplan.gnn.model import load_checkpoint
+    from tagplan.gnn.scorer import GNNPrior, GNNScorer
+
+    model, _ = load_checkpoint(path)
+    scorer = GNNScorer(model)
+    return lambda space: GNNPrior(space, scorer)
 
 
 @contextmanager
@@ -196,6 +218,81 @@ def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[int, int], Non
     with Progress(transient=True) as bar:
         task = bar.add_task("searching plans", total=total)
         yield lambda done, _total: bar.update(task, completed=done)
+
+
+def _add_learning(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("dataset", help="simulator-labelled training data for the GNN")
+    data_sub = data.add_subparsers(dest="what", required=True)
+    gen = data_sub.add_parser("generate", help="generate train/ and heldout_gpus/ sample sets")
+    gen.add_argument("--out", required=True, help="directory to write")
+    gen.add_argument("--instances", type=_positive_int, default=200, help="(model, cluster, workload) instances")
+    gen.add_argument("--plans-per-instance", type=_positive_int, default=16)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--workers", type=_positive_int, default=2)
+    gen.set_defaults(func=_dataset_generate)
+    train = sub.add_parser("train", help="train the GNN; registers a new version")
+    train.add_argument("--data", required=True, help="a directory from `tagplan dataset generate`")
+    train.add_argument("--epochs", type=_positive_int, default=40)
+    train.add_argument("--out", default="gnn-run", help="directory for model.pt and card.json")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--hidden", type=_positive_int, default=64)
+    train.add_argument("--no-register", action="store_true", help="do not add the checkpoint to the registry")
+    train.add_argument("--activate", action="store_true", help="make the new version the active one")
+    train.set_defaults(func=_train)
+    models = sub.add_parser("models", help="list or activate GNN versions in the registry")
+    models.add_argument("action", choices=["list", "activate"])
+    models.add_argument("version", nargs="?")
+    models.set_defaults(func=_models)
+
+
+def _dataset_generate(args: argparse.Namespace) -> int:
+    from tagplan.datasets.clusters import HELD_OUT_GPU_TYPES, TRAIN_GPU_TYPES
+    from tagplan.datasets.synthetic import generate
+
+    out = Path(args.out)
+    generate(out / "train", instances=args.instances, plans_per_instance=args.plans_per_instance, seed=args.seed,
+             workers=args.workers, gpu_types=TRAIN_GPU_TYPES, progress=sys.stderr.isatty())
+    generate(out / "heldout_gpus", instances=max(args.instances // 4, 1), plans_per_instance=args.plans_per_instance,
+             seed=args.seed + 1_000_003, workers=args.workers, gpu_types=HELD_OUT_GPU_TYPES,
+             progress=sys.stderr.isatty())
+    print(f"wrote {out / 'train'} and {out / 'heldout_gpus'}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tagplan.training.registry import Registry
+    from tagplan.training.train import TrainConfig, train
+
+    data = Path(args.data)
+    if not (data / "train" / "samples.jsonl").exists():
+        raise SpecError(f"--data {args.data}: no train/samples.jsonl; create it with `tagplan dataset generate`")
+    config = TrainConfig(epochs=args.epochs, seed=args.seed, hidden=args.hidden)
+    path, card = train(data, Path(args.out), config,
+                       on_epoch=lambda e, t, v: print(f"epoch {e:3d}  train {t:.4f}  val mse(log) {v:.4f}",
+                                                      file=sys.stderr))
+    Path(args.out, "card.json").write_text(json.dumps(card, indent=2, default=str))
+    summary = {split: {k: round(v, 4) for k, v in m.items()} for split, m in card["metrics"].items()}
+    print(json.dumps({"checkpoint": str(path), "metrics": summary}, indent=2))
+    if not args.no_register:
+        version = Registry().register(path, card, activate=args.activate)
+        print(f"registered as {version}" + (" (active)" if args.activate else ""))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from tagplan.training.registry import Registry
+
+    registry = Registry()
+    if args.action == "activate":
+        if not args.version:
+            raise SpecError("models activate: give a VERSION (see `tagplan models list`)")
+        registry.activate(args.version)
+    active = registry.active()
+    rows = [{"version": v, "active": v == active, "metrics": registry.card(v).get("metrics", {})}
+            for v in registry.versions()]
+    print(json.dumps({"active": active, "fallback": str(registry.checkpoint(None)) if not active else None,
+                      "versions": rows}, indent=2))
+    return 0
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -222,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_simulate(sub)
     _add_plan(sub)
+    _add_learning(sub)
     _add_demo(sub)
     return parser
 

@@ -68,16 +68,19 @@ def plan(model: ModelGraph, cluster: Cluster, workload: Workload, *, objective: 
          evaluator: Evaluator | None = None, time_bound_s: float | None = None,
          calibration: Calibration = DEFAULT_CALIBRATION, comm_mode: CommMode = CommMode.TOPOLOGY,
          exhaustive_limit: int = 0, progress: Callable[[int, int], None] | None = None,
-         fold: bool = True) -> PlanResult:
+         fold: bool = True, prior_factory: Callable[[PlanSpace], Prior] | None = None) -> PlanResult:
     """Search plans of `model` on `cluster` for `workload` and return the best, frontier and baselines.
 
     `fold=False` disables block folding (every layer costed on its own, no memo between plans):
-    an ablation for the benchmark.
+    an ablation for the benchmark. `prior_factory(space)` builds the search prior (the GNN's);
+    whatever guides the search, the returned plans are ranked by the simulator.
     """
     start = time.perf_counter()
     sim = Simulator(model, cluster, workload, calibration=calibration, comm_mode=comm_mode, fold=fold)
     space = PlanSpace(sim, subsets=objective is Objective.GPUS)
     judge = SimulatorEvaluator(space)
+    if prior is None and prior_factory is not None:
+        prior = prior_factory(space)
     found = mcts(space, PlanState(), prior=prior or uniform_prior, evaluator=evaluator or judge,
                  max_evaluations=max_evaluations, max_wall_s=budget_s, seed=seed, progress=progress)
     for state, _ in found.evaluated:
