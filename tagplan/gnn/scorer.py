@@ -1,0 +1,114 @@
+"""The GNN as the search's callables: a batched scorer, an MCTS `Prior` and an `Evaluator`.
+
+`GNNScorer` featurizes many candidate plans and predicts them in one forward pass. `GNNPrior`
+scores each action by the plan its default-policy completion reaches; `GNNEvaluator` values a
+terminal state by the predicted T_lb / T. Both memoise per terminal state (an explicit table).
+The planner keeps the simulator for the final ranking; these make the search cheaper to guide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch_geometric.data import Batch
+
+from tagplan.gnn.features import FeatureCache, featurize, lower_bound_s
+from tagplan.gnn.model import PlanGNN
+from tagplan.ir.cluster import Cluster
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan
+from tagplan.ir.workload import Workload
+from tagplan.search.planner import INFEASIBLE_FACTOR
+from tagplan.search.space import Action, PlanSpace, PlanState
+
+FIT_THRESHOLD = 0.5
+"""A plan whose predicted fit probability is below this is treated as not fitting."""
+
+
+class GNNScorer:
+    """Predicts log(T / T_lb) and the fit probability of candidate plans with a `PlanGNN`."""
+
+    def __init__(self, model: PlanGNN, *, cache: FeatureCache | None = None) -> None:
+        self.model = model
+        self.cache = cache or FeatureCache()
+        self.forward_calls = 0
+
+    def predict(self, model_graph: ModelGraph, cluster: Cluster, workload: Workload,
+                plans: Sequence[Plan]) -> tuple[np.ndarray, np.ndarray]:
+        """(log_ratio [B], fit_prob [B]) as float64 arrays, from one batched forward pass.
+
+        log_ratio estimates log(T / T_lb) (T_lb from `features.lower_bound_s`); fit_prob is the
+        probability that the plan fits in every device's memory.
+        """
+        if not plans:
+            return np.zeros(0), np.zeros(0)
+        graphs = [featurize(model_graph, cluster, workload, p, cache=self.cache) for p in plans]
+        batch = Batch.from_data_list(graphs)
+        device = next(self.model.parameters()).device
+        self.model.eval()
+        with torch.no_grad():
+            value, fit_logit = self.model(batch.to(device))
+        self.forward_calls += 1
+        return value.double().cpu().numpy(), torch.sigmoid(fit_logit).double().cpu().numpy()
+
+    def predicted_time_s(self, model_graph: ModelGraph, cluster: Cluster, workload: Workload,
+                         plans: Sequence[Plan]) -> np.ndarray:
+        """Predicted iteration time of each plan, in seconds: T_lb * exp(log_ratio)."""
+        log_ratio, _ = self.predict(model_graph, cluster, workload, plans)
+        return lower_bound_s(model_graph, cluster, workload) * np.exp(log_ratio)
+
+
+class _Scored:
+    """Predictions for terminal states of one space, memoised per state."""
+
+    def __init__(self, space: PlanSpace, scorer: GNNScorer) -> None:
+        self.space, self.scorer = space, scorer
+        self.table: dict[PlanState, tuple[float, float]] = {}
+
+    def predict(self, terminals: Sequence[PlanState]) -> list[tuple[float, float]]:
+        """(log_ratio, fit_prob) of each terminal state; the unseen ones in one batch."""
+        missing = list(dict.fromkeys(s for s in terminals if s not in self.table))
+        if missing:
+            sim = self.space.sim
+            plans = [self.space.to_plan(s) for s in missing]
+            log_ratio, fit = self.scorer.predict(sim.model, sim.cluster, sim.workload, plans)
+            self.table.update(zip(missing, zip(log_ratio.tolist(), fit.tolist(), strict=True), strict=True))
+        return [self.table[s] for s in terminals]
+
+
+class GNNPrior:
+    """MCTS Prior: each action scored by the predicted T_lb / T of its default completion.
+
+    score = exp(-log_ratio), times fit_prob when the plan is predicted not to fit; non-negative,
+    higher is more promising. All of a call's unseen completions go through one forward pass.
+    """
+
+    def __init__(self, space: PlanSpace, scorer: GNNScorer) -> None:
+        self.space = space
+        self._scored = _Scored(space, scorer)
+
+    def __call__(self, state: PlanState, actions: Sequence[Action], /) -> list[float]:
+        """One non-negative score per action, in the order of `actions`."""
+        terminals = [self.space.complete(self.space.step(state, a)) for a in actions]
+        return [_value(log_ratio) * (fit if fit < FIT_THRESHOLD else 1.0)
+                for log_ratio, fit in self._scored.predict(terminals)]
+
+
+class GNNEvaluator:
+    """MCTS Evaluator: predicted T_lb / T of a terminal state, 1% of it when predicted not to fit."""
+
+    def __init__(self, space: PlanSpace, scorer: GNNScorer) -> None:
+        self.space = space
+        self._scored = _Scored(space, scorer)
+
+    def __call__(self, state: PlanState, /) -> float:
+        """The scale-free value of the terminal `state`, higher is better."""
+        (log_ratio, fit), = self._scored.predict([state])
+        return _value(log_ratio) * (1.0 if fit >= FIT_THRESHOLD else INFEASIBLE_FACTOR)
+
+
+def _value(log_ratio: float) -> float:
+    """exp(-log_ratio), clipped so an untrained or extrapolating model cannot overflow."""
+    return float(np.exp(-np.clip(log_ratio, -50.0, 50.0)))

@@ -1,0 +1,111 @@
+"""The scorer and the MCTS callables built on it: batching, caching, the value's definition."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+from torch_geometric.data import Batch, HeteroData
+
+from tagplan.cost.simulator import Simulator
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.gnn.features import lower_bound_s
+from tagplan.gnn.model import PlanGNN
+from tagplan.gnn.scorer import GNNEvaluator, GNNPrior, GNNScorer
+from tagplan.ir import Workload
+from tagplan.search.mcts import mcts
+from tagplan.search.space import PlanSpace, PlanState
+
+WORKLOAD = Workload(global_batch=8, seq_len=16)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny graphs gain nothing from intra-op threads, and on a busy CPU their spin-waits cost 100x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Counting(PlanGNN):
+    """A PlanGNN that counts its forward calls and the graphs each call saw."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden=16, layers=1, heads=2)
+        self.calls: list[int] = []
+
+    def forward(self, data: HeteroData | Batch) -> tuple[Tensor, Tensor]:
+        self.calls.append(int(data.graph_attr.size(0)))
+        return super().forward(data)
+
+
+class Constant(PlanGNN):
+    """Predicts log(T / T_lb) = 0.5 and a fit logit of -3 (fit probability 0.047) for every graph."""
+
+    def forward(self, data: HeteroData | Batch) -> tuple[Tensor, Tensor]:
+        graphs = data.graph_attr.size(0)
+        return torch.full((graphs,), 0.5), torch.full((graphs,), -3.0)
+
+
+def space() -> PlanSpace:
+    model = load_model("gpt?layers=2&hidden=64&heads=4&vocab=100", seq_len=16)
+    return PlanSpace(Simulator(model, load_cluster("p3.8xlarge+g4dn.12xlarge"), WORKLOAD))
+
+
+def test_predict_scores_many_plans_in_one_forward() -> None:
+    torch.manual_seed(0)
+    sp = space()
+    net = Counting()
+    scorer = GNNScorer(net)
+    root = PlanState()
+    plans = [sp.to_plan(sp.complete(sp.step(root, a))) for a in sp.actions(root)]
+    log_ratio, fit = scorer.predict(sp.sim.model, sp.sim.cluster, WORKLOAD, plans)
+    assert net.calls == [len(plans)] and not net.training
+    assert log_ratio.shape == fit.shape == (len(plans),) and log_ratio.dtype == np.float64
+    assert ((fit > 0) & (fit < 1)).all()
+    times = scorer.predicted_time_s(sp.sim.model, sp.sim.cluster, WORKLOAD, plans)
+    assert np.allclose(times, lower_bound_s(sp.sim.model, sp.sim.cluster, WORKLOAD) * np.exp(log_ratio))
+    empty = scorer.predict(sp.sim.model, sp.sim.cluster, WORKLOAD, [])
+    assert empty[0].shape == (0,) and len(net.calls) == 2  # predicted_time_s: one more call; empty: none
+
+
+def test_prior_scores_every_action_in_one_batch_and_caches() -> None:
+    torch.manual_seed(1)
+    sp = space()
+    net = Counting()
+    prior = GNNPrior(sp, GNNScorer(net))
+    root = PlanState()
+    actions = sp.actions(root)
+    scores = prior(root, actions)
+    assert len(scores) == len(actions) and all(s >= 0 and math.isfinite(s) for s in scores)
+    assert len(net.calls) == 1
+    assert prior(root, actions) == scores and len(net.calls) == 1  # every completion is cached
+    state = sp.step(root, actions[0])
+    prior(state, sp.actions(state))
+    assert len(net.calls) <= 2  # at most one more forward for the new completions
+
+
+def test_prior_and_evaluator_follow_the_definitions() -> None:
+    sp = space()
+    scorer = GNNScorer(Constant(hidden=8, layers=1, heads=1))
+    root = PlanState()
+    actions = sp.actions(root)
+    fit = 1 / (1 + math.exp(3.0))
+    assert GNNPrior(sp, scorer)(root, actions) == pytest.approx([math.exp(-0.5) * fit] * len(actions))
+    assert GNNEvaluator(sp, scorer)(sp.complete(root)) == pytest.approx(math.exp(-0.5) * 0.01)
+
+
+def test_the_search_runs_on_the_gnn_callables() -> None:
+    torch.manual_seed(2)
+    sp = space()
+    scorer = GNNScorer(PlanGNN(hidden=16, layers=1, heads=2))
+    found = mcts(sp, PlanState(), prior=GNNPrior(sp, scorer), evaluator=GNNEvaluator(sp, scorer),
+                 max_evaluations=6, seed=0)
+    assert sp.is_terminal(found.best_state) and found.best_value > 0
+    sp.to_plan(found.best_state)
