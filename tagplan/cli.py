@@ -178,7 +178,7 @@ def _plan(args: argparse.Namespace) -> int:
     with _progress(args.max_evaluations, enabled=not args.json and sys.stderr.isatty()) as tick:
         result = plan(model, cluster, workload, objective=Objective(args.objective), budget_s=args.budget_s,
                       max_evaluations=args.max_evaluations, seed=args.seed, time_bound_s=args.time_bound_s,
-                      exhaustive_limit=args.exhaustive_limit, progress=tick, prior_factory=_gnn_prior(args.scorer))
+                      exhaustive_limit=args.exhaustive_limit, progress=tick, prior_factory=_gnn_prior(args.scorer, cluster.num_devices))
     if args.out:
         Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))
     if args.json:
@@ -188,9 +188,12 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gnn_prior(choice: str) -> Callable[[Any], Any] | None:
+AUTO_GNN_MAX_DEVICES = 256  # beyond this, scoring each expansion's graphs costs more than it saves
+
+
+def _gnn_prior(choice: str, devices: int) -> Callable[[Any], Any] | None:
     """A factory of the GNN prior from the registry's active checkpoint (or the packaged one)."""
-    if choice == "simulator":
+    if choice == "simulator" or (choice == "auto" and devices > AUTO_GNN_MAX_DEVICES):
         return None
     from tagplan.training.registry import Registry
 
@@ -202,6 +205,9 @@ def _gnn_prior(choice: str) -> Callable[[Any], Any] | None:
     from tagplan.gnn.model import load_checkpoint
     from tagplan.gnn.scorer import GNNPrior, GNNScorer
 
+    import torch
+
+    torch.set_num_threads(1)  # small graphs: one thread is ~100x faster than two contending ones here
     model, _ = load_checkpoint(path)
     scorer = GNNScorer(model)
     return lambda space: GNNPrior(space, scorer)
