@@ -92,3 +92,23 @@ def test_gpu_objective_can_use_fewer_nodes_within_the_time_bound() -> None:
     frugal = plan(model, cluster, workload, max_evaluations=150, objective=Objective.GPUS)
     assert frugal.best.report.devices_used < 16
     assert frugal.best.report.iteration_time_s <= 1.25 * fastest.best.report.iteration_time_s + 1e-12
+
+
+@pytest.mark.slow
+def test_gnn_guided_search_still_matches_the_exhaustive_optimum() -> None:
+    import torch
+
+    from tagplan.gnn.model import load_checkpoint
+    from tagplan.gnn.scorer import GNNPrior, GNNScorer
+    from tagplan.training.registry import PACKAGED_CHECKPOINT
+
+    torch.set_num_threads(1)
+    model, _ = load_checkpoint(PACKAGED_CHECKPOINT)
+    scorer = GNNScorer(model)
+    args = (load_model("gpt?layers=4&hidden=256&heads=4&vocab=500", seq_len=256),
+            load_cluster("p3.8xlarge+g4dn.12xlarge"), Workload(global_batch=16, seq_len=256))
+    guided = plan(*args, max_evaluations=400, budget_s=120, exhaustive_limit=20000,
+                  prior_factory=lambda space: GNNPrior(space, scorer))
+    exhaustive = guided.baselines["exhaustive"].candidate
+    assert exhaustive is not None
+    assert guided.best.report.iteration_time_s <= exhaustive.report.iteration_time_s * 1.02
