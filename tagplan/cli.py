@@ -178,7 +178,8 @@ def _plan(args: argparse.Namespace) -> int:
     with _progress(args.max_evaluations, enabled=not args.json and sys.stderr.isatty()) as tick:
         result = plan(model, cluster, workload, objective=Objective(args.objective), budget_s=args.budget_s,
                       max_evaluations=args.max_evaluations, seed=args.seed, time_bound_s=args.time_bound_s,
-                      exhaustive_limit=args.exhaustive_limit, progress=tick, prior_factory=_gnn_prior(args.scorer, cluster.num_devices))
+                      exhaustive_limit=args.exhaustive_limit, progress=tick,
+                      prior_factory=_gnn_prior(args.scorer, cluster.num_devices))
     if args.out:
         Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))
     if args.json:
@@ -202,10 +203,10 @@ def _gnn_prior(choice: str, devices: int) -> Callable[[Any], Any] | None:
         if choice == "gnn":
             raise SpecError("--scorer gnn: no GNN checkpoint is installed; train one with `tagplan train`")
         return None
+    import torch
+
     from tagplan.gnn.model import load_checkpoint
     from tagplan.gnn.scorer import GNNPrior, GNNScorer
-
-    import torch
 
     torch.set_num_threads(1)  # small graphs: one thread is ~100x faster than two contending ones here
     model, _ = load_checkpoint(path)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+
 import numpy as np
 import numpy.typing as npt
 
