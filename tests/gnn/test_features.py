@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -40,13 +39,6 @@ TINY = "gpt?layers=2&hidden=64&heads=4&vocab=100"
 WORKLOAD = Workload(global_batch=8, seq_len=16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny graphs gain nothing from intra-op threads, and on a busy CPU their spin-waits cost 100x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 DEVICE_USED = DEVICE_FEATURES.index("used by the plan")
 DEVICE_STAGE = DEVICE_FEATURES.index("index of its first stage / stages (-1 when unused)")
 

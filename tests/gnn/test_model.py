@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,6 @@ from tagplan.search.space import PlanSpace, PlanState
 WORKLOAD = Workload(global_batch=8, seq_len=16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny graphs gain nothing from intra-op threads, and on a busy CPU their spin-waits cost 100x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def graphs() -> list[HeteroData]:

@@ -9,14 +9,6 @@ from tagplan.gnn.model import PlanGNN, load_checkpoint, save_checkpoint
 from tagplan.training.train import TrainConfig, evaluate, fit, pairwise_rank_loss, split
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_pairwise_rank_loss_rewards_the_right_order() -> None:
     target = torch.tensor([1.0, 2.0, 3.0])
     group = torch.tensor([0, 0, 0])
