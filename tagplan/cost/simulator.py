@@ -158,18 +158,23 @@ class Simulator:
                    lane: int) -> tuple[float, float, float]:
         """(last task end, exposed gradient sync, optimizer step) of one lane, in seconds."""
         members = [i for i in range(len(plan.stages)) if i % len(pipe.lane_end_s) == lane]
-        reduce = sum(costs[i].dp_sync_s[0] for i in members)
         gather = sum(costs[i].dp_sync_s[1] for i in members)
-        start, end = pipe.stage_last_backward_s[members[0]]
         layers = max(sum(plan.stages[i].num_layers for i in members), 1)
         # the overlap window is compute only, so more bandwidth can never lengthen the iteration
         first_forward = min(costs[i].critical.forward_compute_s for i in members)
         # Gradient buckets reduce while the last backward runs, and updated weights are gathered
         # while the next iteration's first forward runs (Megatron's overlap_grad_reduce and
         # overlap_param_gather, DeepSpeed's prefetch); the last bucket of each cannot overlap.
-        exposed = 0.0
-        if reduce:
-            exposed += max(reduce - (end - start), reduce / layers)
+        # Each chunk's reduction starts with its own last backward (interleaved plans hold several);
+        # reductions share the links, so they queue.
+        exposed, queue_end, last = 0.0, 0.0, None
+        for i in sorted(members, key=lambda k: pipe.stage_last_backward_s[k][0]):
+            reduce = costs[i].dp_sync_s[0]
+            if reduce:
+                queue_end = max(queue_end, pipe.stage_last_backward_s[i][0]) + reduce
+                last = reduce / max(plan.stages[i].num_layers, 1)
+        if last is not None:
+            exposed += max(queue_end - pipe.lane_end_s[lane], last)
         if gather:
             exposed += max(gather - first_forward, gather / layers)
         return pipe.lane_end_s[lane], exposed, self._optimizer_s(plan, members, costs)
