@@ -154,11 +154,24 @@ class StageCoster:
                    for h, count in self.block_counts(stage).items())
 
     def slowest(self, group: tuple[int, ...]) -> DeviceSpec:
-        """The device type of the group with the lowest peak (it paces a synchronous group)."""
+        """What paces a synchronous group: its lowest peak and its lowest memory bandwidth.
+
+        A group of one type returns that type; a mixed group a combined spec named after the
+        lowest-peak type (whose calibration applies) with the smallest figure of each kind.
+        """
         hit = self.spec_memo.get(group)
         if hit is None:
-            specs = [self.cluster.devices[d].spec for d in group]
-            hit = self.spec_memo[group] = min(specs, key=lambda s: s.peak_flops(self.workload.dtype))
+            specs = list({self.cluster.devices[d].spec.name: self.cluster.devices[d].spec for d in group}.values())
+            hit = min(specs, key=lambda s: s.peak_flops(self.workload.dtype))
+            if len(specs) > 1:
+                bf16 = [s.peak_flops_bf16 for s in specs]
+                hit = hit.model_copy(update={
+                    "peak_flops_bf16": None if None in bf16 else min(b for b in bf16 if b is not None),
+                    "peak_flops_fp16": min(s.peak_flops_fp16 for s in specs),
+                    "peak_flops_fp32": min(s.peak_flops_fp32 for s in specs),
+                    "mem_bytes": min(s.mem_bytes for s in specs),
+                    "mem_bandwidth_Bps": min(s.mem_bandwidth_Bps for s in specs)})
+            self.spec_memo[group] = hit
         return hit
 
     def _block(self, block_hash: str, sharded: ShardedBlock, spec: DeviceSpec, tp: int, samples: float,

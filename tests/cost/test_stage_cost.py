@@ -36,3 +36,13 @@ def test_a_cut_inside_the_t5_decoder_carries_the_encoder_output_too() -> None:
     width = model.block_of(1).output_bytes
     assert coster.cut_bytes(in_encoder) == width
     assert coster.cut_bytes(inside_decoder) == 2 * width  # the previous block's output and the encoder's
+
+
+def test_a_mixed_group_is_paced_by_its_slowest_figure_of_each_kind() -> None:
+    cluster = load_cluster("dgx-a100-40gb+dgx-a100-80gb")  # equal peaks, different memory bandwidth
+    sim = Simulator(load_model("gpt?layers=2&hidden=64&heads=4&vocab=10", seq_len=8), cluster, Workload())
+    a40, a80 = cluster.devices[0].spec, cluster.devices[8].spec
+    paced = sim.coster.slowest((8, 0))
+    assert paced.mem_bandwidth_Bps == min(a40.mem_bandwidth_Bps, a80.mem_bandwidth_Bps)
+    assert paced.peak_flops_bf16 == min(a40.peak_flops_bf16 or 0, a80.peak_flops_bf16 or 0)
+    assert sim.coster.slowest((8, 9)) == a80  # one type: itself
