@@ -39,6 +39,7 @@ bench: $(STAMP_RUN)
 	$(BIN)/python bench/simulator.py
 	$(BIN)/python bench/validate_megatron.py
 	$(BIN)/python bench/planner.py
+	$(BIN)/python bench/gnn.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
