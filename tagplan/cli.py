@@ -82,15 +82,32 @@ def _emit(summary: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any
     _console().print(table(summary))
 
 
+def _add_problem_args(parser: argparse.ArgumentParser) -> None:
+    """--model, --cluster and the workload options shared by `simulate` and `plan`."""
+    parser.add_argument("--model", required=True, help="model SPEC")
+    parser.add_argument("--cluster", required=True, help="cluster SPEC")
+    parser.add_argument("--batch", type=_positive_int, default=None, help="global batch in samples (default 8)")
+    parser.add_argument("--seq", type=_positive_int, default=None, help="tokens per sample (default: the model's)")
+    parser.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
+    parser.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adam")
+
+
+def _load_problem(args: argparse.Namespace) -> tuple[Any, Any, Workload]:
+    """(ModelGraph, Cluster, Workload) from the options `_add_problem_args` defines."""
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.frontends.model_spec import load_model
+
+    dtype = DType(args.dtype)
+    model = load_model(args.model, seq_len=args.seq, dtype=dtype)
+    workload = Workload(global_batch=args.batch or 8, seq_len=model.seq_len, dtype=dtype,
+                        optimizer=Optimizer(args.optimizer))
+    return model, load_cluster(args.cluster), workload
+
+
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="predict one iteration of a plan: time, memory, breakdown, timeline")
-    sim.add_argument("--model", required=True, help="model SPEC")
-    sim.add_argument("--cluster", required=True, help="cluster SPEC")
+    _add_problem_args(sim)
     sim.add_argument("--plan", required=True, help="a Plan JSON file, or a baseline: dp | megatron")
-    sim.add_argument("--batch", type=_positive_int, default=None, help="global batch in samples (default 8)")
-    sim.add_argument("--seq", type=_positive_int, default=None, help="tokens per sample (default: the model's)")
-    sim.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
-    sim.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adam")
     sim.add_argument("--comm-mode", choices=[m.value for m in CommMode], default="topology",
                      help="bytes_only ignores the topology (an ablation; its times only compare with each other)")
     sim.add_argument("--timeline", default=None, metavar="OUT.json", help="write a Chrome trace (open in Perfetto)")
@@ -104,15 +121,10 @@ def _simulate(args: argparse.Namespace) -> int:
     from tagplan.cost.plan_file import load_plan
     from tagplan.cost.simulator import Simulator
     from tagplan.cost.timeline import chrome_trace
-    from tagplan.frontends.cluster_spec import load_cluster
-    from tagplan.frontends.model_spec import load_model
     from tagplan.views import report_table
 
-    dtype = DType(args.dtype)
-    model = load_model(args.model, seq_len=args.seq, dtype=dtype)
-    workload = Workload(global_batch=args.batch or 8, seq_len=model.seq_len, dtype=dtype,
-                        optimizer=Optimizer(args.optimizer))
-    sim = Simulator(model, load_cluster(args.cluster), workload, comm_mode=CommMode(args.comm_mode))
+    model, cluster, workload = _load_problem(args)
+    sim = Simulator(model, cluster, workload, comm_mode=CommMode(args.comm_mode))
     if args.plan in ("dp", "megatron"):
         baseline = (data_parallel if args.plan == "dp" else megatron)(sim)
         if baseline.plan is None:
@@ -140,12 +152,7 @@ def _console() -> Any:
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     cmd = sub.add_parser("plan", help="search the best plan: MCTS judged by the simulator, with baselines")
-    cmd.add_argument("--model", required=True, help="model SPEC")
-    cmd.add_argument("--cluster", required=True, help="cluster SPEC")
-    cmd.add_argument("--batch", type=_positive_int, default=None, help="global batch in samples (default 8)")
-    cmd.add_argument("--seq", type=_positive_int, default=None, help="tokens per sample (default: the model's)")
-    cmd.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
-    cmd.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adam")
+    _add_problem_args(cmd)
     cmd.add_argument("--budget-s", type=float, default=30.0, help="wall-clock budget of the search (seconds)")
     cmd.add_argument("--max-evaluations", type=_positive_int, default=400, help="plans simulated at most")
     cmd.add_argument("--objective", choices=[o.value for o in Objective], default="time")
@@ -163,18 +170,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from tagplan.frontends.cluster_spec import load_cluster
-    from tagplan.frontends.model_spec import load_model
     from tagplan.search.planner import plan
     from tagplan.views import plan_result_table
 
     if args.budget_s <= 0:
         raise SpecError(f"--budget-s {args.budget_s}: must be a positive number of seconds")
-    dtype = DType(args.dtype)
-    model = load_model(args.model, seq_len=args.seq, dtype=dtype)
-    cluster = load_cluster(args.cluster)
-    workload = Workload(global_batch=args.batch or 8, seq_len=model.seq_len, dtype=dtype,
-                        optimizer=Optimizer(args.optimizer))
+    model, cluster, workload = _load_problem(args)
     with _progress(args.max_evaluations, enabled=not args.json and sys.stderr.isatty()) as tick:
         result = plan(model, cluster, workload, objective=Objective(args.objective), budget_s=args.budget_s,
                       max_evaluations=args.max_evaluations, seed=args.seed, time_bound_s=args.time_bound_s,
