@@ -20,10 +20,12 @@ from __future__ import annotations
 import bisect
 import math
 from functools import cached_property
+from pathlib import Path
 
 from pydantic import Field, model_validator
 
 from tagplan.ir.base import Record
+from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import OpKind
 
 ANY_DEVICE = "*"
@@ -73,8 +75,29 @@ GEMM_CURVE = EfficiencyCurve(
 )
 
 
+class LinkFit(Record):
+    """Measured alpha-beta figures of one link class: what collectives over it actually reach."""
+
+    bandwidth_Bps: float = Field(gt=0, description="unidirectional per-link bandwidth the ring model needs")
+    latency_s: float = Field(ge=0, description="per-step latency (alpha)")
+    samples: int = Field(default=0, ge=0, description="collective records the fit is over")
+
+
+INTRA = "intra"
+INTER = "inter"
+
+
+def link_key(device: str, scope: str) -> str:
+    """The `Calibration.links` key of device type `device`'s links inside a node (`intra`) or between nodes."""
+    return f"{device}/{scope}"
+
+
 class Calibration(Record):
-    """Efficiencies by device type (`*` for any) and op kind; memory and launch figures."""
+    """Efficiencies by device type (`*` for any) and op kind; memory and launch figures; measured links.
+
+    `links` maps `link_key(device type, "intra" | "inter")` to measured alpha-beta figures; where
+    present they replace the datasheet figures of that device type's nodes (`calibrated_cluster`).
+    """
 
     name: str = "defaults"
     compute: dict[str, dict[OpKind, EfficiencyCurve]] = Field(
@@ -83,6 +106,7 @@ class Calibration(Record):
     memory_efficiency: dict[str, float] = Field(default_factory=lambda: {ANY_DEVICE: 0.8})
     launch_overhead_s: float = Field(default=4e-6, ge=0)
     attention_backward_factor: float = Field(default=2.5, gt=0, description="backward / forward FLOPs")
+    links: dict[str, LinkFit] = Field(default_factory=dict)
 
     def curve(self, device: str, kind: OpKind) -> EfficiencyCurve | None:
         """The curve for `kind` on `device`, else the any-device curve, else None (memory-bound)."""
@@ -92,9 +116,61 @@ class Calibration(Record):
                 return table[kind]
         return None
 
-    def bandwidth_fraction(self, device: str) -> float:
-        """Fraction of datasheet memory bandwidth memory-bound kernels reach on `device`."""
-        return self.memory_efficiency.get(device, self.memory_efficiency.get(ANY_DEVICE, 0.8))
+    def bandwidth_fraction(self, device: str, kind: OpKind | None = None) -> float:
+        """Fraction of datasheet memory bandwidth kernels of `kind` reach on `device`: the
+        `device/kind` entry (measured per kind), else the device's, else the any-device one."""
+        table = self.memory_efficiency
+        if kind is not None and (hit := table.get(f"{device}/{kind.value}")) is not None:
+            return hit
+        return table.get(device, table.get(ANY_DEVICE, 0.8))
 
 
 DEFAULT_CALIBRATION = Calibration()
+
+
+def calibrated_cluster(cluster: Cluster, calibration: Calibration) -> Cluster:
+    """`cluster` with measured link figures in place of datasheet ones, where the calibration has them.
+
+    A node whose device type has an `intra` fit gets that bandwidth and latency as its fabric (and
+    loses its per-pair overrides: the measurement already averages over the node's real links); one
+    with an `inter` fit gets NICs whose per-GPU share is the fitted bandwidth, and the network the
+    largest fitted latency. Returns `cluster` itself when nothing applies.
+    """
+    if not calibration.links:
+        return cluster
+    nodes, latencies, changed = [], [], False
+    for node in cluster.nodes:
+        update: dict[str, object] = {}
+        intra = calibration.links.get(link_key(node.device.name, INTRA))
+        if intra is not None and node.gpus > 1:
+            update.update(fabric_bandwidth_Bps=intra.bandwidth_Bps, fabric_latency_s=intra.latency_s, pair_links=())
+        inter = calibration.links.get(link_key(node.device.name, INTER))
+        if inter is not None:
+            nics = max(node.nics, 1)
+            update.update(nics=nics, nic_bandwidth_Bps=inter.bandwidth_Bps * node.gpus / nics)
+            latencies.append(inter.latency_s)
+        nodes.append(node.model_copy(update=update) if update else node)
+        changed = changed or bool(update)
+    if not changed:
+        return cluster
+    network = cluster.network
+    if latencies:
+        network = network.model_copy(update={"latency_s": max(latencies), "oversubscription": 1.0})
+    return cluster.model_copy(update={"nodes": tuple(nodes), "network": network})
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """A calibration file written by `tagplan calibrate`; SpecError naming the file and the bad field."""
+    from pydantic import ValidationError
+
+    from tagplan.errors import SpecError, from_validation
+
+    source = Path(path)
+    try:
+        text = source.read_text()
+    except OSError as err:
+        raise SpecError(f"--calibration {source}: cannot read it ({err.strerror or err})") from None
+    try:
+        return Calibration.model_validate_json(text)
+    except ValidationError as err:
+        raise from_validation(f"calibration file {source}", err) from None

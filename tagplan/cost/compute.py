@@ -45,7 +45,7 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
         compute_s = flops / (spec.peak_flops(dtype) * curve.at(flops)) if flops else 0.0
     else:  # pointwise work runs on the vector units
         compute_s = flops / spec.peak_flops_fp32
-    memory_s = nbytes / (spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name))
+    memory_s = nbytes / (spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, op.kind))
     launch = calibration.launch_overhead_s
     body = max(compute_s, memory_s)
     if op.kind in _GEMM_KINDS:

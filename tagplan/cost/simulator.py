@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
+from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration, calibrated_cluster
 from tagplan.cost.comm import Collective, CommMode, CommModel
 from tagplan.cost.compute import model_flops
 from tagplan.cost.memory import (
@@ -63,7 +63,7 @@ class Simulator:
         """`fold=False` costs every layer on its own and keeps no memo between plans (for ablation)."""
         self.model, self.cluster, self.workload = model, cluster, workload
         self.calibration, self.comm_mode = calibration, comm_mode
-        self.comm = CommModel(cluster, comm_mode)
+        self.comm = CommModel(calibrated_cluster(cluster, calibration), comm_mode)  # measured links, if any
         self.coster = StageCoster(model, cluster, workload, calibration, self.comm, fold=fold)
         self._model_flops = sum(model_flops(model.block_of(i)) for i in range(len(model.layers)))
 
@@ -91,6 +91,19 @@ class Simulator:
         tails = [self._lane_tail(plan, costs, pipe, lane) for lane in range(len(lanes))]
         report = self._report(plan, costs, pipe, pipe_no_p2p.makespan_s, lanes, tails)
         return Simulation(report, pipe, tuple(devs for devs, _ in lanes), tuple(tails))
+
+    def stage_costs(self, plan: Plan) -> tuple[list[StagePlanCost], list[StageTiming]]:
+        """Per stage: its per-micro-batch costs and the task times the schedule simulation takes.
+
+        What `run` composes into an iteration; also the analytic features of `tagplan.gnn`.
+        """
+        _check(plan, self.model, self.cluster, self.workload)
+        costs = [self._stage(plan, i) for i in range(len(plan.stages))]
+        return costs, [self._timing(plan, i, c) for i, c in enumerate(costs)]
+
+    def optimizer_s(self, plan: Plan, stages: list[int], costs: list[StagePlanCost]) -> float:
+        """Seconds of the optimizer step of `stages` run one after another on their devices."""
+        return self._optimizer_s(plan, stages, costs)
 
     def _stage(self, plan: Plan, index: int) -> StagePlanCost:
         stage = plan.stages[index]

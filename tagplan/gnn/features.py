@@ -11,7 +11,9 @@ Node types and edge types (TAG's op/device graph at layer granularity):
   count grows with the devices, not their square; `LINK_DIM` attributes.
 - ``('layer', 'placed_on', 'device')`` and its reverse ``('device', 'hosts', 'layer')``: each
   layer to every device of its stage, `PLACE_DIM` attributes.
-- ``data.graph_attr`` of shape [1, GRAPH_DIM]: plan-wide scalars.
+- ``data.graph_attr`` of shape [1, GRAPH_DIM]: plan-wide scalars, among them the closed-form
+  estimate of `gnn.analytic` (the cost model's per-stage figures composed by formula), which
+  the value head corrects.
 
 `LAYER_FEATURES`, `DEVICE_FEATURES`, ... name the columns in order. Every feature is a ratio or
 the log of a quantity over a fixed reference (MB, 1e14 FLOP/s, 10 GB/s), so models and clusters
@@ -34,7 +36,10 @@ import numpy as np
 import torch
 from torch_geometric.data import HeteroData
 
+from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.cost.memory import FRAMEWORK_OVERHEAD_BYTES, model_state_bytes
+from tagplan.cost.simulator import Simulator
+from tagplan.gnn.analytic import Estimate, estimate
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule, check_plan
@@ -73,6 +78,10 @@ LAYER_FEATURES = (
     # what crosses pipeline cuts (flows edge attributes, summed per layer)
     "log1p(MB received across a stage cut per replica micro-batch)",
     "log1p(MB sent across a stage cut per replica micro-batch)",
+    # the cost model's figures of the layer's stage (gnn.analytic)
+    "log(M * stage forward + backward per micro-batch / estimate)",
+    "stage TP communication / stage forward + backward",
+    "log1p(stage gradient sync per iteration / estimate)",
 )
 DEVICE_FEATURES = (
     "log(peak FLOP/s in the workload's dtype / 1e14)",
@@ -95,9 +104,16 @@ GRAPH_FEATURES = (
     "log2 stages", "log2 micro-batches", "schedule is gpipe", "schedule is 1f1b", "schedule is interleaved_1f1b",
     "log global batch", "log devices used", "log(used devices' peak / all devices' peak)",
     "log(3 * batch * forward FLOPs / used peak, in s)", "log(model params / 1e9)", "log(model seq_len / 1024)",
+    # the closed-form estimate of gnn.analytic and its parts
+    "log(estimate / T_lb)", "log(pipeline / estimate)", "log(M * busiest lane / pipeline)",
+    "log1p(p2p per micro-batch / estimate)", "log1p(gradient sync / estimate)",
+    "log1p(exposed gradient sync / estimate)", "log1p(optimizer step / estimate)",
 )
+PRIOR_FEATURE = GRAPH_FEATURES.index("log(estimate / T_lb)")
+"""The graph column the value head adds its correction to."""
 LAYER_STATIC_DIM = 11
 LAYER_STAGE_DIM = 10
+LAYER_COST_DIM = 3
 LAYER_DIM = len(LAYER_FEATURES)
 DEVICE_DIM = len(DEVICE_FEATURES)
 FLOW_DIM = len(FLOW_FEATURES)
@@ -163,6 +179,7 @@ class FeatureCache:
         self.size = size
         self._models: dict[int, tuple[ModelGraph, ModelTables]] = {}
         self._clusters: dict[tuple[int, str], tuple[Cluster, ClusterTables]] = {}
+        self._sims: dict[tuple[int, ...], tuple[tuple[object, ...], Simulator]] = {}
 
     def model(self, model: ModelGraph) -> ModelTables:
         """The tables of `model`, computed on first use."""
@@ -182,6 +199,18 @@ class FeatureCache:
         return hit[1]
 
 
+    def simulator(self, model: ModelGraph, cluster: Cluster, workload: Workload,
+                  calibration: Calibration) -> Simulator:
+        """A `Simulator` of the instance (its memo tables shared by every plan featurized with it)."""
+        objects = (model, cluster, workload, calibration)
+        key = tuple(id(o) for o in objects)
+        hit = self._sims.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], objects, strict=True)):
+            hit = (objects, Simulator(model, cluster, workload, calibration=calibration))
+            _put(self._sims, key, hit, self.size)
+        return hit[1]
+
+
 def _put(table: dict, key: object, value: object, size: int) -> None:
     table.pop(key, None)
     while len(table) >= size:
@@ -190,19 +219,22 @@ def _put(table: dict, key: object, value: object, size: int) -> None:
 
 
 def featurize(model: ModelGraph, cluster: Cluster, workload: Workload, plan: Plan, *,
-              cache: FeatureCache | None = None) -> HeteroData:
+              cache: FeatureCache | None = None, calibration: Calibration = DEFAULT_CALIBRATION) -> HeteroData:
     """The joint graph of `plan` for `model` on `cluster` (see the module docstring for its parts).
 
     Raises ValueError when the plan does not cover the model or names devices the cluster lacks.
-    Pass a `FeatureCache` to reuse the model and cluster parts across plans.
+    Pass a `FeatureCache` to reuse the model and cluster parts across plans. `calibration` is
+    the cost model's, whose per-stage figures the analytic features (`gnn.analytic`) are made of.
     """
     check_plan(plan, model, cluster)
     cache = cache or FeatureCache(size=1)
     mt, ct = cache.model(model), cache.cluster(cluster, workload)
     placed = _place(plan, model, workload, mt, ct)
     flow = _flow_attr(plan, workload, mt, placed.stage_of_layer)
+    est = estimate(cache.simulator(model, cluster, workload, calibration), plan)
     data = HeteroData()
-    data[LAYER].x = _tensor(np.concatenate([mt.static, placed.layer, _cut_bytes(mt, flow)], axis=1))
+    data[LAYER].x = _tensor(np.concatenate(
+        [mt.static, placed.layer, _cut_bytes(mt, flow), _stage_costs(plan, est)[placed.stage_of_layer]], axis=1))
     data[DEVICE].x = _tensor(np.concatenate([ct.static[:, :3], placed.device, ct.static[:, 3:]], axis=1))
     data[FLOWS].edge_index = torch.from_numpy(np.stack([mt.flow_src, mt.flow_dst]))
     data[FLOWS].edge_attr = _tensor(flow)
@@ -213,8 +245,28 @@ def featurize(model: ModelGraph, cluster: Cluster, workload: Workload, plan: Pla
     data[PLACED_ON].edge_attr = _tensor(placed.attr)
     data[HOSTS].edge_index = torch.from_numpy(placed.index[::-1].copy())
     data[HOSTS].edge_attr = data[PLACED_ON].edge_attr
-    data.graph_attr = _tensor(_graph_attr(model, workload, plan, ct, placed.used)[None, :])
+    graph = np.concatenate([_graph_attr(model, workload, plan, ct, placed.used),
+                            _estimate_attr(est, lower_bound_s(model, cluster, workload))])
+    data.graph_attr = _tensor(graph[None, :])
     return data
+
+
+def _stage_costs(plan: Plan, est: Estimate) -> np.ndarray:
+    """[S, LAYER_COST_DIM]: each stage's share of the estimate, its TP share, its gradient sync."""
+    total = max(est.iteration_s, 1e-12)
+    stage = np.maximum(est.stage_s, 1e-12)
+    return np.column_stack([np.log(plan.micro_batches * stage / total), est.stage_tp_s / stage,
+                            np.log1p(est.stage_dp_s / total)])
+
+
+def _estimate_attr(est: Estimate, lower_bound: float) -> np.ndarray:
+    """The graph columns of the closed-form estimate (GRAPH_FEATURES' last seven)."""
+    total = max(est.iteration_s, 1e-12)
+    return np.array([
+        math.log(total / lower_bound), math.log(max(est.pipeline_s, 1e-12) / total),
+        math.log(max(est.busy_s, 1e-12) / max(est.pipeline_s, 1e-12)), math.log1p(est.p2p_s / total),
+        math.log1p(est.dp_s / total), math.log1p(est.exposed_dp_s / total), math.log1p(est.optimizer_s / total),
+    ])
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:

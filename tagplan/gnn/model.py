@@ -17,7 +17,7 @@ from torch.nn import functional
 from torch_geometric.data import Batch, HeteroData
 from torch_geometric.nn import GATv2Conv, HeteroConv, global_max_pool, global_mean_pool
 
-from tagplan.gnn.features import DEVICE, EDGE_DIMS, EDGE_TYPES, GRAPH_DIM, LAYER, NODE_DIMS, NODE_TYPES
+from tagplan.gnn.features import DEVICE, EDGE_DIMS, EDGE_TYPES, GRAPH_DIM, LAYER, NODE_DIMS, NODE_TYPES, PRIOR_FEATURE
 
 CHECKPOINT_FORMAT = "tagplan.gnn.PlanGNN/1"
 
@@ -45,18 +45,21 @@ class PlanGNN(nn.Module):
     .. math::
         \mathbf{z}_G = \mathrm{MLP}\big([\mathrm{mean}_{l} \mathbf{h}_l \,\|\, \max_{l} \mathbf{h}_l
             \,\|\, \mathrm{mean}_{d} \mathbf{h}_d \,\|\, \max_{d} \mathbf{h}_d \,\|\, \mathbf{g}_G]\big), \qquad
-        \hat{y}_G = \mathbf{w}_y^\top \mathbf{z}_G + b_y, \qquad
+        \hat{y}_G = [g_{G,\mathrm{prior}}] + \mathbf{w}_y^\top \mathbf{z}_G + b_y, \qquad
         \hat{f}_G = \mathbf{w}_f^\top \mathbf{z}_G + b_f
 
     over layer nodes :math:`l`, device nodes :math:`d` and graph scalars :math:`\mathbf{g}_G`.
     :math:`\hat{y}` estimates :math:`\log(T / T_{lb}) \geq 0` and :math:`\sigma(\hat{f})` the
-    probability that the plan fits in memory.
+    probability that the plan fits in memory. With `prior` (the default) the value head predicts
+    a correction to the closed-form estimate :math:`g_{G,\mathrm{prior}} = \log(T_{est} / T_{lb})`
+    of `gnn.analytic` (graph column `features.PRIOR_FEATURE`); without it, the whole value.
 
     Args:
         hidden (int): width of every node embedding; divisible by `heads`. (default: 64)
         layers (int): rounds of message passing. (default: 3)
         heads (int): attention heads per GATv2 convolution. (default: 2)
         dropout (float): dropout after each round, in training mode. (default: 0.0)
+        prior (bool): add the closed-form estimate to the value head's output. (default: True)
 
     Shapes:
         - **input:** a `HeteroData` from `features.featurize`, or a `Batch` of B of them:
@@ -66,15 +69,17 @@ class PlanGNN(nn.Module):
         - **output:** `(value, fit_logit)`, each :math:`(B)`
     """
 
-    def __init__(self, *, hidden: int = 64, layers: int = 3, heads: int = 2, dropout: float = 0.0) -> None:
+    def __init__(self, *, hidden: int = 64, layers: int = 3, heads: int = 2, dropout: float = 0.0,
+                 prior: bool = True) -> None:
         super().__init__()
         if hidden < 1 or layers < 0 or heads < 1 or hidden % heads:
             raise ValueError(f"PlanGNN: need hidden >= 1 divisible by heads >= 1 and layers >= 0; got "
                              f"hidden={hidden}, heads={heads}, layers={layers}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"PlanGNN: dropout must be in [0, 1), got {dropout}")
-        self.config: dict[str, Any] = {"hidden": hidden, "layers": layers, "heads": heads, "dropout": dropout}
-        self.dropout = dropout
+        self.config: dict[str, Any] = {"hidden": hidden, "layers": layers, "heads": heads, "dropout": dropout,
+                                       "prior": prior}
+        self.dropout, self.prior = dropout, prior
         self.encoders = nn.ModuleDict({t: nn.Linear(NODE_DIMS[t], hidden) for t in NODE_TYPES})
         self.convs = nn.ModuleList([
             HeteroConv({et: GATv2Conv((hidden, hidden), hidden // heads, heads=heads, edge_dim=EDGE_DIMS[et],
@@ -90,11 +95,15 @@ class PlanGNN(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Re-initialise every learnable parameter."""
+        """Re-initialise every learnable parameter; with `prior`, the value head starts at zero,
+        so that an untrained model predicts the closed-form estimate itself."""
         for module in self.modules():
             reset = getattr(module, "reset_parameters", None)
             if module is not self and callable(reset):
                 reset()
+        if self.prior:
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
 
     def _update(self, norm: nn.Module, h: Tensor, message: Tensor | None) -> Tensor:
         """h <- Dropout(ReLU(LayerNorm(h + m))), with m = 0 when no relation sent the node type messages."""
@@ -111,7 +120,10 @@ class PlanGNN(nn.Module):
         pooled = [pool(x[t], _batch(data, t), size=graphs) for t in (LAYER, DEVICE)
                   for pool in (global_mean_pool, global_max_pool)]  # 4 x [B, hidden]
         z = self.readout(torch.cat([*pooled, data.graph_attr], dim=-1))  # [B, hidden]
-        return self.value_head(z).squeeze(-1), self.fit_head(z).squeeze(-1)  # [B], [B]
+        value = self.value_head(z).squeeze(-1)  # [B]
+        if self.prior:
+            value = value + data.graph_attr[:, PRIOR_FEATURE]
+        return value, self.fit_head(z).squeeze(-1)  # [B], [B]
 
 
 def _batch(data: HeteroData | Batch, node_type: str) -> Tensor:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch_geometric.data import Batch
 
+from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.gnn.features import FeatureCache, featurize, lower_bound_s
 from tagplan.gnn.model import PlanGNN
 from tagplan.ir.cluster import Cluster
@@ -35,16 +36,18 @@ class GNNScorer:
         self.cache = cache or FeatureCache()
         self.forward_calls = 0
 
-    def predict(self, model_graph: ModelGraph, cluster: Cluster, workload: Workload,
-                plans: Sequence[Plan]) -> tuple[np.ndarray, np.ndarray]:
+    def predict(self, model_graph: ModelGraph, cluster: Cluster, workload: Workload, plans: Sequence[Plan], *,
+                calibration: Calibration = DEFAULT_CALIBRATION) -> tuple[np.ndarray, np.ndarray]:
         """(log_ratio [B], fit_prob [B]) as float64 arrays, from one batched forward pass.
 
         log_ratio estimates log(T / T_lb) (T_lb from `features.lower_bound_s`); fit_prob is the
-        probability that the plan fits in every device's memory.
+        probability that the plan fits in every device's memory. `calibration` is the cost
+        model's, whose per-stage figures the features include.
         """
         if not plans:
             return np.zeros(0), np.zeros(0)
-        graphs = [featurize(model_graph, cluster, workload, p, cache=self.cache) for p in plans]
+        graphs = [featurize(model_graph, cluster, workload, p, cache=self.cache, calibration=calibration)
+                  for p in plans]
         batch = Batch.from_data_list(graphs)
         device = next(self.model.parameters()).device
         self.model.eval()
@@ -53,10 +56,10 @@ class GNNScorer:
         self.forward_calls += 1
         return value.double().cpu().numpy(), torch.sigmoid(fit_logit).double().cpu().numpy()
 
-    def predicted_time_s(self, model_graph: ModelGraph, cluster: Cluster, workload: Workload,
-                         plans: Sequence[Plan]) -> np.ndarray:
+    def predicted_time_s(self, model_graph: ModelGraph, cluster: Cluster, workload: Workload, plans: Sequence[Plan],
+                         *, calibration: Calibration = DEFAULT_CALIBRATION) -> np.ndarray:
         """Predicted iteration time of each plan, in seconds: T_lb * exp(log_ratio)."""
-        log_ratio, _ = self.predict(model_graph, cluster, workload, plans)
+        log_ratio, _ = self.predict(model_graph, cluster, workload, plans, calibration=calibration)
         return lower_bound_s(model_graph, cluster, workload) * np.exp(log_ratio)
 
 
@@ -73,27 +76,41 @@ class _Scored:
         if missing:
             sim = self.space.sim
             plans = [self.space.to_plan(s) for s in missing]
-            log_ratio, fit = self.scorer.predict(sim.model, sim.cluster, sim.workload, plans)
+            log_ratio, fit = self.scorer.predict(sim.model, sim.cluster, sim.workload, plans,
+                                                 calibration=sim.calibration)
             self.table.update(zip(missing, zip(log_ratio.tolist(), fit.tolist(), strict=True), strict=True))
         return [self.table[s] for s in terminals]
 
 
-class GNNPrior:
-    """MCTS Prior: each action scored by the predicted T_lb / T of its default completion.
+PRIOR_TEMPERATURE = 0.05
+"""Width of the prior in log-time: an action whose completion is predicted 5% slower than another's
+gets about 1/e of its weight. Plans of one search mostly differ by percents, so the plain T_lb / T
+(temperature 1) would leave the prior nearly uniform."""
 
-    score = exp(-log_ratio), times fit_prob when the plan is predicted not to fit; non-negative,
-    higher is more promising. All of a call's unseen completions go through one forward pass.
+
+class GNNPrior:
+    """MCTS Prior: each action scored by the predicted time of its default completion.
+
+    score = exp(-(log_ratio - best log_ratio) / temperature), times fit_prob when the plan is
+    predicted not to fit; non-negative, higher is more promising, 1 for the best action. All of a
+    call's unseen completions go through one forward pass.
     """
 
-    def __init__(self, space: PlanSpace, scorer: GNNScorer) -> None:
-        self.space = space
+    def __init__(self, space: PlanSpace, scorer: GNNScorer, *, temperature: float = PRIOR_TEMPERATURE) -> None:
+        if not temperature > 0.0:
+            raise ValueError(f"GNNPrior: temperature must be > 0, got {temperature}")
+        self.space, self.temperature = space, temperature
         self._scored = _Scored(space, scorer)
 
     def __call__(self, state: PlanState, actions: Sequence[Action], /) -> list[float]:
         """One non-negative score per action, in the order of `actions`."""
         terminals = [self.space.complete(self.space.step(state, a)) for a in actions]
-        return [_value(log_ratio) * (fit if fit < FIT_THRESHOLD else 1.0)
-                for log_ratio, fit in self._scored.predict(terminals)]
+        scored = self._scored.predict(terminals)
+        if not scored:
+            return []
+        best = min(log_ratio for log_ratio, _ in scored)
+        return [_value((log_ratio - best) / self.temperature) * (fit if fit < FIT_THRESHOLD else 1.0)
+                for log_ratio, fit in scored]
 
 
 class GNNEvaluator:

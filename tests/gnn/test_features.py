@@ -113,7 +113,9 @@ def test_plan_features_follow_the_stage() -> None:
     x = data[LAYER].x
     tp, recompute = LAYER_FEATURES.index("log2 tp"), LAYER_FEATURES.index("recompute")
     assert x[:, tp].tolist() == [1.0, 1.0, 2.0, 2.0] and x[:, recompute].tolist() == [0.0, 0.0, 1.0, 1.0]
-    received, sent = x[:, -2:].t().tolist()
+    cut = [LAYER_FEATURES.index(f"log1p(MB {d} across a stage cut per replica micro-batch)")
+           for d in ("received", "sent")]
+    received, sent = x[:, cut].t().tolist()
     assert received[2] > 0 and sent[1] > 0 and received[:2] == [0.0, 0.0] and sent[2:] == [0.0, 0.0]
     assert data[DEVICE].x[:, DEVICE_STAGE].tolist() == [0.0] * 4 + [0.5] * 4
     first_replica = data[PLACED_ON].edge_attr[:, 3].view(4, 4)  # 4 layers x 4 devices each

@@ -116,3 +116,25 @@ def test_checkpoint_rejects_bad_cards_and_files(tmp_path: Path) -> None:
     torch.save({"format": "something else"}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="not a PlanGNN checkpoint"):
         load_checkpoint(tmp_path / "other.pt")
+
+
+def test_an_untrained_model_predicts_the_closed_form_estimate_and_learns_its_correction() -> None:
+    from tagplan.gnn.features import PRIOR_FEATURE
+
+    torch.manual_seed(5)
+    batch = Batch.from_data_list(graphs())
+    estimate = batch.graph_attr[:, PRIOR_FEATURE]
+    with torch.no_grad():
+        value, _ = PlanGNN(hidden=16, layers=1, heads=2).eval()(batch)
+        plain, _ = PlanGNN(hidden=16, layers=1, heads=2, prior=False).eval()(batch)
+    assert torch.equal(value, estimate)
+    assert not torch.allclose(plain, estimate, atol=1e-3)
+    net = PlanGNN(hidden=16, layers=1, heads=2)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    target = estimate + 0.1  # the truth is 10% slower than the estimate everywhere
+    for _ in range(60):
+        loss = (net(batch)[0] - target).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss.detach()) < 1e-3

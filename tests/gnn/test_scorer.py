@@ -89,7 +89,7 @@ def test_prior_and_evaluator_follow_the_definitions() -> None:
     root = PlanState()
     actions = sp.actions(root)
     fit = 1 / (1 + math.exp(3.0))
-    assert GNNPrior(sp, scorer)(root, actions) == pytest.approx([math.exp(-0.5) * fit] * len(actions))
+    assert GNNPrior(sp, scorer)(root, actions) == pytest.approx([fit] * len(actions))  # all equal: all best
     assert GNNEvaluator(sp, scorer)(sp.complete(root)) == pytest.approx(math.exp(-0.5) * 0.01)
 
 
@@ -101,3 +101,24 @@ def test_the_search_runs_on_the_gnn_callables() -> None:
                  max_evaluations=6, seed=0)
     assert sp.is_terminal(found.best_state) and found.best_value > 0
     sp.to_plan(found.best_state)
+
+
+class ByStages:
+    """A scorer whose predicted log(T / T_lb) is 0.01 per pipeline stage, every plan fitting."""
+
+    def predict(self, model, cluster, workload, plans, *, calibration=None):  # type: ignore[no-untyped-def]
+        return np.array([0.01 * len(p.stages) for p in plans]), np.ones(len(plans))
+
+
+def test_prior_weights_actions_by_their_predicted_slowdown_over_the_temperature() -> None:
+    sp = space()
+    root = PlanState()
+    actions = sp.actions(root)
+    stages = [len(sp.to_plan(sp.complete(sp.step(root, a))).stages) for a in actions]
+    assert len(set(stages)) > 1
+    for temperature in (0.01, 0.05):
+        scores = GNNPrior(sp, ByStages(), temperature=temperature)(root, actions)  # type: ignore[arg-type]
+        expected = [math.exp(-0.01 * (n - min(stages)) / temperature) for n in stages]
+        assert scores == pytest.approx(expected)
+    with pytest.raises(ValueError, match="temperature"):
+        GNNPrior(sp, ByStages(), temperature=0.0)  # type: ignore[arg-type]
