@@ -90,6 +90,9 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=_positive_int, default=None, help="tokens per sample (default: the model's)")
     parser.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
     parser.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adam")
+    parser.add_argument("--calibration", default=None, metavar="CALIB.json",
+                        help="cost-model calibration from `tagplan calibrate` (default: the one pinned beside "
+                             "the active GNN version, else the shipped defaults)")
 
 
 def _load_problem(args: argparse.Namespace) -> tuple[Any, Any, Workload]:
@@ -117,6 +120,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from tagplan.cli_traces import load_calibration_option
     from tagplan.cost.baselines import data_parallel, megatron
     from tagplan.cost.plan_file import load_plan
     from tagplan.cost.simulator import Simulator
@@ -124,7 +128,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from tagplan.views import report_table
 
     model, cluster, workload = _load_problem(args)
-    sim = Simulator(model, cluster, workload, comm_mode=CommMode(args.comm_mode))
+    sim = Simulator(model, cluster, workload, comm_mode=CommMode(args.comm_mode),
+                    calibration=load_calibration_option(args.calibration))
     if args.plan in ("dp", "megatron"):
         baseline = (data_parallel if args.plan == "dp" else megatron)(sim)
         if baseline.plan is None:
@@ -175,11 +180,14 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.budget_s <= 0:
         raise SpecError(f"--budget-s {args.budget_s}: must be a positive number of seconds")
+    from tagplan.cli_traces import load_calibration_option
+
     model, cluster, workload = _load_problem(args)
+    calibration = load_calibration_option(args.calibration)
     with _progress(args.max_evaluations, enabled=not args.json and sys.stderr.isatty()) as tick:
         result = plan(model, cluster, workload, objective=Objective(args.objective), budget_s=args.budget_s,
                       max_evaluations=args.max_evaluations, seed=args.seed, time_bound_s=args.time_bound_s,
-                      exhaustive_limit=args.exhaustive_limit, progress=tick,
+                      exhaustive_limit=args.exhaustive_limit, progress=tick, calibration=calibration,
                       prior_factory=_gnn_prior(args.scorer, cluster.num_devices))
     if args.out:
         Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))
@@ -239,11 +247,17 @@ def _add_learning(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--workers", type=_positive_int, default=2)
     gen.set_defaults(func=_dataset_generate)
     train = sub.add_parser("train", help="train the GNN; registers a new version")
-    train.add_argument("--data", required=True, help="a directory from `tagplan dataset generate`")
+    train.add_argument("--data", default=None, help="a directory from `tagplan dataset generate`")
+    train.add_argument("--traces", nargs="+", default=None, metavar="BUNDLE",
+                       help="instead: fine-tune the active GNN on these bundles' measured iterations; the new "
+                            "version is activated only if its held-out error is lower")
+    train.add_argument("--calibration", default=None, metavar="CALIB.json",
+                       help="with --traces: the calibration the corrected simulator uses (default: the pinned one)")
     train.add_argument("--epochs", type=_positive_int, default=40)
     train.add_argument("--out", default="gnn-run", help="directory for model.pt and card.json")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--hidden", type=_positive_int, default=64)
+    train.add_argument("--lr", type=float, default=None, help="learning rate (default: TrainConfig's)")
     train.add_argument("--no-register", action="store_true", help="do not add the checkpoint to the registry")
     train.add_argument("--activate", action="store_true", help="make the new version the active one")
     train.set_defaults(func=_train)
@@ -271,10 +285,15 @@ def _train(args: argparse.Namespace) -> int:
     from tagplan.training.registry import Registry
     from tagplan.training.train import TrainConfig, train
 
+    if args.traces:
+        return _train_traces(args)
+    if not args.data:
+        raise SpecError("train: give --data DIR (synthetic samples) or --traces BUNDLE... (measurements)")
     data = Path(args.data)
     if not (data / "train" / "samples.jsonl").exists():
         raise SpecError(f"--data {args.data}: no train/samples.jsonl; create it with `tagplan dataset generate`")
-    config = TrainConfig(epochs=args.epochs, seed=args.seed, hidden=args.hidden)
+    config = TrainConfig(epochs=args.epochs, seed=args.seed, hidden=args.hidden,
+                         **({"lr": args.lr} if args.lr is not None else {}))
     path, card = train(data, Path(args.out), config,
                        on_epoch=lambda e, t, v: print(f"epoch {e:3d}  train {t:.4f}  val mse(log) {v:.4f}",
                                                       file=sys.stderr))
@@ -284,6 +303,20 @@ def _train(args: argparse.Namespace) -> int:
     if not args.no_register:
         version = Registry().register(path, card, activate=args.activate)
         print(f"registered as {version}" + (" (active)" if args.activate else ""))
+    return 0
+
+
+def _train_traces(args: argparse.Namespace) -> int:
+    from tagplan.cli_traces import load_calibration_option
+    from tagplan.datasets.traces.bundle import read_bundle
+    from tagplan.training.traces import finetune_on_traces
+
+    bundles = [read_bundle(b) for b in args.traces]
+    card = finetune_on_traces(bundles, Path(args.out), calibration=load_calibration_option(args.calibration),
+                              register=not args.no_register)
+    Path(args.out, "card.json").write_text(json.dumps(card, indent=2, default=str))
+    print(json.dumps({"checkpoint": str(Path(args.out) / "model.pt"), "held_out": card["metrics"]["held_out"],
+                      "version": card.get("version"), "activated": card.get("activated", False)}, indent=2))
     return 0
 
 
@@ -329,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_learning(sub)
     _add_demo(sub)
+    from tagplan.cli_traces import add_trace_commands
+
+    add_trace_commands(sub)
     return parser
 
 

@@ -107,6 +107,7 @@ class Calibration(Record):
     launch_overhead_s: float = Field(default=4e-6, ge=0)
     attention_backward_factor: float = Field(default=2.5, gt=0, description="backward / forward FLOPs")
     links: dict[str, LinkFit] = Field(default_factory=dict)
+    launch_by_device: dict[str, float] = Field(default_factory=dict, description="measured per device type, s")
 
     def curve(self, device: str, kind: OpKind) -> EfficiencyCurve | None:
         """The curve for `kind` on `device`, else the any-device curve, else None (memory-bound)."""
@@ -115,6 +116,10 @@ class Calibration(Record):
             if table is not None and kind in table:
                 return table[kind]
         return None
+
+    def launch_s(self, device: str) -> float:
+        """Seconds of overhead per kernel on `device`: its measured figure, else `launch_overhead_s`."""
+        return self.launch_by_device.get(device, self.launch_overhead_s)
 
     def bandwidth_fraction(self, device: str, kind: OpKind | None = None) -> float:
         """Fraction of datasheet memory bandwidth kernels of `kind` reach on `device`: the

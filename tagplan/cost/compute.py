@@ -46,7 +46,7 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
     else:  # pointwise work runs on the vector units
         compute_s = flops / spec.peak_flops_fp32
     memory_s = nbytes / (spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, op.kind))
-    launch = calibration.launch_overhead_s
+    launch = calibration.launch_s(spec.name)
     body = max(compute_s, memory_s)
     if op.kind in _GEMM_KINDS:
         return OpTime(body + launch, 2.0 * body + 2.0 * launch)

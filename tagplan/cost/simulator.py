@@ -202,7 +202,7 @@ class Simulator:
             spec = self.coster.slowest(stage.devices)
             shard = stage.dp if stage.zero >= 1 else 1
             bandwidth = spec.mem_bandwidth_Bps * self.calibration.bandwidth_fraction(spec.name)
-            seconds += costs[i].local_params / shard * traffic / bandwidth + self.calibration.launch_overhead_s
+            seconds += costs[i].local_params / shard * traffic / bandwidth + self.calibration.launch_s(spec.name)
         return seconds
 
     def _report(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult, makespan_no_p2p: float,

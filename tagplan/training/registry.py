@@ -5,6 +5,7 @@ Layout under the root (default `$TAGPLAN_HOME/registry`, else `~/.tagplan/regist
     registry.json            {"active": "v0002", "versions": ["v0001", "v0002"]}
     versions/v0001/model.pt  checkpoint (weights + constructor arguments + card)
     versions/v0001/card.json the model card (data, splits, metrics, date, git commit)
+    versions/v0001/calibration.json  optional: the cost-model calibration pinned beside the version
 
 The package ships a default checkpoint (`tagplan/gnn/checkpoints/default.pt`), used when the
 registry has no active version.
@@ -56,19 +57,48 @@ class Registry:
         value = self._index()["active"]
         return str(value) if value else None
 
-    def register(self, checkpoint: Path, card: dict[str, Any], *, activate: bool = False) -> str:
-        """Copy `checkpoint` in as a new version with `card`; returns the version name."""
+    def register(self, checkpoint: Path, card: dict[str, Any], *, activate: bool = False,
+                 calibration: Path | None = None, activate_if_first: bool = True) -> str:
+        """Copy `checkpoint` in as a new version with `card` (and a pinned `calibration` file);
+        returns the version name. The first version becomes active unless `activate_if_first` is off."""
         index = self._index()
         version = f"v{len(index['versions']) + 1:04d}"
         target = self.root / "versions" / version
         target.mkdir(parents=True, exist_ok=False)
         shutil.copyfile(checkpoint, target / "model.pt")
+        if calibration is not None:
+            self._copy_calibration(calibration, target)
         (target / "card.json").write_text(json.dumps({**card, "version": version}, indent=2, default=str))
         index["versions"].append(version)
-        if activate or index["active"] is None:
+        if activate or (index["active"] is None and activate_if_first):
             index["active"] = version
         self._write(index)
         return version
+
+    def pin_calibration(self, version: str, calibration: Path) -> None:
+        """Pin the calibration file `calibration` beside `version` (replacing one pinned before)."""
+        self.card(version)  # SpecError for an unknown version
+        self._copy_calibration(calibration, self.root / "versions" / version)
+
+    def calibration_path(self, version: str | None = None) -> Path | None:
+        """The calibration pinned beside `version` (default: the active one), or None."""
+        version = version or self.active()
+        if version is None:
+            return None
+        path = self.root / "versions" / version / "calibration.json"
+        return path if path.exists() else None
+
+    @staticmethod
+    def _copy_calibration(source: Path, target_dir: Path) -> None:
+        from tagplan.cost.calibration import Calibration
+
+        try:
+            Calibration.model_validate_json(Path(source).read_text())
+        except (OSError, ValueError) as err:
+            raise SpecError(f"{source}: not a calibration file (from `tagplan calibrate`): {err}") from None
+        partial = target_dir / "calibration.json.partial"
+        shutil.copyfile(source, partial)
+        partial.replace(target_dir / "calibration.json")
 
     def activate(self, version: str) -> None:
         """Make `version` the active one; SpecError if unknown."""

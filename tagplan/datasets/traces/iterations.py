@@ -1,0 +1,145 @@
+"""Measured training iterations (JSON lines or CSV) -> `IterationRecord`s.
+
+JSON lines: one object per line with keys `model`, `cluster`, `workload`, `plan`, `measured_s`
+and optionally `repeats` and `source`. CSV: a header row naming those columns; `workload` is JSON
+text, `plan` JSON text or the path of a Plan JSON file (relative to the CSV), `model` and
+`cluster` a SPEC string (or JSON text of an inline object). In both, `plan` is validated as a
+`Plan` (docs/PLAN_FORMAT.md) and stored in its canonical form, `workload` as a `Workload`.
+Model and cluster SPECs are stored as given: resolving them is the consumer's job.
+
+Every error is a SpecError naming the file, the line, the field and what was wrong.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+
+from tagplan.errors import SpecError
+from tagplan.frontends.textfile import read_text
+from tagplan.ir.plan import Plan
+from tagplan.ir.workload import Workload
+
+from .bundle import IterationRecord
+
+REQUIRED = ("model", "cluster", "workload", "plan", "measured_s")
+OPTIONAL = ("repeats", "source")
+_JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+_Model = TypeVar("_Model", Plan, Workload, IterationRecord)
+
+
+def import_iterations(path: str | os.PathLike[str]) -> list[IterationRecord]:
+    """The iteration records in the JSON-lines or CSV file at `path` (seconds per iteration)."""
+    source = Path(path)
+    text = read_text(source)
+    if source.suffix.lower() == ".csv" or (source.suffix.lower() not in _JSON_SUFFIXES
+                                           and not text.lstrip().startswith("{")):
+        return _from_csv(source, text)
+    return _from_json_lines(source, text)
+
+
+def _from_json_lines(source: Path, text: str) -> list[IterationRecord]:
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{source}:{number}"
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SpecError(f"{where}: not JSON ({err.msg} at column {err.colno}); expected one iteration "
+                            f"object per line with keys {', '.join(REQUIRED)}") from None
+        if not isinstance(data, dict):
+            raise SpecError(f"{where}: a JSON {type(data).__name__}; expected an object with keys "
+                            f"{', '.join(REQUIRED)}")
+        records.append(_record(data, where, source.parent))
+    return records
+
+
+def _from_csv(source: Path, text: str) -> list[IterationRecord]:
+    reader = csv.reader(io.StringIO(text))
+    header = [h.strip() for h in next(reader, [])]
+    missing = [c for c in REQUIRED if c not in header]
+    unknown = [c for c in header if c not in (*REQUIRED, *OPTIONAL)]
+    if missing or unknown:
+        problem = f"missing column(s) {', '.join(missing)}" if missing else f"unknown column(s) {', '.join(unknown)}"
+        raise SpecError(f"{source}:1: {problem}; the header has {', '.join(header) or 'nothing'}; expected "
+                        f"{', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)}")
+    records, end = [], reader.line_num
+    for row in reader:
+        start, end = end + 1, reader.line_num
+        if not any(cell.strip() for cell in row):
+            continue
+        where = f"{source}:{start}"
+        if len(row) != len(header):
+            raise SpecError(f"{where}: {len(row)} cells; the header has {len(header)} columns ({', '.join(header)})")
+        cells = {name: cell.strip() for name, cell in zip(header, row, strict=True)}
+        records.append(_record(_parse_cells(cells, where), where, source.parent))
+    return records
+
+
+def _parse_cells(cells: dict[str, str], where: str) -> dict[str, Any]:
+    """CSV cells as the values a JSON line would carry (JSON text parsed, numbers converted)."""
+    data: dict[str, Any] = {k: v for k, v in cells.items() if v or k in REQUIRED}
+    for name in ("model", "cluster", "plan"):
+        if data[name].startswith("{"):
+            data[name] = _json_cell(data[name], name, where)
+    data["workload"] = _json_cell(data["workload"], "workload", where)
+    for name, kind in (("measured_s", float), ("repeats", int)):
+        if name in data:
+            try:
+                data[name] = kind(data[name])
+            except ValueError:
+                raise SpecError(f"{where}: {name} {data[name]!r} is not a{'n integer' if kind is int else ' number'}"
+                                ) from None
+    return data
+
+
+def _json_cell(text: str, name: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{where}: {name}: not JSON text ({err.msg} at character {err.pos}): {text[:60]!r}") from None
+
+
+def _record(data: dict[str, Any], where: str, base: Path) -> IterationRecord:
+    """Validate one iteration's fields; SpecError naming `where` and the field."""
+    missing = [k for k in REQUIRED if k not in data]
+    unknown = [k for k in data if k not in (*REQUIRED, *OPTIONAL, "record")]
+    if missing or unknown:
+        problem = f"missing field(s) {', '.join(missing)}" if missing else f"unknown field(s) {', '.join(unknown)}"
+        raise SpecError(f"{where}: {problem}; expected {', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)}")
+    plan = _load_plan(data["plan"], where, base) if isinstance(data["plan"], str) else data["plan"]
+    fields = {**data, "record": "iteration", "plan": _validated(Plan, plan, "plan", where).model_dump(mode="json"),
+              "workload": _validated(Workload, data["workload"], "workload", where)}
+    return _validated(IterationRecord, fields, "", where)
+
+
+def _load_plan(text: str, where: str, base: Path) -> Any:
+    """A plan given as a path (relative to the file that names it): its JSON object."""
+    path = base / text
+    if not path.is_file():
+        raise SpecError(f"{where}: plan {text!r} is neither JSON text nor a file ({path} does not exist)")
+    try:
+        return json.loads(read_text(path))
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{where}: plan file {path}: malformed JSON at line {err.lineno}, column {err.colno}: "
+                        f"{err.msg}") from None
+
+
+def _validated(cls: type[_Model], value: Any, name: str, where: str) -> _Model:
+    try:
+        return cls.model_validate(value)
+    except ValidationError as err:
+        e: dict[str, Any] = dict(err.errors()[0])
+        loc = ".".join(str(p) for p in (name, *e.get("loc", ())) if p != "")
+        got = e.get("input")
+        shown = "" if isinstance(got, dict | list) else f" (got {repr(got)[:80]})"
+        message = str(e.get("msg", "")).removeprefix("Value error, ")
+        raise SpecError(f"{where}: {loc or name or '(top level)'}: {message}{shown}") from None

@@ -1,0 +1,403 @@
+"""torch.profiler / Kineto Chrome traces (`prof.export_chrome_trace`) -> `OpRecord`s.
+
+Which ops: every `cpu_op` whose aten name maps to an `OpKind` (matmul, attention, layernorm,
+softmax, elementwise, embedding, conv) and that is not nested inside another recorded op on the
+same thread. `aten::linear` contains `aten::addmm`, which is how linear is implemented: the outer
+op is recorded with its whole time and the inner one is not counted again. Ops under an
+`autograd::engine::evaluate_function: XBackward0` node, or named `..._backward...`, are the
+backward phase; ops under an `Optimizer.step#...` annotation are the step; the rest forward.
+
+Time: on a CPU trace the op's own duration (its children are its implementation). On a GPU
+trace (one with `kernel` events) the sum of the device activity (kernels, memcpy, memset) it
+launched: each activity's `args.correlation` names a `cuda_runtime` launch, which sits inside
+the launching `cpu_op` on the same thread (by time; by `External id` when time does not tell).
+Calls of one op with identical input shapes and types in one phase become one record: time_s is
+their median, repeats their count.
+
+FLOPs and bytes follow `ir.model.Op` (tagplan/frontends/analytic.py): a multiply-add is 2 FLOPs
+(matmul [m,k]x[k,n] = 2mkn, attention 4*s*s_kv*d per head plus 5 per score), norms and softmax
+5 per element, other elementwise ops 1, embedding lookups 0; bytes_read counts every tensor
+input (parameters included; an embedding reads only the rows it looks up), bytes_written the
+output. A backward op is costed from its own shapes (its mm calls are plain matmuls; attention
+backward is 8*s*s_kv*d per head as FlopCounterMode counts it; conv backward twice the forward).
+
+What is not recorded is reported in `KinetoImport.skipped` (and logged at INFO), keyed by op name:
+aten ops outside recorded ops that map to no kind (views, copies, reductions, optimizer foreach
+ops...), counted once per outermost call, and mapped ops that could not be used, keyed
+`"name (why)"`: no shapes, a dtype outside bf16/fp16/fp32 with no fallback, or no kernels.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import math
+import os
+import re
+import statistics
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any, Literal
+
+from tagplan.errors import SpecError
+from tagplan.ir.model import OpKind
+from tagplan.ir.workload import DType
+
+from .bundle import OpRecord
+
+log = logging.getLogger(__name__)
+
+_HOST_CATS = frozenset({"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"})
+_LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+_DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+_BACKWARD_NODE = "autograd::engine::evaluate_function:"
+_STEP_NODE = "Optimizer.step#"
+
+_DTYPES = {"float": DType.FP32, "c10::Half": DType.FP16, "c10::BFloat16": DType.BF16}
+_ELEM_BYTES = {
+    "float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8, "long int": 8, "int": 4, "short int": 2,
+    "signed char": 1, "unsigned char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
+}  # fmt: skip
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"})
+_NORMS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"})
+_SOFTMAXES = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"})
+_EMBEDDINGS = frozenset({"embedding", "embedding_dense"})
+_CONVS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution"})
+_ELEMENTWISE = frozenset(
+    {
+        "add", "sub", "mul", "div", "neg", "gelu", "silu", "relu", "threshold", "tanh", "sigmoid", "exp",
+        "log", "pow", "rsqrt", "sqrt", "erf", "leaky_relu", "elu", "hardswish", "mish", "softplus",
+        "clamp", "where", "masked_fill",
+    }
+)  # fmt: skip
+_BACKWARD_SUFFIX = re.compile(r"_backward(_data|_input|_weight)?$")
+
+Phase = Literal["forward", "backward", "step"]
+
+
+@dataclass(frozen=True)
+class KinetoImport:
+    """What one trace yields: the op records, and how many calls were left out, by op name."""
+
+    records: list[OpRecord]
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Event:
+    """A host event in its thread's call tree, with what the walk over the tree learnt about it."""
+
+    thread: tuple[Any, Any]
+    name: str
+    cat: str
+    ts: float
+    dur: float
+    args: dict[str, Any]
+    phase: Phase = "forward"
+    owner: int | None = None  # index of the recorded op this event belongs to (itself, or an ancestor)
+    aten_parent: bool = False  # an aten op encloses it
+
+
+@dataclass(frozen=True)
+class _Cost:
+    """FLOPs and bytes of one call, as `ir.model.Op` counts them."""
+
+    kind: OpKind
+    dtype: DType
+    flops: float
+    bytes_read: float
+    bytes_written: float
+    param_bytes: float
+    shape: dict[str, int]
+
+
+def import_kineto(path: str | os.PathLike[str], *, device: str, dtype: DType | None = None) -> list[OpRecord]:
+    """The op records of the trace at `path` (see the module docstring); times in seconds.
+
+    `dtype` is used for ops whose inputs carry no bf16/fp16/fp32 type. Skipped calls are logged;
+    `read_kineto` returns their counts.
+    """
+    return read_kineto(path, device=device, dtype=dtype).records
+
+
+def read_kineto(path: str | os.PathLike[str], *, device: str, dtype: DType | None = None) -> KinetoImport:
+    """Like `import_kineto`, also returning the counts of skipped calls by op name."""
+    events = _load_events(Path(path))
+    host = _host_events(events)
+    skipped: Counter[str] = Counter()
+    recorded = _walk(host, skipped)
+    if recorded and not any("Input Dims" in host[i].args for i in recorded):
+        raise SpecError(f"{path}: cpu_op events carry no 'Input Dims'; profile with record_shapes=True")
+    if any(e.get("cat") in _DEVICE_CATS for e in events):
+        times_s = _device_times_s(events, host)
+    else:
+        times_s = {i: host[i].dur / 1e6 for i in recorded}
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for i in recorded:
+        a = host[i].args
+        key = (host[i].name, json.dumps([a.get("Input Dims"), a.get("Input type")]), host[i].phase)
+        groups.setdefault(key, []).append(i)
+    records = [r for members in groups.values() if (r := _record(host, members, times_s, device, dtype, skipped))]
+    if skipped:
+        log.info("%s: %d op records; skipped %s", path, len(records), dict(skipped.most_common()))
+    return KinetoImport(records, dict(skipped))
+
+
+def _load_events(path: Path) -> list[dict[str, Any]]:
+    """The trace's `traceEvents`; SpecError naming the file when it is not a Chrome trace."""
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        data = json.loads(raw)
+    except (gzip.BadGzipFile, EOFError, UnicodeDecodeError) as err:
+        raise SpecError(f"{path}: not a Kineto Chrome trace ({err})") from None
+    except OSError as err:
+        raise SpecError(f"cannot read {path}: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{path}: malformed JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events, list):
+        raise SpecError(f"{path}: no 'traceEvents' list; expected a torch.profiler Chrome trace "
+                        "(prof.export_chrome_trace)")
+    return [e for e in events if isinstance(e, dict)]
+
+
+def _host_events(events: list[dict[str, Any]]) -> list[_Event]:
+    """Complete host events, thread by thread, each thread's in call order (parents before children)."""
+    threads: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in _HOST_CATS and isinstance(e.get("ts"), int | float):
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    out: list[_Event] = []
+    for key, thread in threads.items():
+        thread.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0))))
+        out.extend(_Event(key, str(e.get("name", "")), str(e["cat"]), float(e["ts"]), float(e.get("dur", 0)),
+                          e.get("args") or {}) for e in thread)
+    return out
+
+
+def _walk(host: list[_Event], skipped: Counter[str]) -> list[int]:
+    """Nest each thread's events by time, set their phase and owner; the indices of recorded ops."""
+    recorded: list[int] = []
+    stack: list[int] = []
+    for i, ev in enumerate(host):
+        if stack and host[stack[-1]].thread != ev.thread:
+            stack.clear()
+        while stack and ev.ts >= host[stack[-1]].ts + host[stack[-1]].dur:
+            stack.pop()
+        parent = host[stack[-1]] if stack else None
+        if parent is not None:
+            ev.phase, ev.owner = parent.phase, parent.owner
+            ev.aten_parent = parent.aten_parent or parent.name.startswith("aten::")
+        if ev.name.startswith(_BACKWARD_NODE) or _BACKWARD_SUFFIX.search(ev.name):
+            ev.phase = "backward"
+        elif ev.name.startswith(_STEP_NODE):
+            ev.phase = "step"
+        if ev.cat == "cpu_op" and ev.owner is None:
+            if _kind_of(ev.name) is not None:
+                ev.owner = i
+                recorded.append(i)
+            elif ev.name.startswith("aten::") and not ev.aten_parent:
+                skipped[ev.name] += 1
+        stack.append(i)
+    return recorded
+
+
+def _device_times_s(events: list[dict[str, Any]], host: list[_Event]) -> dict[int, float]:
+    """Seconds of device activity per recorded op, joined kernel -> launch -> op (correlation ids)."""
+    by_external = {ev.args["External id"]: ev for ev in host if ev.cat == "cpu_op" and "External id" in ev.args}
+    owner_of_launch: dict[Any, int] = {}
+    for ev in host:
+        if ev.cat in _LAUNCH_CATS and "correlation" in ev.args:
+            owner = ev.owner
+            if owner is None and (op := by_external.get(ev.args.get("External id"))) is not None:
+                owner = op.owner
+            if owner is not None:
+                owner_of_launch[ev.args["correlation"]] = owner
+    times_s: dict[int, float] = {}
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("cat") in _DEVICE_CATS and (owner := owner_of_launch.get(args.get("correlation"))) is not None:
+            times_s[owner] = times_s.get(owner, 0.0) + float(e.get("dur", 0)) / 1e6
+    return times_s
+
+
+def _record(host: list[_Event], members: list[int], times_s: dict[int, float], device: str,
+            fallback: DType | None, skipped: Counter[str]) -> OpRecord | None:
+    """One OpRecord for calls with identical shapes (median time); None, counted as skipped, if unusable."""
+    first = host[members[0]]
+    cost, why = _cost(first, fallback)
+    time_s = statistics.median(times_s.get(i, 0.0) for i in members)
+    if cost is not None and time_s <= 0:
+        why = "no kernels" if times_s else "zero duration"
+    if cost is None or why:
+        skipped[f"{first.name} ({why})"] += len(members)
+        return None
+    return OpRecord(device=device, kind=cost.kind, name=first.name, phase=first.phase, dtype=cost.dtype,
+                    flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
+                    param_bytes=cost.param_bytes, time_s=time_s, repeats=len(members), shape=cost.shape)
+
+
+def _base(name: str) -> str:
+    """`aten::_softmax_backward_data` -> `_softmax`; `aten::add_` -> `add`."""
+    base = name.removeprefix("aten::")
+    base = _BACKWARD_SUFFIX.sub("", base)
+    return base[:-1] if base.endswith("_") and not base.endswith("__") else base
+
+
+def _kind_of(name: str) -> OpKind | None:
+    """The OpKind of an aten op name, None for names outside the supported ones."""
+    if not name.startswith("aten::"):
+        return None
+    base = _base(name)
+    if "scaled_dot_product" in base:
+        return OpKind.ATTENTION
+    for names, kind in ((_MATMULS, OpKind.MATMUL), (_NORMS, OpKind.LAYERNORM), (_SOFTMAXES, OpKind.SOFTMAX),
+                        (_EMBEDDINGS, OpKind.EMBEDDING), (_CONVS, OpKind.CONV), (_ELEMENTWISE, OpKind.ELEMENTWISE)):
+        if base in names:
+            return kind
+    return None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """An op call's tensor inputs (dims, element bytes), in argument order, and its other arguments."""
+
+    tensors: list[tuple[list[int], int]]
+    concrete: list[str]
+    dtype: DType
+    backward: bool
+
+    def nbytes(self, index: int) -> float:
+        dims, elem = self.tensors[index]
+        return float(math.prod(dims) * elem)
+
+    def numel(self, index: int) -> int:
+        return math.prod(self.tensors[index][0])
+
+    @property
+    def elem(self) -> int:
+        return self.dtype.nbytes
+
+    @property
+    def read(self) -> float:
+        return sum(self.nbytes(i) for i in range(len(self.tensors)))
+
+
+def _cost(ev: _Event, fallback: DType | None) -> tuple[_Cost | None, str]:
+    """FLOPs and bytes of a recorded call from its `Input Dims` and `Input type`; else None and why."""
+    dims, types = ev.args.get("Input Dims"), ev.args.get("Input type")
+    if not isinstance(dims, list) or not isinstance(types, list):
+        return None, "no shapes"
+    tensors = [(list(d), _ELEM_BYTES[t]) for d, t in zip(dims, types, strict=False)
+               if t in _ELEM_BYTES and isinstance(d, list) and all(isinstance(x, int) for x in d)]
+    dtype = next((_DTYPES[t] for t in types if t in _DTYPES), fallback)
+    if dtype is None:
+        return None, f"dtype {next((t for t in types if t in _ELEM_BYTES), '?')}"
+    call = _Call(tensors, [str(c) for c in ev.args.get("Concrete Inputs") or []], dtype, ev.phase == "backward")
+    kind = _kind_of(ev.name)
+    try:
+        cost = _COSTS[kind](_base(ev.name), call) if kind is not None and tensors else None
+    except (IndexError, ValueError, ZeroDivisionError):
+        cost = None
+    return (cost, "") if cost is not None else (None, "unexpected shapes")
+
+
+def _matmul(base: str, c: _Call) -> _Cost:
+    shapes = [d for d, _ in c.tensors]
+    if base == "linear":
+        x, w = shapes[0], shapes[1]
+        batch, m, k, n = 1, math.prod(x[:-1]), x[-1], w[0]
+        params = sum(c.nbytes(i) for i in range(1, len(shapes)))
+    else:
+        a, b = shapes[1:3] if base in ("addmm", "baddbmm") else shapes[:2]
+        a, b = ([1, *a] if len(a) == 1 else a), ([*b, 1] if len(b) == 1 else b)
+        m, k, n = a[-2], a[-1], b[-1]
+        batch = math.prod(max(p, q) for p, q in zip_longest(reversed(a[:-2]), reversed(b[:-2]), fillvalue=1))
+        params = 0.0
+    shape = {"m": m, "k": k, "n": n} | ({"batch": batch} if batch > 1 else {})
+    return _Cost(OpKind.MATMUL, c.dtype, 2.0 * batch * m * k * n, c.read, float(batch * m * n * c.elem),
+                 params if not c.backward else 0.0, shape)
+
+
+def _attention(base: str, c: _Call) -> _Cost:
+    q, k, v = (c.tensors[i][0] for i in ((1, 2, 3) if c.backward else (0, 1, 2)))
+    heads, s, d = math.prod(q[:-2]), q[-2], q[-1]
+    s_kv, d_v = k[-2], v[-1]
+    scores = heads * s * s_kv
+    matmul_flops = 2.0 * scores * (d + d_v) * (2 if c.backward else 1)
+    written = sum(c.nbytes(i) for i in (1, 2, 3)) if c.backward else float(heads * s * d_v * c.elem)
+    shape = {"batch_heads": heads, "seq": s, "seq_kv": s_kv, "head_dim": d}
+    return _Cost(OpKind.ATTENTION, c.dtype, matmul_flops + 5.0 * scores, c.read, written, 0.0, shape)
+
+
+def _per_element(kind: OpKind, flops_per_element: float) -> Callable[[str, _Call], _Cost]:
+    """Cost of a memory-bound op: `flops_per_element` per element of its (largest) input, written once."""
+
+    def cost(base: str, c: _Call) -> _Cost:
+        numel = c.numel(0) if kind is not OpKind.ELEMENTWISE else max(c.numel(i) for i in range(len(c.tensors)))
+        last = c.tensors[0][0][-1] if c.tensors[0][0] else 1
+        params = 0.0 if c.backward else sum(c.nbytes(i) for i in range(1, len(c.tensors)))
+        shape = {"elements": numel} if kind is OpKind.ELEMENTWISE else {"rows": numel // last, "cols": last}
+        return _Cost(kind, c.dtype, flops_per_element * numel, c.read, float(numel * c.elem),
+                     params if kind is OpKind.LAYERNORM else 0.0, shape)
+
+    return cost
+
+
+def _embedding(base: str, c: _Call) -> _Cost:
+    if not c.backward:  # embedding(weight [V, H], indices [...])
+        (vocab, hidden), tokens = c.tensors[0][0], c.numel(1)
+        looked_up = float(tokens * hidden * c.elem)
+        return _Cost(OpKind.EMBEDDING, c.dtype, 0.0, looked_up + c.nbytes(1), looked_up, c.nbytes(0),
+                     {"tokens": tokens, "vocab": vocab, "hidden": hidden})
+    hidden = c.tensors[0][0][-1]  # embedding_backward(grad [..., H], indices, num_weights, ...)
+    tokens = c.numel(0) // hidden
+    vocab = int(c.concrete[2]) if len(c.concrete) > 2 and c.concrete[2].isdigit() else 0
+    written = float((vocab or tokens) * hidden * c.elem)
+    shape = {"tokens": tokens, "hidden": hidden} | ({"vocab": vocab} if vocab else {})
+    return _Cost(OpKind.EMBEDDING, c.dtype, float(tokens * hidden), c.read, written, 0.0, shape)
+
+
+def _ints(text: str, rank: int, default: int) -> list[int]:
+    """`'[2, 2]'` or `'2'` -> [2, 2]; `default` repeated when the trace has no value."""
+    found = [int(x) for x in re.findall(r"-?\d+", text)]
+    return (found * rank)[:rank] if found else [default] * rank
+
+
+def _conv(base: str, c: _Call) -> _Cost:
+    # forward: (input, weight, bias, stride, padding, dilation[, transposed, output_padding], groups);
+    # convolution_backward: (grad_out, input, weight, bias_sizes, stride, padding, dilation, ...).
+    x, w = (c.tensors[1][0], c.tensors[2][0]) if c.backward else (c.tensors[0][0], c.tensors[1][0])
+    first = 4 if c.backward else 3
+    rank = len(w) - 2
+    args = [*c.concrete, "", "", "", "", ""][first:first + 4]
+    if args[3] == "True":  # convolution(..., transposed, ...): not costed here
+        raise ValueError("transposed convolution")
+    stride, dilation = _ints(args[0], rank, 1), _ints(args[2], rank, 1)
+    if "same" in args[1]:
+        padded = [dil * (kw - 1) for dil, kw in zip(dilation, w[2:], strict=True)]
+    else:
+        padded = [2 * p for p in _ints(args[1], rank, 0)]
+    out = [(size + pad - dil * (kw - 1) - 1) // st + 1
+           for size, pad, dil, kw, st in zip(x[2:], padded, dilation, w[2:], stride, strict=True)]
+    macs = x[0] * w[0] * math.prod(out) * math.prod(w[1:])
+    written = c.nbytes(1) + c.nbytes(2) if c.backward else float(x[0] * w[0] * math.prod(out) * c.elem)
+    params = 0.0 if c.backward else sum(c.nbytes(i) for i in range(1, len(c.tensors)))
+    shape = {"batch": x[0], "in_channels": x[1], "out_channels": w[0], "kernel": math.prod(w[2:]),
+             "out_positions": math.prod(out)}
+    return _Cost(OpKind.CONV, c.dtype, 2.0 * macs * (2 if c.backward else 1), c.read, written, params, shape)
+
+
+_COSTS: dict[OpKind, Callable[[str, _Call], _Cost]] = {
+    OpKind.MATMUL: _matmul,
+    OpKind.ATTENTION: _attention,
+    OpKind.LAYERNORM: _per_element(OpKind.LAYERNORM, 5.0),
+    OpKind.SOFTMAX: _per_element(OpKind.SOFTMAX, 5.0),
+    OpKind.ELEMENTWISE: _per_element(OpKind.ELEMENTWISE, 1.0),
+    OpKind.EMBEDDING: _embedding,
+    OpKind.CONV: _conv,
+}

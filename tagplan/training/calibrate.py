@@ -1,0 +1,300 @@
+"""Fit the cost model's calibration to measured traces, and report its error before and after.
+
+Compute (per device type): the model is `cost.compute.op_time`,
+
+    t = max(flops / (peak * eff(kind, flops)), bytes / (mem_bw * mem_eff)) + launch
+
+- `launch` and `mem_eff`: the pair, over a log grid, that minimises the mean |log(predicted /
+  measured)| of the memory-bound calls (norms, softmax, pointwise, embedding; both phases); then,
+  with that launch, each memory-bound kind's own fraction (`Calibration.memory_efficiency`
+  key `device/kind`): a CPU's GELU and its copies reach very different fractions;
+- `eff(kind, .)` for each kind with a curve (matmul, conv, attention): the achieved fraction of
+  peak of each call, `flops / (peak * (t - launch))` (a backward's FLOPs and launches as the
+  cost model counts them), binned by decade of forward FLOPs per call; each bin's median is a
+  point of the piecewise-linear curve (capped at 1).
+
+Links (per device type and scope, intra-node or inter-node): the ring's alpha-beta model,
+
+    t = steps * alpha + bus_bytes / bw,  steps = 2(n-1) all-reduce, (n-1) all-gather/reduce-scatter/
+    all-to-all, 1 p2p;  bus_bytes = the nccl-tests bus factor times the size
+
+fitted by non-negative least squares in (alpha, 1/bw), relative errors weighted equally.
+
+Held out: for each (device, kind) every third distinct shape in FLOPs order (both phases), and every third
+message size of each collective, are kept out of the fit; errors are MAPE of predicted vs measured
+time on them, with the base calibration ("before") and the fitted one ("after").
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tagplan.cost.calibration import (
+    ANY_DEVICE,
+    DEFAULT_CALIBRATION,
+    INTER,
+    INTRA,
+    Calibration,
+    EfficiencyCurve,
+    LinkFit,
+    link_key,
+)
+from tagplan.cost.compute import op_time
+from tagplan.datasets.traces.bundle import Bundle, CollectiveRecord, OpRecord
+from tagplan.errors import SpecError
+from tagplan.frontends.catalog import lookup_device
+from tagplan.ir.cluster import DeviceSpec
+from tagplan.ir.model import Op, OpKind
+from tagplan.ir.plan import ShardStrategy
+
+CURVE_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
+MEMORY_KINDS = (OpKind.LAYERNORM, OpKind.SOFTMAX, OpKind.ELEMENTWISE, OpKind.EMBEDDING, OpKind.REDUCTION)
+HOLD_OUT_EVERY = 3
+"""Every third shape (and message size) is held out of the fit to measure the error on."""
+_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+          "all_to_all": lambda n: n - 1, "broadcast": lambda n: n - 1, "p2p": lambda n: 1}
+_BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+        "p2p": lambda n: 1.0}
+
+
+@dataclass(frozen=True)
+class ErrorRow:
+    """Error of one group of held-out measurements, before and after the fit."""
+
+    device: str
+    what: str  # an op kind and phase, or a link key
+    fitted_on: int
+    held_out: int
+    mape_before: float | None  # None where the base calibration has no prediction (an unknown link)
+    mape_after: float
+
+
+@dataclass
+class CalibrationFit:
+    """The fitted calibration, the device figures it is relative to, and its held-out errors."""
+
+    calibration: Calibration
+    devices: dict[str, DeviceSpec]
+    rows: list[ErrorRow] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float | None]:
+        """Record-weighted MAPE over all held-out ops, before and after (None without ops)."""
+        ops = [r for r in self.rows if "/" not in r.what]
+        total = sum(r.held_out for r in ops)
+        if not total:
+            return {"ops_mape_before": None, "ops_mape_after": None}
+        before = sum((r.mape_before or 0.0) * r.held_out for r in ops) / total
+        return {"ops_mape_before": before, "ops_mape_after": sum(r.mape_after * r.held_out for r in ops) / total}
+
+
+def device_specs(bundles: Sequence[Bundle]) -> dict[str, DeviceSpec]:
+    """The figures each device type's efficiencies are relative to: the manifest's, else the catalog's."""
+    specs: dict[str, DeviceSpec] = {}
+    for bundle in bundles:
+        device = bundle.manifest.device
+        if device is not None:
+            specs[bundle.manifest.fingerprint.device_type] = device
+    for bundle in bundles:
+        for record in bundle.ops():
+            if record.device not in specs:
+                try:
+                    specs[record.device] = lookup_device(record.device)
+                except SpecError as err:
+                    raise SpecError(f"op records name device {record.device!r}, which is neither in a bundle "
+                                    f"manifest's `device` nor in the catalog: {err}") from None
+    return specs
+
+
+def fit_calibration(bundles: Sequence[Bundle], *, base: Calibration = DEFAULT_CALIBRATION,
+                    name: str = "measured") -> CalibrationFit:
+    """Fit compute and link figures to the bundles' op and collective records (see the module docstring)."""
+    specs = device_specs(bundles)
+    ops = [r for b in bundles for r in b.ops()]
+    collectives = [r for b in bundles for r in b.collectives()]
+    if not ops and not collectives:
+        raise SpecError("the bundles hold no op or collective records to calibrate from")
+    by_device: dict[str, list[OpRecord]] = defaultdict(list)
+    for record in ops:
+        by_device[record.device].append(record)
+    compute = {k: dict(v) for k, v in base.compute.items()}
+    memory = dict(base.memory_efficiency)
+    launches: dict[str, float] = dict(base.launch_by_device)
+    held: dict[str, list[OpRecord]] = {}
+    for device, records in by_device.items():
+        fit_set, held[device] = _split_ops(records)
+        launch, fractions = _memory_fit(fit_set, specs[device], base)
+        launches[device] = launch
+        memory.update(fractions)
+        curves = {kind: curve for kind in CURVE_KINDS
+                  if (curve := _curve(fit_set, kind, specs[device], launch, base)) is not None}
+        compute[device] = {**compute.get(ANY_DEVICE, {}), **curves}
+    links = dict(base.links)
+    link_rows = []
+    for key, members in _group_links(collectives).items():
+        fit_links, held_out = _split_sizes(members)
+        links[key] = _fit_link(fit_links or members)
+        if held_out:
+            after = _mape([_link_time(links[key], r) for r in held_out], [r.time_s for r in held_out])
+            link_rows.append(ErrorRow(key.split("/")[0], key, len(fit_links), len(held_out), None, after))
+    calibration = Calibration(name=name, compute=compute, memory_efficiency=memory,
+                              launch_overhead_s=base.launch_overhead_s, launch_by_device=launches,
+                              attention_backward_factor=base.attention_backward_factor, links=links)
+    rows = [row for device in by_device for row in _op_rows(device, held[device], specs[device], base, calibration,
+                                                            len(by_device[device]) - len(held[device]))]
+    return CalibrationFit(calibration, specs, rows + link_rows)
+
+
+def predict_op_s(record: OpRecord, spec: DeviceSpec, calibration: Calibration) -> float:
+    """The cost model's seconds for one measured call (its forward or backward, per its phase)."""
+    op = Op(name=record.name or record.kind.value, kind=record.kind, flops=record.flops, bytes_read=record.bytes_read,
+            bytes_written=record.bytes_written, param_bytes=min(record.param_bytes, record.bytes_read))
+    t = op_time(op, samples=1.0, tp=1, strategy=ShardStrategy.REPLICATE, spec=spec, dtype=record.dtype,
+                calibration=calibration)
+    return t.backward_s if record.phase == "backward" else t.forward_s
+
+
+def _split_ops(records: list[OpRecord]) -> tuple[list[OpRecord], list[OpRecord]]:
+    """(fit, held out): per (kind, dtype), every third distinct shape by FLOPs, both its phases, is held out."""
+    groups: dict[tuple[object, ...], list[OpRecord]] = defaultdict(list)
+    for r in records:
+        groups[(r.kind, r.dtype)].append(r)
+    fit: list[OpRecord] = []
+    held: list[OpRecord] = []
+    for members in groups.values():
+        shapes = sorted({_shape_key(r) for r in members})
+        out = {s for i, s in enumerate(shapes) if i % HOLD_OUT_EVERY == 1 and len(shapes) >= HOLD_OUT_EVERY}
+        for r in members:
+            (held if _shape_key(r) in out else fit).append(r)
+    return fit, held
+
+
+def _shape_key(r: OpRecord) -> tuple[object, ...]:
+    return (r.flops, r.bytes_read + r.bytes_written, tuple(sorted(r.shape.items())))
+
+
+LAUNCH_GRID_S = (0.0, *np.geomspace(1e-7, 1e-3, 29).tolist())
+MEMORY_GRID = tuple(np.geomspace(0.01, 1.0, 29).tolist())
+
+
+def _memory_fit(records: list[OpRecord], spec: DeviceSpec, base: Calibration) -> tuple[float, dict[str, float]]:
+    """(launch s, fraction of memory bandwidth per `device/kind` key): the launch and one fraction
+    minimising the mean |log(predicted / measured)| of all memory-bound calls (both phases) over a
+    grid, then each kind's own fraction with that launch. (base launch, {}) without such calls."""
+    calls = [r for r in records if r.kind in MEMORY_KINDS]
+    if not calls:
+        return base.launch_s(spec.name), {}
+    launch, _ = _grid(calls, spec, base, LAUNCH_GRID_S)
+    fractions = {}
+    for kind in sorted({r.kind for r in calls}):
+        _, fractions[f"{spec.name}/{kind.value}"] = _grid([r for r in calls if r.kind is kind], spec, base, (launch,))
+    return launch, fractions
+
+
+def _grid(calls: list[OpRecord], spec: DeviceSpec, base: Calibration,
+          launches: Sequence[float]) -> tuple[float, float]:
+    """The (launch, device-wide memory fraction) of the grid with the least mean |log error| on `calls`."""
+    truth = np.log([r.time_s for r in calls])
+    best: tuple[float, float, float] | None = None
+    for launch in launches:
+        for fraction in MEMORY_GRID:
+            trial = base.model_copy(update={"launch_by_device": {**base.launch_by_device, spec.name: launch},
+                                            "memory_efficiency": {**base.memory_efficiency, spec.name: fraction}})
+            error = float(np.mean(np.abs(np.log([predict_op_s(r, spec, trial) for r in calls]) - truth)))
+            if best is None or error < best[2]:
+                best = (launch, fraction, error)
+    assert best is not None
+    return best[0], best[1]
+
+
+def _curve(records: list[OpRecord], kind: OpKind, spec: DeviceSpec, launch_s: float,
+           base: Calibration) -> EfficiencyCurve | None:
+    """The efficiency curve of `kind`: per decade of forward FLOPs per call, the median achieved
+    fraction of peak over the calls of both phases (a backward does 2x, attention's
+    `attention_backward_factor` x, the forward's FLOPs in the cost model)."""
+    points: dict[int, list[float]] = defaultdict(list)
+    backward = base.attention_backward_factor if kind is OpKind.ATTENTION else 2.0
+    for r in records:
+        if r.kind is not kind or r.flops <= 0 or r.phase not in ("forward", "backward"):
+            continue
+        launches = 1.0 if r.phase == "forward" or kind is OpKind.ATTENTION else 2.0
+        flops = r.flops * (1.0 if r.phase == "forward" else backward)
+        body = max(r.time_s - launches * launch_s, 0.1 * r.time_s)
+        points[round(math.log10(r.flops))].append(flops / (spec.peak_flops(r.dtype) * body))
+    if not points:
+        return None
+    decades = sorted(points)
+    return EfficiencyCurve(flops=tuple(10.0**d for d in decades),
+                           efficiency=tuple(float(min(max(np.median(points[d]), 1e-4), 1.0)) for d in decades))
+
+
+def _op_rows(device: str, held: list[OpRecord], spec: DeviceSpec, base: Calibration, fitted: Calibration,
+             fitted_on: int) -> list[ErrorRow]:
+    groups: dict[tuple[str, str], list[OpRecord]] = defaultdict(list)
+    for r in held:
+        groups[(r.kind.value, r.phase)].append(r)
+    rows = []
+    for (kind, phase), members in sorted(groups.items()):
+        truth = [r.time_s for r in members]
+        before = _mape([predict_op_s(r, spec, base) for r in members], truth)
+        after = _mape([predict_op_s(r, spec, fitted) for r in members], truth)
+        rows.append(ErrorRow(device, f"{kind} {phase}", fitted_on, len(members), before, after))
+    return rows
+
+
+def _group_links(records: list[CollectiveRecord]) -> dict[str, list[CollectiveRecord]]:
+    groups: dict[str, list[CollectiveRecord]] = defaultdict(list)
+    for r in records:
+        groups[link_key(r.device, INTRA if r.nodes == 1 else INTER)].append(r)
+    return groups
+
+
+def _split_sizes(records: list[CollectiveRecord]) -> tuple[list[CollectiveRecord], list[CollectiveRecord]]:
+    """(fit, held out): per collective and group size, every third message size is held out."""
+    groups: dict[tuple[str, int], list[CollectiveRecord]] = defaultdict(list)
+    for r in records:
+        groups[(r.collective, r.ranks)].append(r)
+    fit: list[CollectiveRecord] = []
+    held: list[CollectiveRecord] = []
+    for members in groups.values():
+        sizes = sorted({r.bytes for r in members})
+        out = {s for i, s in enumerate(sizes) if i % HOLD_OUT_EVERY == 1 and len(sizes) >= HOLD_OUT_EVERY}
+        for r in members:
+            (held if r.bytes in out else fit).append(r)
+    return fit, held
+
+
+def _fit_link(records: list[CollectiveRecord]) -> LinkFit:
+    """Non-negative least squares of t = steps * alpha + bus_bytes * (1 / bw), each row scaled by 1 / t."""
+    steps = np.array([_STEPS[r.collective](r.ranks) for r in records], dtype=float)
+    bus = np.array([_BUS[r.collective](r.ranks) * r.bytes for r in records])
+    t = np.array([r.time_s for r in records])
+    a = np.column_stack([steps, bus]) / t[:, None]
+    b = np.ones(len(t))
+    best: tuple[float, float, float] | None = None
+    for cols in ((0, 1), (1,), (0,)):  # the 2-parameter solution, else one parameter at its bound 0
+        sol, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        if (sol < 0).any():
+            continue
+        x = np.zeros(2)
+        x[list(cols)] = sol
+        residual = float(np.square(a @ x - b).sum())
+        if best is None or residual < best[2]:
+            best = (float(x[0]), float(x[1]), residual)
+    alpha, inverse_bw, _ = best if best is not None else (0.0, float(np.median(t / np.maximum(bus, 1.0))), 0.0)
+    bandwidth = 1.0 / inverse_bw if inverse_bw > 0 else float(np.max(bus / t))
+    return LinkFit(bandwidth_Bps=bandwidth, latency_s=alpha, samples=len(records))
+
+
+def _link_time(fit: LinkFit, r: CollectiveRecord) -> float:
+    return _STEPS[r.collective](r.ranks) * fit.latency_s + _BUS[r.collective](r.ranks) * r.bytes / fit.bandwidth_Bps
+
+
+def _mape(pred: Sequence[float], true: Sequence[float]) -> float:
+    p, t = np.asarray(pred, dtype=float), np.asarray(true, dtype=float)
+    return float(np.mean(np.abs(p / t - 1.0))) if len(t) else float("nan")

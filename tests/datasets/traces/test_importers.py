@@ -1,0 +1,376 @@
+"""Importers of what machines print: Kineto traces, nccl-tests logs, iteration records, bundles."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tagplan.datasets.traces.bundle import IterationRecord, read_bundle, write_bundle
+from tagplan.datasets.traces.importing import detect_kind, import_file, import_to_bundle
+from tagplan.datasets.traces.iterations import import_iterations
+from tagplan.datasets.traces.kineto import import_kineto, read_kineto
+from tagplan.datasets.traces.nccl import import_nccl_tests
+from tagplan.errors import SpecError
+from tagplan.frontends.nccl_tests import load_nccl_tests
+from tagplan.ir.model import OpKind
+from tagplan.ir.workload import DType
+
+FIXTURES = Path(__file__).parent / "fixtures"
+KINETO_CPU = FIXTURES / "kineto_cpu.json"
+KINETO_GPU = FIXTURES / "kineto_gpu_snippet.json"
+ITERATIONS_JSONL = FIXTURES / "iterations.jsonl"
+ITERATIONS_CSV = FIXTURES / "iterations.csv"
+NCCL_FIXTURES = Path(__file__).parents[2] / "frontends" / "fixtures"
+NCCL_1NODE = NCCL_FIXTURES / "all_reduce_perf_1node.log"
+NCCL_2NODES = NCCL_FIXTURES / "nccl_tests_2nodes.log"
+
+
+def _cpu_ops(path: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "cpu_op" and e["name"] == name]
+
+
+def _write_json(path: Path, data: Any) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+# --- Kineto, CPU (a real torch.profiler trace) -------------------------------------------------------------
+
+
+def test_cpu_trace_linear_flops_are_2mkn_of_the_recorded_shapes() -> None:
+    records = import_kineto(KINETO_CPU, device="cpu")
+    linears = [r for r in records if r.name == "aten::linear"]
+    raw = _cpu_ops(KINETO_CPU, "aten::linear")
+    expected = {}
+    for e in raw:
+        x, w = e["args"]["Input Dims"][:2]
+        expected[(math.prod(x[:-1]), x[-1], w[0])] = 2.0 * math.prod(x[:-1]) * x[-1] * w[0]
+    assert len(linears) == len(expected) == 2  # the projection and the vocabulary head
+    for r in linears:
+        assert (r.kind, r.phase, r.dtype, r.device) == (OpKind.MATMUL, "forward", DType.FP32, "cpu")
+        assert r.flops == expected[(r.shape["m"], r.shape["k"], r.shape["n"])]
+        assert r.repeats == sum(1 for e in raw if e["args"]["Input Dims"][1][0] == r.shape["n"]) == 2
+        assert r.param_bytes == (r.shape["n"] * r.shape["k"] + r.shape["n"]) * 4  # weight and bias, fp32
+        assert r.bytes_written == r.shape["m"] * r.shape["n"] * 4
+
+
+def test_cpu_trace_backward_matmuls_are_the_mm_calls_of_addmm_backward() -> None:
+    records = import_kineto(KINETO_CPU, device="cpu")
+    backward = {(r.shape["m"], r.shape["k"], r.shape["n"]): r for r in records
+                if r.kind is OpKind.MATMUL and r.phase == "backward"}
+    raw = _cpu_ops(KINETO_CPU, "aten::mm")
+    shapes = {(a[0], a[1], b[1]) for a, b in (e["args"]["Input Dims"] for e in raw)}
+    assert set(backward) == shapes and len(shapes) == 3
+    for (m, k, n), r in backward.items():
+        assert r.name == "aten::mm" and r.flops == 2.0 * m * k * n
+        calls = [e for e in raw if e["args"]["Input Dims"] == [[m, k], [k, n]]]
+        assert r.repeats == len(calls)
+        assert r.time_s == pytest.approx(statistics.median(e["dur"] for e in calls) / 1e6)
+
+
+def test_cpu_trace_records_outermost_ops_only() -> None:
+    result = read_kineto(KINETO_CPU, device="cpu")
+    names = {r.name for r in result.records}
+    # implementations of recorded ops: counted inside their parent, never again
+    assert names.isdisjoint({"aten::addmm", "aten::native_layer_norm", "aten::_softmax", "aten::index_select",
+                             "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::embedding_dense_backward"})
+    linear = next(r for r in result.records if r.name == "aten::linear" and r.shape["n"] == 32)
+    inclusive_us = [e["dur"] for e in _cpu_ops(KINETO_CPU, "aten::linear") if e["args"]["Input Dims"][1][0] == 32]
+    assert linear.time_s == pytest.approx(statistics.median(inclusive_us) / 1e6)
+    # every forward kind of the model, and a backward record for each
+    forward = {r.kind for r in result.records if r.phase == "forward"}
+    backward = {r.kind for r in result.records if r.phase == "backward"}
+    kinds = {OpKind.MATMUL, OpKind.ATTENTION, OpKind.LAYERNORM, OpKind.SOFTMAX, OpKind.ELEMENTWISE, OpKind.EMBEDDING}
+    assert forward == kinds and backward == kinds
+    # skipped: unmapped aten ops only (views and reductions), none of the mapped names
+    assert result.skipped and all(name.startswith("aten::") for name in result.skipped)
+    assert {"aten::view", "aten::t", "aten::sum"} <= set(result.skipped)
+    assert "aten::addmm" not in result.skipped
+
+
+def test_cpu_trace_attention_and_softmax_costs() -> None:
+    records = import_kineto(KINETO_CPU, device="cpu")
+    sdpa = next(r for r in records if r.name == "aten::scaled_dot_product_attention")
+    q = _cpu_ops(KINETO_CPU, "aten::scaled_dot_product_attention")[0]["args"]["Input Dims"][0]
+    heads, s, d = q[0] * q[1], q[2], q[3]
+    assert sdpa.flops == 4.0 * heads * s * s * d + 5.0 * heads * s * s
+    assert sdpa.bytes_read == 3 * math.prod(q) * 4 and sdpa.bytes_written == math.prod(q) * 4
+    softmax = next(r for r in records if r.name == "aten::softmax")
+    assert softmax.flops == 5.0 * softmax.shape["rows"] * softmax.shape["cols"]
+    embedding = next(r for r in records if r.name == "aten::embedding")
+    assert embedding.flops == 0 and embedding.param_bytes == embedding.shape["vocab"] * embedding.shape["hidden"] * 4
+
+
+# --- Kineto, GPU (hand-written to the documented format) ----------------------------------------------------
+
+
+def test_gpu_trace_sums_the_kernels_of_each_op() -> None:
+    result = read_kineto(KINETO_GPU, device="h100-sxm")
+    by_time = {round(r.time_s * 1e6, 3): r for r in result.records}
+    assert set(by_time) == {130.0, 250.0, 240.0}  # 120.5 + 9.5 us for the linear; the stray fill kernel is nobody's
+    linear = by_time[130.0]
+    assert (linear.name, linear.phase, linear.dtype) == ("aten::linear", "forward", DType.BF16)
+    assert linear.flops == 2.0 * 1024 * 1024 * 4096
+    assert linear.param_bytes == (4096 * 1024 + 4096) * 2
+    assert {by_time[250.0].phase, by_time[240.0].phase} == {"backward"}
+    assert by_time[250.0].shape == {"m": 1024, "k": 4096, "n": 1024}
+    assert by_time[240.0].shape == {"m": 4096, "k": 1024, "n": 1024}
+    assert result.skipped == {}  # aten::t sits inside the linear
+
+
+def test_gpu_join_falls_back_to_external_id(tmp_path: Path) -> None:
+    trace = json.loads(KINETO_GPU.read_text())
+    launch = next(e for e in trace["traceEvents"] if e.get("args", {}).get("correlation") == 501
+                  and e["cat"] == "cuda_runtime")
+    launch["ts"] = 9000.0  # outside every cpu_op; its External id (12, the addmm) still names the op
+    records = import_kineto(_write_json(tmp_path / "moved.json", trace), device="h100-sxm")
+    assert any(r.name == "aten::linear" and r.time_s == pytest.approx(130e-6) for r in records)
+
+
+def test_gpu_repeated_calls_become_one_record_with_the_median(tmp_path: Path) -> None:
+    trace = json.loads(KINETO_GPU.read_text())
+    events = trace["traceEvents"]
+    call = [e for e in events if e.get("ph") == "X" and 1000 <= e["ts"] < 1300 and e["cat"] != "kernel"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and e["args"]["correlation"] == 501]
+    for n, gemm_us in ((1, 190.5), (2, 990.5)):  # two more calls: 200 and 1000 us with the 9.5 us reduction
+        for e in call:
+            events.append({**copy.deepcopy(e), "ts": e["ts"] + 10000 * n})
+            if e["cat"] == "cuda_runtime":
+                events[-1]["args"]["correlation"] = 501 + 1000 * n
+        for e, dur in zip(kernels, (gemm_us, 9.5), strict=True):
+            events.append({**copy.deepcopy(e), "ts": e["ts"] + 10000 * n, "dur": dur})
+            events[-1]["args"]["correlation"] = 501 + 1000 * n
+    linear = [r for r in import_kineto(_write_json(tmp_path / "three.json", trace), device="h100-sxm")
+              if r.name == "aten::linear"]
+    assert len(linear) == 1 and linear[0].repeats == 3
+    assert linear[0].time_s == pytest.approx(200e-6)  # the median of 130, 200 and 1000 us
+
+
+def test_dtype_falls_back_to_the_argument(tmp_path: Path) -> None:
+    trace = json.loads(KINETO_GPU.read_text())
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "cpu_op" and "Input type" in e["args"]:
+            e["args"]["Input type"] = ["double" if t == "c10::BFloat16" else t for t in e["args"]["Input type"]]
+    path = _write_json(tmp_path / "double.json", trace)
+    without = read_kineto(path, device="h100-sxm")
+    assert without.records == [] and without.skipped["aten::linear (dtype double)"] == 1
+    with_fallback = import_kineto(path, device="h100-sxm", dtype=DType.FP32)
+    assert {r.dtype for r in with_fallback} == {DType.FP32} and len(with_fallback) == 3
+
+
+def test_conv_costs_follow_stride_and_padding(tmp_path: Path) -> None:
+    # argument layout and Concrete Inputs as torch 2.13 writes them for Conv2d(3, 8, 3, stride=2, padding=1)
+    def op(name: str, ts: float, dims: list[Any], types: list[str], concrete: list[str]) -> dict[str, Any]:
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": 10.0,
+                "args": {"Input Dims": dims, "Input type": types, "Concrete Inputs": concrete}}
+
+    forward = op("aten::conv2d", 0.0, [[2, 3, 16, 16], [8, 3, 3, 3], [8], [], [], [], []],
+                 ["float", "float", "float", "ScalarList", "ScalarList", "ScalarList", "Scalar"],
+                 ["", "", "", "[2, 2]", "[1, 1]", "[1, 1]", "1"])
+    backward = op("aten::convolution_backward", 20.0,
+                  [[2, 8, 8, 8], [2, 3, 16, 16], [8, 3, 3, 3], [], [], [], [], [], [], [], []],
+                  ["float", "float", "float", "ScalarList", "ScalarList", "ScalarList", "ScalarList", "Scalar",
+                   "ScalarList", "Scalar", "ScalarList"],
+                  ["", "", "", "[8]", "[2, 2]", "[1, 1]", "[1, 1]", "False", "[0, 0]", "1", "[True, True, True]"])
+    path = _write_json(tmp_path / "conv.json", {"traceEvents": [forward, backward]})
+    fwd, bwd = import_kineto(path, device="cpu")
+    macs = 2 * 8 * (8 * 8) * 3 * 9  # batch x out channels x output positions x (in channels x kernel)
+    assert (fwd.kind, fwd.phase, fwd.flops, fwd.shape["out_positions"]) == (OpKind.CONV, "forward", 2.0 * macs, 64)
+    assert (bwd.phase, bwd.flops) == ("backward", 4.0 * macs)
+
+
+def test_malformed_traces_name_the_file(tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(KINETO_GPU.read_text()[:500])
+    with pytest.raises(SpecError, match=r"truncated\.json: malformed JSON at line \d+"):
+        import_kineto(truncated, device="cpu")
+    no_events = _write_json(tmp_path / "no_events.json", {"schemaVersion": 1})
+    with pytest.raises(SpecError, match=r"no_events\.json: no 'traceEvents'"):
+        import_kineto(no_events, device="cpu")
+    trace = json.loads(KINETO_GPU.read_text())
+    for e in trace["traceEvents"]:
+        e.get("args", {}).pop("Input Dims", None)
+    with pytest.raises(SpecError, match=r"no_shapes\.json: .*record_shapes=True"):
+        import_kineto(_write_json(tmp_path / "no_shapes.json", trace), device="cpu")
+
+
+# --- nccl-tests -------------------------------------------------------------------------------------------------
+
+
+def test_nccl_rows_become_records_with_the_log_figures() -> None:
+    records = import_nccl_tests(NCCL_1NODE, device="a100-sxm4-80gb")
+    rows = load_nccl_tests(NCCL_1NODE).rows
+    assert len(records) == len(rows) == 14
+    for record, row in zip(records, rows, strict=True):
+        assert record.bytes == row.size_bytes
+        assert record.time_s == row.out_of_place.time_s
+        assert record.bus_bandwidth_Bps == row.out_of_place.busbw_Bps
+    first, last = records[0], records[-1]
+    assert (first.bytes, first.time_s, first.bus_bandwidth_Bps) == (1048576, pytest.approx(35.85e-6), 51.19e9)
+    assert (last.bytes, last.bus_bandwidth_Bps) == (8589934592, 233.55e9)
+    assert {(r.collective, r.backend, r.ranks, r.nodes, r.repeats) for r in records} == {
+        ("all_reduce", "nccl", 8, 1, 20)}
+
+
+def test_nccl_ranks_and_nodes_from_header_or_arguments() -> None:
+    records = import_nccl_tests(NCCL_2NODES, device="a100-sxm4-80gb")
+    assert {(r.ranks, r.nodes) for r in records} == {(16, 2)}
+    records = import_nccl_tests(NCCL_2NODES, device="a100-sxm4-80gb", ranks=32, nodes=4)
+    assert {(r.ranks, r.nodes) for r in records} == {(32, 4)}
+
+
+@pytest.mark.parametrize(("stem", "collective"), [("alltoall_perf", "all_to_all"), ("sendrecv_perf", "p2p"),
+                                                  ("all_gather_perf", "all_gather")])
+def test_nccl_collective_names(tmp_path: Path, stem: str, collective: str) -> None:
+    text = NCCL_1NODE.read_text().replace("all_reduce_perf", stem)
+    path = tmp_path / f"{stem}.log"
+    path.write_text(text)
+    assert {r.collective for r in import_nccl_tests(path, device="a100-sxm4-80gb")} == {collective}
+
+
+def test_nccl_errors_name_the_file(tmp_path: Path) -> None:
+    reduce_log = tmp_path / "reduce_perf.log"
+    reduce_log.write_text(NCCL_1NODE.read_text())
+    with pytest.raises(SpecError, match=r"reduce_perf\.log: collective 'reduce' .* accepted: all_reduce"):
+        import_nccl_tests(reduce_log, device="a100-sxm4-80gb")
+    lines = NCCL_1NODE.read_text().splitlines()
+    lines[16] = "     2097152        524288     float     sum      -1     fast   48.00   84.00      0"
+    broken = tmp_path / "all_reduce_broken.log"
+    broken.write_text("\n".join(lines))
+    with pytest.raises(SpecError, match=r"all_reduce_broken\.log.*line 17"):
+        import_nccl_tests(broken, device="a100-sxm4-80gb")
+
+
+# --- iteration records ----------------------------------------------------------------------------------------------
+
+
+def test_iterations_jsonl_and_csv_agree_and_round_trip(tmp_path: Path) -> None:
+    from_jsonl, from_csv = import_iterations(ITERATIONS_JSONL), import_iterations(ITERATIONS_CSV)
+    assert from_jsonl == from_csv and len(from_jsonl) == 3
+    pipeline = from_csv[1]  # its plan came from plan_pipeline.json
+    assert pipeline.plan == json.loads(json.dumps(pipeline.plan))
+    assert [s["layers"] for s in pipeline.plan["stages"]] == [[0, 2], [2, 4]]
+    assert pipeline.plan["stages"][1]["recompute"] is False  # stored canonical, defaults filled in
+    assert (pipeline.measured_s, pipeline.repeats, pipeline.workload.seq_len) == (0.0211, 10, 32)
+    assert from_csv[2].repeats == 1 and from_csv[2].source == ""
+    write_bundle(tmp_path / "b", _manifest(), from_jsonl)
+    assert list(read_bundle(tmp_path / "b").iterations()) == from_jsonl
+
+
+def test_iteration_fixtures_are_valid_plans_for_their_models() -> None:
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.frontends.model_spec import load_model
+    from tagplan.ir.plan import Plan, check_plan
+
+    for record in import_iterations(ITERATIONS_JSONL):
+        assert isinstance(record.model, str) and isinstance(record.cluster, str)
+        model = load_model(record.model, seq_len=record.workload.seq_len)
+        check_plan(Plan.model_validate(record.plan), model, load_cluster(record.cluster))
+
+
+def _bad_jsonl(tmp_path: Path, line3: str) -> Path:
+    lines = ITERATIONS_JSONL.read_text().splitlines()
+    lines[2] = line3  # the fixture's third line is blank: the bad record goes on line 3 of the file
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_iterations_errors_name_file_line_and_field(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match=r"bad\.jsonl:3: not JSON"):
+        import_iterations(_bad_jsonl(tmp_path, '{"model": "gpt", "cluster": '))
+    record = json.loads(ITERATIONS_JSONL.read_text().splitlines()[0])
+    record["plan"]["stages"][0]["dp"] = 2  # 2 x 1 != 4 devices
+    with pytest.raises(SpecError, match=r"bad\.jsonl:3: plan\.stages\.0: .*dp \* tp = 2 \* 1 = 2 but the stage has 4"):
+        import_iterations(_bad_jsonl(tmp_path, json.dumps(record)))
+    record = json.loads(ITERATIONS_JSONL.read_text().splitlines()[0]) | {"measured_s": -1}
+    with pytest.raises(SpecError, match=r"bad\.jsonl:3: measured_s: .*greater than 0"):
+        import_iterations(_bad_jsonl(tmp_path, json.dumps(record)))
+    record = json.loads(ITERATIONS_JSONL.read_text().splitlines()[0])
+    record["workload"]["dtype"] = "fp8"
+    with pytest.raises(SpecError, match=r"bad\.jsonl:3: workload\.dtype: .*'bf16'"):
+        import_iterations(_bad_jsonl(tmp_path, json.dumps(record)))
+    with pytest.raises(SpecError, match=r"bad\.jsonl:3: unknown field\(s\) measured_ms"):
+        import_iterations(_bad_jsonl(tmp_path, json.dumps(record | {"measured_ms": 3})))
+
+
+def test_csv_errors_name_file_line_and_column(tmp_path: Path) -> None:
+    header, *rows = ITERATIONS_CSV.read_text().splitlines()
+    no_time = tmp_path / "no_time.csv"
+    no_time.write_text("\n".join([header.replace(",measured_s", ""), *rows]))
+    with pytest.raises(SpecError, match=r"no_time\.csv:1: missing column\(s\) measured_s"):
+        import_iterations(no_time)
+    bad_row = tmp_path / "bad_row.csv"
+    bad_row.write_text("\n".join([header, rows[0], rows[1].replace(",0.0211,", ",fast,")]))
+    with pytest.raises(SpecError, match=r"bad_row\.csv:3: measured_s 'fast' is not a number"):
+        import_iterations(bad_row)
+    missing_plan = tmp_path / "missing_plan.csv"
+    missing_plan.write_text("\n".join([header, rows[1].replace("plan_pipeline.json", "nowhere.json")]))
+    with pytest.raises(SpecError, match=r"missing_plan\.csv:2: plan 'nowhere\.json' is neither JSON text nor a file"):
+        import_iterations(missing_plan)
+
+
+# --- detection and bundles -------------------------------------------------------------------------------------------
+
+
+def _manifest() -> Any:
+    from tagplan.datasets.traces.bundle import Fingerprint, Manifest
+
+    return Manifest(created="2026-01-01T00:00:00+00:00", source="test", fingerprint=Fingerprint(device_type="cpu"))
+
+
+def test_detect_kind_by_content(tmp_path: Path) -> None:
+    assert detect_kind(KINETO_CPU) == detect_kind(KINETO_GPU) == "kineto"
+    assert detect_kind(NCCL_1NODE) == detect_kind(NCCL_2NODES) == "nccl-tests"
+    assert detect_kind(ITERATIONS_JSONL) == detect_kind(ITERATIONS_CSV) == "iterations"
+    renamed = tmp_path / "run.txt"  # nccl-tests output under any name
+    renamed.write_text(NCCL_1NODE.read_text())
+    assert detect_kind(renamed) == "nccl-tests"
+    other = tmp_path / "notes.txt"
+    other.write_text("just some notes\n")
+    with pytest.raises(SpecError, match=r"notes\.txt: cannot tell what this file is"):
+        detect_kind(other)
+
+
+def test_import_file_needs_a_device_for_measurements() -> None:
+    with pytest.raises(SpecError, match=r"all_reduce_perf_1node\.log: a nccl-tests file .* pass device="):
+        import_file(NCCL_1NODE)
+    kind, records = import_file(ITERATIONS_CSV)
+    assert kind == "iterations" and all(isinstance(r, IterationRecord) for r in records)
+    with pytest.raises(SpecError, match="unknown import kind 'chakra'"):
+        import_file(KINETO_CPU, device="cpu", kind="chakra")
+
+
+def test_import_to_bundle_appends_and_keeps_records(tmp_path: Path) -> None:
+    out = tmp_path / "bundle"
+    import_to_bundle([KINETO_CPU, NCCL_1NODE], out, device="cpu", source="tagplan traces import")
+    first = read_bundle(out)
+    assert first.manifest.fingerprint.device_type == "cpu" and first.manifest.source == "tagplan traces import"
+    assert len(first.ops()) == len(import_kineto(KINETO_CPU, device="cpu")) and len(first.collectives()) == 14
+    import_to_bundle([ITERATIONS_JSONL], out, device="cpu", source="another import")
+    second = read_bundle(out)
+    assert second.records[: len(first.records)] == first.records
+    assert second.iterations() == import_iterations(ITERATIONS_JSONL)
+    assert second.manifest == first.manifest
+
+
+def test_import_to_bundle_writes_nothing_when_a_file_is_bad(tmp_path: Path) -> None:
+    out = tmp_path / "bundle"
+    import_to_bundle([NCCL_1NODE], out, device="cpu", source="test")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = _bad_jsonl(tmp_path, "{not json")
+    with pytest.raises(SpecError, match=r"bad\.jsonl:3"):
+        import_to_bundle([ITERATIONS_CSV, bad], out, device="cpu", source="test")
+    with pytest.raises(SpecError, match=r"measured device 'cpu'.* 'h100-sxm'"):
+        import_to_bundle([ITERATIONS_CSV], out, device="h100-sxm", source="test")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    fresh = tmp_path / "fresh"
+    with pytest.raises(SpecError):
+        import_to_bundle([ITERATIONS_CSV, bad], fresh, device="cpu", source="test")
+    assert not fresh.exists()
