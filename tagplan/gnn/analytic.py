@@ -5,15 +5,17 @@ granularity. `estimate` takes each stage's per-micro-batch task times from the c
 model (`Simulator.stage_costs`: roofline compute, TP collectives on the stage's own links, p2p
 sends) and composes them with textbook formulas instead of the event simulation:
 
-    period    = max(busiest lane's work, round trip / S)    (GPipe: the busiest lane's work)
+    period    = max(busiest lane's work, max_s cycle_s)       (GPipe: the busiest lane's work)
     pipeline  = M * period + (sum_i t_i - busiest lane's work) / v + sum_i p2p_i - (period - busiest lane's work)
     lane end  = pipeline - backward sends still travelling to the first stage
     iteration = max_lane(lane end + exposed gradient sync + optimizer step)
 
 with t_i the forward plus backward of stage i for one micro-batch, p2p_i its sends, M micro-batches,
 v interleaved chunks per lane (Narayanan et al., SC'21: bubble (p - 1) / v), and the round trip
-sum_i (t_i + p2p_i): 1F1B keeps about S micro-batches in flight, so a pipeline whose sends take
-longer than its compute is paced by the round trip, not by its busiest lane. Exposed gradient sync
+sum_i (t_i + p2p_i). 1F1B's stage s keeps S - s micro-batches in flight, so the forward-backward
+cycle through stages s..S-1 (their work and the sends between them) carries S - s micro-batches:
+cycle_s = (sum_{j >= s} t_j + sends between them) / (S - s). A pipeline whose sends outweigh its
+compute is paced by its slowest such cycle, not by its busiest lane (interleaved: round trip / S). Exposed gradient sync
 is what the lane's reductions take beyond its last backward, at least the last bucket.
 
 The GNN predicts the correction log(T / estimate): how the schedule, the overlaps and the links
@@ -66,7 +68,18 @@ def estimate(sim: Simulator, plan: Plan) -> Estimate:
     # busiest lane is paced by the round trip; GPipe starts every forward at once
     round_trip = stage_s.sum() + p2p
     period = float(work[busiest])
-    if plan.schedule is not Schedule.GPIPE:
+    if plan.schedule is Schedule.ONE_F_ONE_B:
+        # stage s keeps S - s micro-batches in flight: the cycle through stages s..S-1 and back
+        cut = np.zeros(stages)  # cut[s]: both directions between stage s and s + 1
+        for c in range(stages - 1):
+            cut[c] = timings[c].send_forward_s + timings[c + 1].send_backward_s
+        suffix_work = np.cumsum(stage_s[::-1])[::-1]
+        suffix_sends = np.cumsum(cut[::-1])[::-1]
+        in_flight = stages - np.arange(stages)
+        binding = in_flight < micro  # with M <= S - s micro-batches the cycle never closes
+        if binding.any():
+            period = max(period, float(np.max(((suffix_work + suffix_sends) / in_flight)[binding])))
+    elif plan.schedule is Schedule.INTERLEAVED_1F1B:
         period = max(period, round_trip / stages)
     pipeline = micro * period + (stage_s.sum() - work[busiest]) / chunks + p2p - (period - work[busiest])
     # the first stage's last backward ends last; a later lane ends before the gradients travel back
