@@ -22,8 +22,10 @@ $(STAMP_DEV): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $@ $(STAMP_RUN)
 
+# The planning service on SQLite with the shipped GNN, one example plan submitted and printed;
+# it keeps serving (web view and API at http://127.0.0.1:8000) until Ctrl-C.
 run: $(STAMP_RUN)
-	$(BIN)/tagplan demo
+	$(BIN)/tagplan serve --demo
 
 # pytest exits 5 when it collected nothing: that is a failure, never a silent pass.
 test: $(STAMP_DEV)

@@ -365,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     from tagplan.cli_traces import add_trace_commands
 
     add_trace_commands(sub)
+    from tagplan.cli_service import add_service_commands
+
+    add_service_commands(sub)
+    from tagplan.cli_export import add_export_commands
+
+    add_export_commands(sub)
     return parser
 
 

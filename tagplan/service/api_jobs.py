@@ -1,0 +1,166 @@
+"""Routes of plans and jobs: submit (optionally waiting), list, get, result, events, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, HTTPException, Query, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from tagplan.errors import SpecError
+from tagplan.service.api_deps import JobDep, PrincipalDep, RateLimitDep, Services, ServicesDep
+from tagplan.service.api_schemas import (
+    FINISHED,
+    PLAN_EXAMPLE,
+    TINY_PLAN_EXAMPLE,
+    Error,
+    JobList,
+    JobOut,
+    PlanRequest,
+    SafeJSONResponse,
+    job_out,
+)
+from tagplan.service.execute import LimitError, validate_plan_request
+from tagplan.service.settings import Settings
+from tagplan.service.store import JobStore, JobView
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["jobs"])
+
+MAX_WAIT_S = 60.0
+WAIT_POLL_S = 0.25
+EVENTS_POLL_S = 0.5
+KEEPALIVE_S = 15.0
+MAX_PAGE = 100
+PLAN_EXAMPLES: dict[str, Any] = {
+    "gpt3-1.3b": {"summary": "GPT-3 1.3B on two p3.8xlarge nodes", "value": PLAN_EXAMPLE},
+    "tiny": {"summary": "a 4-layer GPT on one node, 20 plans (seconds)", "value": TINY_PLAN_EXAMPLE}}
+PlanBody = Annotated[PlanRequest, Body(openapi_examples=PLAN_EXAMPLES)]
+WaitQuery = Annotated[float | None, Query(ge=0, allow_inf_nan=False, description=(
+    "seconds to wait for the result (at most 60): 200 with the result if the job succeeded by then, "
+    "else 202 with the job"))]
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": Error}, 404: {"model": Error}, 413: {"model": Error}, 422: {"model": Error}}
+
+
+def _job_json(job: JobView) -> dict[str, Any]:
+    return job_out(job).model_dump(mode="json")
+
+
+def validate(request: dict[str, Any], settings: Settings) -> None:
+    """`execute.validate_plan_request`, where any failure to understand the input is a 422."""
+    try:
+        validate_plan_request(request, settings)
+    except (SpecError, LimitError):
+        raise
+    except Exception as err:  # the request could not be read: bad input, reported, never a 500
+        log.warning("plan request validation raised %s", type(err).__name__, exc_info=err)
+        raise SpecError(f"invalid plan request: {type(err).__name__}: {err}") from None
+
+
+@router.post("/v1/plans", status_code=202, response_model=JobOut, dependencies=[RateLimitDep],
+             responses={**_ERRORS, 200: {"description": "`?wait=`: the job finished in time; its result"},
+                        429: {"model": Error}}, summary="Submit a planning job")
+@router.post("/plan", status_code=202, response_model=JobOut, dependencies=[RateLimitDep],
+             responses={**_ERRORS, 200: {"description": "`?wait=`: the job finished in time; its result"},
+                        429: {"model": Error}}, summary="Submit a planning job (alias of POST /v1/plans)")
+async def submit_plan(body: PlanBody, principal: PrincipalDep, services: ServicesDep,
+                      wait: WaitQuery = None) -> Response:
+    """Validate the problem (a bad one is a 422, never a job) and queue it; 202 with the job."""
+    request = body.to_request()
+    await run_in_threadpool(validate, request, services.settings)
+    job = await run_in_threadpool(services.store.submit, principal.tenant_id, "plan", request)
+    if wait:
+        job, result = await _wait(services.store, principal.tenant_id, job.id, min(wait, MAX_WAIT_S))
+        if result is not None:
+            return SafeJSONResponse(result, status_code=200)
+    return SafeJSONResponse(_job_json(job), status_code=202)
+
+
+async def _wait(store: JobStore, tenant_id: int, job_id: str, wait_s: float) -> tuple[JobView, dict[str, Any] | None]:
+    """Poll until the job finishes or `wait_s` passes: (the job, its result if it succeeded)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        job = await run_in_threadpool(store.get, tenant_id, job_id)
+        if job is None:
+            raise HTTPException(404, f"job {job_id!r} disappeared")
+        if job.status == "succeeded":
+            return job, await run_in_threadpool(store.result, tenant_id, job_id)
+        if job.status in FINISHED or time.monotonic() >= deadline:
+            return job, None
+        await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+@router.get("/v1/jobs", response_model=JobList, responses=_ERRORS, summary="List the tenant's jobs")
+def list_jobs(principal: PrincipalDep, services: ServicesDep,
+              offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+              limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 20) -> JobList:
+    """One page of the tenant's jobs, newest first, with the total."""
+    jobs, total = services.store.list(principal.tenant_id, offset, limit)
+    return JobList(jobs=[job_out(j) for j in jobs], total=total, offset=offset, limit=limit)
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, summary="A job")
+def get_job(job: JobDep) -> JobOut:
+    """The job's status, progress and ETA."""
+    return job_out(job)
+
+
+@router.delete("/v1/jobs/{job_id}", status_code=202, response_model=JobOut, responses=_ERRORS,
+               summary="Cancel a job")
+def cancel_job(job: JobDep, principal: PrincipalDep, services: ServicesDep) -> JobOut:
+    """Cancel: a queued job at once, a running one at its worker's next heartbeat."""
+    cancelled = services.store.cancel(principal.tenant_id, job.id)
+    return job_out(cancelled or job)
+
+
+@router.get("/v1/jobs/{job_id}/result", responses={**_ERRORS, 409: {"model": Error}}, summary="A job's result",
+            response_class=SafeJSONResponse)
+def job_result(job: JobDep, principal: PrincipalDep, services: ServicesDep) -> SafeJSONResponse:
+    """The planner's JSON (`best`, `pareto`, `baselines`, `search`, `timeline`, ...); 409 until it succeeded."""
+    if job.status != "succeeded":
+        why = f": {job.error}" if job.error else ""
+        raise HTTPException(409, f"job is {job.status}{why}; the result exists once it succeeded")
+    result = services.store.result(principal.tenant_id, job.id)
+    if result is None:
+        raise HTTPException(404, f"job {job.id!r} has no stored result")
+    return SafeJSONResponse(result)
+
+
+@router.get("/v1/jobs/{job_id}/events", responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
+            response_class=StreamingResponse, summary="A job's progress as server-sent events")
+def job_events(job: JobDep, principal: PrincipalDep, services: ServicesDep) -> StreamingResponse:
+    """`event: progress` with the job JSON at every change, then one `event: done`, and the stream closes."""
+    return StreamingResponse(_events(services, principal.tenant_id, job.id), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _events(services: Services, tenant_id: int, job_id: str) -> AsyncIterator[str]:
+    last: tuple[Any, ...] | None = None
+    quiet_since = time.monotonic()
+    while True:
+        job = await run_in_threadpool(services.store.get, tenant_id, job_id)
+        if job is None:
+            yield _sse("done", {"id": job_id, "status": "unknown"})
+            return
+        state = (job.status, job.progress, job.message, job.attempts)
+        if state != last:
+            last, quiet_since = state, time.monotonic()
+            yield _sse("progress", _job_json(job))
+        elif time.monotonic() - quiet_since > KEEPALIVE_S:
+            quiet_since = time.monotonic()
+            yield ": keep-alive\n\n"  # a comment: keeps proxies from closing a quiet stream
+        if job.status in FINISHED:
+            yield _sse("done", _job_json(job))
+            return
+        await asyncio.sleep(EVENTS_POLL_S)
+
+
+def _sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"

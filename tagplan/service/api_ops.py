@@ -1,0 +1,41 @@
+"""Routes for operators: liveness, readiness (the database answers) and Prometheus metrics."""
+
+from __future__ import annotations
+
+import logging
+
+import sqlalchemy as sa
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from tagplan.service import api_metrics
+from tagplan.service.api_deps import ServicesDep
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz", summary="Liveness")
+def healthz() -> dict[str, str]:
+    """200 while the process serves requests."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Readiness", responses={503: {"description": "the database does not answer"}})
+def readyz(services: ServicesDep) -> JSONResponse:
+    """200 when the database answers `SELECT 1`, else 503."""
+    try:
+        with services.engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except Exception as err:  # any failure to reach the database means "not ready", never a 500
+        log.warning("readiness check failed: %s", err)
+        return JSONResponse({"status": "unavailable", "detail": f"database: {type(err).__name__}"}, status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+@router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
+def metrics(services: ServicesDep) -> PlainTextResponse:
+    """Jobs by status, queue depth, HTTP answers by route and code, and finished jobs' durations."""
+    text = api_metrics.render(services.store.counts(), services.requests.snapshot(),
+                              api_metrics.job_durations(services.engine))
+    return PlainTextResponse(text, media_type=api_metrics.CONTENT_TYPE)

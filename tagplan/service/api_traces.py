@@ -1,0 +1,163 @@
+"""Routes of measurements: upload a trace bundle, start a training run on uploaded traces.
+
+An upload is validated whole (the manifest and every record) before anything is written, so a
+malformed line is a 422 naming it and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from tagplan.datasets.traces.bundle import Fingerprint, Manifest, TraceRecord, now_iso, parse_record, write_bundle
+from tagplan.errors import SpecError, from_validation
+from tagplan.service.api_deps import ID_PATTERN, PrincipalDep, RateLimitDep, Services, ServicesDep
+from tagplan.service.api_schemas import Error, JobOut, TraceBundleIn, TraceCreated, TrainingRunRequest, job_out
+from tagplan.service.keys import Principal
+
+router = APIRouter(tags=["traces"])
+
+PRINTABLE = r"^[^\x00-\x1f\x7f]*$"  # no control characters (PostgreSQL refuses NUL in text)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MAX_NAME_CHARS = 200
+JSON_TYPES = ("application/json",)
+LINES_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines", "text/plain")
+_ERRORS: dict[int | str, dict[str, Any]] = {401: {"model": Error}, 413: {"model": Error}, 415: {"model": Error},
+                                            422: {"model": Error}, 429: {"model": Error}}
+NameQuery = Annotated[str | None, Query(max_length=MAX_NAME_CHARS, pattern=PRINTABLE,
+                                                 description="what the trace is")]
+DeviceQuery = Annotated[str | None, Query(min_length=1, max_length=200, pattern=PRINTABLE, description=(
+    "records.jsonl only: the device type measured (default: the records' device)"))]
+_RECORD_EXAMPLE = {"record": "op", "device": "cpu-amd-epyc", "kind": "matmul", "dtype": "fp32", "flops": 4194304.0,
+                   "bytes_read": 131072.0, "bytes_written": 65536.0, "time_s": 0.000126}
+_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
+    "application/json": {
+        "schema": TraceBundleIn.model_json_schema(),
+        "example": {"manifest": {"created": "2026-01-05T10:00:00+00:00", "source": "tagplan profile --device cpu",
+                                 "fingerprint": {"device_type": "cpu-amd-epyc"}},
+                    "records": [_RECORD_EXAMPLE]}},
+    "application/x-ndjson": {"schema": {"type": "string"}, "example": json.dumps(_RECORD_EXAMPLE) + "\n"},
+    "text/plain": {"schema": {"type": "string"}, "example": json.dumps(_RECORD_EXAMPLE) + "\n"},
+}}}
+
+
+@router.post("/v1/traces", status_code=201, response_model=TraceCreated, responses=_ERRORS, openapi_extra=_BODY,
+             dependencies=[RateLimitDep], summary="Upload a trace bundle")
+async def upload_trace(request: Request, principal: PrincipalDep, services: ServicesDep,
+                       name: NameQuery = None, device: DeviceQuery = None) -> TraceCreated:
+    """A `tagplan-traces/1` bundle as JSON `{manifest, records}`, or `records.jsonl` text
+    (`application/x-ndjson` or `text/plain`) with `?name=` and `?device=`; 201 with its id."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    body = await request.body()
+    if media in JSON_TYPES:
+        manifest, records = _from_json(body)
+    elif media in LINES_TYPES:
+        manifest, records = _from_lines(_text(body), device, principal)
+    else:
+        raise HTTPException(415, f"Content-Type {media or '(none)'!r}: send application/json (a bundle "
+                                 f"{{manifest, records}}) or one of {', '.join(LINES_TYPES)} (records.jsonl)")
+    label = _CONTROL.sub(" ", name or manifest.fingerprint.device_type)[:MAX_NAME_CHARS]  # fits `traces.name`
+    root = services.settings.home / "traces" / str(principal.tenant_id)
+    trace_id = await run_in_threadpool(_store, services, principal, root, label, manifest, records)
+    return TraceCreated(id=trace_id, records=len(records))
+
+
+def _store(services: Services, principal: Principal, root: Path, label: str, manifest: Manifest,
+           records: list[TraceRecord]) -> str:
+    directory = root / uuid.uuid4().hex
+    write_bundle(directory, manifest, records)
+    try:
+        return str(services.store.add_trace(principal.tenant_id, label, str(directory), len(records)))
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+
+
+def _text(body: bytes) -> str:
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError(f"records.jsonl: not UTF-8 text (byte {err.start})") from None
+
+
+def _from_json(body: bytes) -> tuple[Manifest, list[TraceRecord]]:
+    try:
+        bundle = TraceBundleIn.model_validate_json(body)
+    except ValidationError as err:
+        raise from_validation("trace bundle", err) from None
+    try:
+        manifest = Manifest.model_validate(bundle.manifest)
+    except ValidationError as err:
+        raise from_validation("manifest", err) from None
+    _finite(manifest.model_dump(), "manifest")
+    records = [_record(json.dumps(r), f"records[{i}]") for i, r in enumerate(bundle.records)]
+    return manifest, _nonempty(records)
+
+
+def _from_lines(text: str, device: str | None, principal: Principal) -> tuple[Manifest, list[TraceRecord]]:
+    records = [_record(line, f"line {n}") for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    device_type = device or next((str(d) for r in records if (d := getattr(r, "device", None))), None)
+    if device_type is None:
+        raise SpecError("records.jsonl: no record names its device; give ?device=TYPE")
+    fingerprint = Fingerprint(device_type=device_type)
+    manifest = Manifest(created=now_iso(), source=f"POST /v1/traces by tenant {principal.tenant}",
+                        fingerprint=fingerprint)
+    return manifest, _nonempty(records)
+
+
+def _record(line: str, where: str) -> TraceRecord:
+    record = parse_record(line, where)
+    _finite(record.model_dump(), where)
+    return record
+
+
+def _finite(value: Any, where: str, field: str = "") -> None:
+    """SpecError for an infinity or NaN (`1e999` parses as one): a bundle holds measured, finite numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(f"{where}: {field or 'value'}: {value} is not a finite number")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        _finite(item, where, f"{field}.{key}" if field else str(key))
+
+
+def _nonempty(records: list[TraceRecord]) -> list[TraceRecord]:
+    if not records:
+        raise SpecError("trace bundle: no records; a bundle holds at least one op, collective or iteration record")
+    return records
+
+
+def _calibration(value: dict[str, Any] | str) -> dict[str, Any] | str:
+    """An inline calibration is checked now, so a bad one never becomes a job (a version name, by the job)."""
+    if isinstance(value, dict):
+        from tagplan.cost.calibration import Calibration
+
+        try:
+            Calibration.model_validate(value)
+        except ValidationError as err:
+            raise from_validation("calibration", err) from None
+    return value
+
+
+@router.post("/v1/training-runs", status_code=202, response_model=JobOut, dependencies=[RateLimitDep],
+             responses={**_ERRORS, 404: {"model": Error}}, summary="Retrain the GNN on uploaded traces")
+def submit_training_run(body: TrainingRunRequest, principal: PrincipalDep, services: ServicesDep) -> JobOut:
+    """Queue a training run (a job of kind `train`) on the tenant's traces; 404 if one is not theirs."""
+    ids = list(dict.fromkeys(body.traces))
+    unknown = [t for t in ids if not ID_PATTERN.fullmatch(t)]
+    paths = None if unknown else services.store.traces(principal.tenant_id, ids)
+    if paths is None:
+        raise HTTPException(404, f"unknown trace id(s) for tenant {principal.tenant!r} among {ids[:10]}; "
+                                 "upload traces with POST /v1/traces")
+    request: dict[str, Any] = {"traces": paths}
+    if body.calibration is not None:
+        request["calibration"] = _calibration(body.calibration)
+    return job_out(services.store.submit(principal.tenant_id, "train", request))

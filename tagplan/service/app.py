@@ -1,0 +1,73 @@
+"""The HTTP API: `create_app(settings)` builds the FastAPI app of docs/SERVICE.md.
+
+Routes live in one module per resource (`api_jobs`, `api_traces`, `api_registry`, `api_ops`);
+this module wires them to the database, the limits, the error handlers and the web view.
+Long work never runs here: a request validates, queues a job, and a worker process runs it.
+
+    uvicorn.run(create_app(settings), host="127.0.0.1", port=8000)
+    uvicorn --factory tagplan.service.app:create_app     # settings from the environment
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, HTMLResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from tagplan import __version__
+from tagplan.service import api_errors, api_jobs, api_ops, api_registry, api_traces
+from tagplan.service.api_deps import Services
+from tagplan.service.api_limits import BodySizeLimit, RateLimiter
+from tagplan.service.api_metrics import CountRequests, RequestCounter
+from tagplan.service.api_schemas import SafeJSONResponse
+from tagplan.service.db import make_engine
+from tagplan.service.settings import Settings
+from tagplan.service.store import JobStore
+
+WEB_DIR = Path(__file__).resolve().parent / "web"
+DESCRIPTION = """Plans for distributed training as a shared service. Submit a model and a cluster
+(`POST /v1/plans`), follow the job (`GET /v1/jobs/{id}`, or its server-sent `events`), fetch the
+result. Every `/v1` route needs an API key: `Authorization: Bearer <key>` or `X-API-Key: <key>`."""
+_FALLBACK_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>tagplan</title></head>
+<body><h1>tagplan planning service</h1><p>The web view is not installed. See the API at
+<a href="/docs">/docs</a> (OpenAPI: <a href="/openapi.json">/openapi.json</a>).</p></body></html>"""
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The service's app on `settings` (default: from the environment); creates the tables if needed."""
+    settings = settings or Settings.from_env()
+    engine = make_engine(settings.database_url)
+    services = Services(settings=settings, engine=engine, store=JobStore(engine, settings),
+                        limiter=RateLimiter(settings.rate_per_minute), requests=RequestCounter())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.dispose()
+
+    app = FastAPI(title="tagplan planning service", version=__version__, description=DESCRIPTION,
+                  default_response_class=SafeJSONResponse, lifespan=lifespan)
+    app.state.services = services
+    api_errors.install(app)
+    for module in (api_jobs, api_traces, api_registry, api_ops):
+        app.include_router(module.router)
+    _add_web(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    # Outermost: it counts the 413s too.
+    app.add_middleware(CountRequests, counter=services.requests, routes=app.router.routes)
+    return app
+
+
+def _add_web(app: FastAPI) -> None:
+    """The web view: `web/index.html` at `/`, the directory at `/static` (a pointer to /docs without it)."""
+    if WEB_DIR.is_dir():
+        app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def index() -> Response:
+        page = WEB_DIR / "index.html"
+        return FileResponse(page, media_type="text/html") if page.is_file() else HTMLResponse(_FALLBACK_PAGE)

@@ -1,0 +1,323 @@
+"""`JobStore`: the only code that changes a job, each change one conditional UPDATE.
+
+Every transition names the state it expects in its WHERE clause (`status`, `lease_owner`, and for
+a claim the `attempts` it read) and checks the row count. The database serialises UPDATEs of one
+row (SQLite: one writer at a time; PostgreSQL: a row lock, after which the WHERE is re-checked), so
+of two workers racing for a job exactly one matches, and a worker whose lease was taken over
+matches nothing: it gets `LeaseLost` and cannot overwrite the job. No SELECT ... FOR UPDATE, so the
+same code is correct on both backends.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime as dt
+import json
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Engine, and_, case, func, insert, literal, or_, select, update
+from sqlalchemy.sql.elements import ColumnElement
+
+from tagplan.errors import SpecError
+from tagplan.service.db import Job, Trace, UTCDateTime, utcnow
+from tagplan.service.settings import Settings
+
+CLAIM_ROUNDS = 10  # candidate lists read per claim before giving up (each lost race moves on)
+CLAIM_CANDIDATES = 8
+
+
+class JobStatus(StrEnum):
+    """Where a job is in its life."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class JobKind(StrEnum):
+    """What a job does."""
+
+    PLAN = "plan"
+    TRAIN = "train"
+
+
+TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+
+class LeaseLost(Exception):  # noqa: N818 (the name docs/SERVICE.md promises)
+    """The worker no longer owns the job (its lease expired and another worker claimed it)."""
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A job as the API shows it, plus its tenant and request. Times are timezone-aware UTC."""
+
+    id: str
+    tenant_id: int
+    kind: str
+    status: JobStatus
+    progress: float
+    message: str
+    error: str | None
+    attempts: int
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    eta_s: float | None
+    request: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """The `Job` JSON of the API: `{id, kind, status, progress, message, error, attempts,
+        created_at, started_at, finished_at, eta_s}`, times as ISO 8601 strings."""
+        def iso(t: dt.datetime | None) -> str | None:
+            return None if t is None else t.isoformat()
+
+        return {"id": self.id, "kind": self.kind, "status": self.status.value, "progress": self.progress,
+                "message": self.message, "error": self.error, "attempts": self.attempts,
+                "created_at": iso(self.created_at), "started_at": iso(self.started_at),
+                "finished_at": iso(self.finished_at), "eta_s": self.eta_s}
+
+
+_VIEW_COLUMNS = (Job.id, Job.tenant_id, Job.kind, Job.status, Job.progress, Job.message, Job.error, Job.attempts,
+                 Job.created_at, Job.started_at, Job.finished_at, Job.request)
+
+
+def _view(row: Any, now: dt.datetime) -> JobView:
+    status = JobStatus(row.status)
+    return JobView(id=row.id, tenant_id=row.tenant_id, kind=row.kind, status=status, progress=row.progress,
+                   message=row.message, error=row.error, attempts=row.attempts, created_at=row.created_at,
+                   started_at=row.started_at, finished_at=row.finished_at,
+                   eta_s=_eta_s(status, row.progress, row.started_at, now), request=json.loads(row.request))
+
+
+def _eta_s(status: JobStatus, progress: float, started_at: dt.datetime | None, now: dt.datetime) -> float | None:
+    """Seconds left if the rest goes as fast as the part done; None unless running with progress."""
+    if status is not JobStatus.RUNNING or started_at is None or not 0.0 < progress <= 1.0:
+        return None
+    elapsed_s = max(0.0, (now - started_at).total_seconds())
+    return elapsed_s * (1.0 - progress) / progress
+
+
+def _when(value: dt.datetime) -> ColumnElement[dt.datetime]:
+    """A bound UTC time usable inside CASE (where no column lends it its type)."""
+    return literal(value, type_=UTCDateTime())
+
+
+class JobStore:
+    """Jobs and traces in the service's database; safe to share between threads and processes."""
+
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine, self.settings = engine, settings
+
+    # -- tenants' side -------------------------------------------------------------------------
+
+    def submit(self, tenant_id: int, kind: str, request: dict[str, Any]) -> JobView:
+        """Store a new `queued` job of `kind` ('plan' | 'train') and return it."""
+        if kind not in {k.value for k in JobKind}:
+            raise SpecError(f"job kind {kind!r} is not accepted; accepted: {', '.join(k.value for k in JobKind)}")
+        job_id = uuid.uuid4().hex
+        now = utcnow()
+        with self.engine.begin() as conn:
+            conn.execute(insert(Job).values(
+                id=job_id, tenant_id=tenant_id, kind=kind, status=JobStatus.QUEUED.value, request=json.dumps(request),
+                progress=0.0, message="queued", attempts=0, max_attempts=self.settings.max_attempts,
+                cancel_requested=False, created_at=now))
+        view = self._get(job_id, tenant_id)
+        assert view is not None
+        return view
+
+    def get(self, tenant_id: int, job_id: str) -> JobView | None:
+        """The job, or None when it does not exist or belongs to another tenant."""
+        return self._get(job_id, tenant_id)
+
+    def list(self, tenant_id: int, offset: int, limit: int) -> tuple[list[JobView], int]:
+        """The tenant's jobs, newest first, from `offset` (at most `limit`), and how many it has."""
+        now = utcnow()
+        query = (select(*_VIEW_COLUMNS).where(Job.tenant_id == tenant_id)
+                 .order_by(Job.created_at.desc(), Job.id.desc()).offset(max(0, offset)).limit(max(0, limit)))
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+            total = conn.execute(select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id)).scalar_one()
+        return [_view(r, now) for r in rows], int(total)
+
+    def cancel(self, tenant_id: int, job_id: str) -> JobView | None:
+        """Cancel: a queued job at once, a running one at its worker's next heartbeat; None if unknown.
+
+        A finished job is returned unchanged.
+        """
+        mine = and_(Job.id == job_id, Job.tenant_id == tenant_id)
+        for _ in range(3):  # the job may move between the two UPDATEs (claimed, requeued): try again
+            with self.engine.begin() as conn:
+                queued = conn.execute(update(Job).where(mine, Job.status == JobStatus.QUEUED.value).values(
+                    status=JobStatus.CANCELLED.value, finished_at=utcnow(), message="cancelled"))
+                if queued.rowcount:
+                    break
+                running = conn.execute(update(Job).where(mine, Job.status == JobStatus.RUNNING.value).values(
+                    cancel_requested=True, message="cancelling"))
+                if running.rowcount:
+                    break
+            view = self._get(job_id, tenant_id)
+            if view is None or view.status in TERMINAL:
+                return view
+        return self._get(job_id, tenant_id)
+
+    def result(self, tenant_id: int, job_id: str) -> dict[str, Any] | None:
+        """The result JSON of the tenant's succeeded job; None otherwise."""
+        query = select(Job.result).where(Job.id == job_id, Job.tenant_id == tenant_id,
+                                         Job.status == JobStatus.SUCCEEDED.value)
+        with self.engine.connect() as conn:
+            text = conn.execute(query).scalar()
+        return None if text is None else dict(json.loads(text))
+
+    def counts(self) -> dict[str, int]:
+        """Jobs by status, every status present (for /metrics)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(Job.status, func.count()).group_by(Job.status)).all()
+        found = {str(status): int(n) for status, n in rows}
+        return {s.value: found.get(s.value, 0) for s in JobStatus}
+
+    # -- workers' side -------------------------------------------------------------------------
+
+    def claim(self, worker_id: str) -> JobView | None:
+        """Take the oldest runnable job for `worker_id`: queued, or running with an expired lease.
+
+        Sets `running`, the lease and `attempts + 1` in one UPDATE conditional on the status and
+        attempts read, so of racing workers exactly one wins; the others move on to the next job.
+        Jobs whose worker died on their last attempt are failed first (cancelled if asked to).
+        """
+        for _ in range(CLAIM_ROUNDS):
+            now = utcnow()
+            self._reap(now)
+            candidates = self._candidates(now)
+            if not candidates:
+                return None
+            for job_id, status, attempts in candidates:
+                if self._try_claim(job_id, status, attempts, worker_id, now):
+                    return self._get(job_id)
+        return None
+
+    def heartbeat(self, job_id: str, worker_id: str, progress: float, message: str = "") -> bool:
+        """Renew the lease and record progress (0..1); True when cancellation was requested.
+
+        LeaseLost when `worker_id` no longer owns the job.
+        """
+        with self.engine.begin() as conn:
+            done = conn.execute(update(Job).where(*self._owned(job_id, worker_id)).values(
+                lease_expires_at=utcnow() + dt.timedelta(seconds=self.settings.lease_s),
+                progress=min(1.0, max(0.0, float(progress))), message=message))
+            if done.rowcount != 1:
+                raise LeaseLost(job_id)
+            return bool(conn.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar())
+
+    def complete(self, job_id: str, worker_id: str, result: dict[str, Any]) -> None:
+        """Record the result and `succeeded`; LeaseLost (nothing written) if `worker_id` lost the job."""
+        self._finish(job_id, worker_id, status=JobStatus.SUCCEEDED.value, result=json.dumps(result), error=None,
+                     progress=1.0, message="done", finished_at=utcnow())
+
+    def fail(self, job_id: str, worker_id: str, error: str, *, retry: bool) -> None:
+        """Record `error`: requeue (`retry` and attempts left), else `failed`; cancelled if asked to.
+
+        LeaseLost (nothing written) if `worker_id` lost the job.
+        """
+        now = utcnow()
+        status = case((Job.cancel_requested, JobStatus.CANCELLED.value),
+                      (and_(literal(retry), Job.attempts < Job.max_attempts), JobStatus.QUEUED.value),
+                      else_=JobStatus.FAILED.value)
+        requeue = and_(literal(retry), ~Job.cancel_requested, Job.attempts < Job.max_attempts)
+        self._finish(job_id, worker_id, status=status, error=error,
+                     message=case((Job.cancel_requested, "cancelled"), (requeue, "queued again after an error"),
+                                  else_="failed"),
+                     finished_at=case((requeue, None), else_=_when(now)))
+
+    def mark_cancelled(self, job_id: str, worker_id: str) -> None:
+        """The worker stopped the job because cancellation was requested; LeaseLost if not its own."""
+        self._finish(job_id, worker_id, status=JobStatus.CANCELLED.value, message="cancelled", finished_at=utcnow())
+
+    def release(self, job_id: str, worker_id: str) -> None:
+        """Hand a job back to the queue without counting the attempt (the worker is shutting down)."""
+        self._finish(job_id, worker_id, status=JobStatus.QUEUED.value, attempts=Job.attempts - 1,
+                     message="queued again: its worker stopped", progress=0.0)
+
+    # -- traces --------------------------------------------------------------------------------
+
+    def add_trace(self, tenant_id: int, name: str, path: str, records: int) -> str:
+        """Record an uploaded trace bundle at `path`; returns its id."""
+        trace_id = uuid.uuid4().hex
+        with self.engine.begin() as conn:
+            conn.execute(insert(Trace).values(id=trace_id, tenant_id=tenant_id, name=name, path=path, records=records,
+                                              created_at=utcnow()))
+        return trace_id
+
+    def traces(self, tenant_id: int, ids: builtins.list[str]) -> builtins.list[str] | None:
+        """The paths of the tenant's traces `ids`, in order; None if any is unknown or another tenant's."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(Trace.id, Trace.path).where(Trace.tenant_id == tenant_id,
+                                                                   Trace.id.in_(ids))).all()
+        paths = {r.id: r.path for r in rows}
+        return [paths[i] for i in ids] if all(i in paths for i in ids) else None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _get(self, job_id: str, tenant_id: int | None = None) -> JobView | None:
+        query = select(*_VIEW_COLUMNS).where(Job.id == job_id)
+        if tenant_id is not None:
+            query = query.where(Job.tenant_id == tenant_id)
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        return None if row is None else _view(row, utcnow())
+
+    @staticmethod
+    def _owned(job_id: str, worker_id: str) -> tuple[ColumnElement[bool], ...]:
+        return Job.id == job_id, Job.status == JobStatus.RUNNING.value, Job.lease_owner == worker_id
+
+    def _finish(self, job_id: str, worker_id: str, **values: Any) -> None:
+        """Leave `running` with `values`, only if `worker_id` still owns the job."""
+        values.update(lease_owner=None, lease_expires_at=None)
+        with self.engine.begin() as conn:
+            done = conn.execute(update(Job).where(*self._owned(job_id, worker_id)).values(**values))
+        if done.rowcount != 1:
+            raise LeaseLost(job_id)
+
+    def _candidates(self, now: dt.datetime) -> builtins.list[tuple[str, str, int]]:
+        runnable = or_(Job.status == JobStatus.QUEUED.value,
+                       and_(Job.status == JobStatus.RUNNING.value, Job.lease_expires_at < now))
+        query = (select(Job.id, Job.status, Job.attempts)
+                 .where(runnable, Job.attempts < Job.max_attempts, ~Job.cancel_requested)
+                 .order_by(Job.created_at, Job.id).limit(CLAIM_CANDIDATES))
+        with self.engine.connect() as conn:
+            return [(r.id, r.status, r.attempts) for r in conn.execute(query)]
+
+    def _try_claim(self, job_id: str, status: str, attempts: int, worker_id: str, now: dt.datetime) -> bool:
+        expected = [Job.id == job_id, Job.status == status, Job.attempts == attempts,
+                    Job.attempts < Job.max_attempts, ~Job.cancel_requested]
+        if status == JobStatus.RUNNING.value:  # re-checked at UPDATE time: a late heartbeat keeps its job
+            expected.append(Job.lease_expires_at < now)
+        stmt = update(Job).where(*expected).values(
+            status=JobStatus.RUNNING.value, lease_owner=worker_id,
+            lease_expires_at=now + dt.timedelta(seconds=self.settings.lease_s), attempts=Job.attempts + 1,
+            started_at=now, progress=0.0, message=f"running (attempt {attempts + 1})")
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+    def _reap(self, now: dt.datetime) -> None:
+        """Finish jobs whose worker died and that may not run again: failed, or cancelled if asked."""
+        dead = and_(Job.status == JobStatus.RUNNING.value, Job.lease_expires_at < now,
+                    or_(Job.attempts >= Job.max_attempts, Job.cancel_requested))
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(Job.id, Job.attempts, Job.lease_owner, Job.cancel_requested)
+                                .where(dead)).all()
+        for row in rows:
+            values: dict[str, Any] = {"status": JobStatus.CANCELLED.value, "message": "cancelled"}
+            if not row.cancel_requested:
+                values = {"status": JobStatus.FAILED.value, "message": "failed",
+                          "error": f"worker died {row.attempts} times"}
+            stmt = update(Job).where(Job.id == row.id, Job.status == JobStatus.RUNNING.value,
+                                     Job.attempts == row.attempts, Job.lease_expires_at < now).values(
+                **values, lease_owner=None, lease_expires_at=None, finished_at=now)
+            with self.engine.begin() as conn:
+                conn.execute(stmt)

@@ -1,0 +1,234 @@
+"""The web view end to end: the real app on a loopback port, a plan job run to completion by an
+in-process worker, and the job page loaded in headless Chromium; the dumped DOM must hold the
+drawings (stage-to-device map, timeline, Pareto chart, baselines table).
+
+The browser test skips where Chromium is not installed; the checks that the app serves the page and
+its assets run everywhere (and fail, not skip, if the service cannot be imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "gpt?layers=2&hidden=64&heads=4&vocab=100"
+CLUSTER = "p3.8xlarge"
+CHROMIUM_MISSING = "chromium not installed (apt-get install chromium)"
+
+
+def _chromium() -> str | None:
+    if Path("/usr/bin/chromium").is_file():
+        return "/usr/bin/chromium"
+    for name in ("chromium", "chromium-browser"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+@dataclass
+class Service:
+    url: str
+    key: str
+    job_id: str
+    result: dict[str, Any]
+
+
+def _request(url: str, key: str | None = None, body: dict[str, Any] | None = None) -> tuple[int, bytes, str]:
+    headers = {"Accept": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read(), resp.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), err.headers.get("Content-Type", "")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The real app (uvicorn in a thread, tmp SQLite) with one succeeded plan job."""
+    import uvicorn
+
+    from tagplan.service.app import create_app  # must exist: an ImportError fails the tests
+    from tagplan.service.db import make_engine
+    from tagplan.service.keys import create_key
+    from tagplan.service.settings import Settings
+    from tagplan.service.worker import run_worker
+
+    home = tmp_path_factory.mktemp("tagplan-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TAGPLAN_HOME", str(home))
+        mp.delenv("TAGPLAN_DATABASE_URL", raising=False)
+        settings = Settings.from_env()
+        key = create_key(make_engine(settings.database_url), "web-test")
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", lifespan="on"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not server.started:
+                assert thread.is_alive(), "uvicorn exited while starting"
+                assert time.monotonic() < deadline, "uvicorn did not start within 30 s"
+                time.sleep(0.05)
+            url = f"http://127.0.0.1:{port}"
+
+            status, body, _ = _request(f"{url}/v1/plans", key,
+                                       {"model": MODEL, "cluster": CLUSTER, "max_evaluations": 20})
+            assert status == 202, body
+            job_id = json.loads(body)["id"]
+            run_worker(settings, once=True)
+            deadline = time.monotonic() + 120
+            while True:
+                status, body, _ = _request(f"{url}/v1/jobs/{job_id}", key)
+                assert status == 200, body
+                job = json.loads(body)
+                if job["status"] not in ("queued", "running"):
+                    break
+                assert time.monotonic() < deadline, f"job still {job['status']} after 120 s"
+                time.sleep(0.2)
+            assert job["status"] == "succeeded", job
+            status, body, _ = _request(f"{url}/v1/jobs/{job_id}/result", key)
+            assert status == 200, body
+            yield Service(url=url, key=key, job_id=job_id, result=json.loads(body))
+        finally:
+            server.should_exit = True
+            thread.join(timeout=15)
+            sock.close()
+
+
+def test_app_serves_the_web_view(service: Service) -> None:
+    status, body, ctype = _request(f"{service.url}/")
+    assert status == 200 and ctype.startswith("text/html")
+    page = body.decode()
+    assert '<main id="main"' in page and "/static/app.js" in page and "/static/style.css" in page
+    for asset, kind in (("app.js", "javascript"), ("style.css", "text/css")):
+        status, body, ctype = _request(f"{service.url}/static/{asset}")
+        assert status == 200 and kind in ctype and len(body) > 1000, (asset, status, ctype)
+    # no third-party fetches: every src/href in the page is local
+    assert "http://" not in page and "https://" not in page
+
+
+def test_result_has_what_the_page_draws(service: Service) -> None:
+    result = service.result
+    assert result["best"]["plan"]["stages"] and result["best"]["report"]["iteration_time_s"] > 0
+    assert result["pareto"] and isinstance(result["baselines"], dict)
+    assert any(e.get("ph") == "X" for e in result["timeline"]["traceEvents"])
+    assert result["request"]["cluster"] == CLUSTER
+
+
+class _DomIndex(HTMLParser):
+    """For each element with a data-testid, the start tags (name, attributes) inside it."""
+
+    VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track",
+                      "wbr"})
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[tuple[str, str | None]] = []
+        self.inside: dict[str, list[tuple[str, dict[str, str]]]] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = {k: v or "" for k, v in attrs}
+        for _, testid in self.stack:
+            if testid:
+                self.inside[testid].append((tag, attributes))
+        testid = attributes.get("data-testid")
+        if testid:
+            self.inside.setdefault(testid, [])
+        if tag not in self.VOID:
+            self.stack.append((tag, testid))
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.handle_starttag(tag, attrs)
+        if tag not in self.VOID and self.stack and self.stack[-1][0] == tag:
+            self.stack.pop()
+
+    def handle_endtag(self, tag: str) -> None:
+        for i in range(len(self.stack) - 1, -1, -1):  # tolerate stray end tags
+            if self.stack[i][0] == tag:
+                del self.stack[i:]
+                break
+
+    def tags(self, testid: str, tag: str, cls: str | None = None) -> list[dict[str, str]]:
+        return [a for t, a in self.inside.get(testid, [])
+                if t == tag and (cls is None or cls in a.get("class", "").split())]
+
+
+def test_job_page_renders_in_chromium(service: Service, tmp_path: Path) -> None:
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip(CHROMIUM_MISSING)
+    url = f"{service.url}/?key={urllib.parse.quote(service.key)}#/jobs/{service.job_id}"
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           "--disable-dev-shm-usage", "--window-size=1280,800", f"--user-data-dir={tmp_path / 'profile'}",
+           "--virtual-time-budget=10000", "--dump-dom", url]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "HOME": str(tmp_path)})
+    dom = done.stdout
+    assert done.returncode == 0 and "<html" in dom, f"chromium failed ({done.returncode}): {done.stderr[-2000:]}"
+    (tmp_path / "dom.html").write_text(dom)
+    index = _DomIndex()
+    index.feed(dom)
+    index.close()
+    found = sorted(index.inside)
+    assert "result-error" not in index.inside and "need-key" not in index.inside, found
+
+    result = service.result
+    best = result["best"]["plan"]
+    for testid in ("best-summary", "stage-map", "timeline", "pareto", "baselines"):
+        assert testid in index.inside, f"{testid} not rendered; rendered: {found}"
+
+    # stage map: an SVG with one coloured rect per (device, stage) of the chosen plan
+    assert index.tags("stage-map", "svg")
+    devices = index.tags("stage-map", "rect", "device")
+    coloured = {(int(a["data-device"]), int(a["data-stage"])) for a in devices if "data-stage" in a}
+    wanted = {(d, s) for s, stage in enumerate(best["stages"]) for d in stage["devices"]}
+    assert coloured == wanted
+    assert len(index.tags("stage-legend", "li")) == len(best["stages"])
+
+    # timeline: one bar per complete ("X") event of the trace
+    assert index.tags("timeline", "svg")
+    events = [e for e in result["timeline"]["traceEvents"] if e.get("ph") == "X"]
+    assert len(index.tags("timeline", "rect", "bar")) == len(events)
+
+    # Pareto chart: a marker per candidate and baseline, the chosen plan highlighted once
+    assert index.tags("pareto", "svg")
+    points = index.tags("pareto", "g", "point")
+    baselines = [name for name, cand in result["baselines"].items() if cand]
+    assert len(points) == len(result["pareto"]) + len(baselines) + 1
+    assert len(index.tags("pareto", "g", "best")) == 1
+
+    # baselines table: the chosen plan, then every baseline (simulated or with its reason)
+    rows = index.tags("baselines", "tr", "baseline")
+    names = set(result["baselines"]) | set(result.get("baseline_reasons", {}))
+    assert {r["data-baseline"] for r in rows} == names
+    assert len(index.tags("baselines", "tr", "chosen")) == 1
