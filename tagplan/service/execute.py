@@ -147,7 +147,10 @@ def _run_plan(request: dict[str, Any], settings: Settings, progress: Progress) -
     progress(0.99, "simulating the timeline of the best plan")
     sim = Simulator(problem.model, problem.cluster, problem.workload, calibration=problem.calibration)
     timeline = chrome_trace(sim.run(result.best.plan))
-    return {**result.to_json(), "timeline": timeline, "request": problem.request}
+    from tagplan.views import cluster_summary
+
+    cluster = cluster_summary(problem.cluster, dtype=problem.workload.dtype)  # the web view's stage map
+    return {**result.to_json(), "timeline": timeline, "request": problem.request, "cluster": cluster}
 
 
 def _check_keys(data: Mapping[str, Any], accepted: tuple[str, ...], where: str) -> None:
