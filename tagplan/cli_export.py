@@ -56,15 +56,28 @@ def _verify(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     report = verify(args.model, plan, procs=args.procs)
-    out = dataclasses.asdict(report)
-    try:
-        out["predicted"] = predicted_vs_measured(report, args.model, plan, calibration=args.calibration)
-    except SpecError as err:
-        out["predicted"] = {"error": str(err)}
+    out = {k: v for k, v in dataclasses.asdict(report).items() if k != "plan"}
+    if report.passed:
+        try:
+            out["predicted_vs_measured"] = dataclasses.asdict(
+                predicted_vs_measured(report, calibration=args.calibration))
+        except (SpecError, ValueError) as err:
+            out["predicted_vs_measured"] = {"error": str(err)}
     if args.json:
         print(json.dumps(out, indent=2, default=str))
     else:
-        print(json.dumps(out, indent=2, default=str))
+        verdict = "PASSED" if report.passed else "FAILED"
+        print(f"verify {verdict}: {report.message}")
+        loss = "none" if report.loss is None else f"{report.loss:.6g}"
+        print(f"  loss {loss} vs one-process reference {report.reference_loss:.6g}; "
+              f"max |error| {report.max_abs_error:.3g}, max relative {report.max_rel_error:.3g} "
+              f"(worst: {report.worst_parameter})")
+        for rank, seconds in sorted(report.step_time_s.items()):
+            print(f"  rank {rank} (stages {report.rank_stages.get(rank, ())}): {seconds * 1e3:.1f} ms per step")
+        pvm = out.get("predicted_vs_measured", {})
+        if "ratio" in pvm:
+            print(f"  measured {pvm['measured_s'] * 1e3:.1f} ms vs predicted {pvm['predicted_s'] * 1e3:.1f} ms "
+                  f"(ratio {pvm['ratio']:.2f})")
     if not report.passed:
         print(f"tagplan verify: FAILED: {report.message}", file=sys.stderr)
         return 1

@@ -1,0 +1,103 @@
+"""Run an exported program on N local CPU processes (gloo), as `torchrun --nproc-per-node N` would.
+
+Each rank is started directly with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), one torch thread per rank, which saves the launcher agent's own
+interpreter start-up (seconds on a busy machine). When one rank fails the others are stopped
+after a short grace period, instead of waiting out the collective timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank's exit code, its JSON step lines and the tail of its stderr."""
+
+    rank: int
+    returncode: int | None  # None: killed (timed out or stopped after another rank failed)
+    lines: tuple[dict[str, Any], ...]
+    stderr_tail: str
+
+
+def free_port() -> int:
+    """A TCP port free on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(program: Path, procs: int, args: list[str], *, timeout_s: float, attempts: int = 2) -> list[RankRun]:
+    """Run `program` on `procs` ranks in its folder; return every rank's outcome (rank order).
+
+    The rendezvous port is picked free just before the start; if another process takes it in
+    between, the run is repeated on a new port (up to `attempts` runs in all).
+    """
+    for _ in range(attempts - 1):
+        runs = _launch_once(program, procs, args, timeout_s=timeout_s)
+        if not any("EADDRINUSE" in r.stderr_tail or "address already in use" in r.stderr_tail.lower() for r in runs):
+            return runs
+    return _launch_once(program, procs, args, timeout_s=timeout_s)
+
+
+def _launch_once(program: Path, procs: int, args: list[str], *, timeout_s: float) -> list[RankRun]:
+    port = free_port()
+    logs = program.parent / "logs"
+    logs.mkdir(exist_ok=True)
+    running = []
+    for rank in range(procs):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(procs),
+               "LOCAL_WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "TAGPLAN_DEVICE": "cpu", "PYTHONWARNINGS": "ignore"}
+        out, err = (logs / f"rank{rank}.out").open("w"), (logs / f"rank{rank}.err").open("w")
+        proc = subprocess.Popen([sys.executable, str(program), *args], cwd=program.parent, env=env, stdout=out,
+                                stderr=err)
+        running.append((proc, out, err))
+    codes = _wait([p for p, _, _ in running], timeout_s)
+    for _, out, err in running:
+        out.close()
+        err.close()
+    return [_collect(logs, rank, code) for rank, code in enumerate(codes)]
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int | None]:
+    """Poll until all exit; after the first failure (or the timeout) kill the rest after GRACE_S."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + GRACE_S)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    codes: list[int | None] = []
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+            codes.append(None)
+        else:
+            codes.append(p.returncode)
+    return codes
+
+
+def _collect(logs: Path, rank: int, code: int | None) -> RankRun:
+    lines = []
+    for text in (logs / f"rank{rank}.out").read_text().splitlines():
+        if text.startswith("{"):
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:
+                continue
+    stderr = (logs / f"rank{rank}.err").read_text()
+    return RankRun(rank, code, tuple(lines), stderr[-3000:])

@@ -1,0 +1,118 @@
+"""DeepSpeed config and pipeline partition for a plan (`ds_config.json`, `partition.json`).
+
+DeepSpeed's PipelineEngine runs one 1F1B schedule (its TrainSchedule) over a PipelineModule whose
+layer list is cut at `parts`, on ranks ordered pipe-major, data-parallel fastest
+(PipeDataParallelTopology). A plan maps onto it when every stage has the same dp with even batch
+shares and no tensor parallelism, stages sit on ranks in that order, and ZeRO is 0 or 1 once there
+is more than one stage. Refused, with the reason: tensor parallelism (DeepSpeed's pipeline engine
+has none; it needs Megatron-DeepSpeed's `--tensor-model-parallel-size`, use fmt="megatron"),
+ZeRO-2/3 with pipeline parallelism (PipelineModule does not support them), interleaved and GPipe
+schedules, and different ZeRO stages per pipeline stage (one `zero_optimization` for all).
+
+Batch arithmetic: `train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps
+* dp`, with one micro-batch per accumulation step (`gradient_accumulation_steps = micro_batches`).
+Key names follow the DeepSpeed configuration JSON reference and `deepspeed/runtime/pipe/module.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tagplan.export.dispatch import check_rank_order, micro_batch_size, refuse, uniform_mesh, validate
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan, Schedule
+from tagplan.ir.workload import DType
+
+FMT = "deepspeed"
+
+HOW_TO_APPLY = (
+    "DeepSpeed's PipelineModule has no partition_method taking explicit boundaries (it offers 'parameters', "
+    "'uniform' and 'type:REGEX'). Build the PipelineModule from `layers` one-to-one (a LayerSpec per entry), "
+    "subclass it and override _partition_layers to set self.parts = parts and call "
+    "self._set_bounds(start=parts[stage_id], stop=parts[stage_id + 1]) with "
+    "stage_id = self._topo.get_coord(self.global_rank).pipe; stage s then builds layers[parts[s]:parts[s + 1]]. "
+    "After construction set module.activation_checkpoint_interval = activation_checkpoint_interval[stage_id]."
+)
+
+
+def deepspeed_config(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int) -> dict[str, Any]:
+    """The DeepSpeed config dict (`ds_config.json`) that runs `plan`; ExportError if it cannot."""
+    dp, pp = _check(model, plan, seq_len)
+    mbs = micro_batch_size(plan, global_batch, dp, FMT)
+    zero = plan.stages[0].zero
+    config: dict[str, Any] = {
+        "train_batch_size": mbs * plan.micro_batches * dp,
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": plan.micro_batches,
+        "zero_optimization": {"stage": zero, "overlap_comm": dp > 1},  # the simulator overlaps the reduction
+    }
+    if model.dtype is DType.BF16:
+        config["bf16"] = {"enabled": True}
+    elif model.dtype is DType.FP16:
+        config["fp16"] = {"enabled": True}
+    intervals = _checkpoint_intervals(plan)
+    if any(intervals):
+        # recompute = keep each layer's input only: checkpoint every layer, activations not partitioned
+        config["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
+                                              "contiguous_memory_optimization": False}
+    if pp > 1:
+        config["pipeline"] = {"stages": pp, "seed_layers": False}
+        if len(set(intervals)) == 1:
+            config["pipeline"]["activation_checkpoint_interval"] = intervals[0]
+    return config
+
+
+def deepspeed_partition(model: ModelGraph, plan: Plan) -> dict[str, Any]:
+    """The pipeline partition (`partition.json`): `parts` in PipelineModule's format (stage s builds
+    layers [parts[s], parts[s+1])), the layer names, per-stage checkpoint intervals and how to apply them."""
+    return {
+        "num_stages": len(plan.stages),
+        "parts": [s.layers[0] for s in plan.stages] + [plan.stages[-1].layers[1]],
+        "layers": [layer.name for layer in model.layers],
+        "activation_checkpoint_interval": _checkpoint_intervals(plan),
+        "how_to_apply": HOW_TO_APPLY,
+    }
+
+
+def write_deepspeed(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int) -> list[Path]:
+    """Write `ds_config.json` and `partition.json` under `out_dir`; returns both paths."""
+    config = deepspeed_config(model, plan, global_batch=global_batch, seq_len=seq_len)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path, partition_path = out_dir / "ds_config.json", out_dir / "partition.json"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    partition_path.write_text(json.dumps(deepspeed_partition(model, plan), indent=2) + "\n")
+    return [config_path, partition_path]
+
+
+def _check(model: ModelGraph, plan: Plan, seq_len: int) -> tuple[int, int]:
+    """(dp, pipeline depth) after every refusal check."""
+    validate(plan, model)
+    if seq_len != model.seq_len:
+        raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
+    dp, tp = uniform_mesh(plan, FMT, "DeepSpeed's pipeline topology has one data-parallel degree for all stages")
+    if tp > 1:
+        raise refuse(FMT, f"stages[0].tp = {tp}: DeepSpeed's pipeline engine has no tensor parallelism; that needs "
+                          "Megatron-DeepSpeed (its --tensor-model-parallel-size), or export with fmt='megatron'")
+    pp = len(plan.stages)
+    if pp > 1 and plan.schedule is Schedule.INTERLEAVED_1F1B:
+        raise refuse(FMT, "schedule 'interleaved_1f1b' is not supported: DeepSpeed's PipelineEngine runs one "
+                          "model chunk per stage with its 1F1B TrainSchedule")
+    if pp > 1 and plan.schedule is Schedule.GPIPE:
+        raise refuse(FMT, "schedule 'gpipe' is not supported: DeepSpeed's PipelineEngine runs 1F1B only; "
+                          "re-plan with schedule '1f1b'")
+    zeros = [s.zero for s in plan.stages]
+    if len(set(zeros)) > 1:
+        raise refuse(FMT, f"stages use ZeRO stages {zeros}; DeepSpeed has one zero_optimization.stage for all")
+    if pp > 1 and zeros[0] >= 2:
+        raise refuse(FMT, f"zero={zeros[0]} with {pp} pipeline stages: DeepSpeed's PipelineModule is not "
+                          "compatible with ZeRO-2 and ZeRO-3 (use zero 0 or 1)")
+    check_rank_order(plan, [s.devices for s in plan.stages], tp=1, fmt=FMT,
+                     launcher="DeepSpeed (ranks data-parallel fastest, then pipe)")
+    return dp, pp
+
+
+def _checkpoint_intervals(plan: Plan) -> list[int]:
+    """Per stage: 1 (checkpoint every layer) where the plan recomputes, else 0."""
+    return [1 if s.recompute else 0 for s in plan.stages]

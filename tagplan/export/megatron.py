@@ -1,0 +1,271 @@
+"""Megatron-LM arguments for a plan: the `pretrain_gpt.py` flags that run the same parallel layout.
+
+Megatron-LM runs one (tp, dp) mesh for the whole model, ranks ordered tp fastest, then dp, then
+pp; the token embedding sits on the first pipeline stage and the output head on the last, next to
+their transformer layers. A plan maps onto it when every stage has the same tp and dp with even
+batch shares, the stages sit on ranks in that order, and the transformer layers per stage are
+even except on the first and last stage (`--decoder-first/last-pipeline-num-layers`, at least one
+layer each). Interleaved plans map onto virtual stages (`--num-layers-per-virtual-pipeline-stage`)
+when every chunk holds the same number of layers. Recomputation maps to full, uniform recomputation
+of every layer (`--recompute-num-layers 1`: keep each layer's input, as the plan's `recompute`
+means) and ZeRO-1 to the distributed optimizer. Anything else is refused with the reason: GPipe
+(Megatron has only 1F1B schedules), ZeRO-2/3 (not in Megatron-Core's optimizer), recomputation on
+some stages only (Megatron's `--recompute-num-layers` applies the same count on every stage),
+per-op shardings other than Megatron's, and model families other than GPT, Llama and MoE.
+
+The flag spellings follow NVIDIA/Megatron-LM `megatron/training/arguments.py`; the simulator's
+assumptions (sequence parallelism with TP, gradient reduction overlapped with the backward) are
+switched on so the run matches the prediction.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from tagplan.cost.sharding import default_strategies
+from tagplan.export.dispatch import check_rank_order, micro_batch_size, refuse, uniform_mesh, validate
+from tagplan.frontends.families import TransformerShape, _llama_ffn
+from tagplan.frontends.parametric import FAMILIES, parse_shape
+from tagplan.frontends.zoo import ZOO, resolve_zoo_name
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan, Schedule
+from tagplan.ir.workload import DType
+
+FMT = "megatron"
+DECODER_FAMILIES = ("gpt", "llama", "moe")  # the families pretrain_gpt.py builds
+_EDGE_KINDS = ("embedding", "head")
+_DTYPE_FLAG = {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}
+
+
+def model_config_from_spec(spec: str) -> dict[str, Any]:
+    """`{"family": ..., **TransformerShape fields}` for a zoo name or `family?key=value` SPEC;
+    ExportError for other SPECs (Hugging Face configs, graph files), whose shapes are not known here."""
+    spec = spec.strip()
+    family, _, query = spec.partition("?")
+    if family in FAMILIES:
+        return {"family": family, **asdict(parse_shape(family, query))}
+    key = resolve_zoo_name(spec)
+    if key is not None:
+        entry = ZOO[key]
+        return {"family": entry.family, **asdict(entry.shape)}
+    raise refuse(FMT, f"model {spec!r} is not a zoo name or FAMILY?key=value SPEC, so its transformer shape "
+                      "(layers, hidden, heads, ffn, vocab) is not known; pass model_config explicitly")
+
+
+def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int,
+                       model_config: dict[str, Any] | None = None) -> list[str]:
+    """The Megatron-LM command-line arguments (flags and values, in order) that run `plan`.
+
+    `model_config` is `model_config_from_spec`'s dict (None: derived from `model.name`, which is
+    the SPEC for zoo and parametric models). ExportError when Megatron-LM cannot express the plan.
+    """
+    validate(plan, model)
+    family, shape = _shape(model, model_config)
+    if seq_len != model.seq_len:
+        raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
+    why = "Megatron-LM uses one tensor- and data-parallel degree for the whole model"
+    dp, tp = uniform_mesh(plan, FMT, why)
+    pp, chunks = _pipeline_depth(plan)
+    _check_schedule(plan, pp)
+    check_rank_order(plan, [s.devices for s in plan.stages[:pp]], tp=tp, fmt=FMT,
+                     launcher="Megatron-LM (ranks tp-fastest, then dp, then pp)")
+    _check_sharding(model, plan)
+    counts = _layer_counts(model, plan, shape)
+    _check_divisible(family, shape, tp, seq_len)
+    mbs = micro_batch_size(plan, global_batch, dp, FMT)
+    args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    args += _split_args(counts, pp, chunks)
+    if tp > 1:
+        args.append("--sequence-parallel")  # the cost model's TP layout (tagplan.cost.sharding.BOUNDARY)
+    args += _model_args(family, shape, seq_len)
+    args += ["--micro-batch-size", str(mbs), "--global-batch-size", str(global_batch)]
+    args += _recompute_args(plan)
+    args += _optimizer_args(plan, dp)
+    return args + _DTYPE_FLAG[model.dtype]
+
+
+def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int,
+                   model_config: dict[str, Any] | None = None) -> list[Path]:
+    """Write `megatron_args.txt` (one flag per line) and `launch.sh` under `out_dir`; returns both."""
+    args = megatron_arguments(model, plan, global_batch=global_batch, seq_len=seq_len, model_config=model_config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    args_path, launch_path = out_dir / "megatron_args.txt", out_dir / "launch.sh"
+    args_path.write_text(_one_flag_per_line(args))
+    launch_path.write_text(_launch_script(len(plan.devices)))
+    launch_path.chmod(0o755)
+    return [args_path, launch_path]
+
+
+def _shape(model: ModelGraph, config: dict[str, Any] | None) -> tuple[str, TransformerShape]:
+    config = dict(config) if config is not None else model_config_from_spec(model.name)
+    family = str(config.pop("family", model.family))
+    if family not in DECODER_FAMILIES:
+        raise refuse(FMT, f"model family {family!r} is not exported; this exporter writes pretrain_gpt.py "
+                          f"arguments, which build decoder-only transformers ({', '.join(DECODER_FAMILIES)})")
+    known = {f.name for f in fields(TransformerShape)}
+    return family, TransformerShape(**{k: v for k, v in config.items() if k in known})
+
+
+def _pipeline_depth(plan: Plan) -> tuple[int, int]:
+    """(pipeline ranks, model chunks per rank)."""
+    pp = len(dict.fromkeys(s.devices for s in plan.stages))
+    return pp, len(plan.stages) // pp
+
+
+def _check_schedule(plan: Plan, pp: int) -> None:
+    if plan.schedule is Schedule.GPIPE and len(plan.stages) > 1:
+        raise refuse(FMT, "schedule 'gpipe' has no Megatron-LM equivalent (it runs 1F1B or interleaved 1F1B); "
+                          "re-plan with schedule '1f1b'")
+    if plan.schedule is Schedule.INTERLEAVED_1F1B and len(plan.stages) > pp:
+        if pp < 2:
+            raise refuse(FMT, f"interleaved_1f1b over {pp} device group needs pipeline-model-parallel-size >= 2")
+        if plan.micro_batches % pp:
+            raise refuse(FMT, f"interleaved_1f1b: micro_batches={plan.micro_batches} is not a multiple of the "
+                              f"pipeline-model-parallel-size {pp}, as Megatron-LM's interleaved schedule needs")
+
+
+def _layer_counts(model: ModelGraph, plan: Plan, shape: TransformerShape) -> list[int]:
+    """Transformer layers per plan stage (embedding and head excluded: Megatron adds them itself)."""
+    kinds = [model.block_of(i).kind for i in range(len(model.layers))]
+    if kinds[0] != "embedding" or kinds[-1] != "head" or any(k in _EDGE_KINDS for k in kinds[1:-1]):
+        raise refuse(FMT, f"model {model.name!r} is not embedding, transformer layers, head (layer kinds "
+                          f"{sorted(set(kinds))}); Megatron-LM places exactly that structure")
+    if len(kinds) - 2 != shape.layers:
+        raise refuse(FMT, f"model config says {shape.layers} layers but the graph has {len(kinds) - 2}")
+    return [sum(1 for k in kinds[s.layers[0]:s.layers[1]] if k not in _EDGE_KINDS) for s in plan.stages]
+
+
+def _split_args(counts: list[int], pp: int, chunks: int) -> list[str]:
+    """Flags that place `counts[i]` transformer layers on plan stage i, or ExportError."""
+    if chunks > 1:
+        if len(set(counts)) > 1:
+            raise refuse(FMT, f"interleaved stages hold {counts} transformer layers; Megatron-LM's "
+                              "--num-layers-per-virtual-pipeline-stage needs the same count in every chunk")
+        return ["--num-layers-per-virtual-pipeline-stage", str(counts[0])]
+    if len(set(counts)) == 1:
+        return []
+    middle = counts[1:-1]
+    for i, c in enumerate(middle, start=1):
+        if c != middle[0]:
+            raise refuse(FMT, f"stages[{i}] holds {c} transformer layers but stages[1] holds {middle[0]}; "
+                              f"Megatron-LM splits all but the first and last stage evenly (plan: {counts})")
+    args: list[str] = []
+    for flag, index in (("--decoder-first-pipeline-num-layers", 0), ("--decoder-last-pipeline-num-layers", pp - 1)):
+        if middle and counts[index] == middle[0]:
+            continue
+        if counts[index] == 0:
+            raise refuse(FMT, f"stages[{index}] holds no transformer layer; Megatron-LM's {flag} must be > 0 "
+                              f"(plan: {counts})")
+        args += [flag, str(counts[index])]
+    return args
+
+
+def _check_sharding(model: ModelGraph, plan: Plan) -> None:
+    """ExportError where a stage's per-op sharding differs from Megatron's (cost.sharding's default)."""
+    for i, stage in enumerate(plan.stages):
+        if not stage.sharding or stage.tp == 1:
+            continue
+        hashes = dict.fromkeys(model.layers[j].block for j in range(*stage.layers))
+        for h in hashes:
+            for op, megatron in default_strategies(model.block_by_hash[h]).items():
+                given = stage.sharding.get(op)
+                if given is not None and given != megatron:
+                    raise refuse(FMT, f"stages[{i}].sharding[{op!r}] = {given.value} but Megatron-LM shards "
+                                      f"{op!r} as {megatron.value}; it has no per-op sharding choice")
+
+
+def _check_divisible(family: str, shape: TransformerShape, tp: int, seq_len: int) -> None:
+    ffn = _ffn(family, shape)
+    sizes = {"num-attention-heads": shape.heads, "ffn-hidden-size": ffn, "seq-length (sequence parallel)": seq_len}
+    if family != "gpt":
+        sizes["num-query-groups"] = shape.kvh
+    for name, size in sizes.items():
+        if tp > 1 and size % tp:
+            raise refuse(FMT, f"--{name} {size} is not divisible by the tensor-parallel size {tp}")
+
+
+def _ffn(family: str, shape: TransformerShape) -> int:
+    if shape.ffn:
+        return shape.ffn
+    return 4 * shape.hidden if family == "gpt" else _llama_ffn(shape.hidden)
+
+
+def _model_args(family: str, shape: TransformerShape, seq_len: int) -> list[str]:
+    """Architecture flags: sizes from the shape, GPT defaults or the Llama/MoE switches."""
+    args = ["--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden),
+            "--ffn-hidden-size", str(_ffn(family, shape)), "--num-attention-heads", str(shape.heads)]
+    if shape.head_dim and shape.head_dim != shape.hidden // shape.heads:
+        args += ["--kv-channels", str(shape.head_dim)]
+    positions = max(shape.max_positions, seq_len) if family == "gpt" else seq_len
+    args += ["--seq-length", str(seq_len), "--max-position-embeddings", str(positions),
+             "--vocab-size", str(shape.vocab)]
+    if family != "gpt":
+        args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
+        if shape.kvh != shape.heads:
+            args += ["--group-query-attention", "--num-query-groups", str(shape.kvh)]
+    if not shape.tied:
+        args.append("--untie-embeddings-and-output-weights")
+    if family == "moe":
+        args += ["--num-experts", str(shape.experts), "--moe-router-topk", str(shape.top_k)]
+    return args
+
+
+def _recompute_args(plan: Plan) -> list[str]:
+    flags = [s.recompute for s in plan.stages]
+    if not any(flags):
+        return []
+    if not all(flags):
+        on = [i for i, f in enumerate(flags) if f]
+        off = [i for i, f in enumerate(flags) if not f]
+        raise refuse(FMT, f"stages {on} recompute but stages {off} do not; Megatron-LM's --recompute-num-layers "
+                          "applies the same count on every pipeline stage, so per-stage recomputation has no flag")
+    return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+
+def _optimizer_args(plan: Plan, dp: int) -> list[str]:
+    zeros = {s.zero for s in plan.stages}
+    if len(zeros) > 1:
+        raise refuse(FMT, f"stages use ZeRO stages {sorted(zeros)}; Megatron-LM has one optimizer for all stages")
+    zero = zeros.pop()
+    if zero >= 2:
+        raise refuse(FMT, f"zero={zero}: Megatron-LM's distributed optimizer shards optimizer state only "
+                          "(ZeRO-1); ZeRO-2/3 are not in Megatron-Core's optimizer")
+    args = ["--overlap-grad-reduce"] if dp > 1 else []  # the simulator overlaps the gradient reduction
+    if zero == 1:
+        args.append("--use-distributed-optimizer")
+        if dp > 1:
+            args.append("--overlap-param-gather")
+    return args
+
+
+def _one_flag_per_line(args: list[str]) -> str:
+    lines: list[str] = []
+    for arg in args:
+        if arg.startswith("--") or not lines:
+            lines.append(arg)
+        else:
+            lines[-1] += " " + shlex.quote(arg)
+    return "\n".join(lines) + "\n"
+
+
+def _launch_script(world: int) -> str:
+    per_node = min(world, 8)
+    return f"""#!/usr/bin/env bash
+# Runs the plan with Megatron-LM: one torchrun per node, nodes numbered in the cluster SPEC's order
+# (the plan's device d is global rank d). Set MEGATRON_LM to a Megatron-LM checkout; append data,
+# tokenizer and optimizer flags with DATA_ARGS / extra arguments (default: mock data).
+set -euo pipefail
+HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+GPUS_PER_NODE="${{GPUS_PER_NODE:-{per_node}}}"
+NNODES="${{NNODES:-$(( {world} / GPUS_PER_NODE ))}}"
+DATA_ARGS="${{DATA_ARGS:---mock-data --tokenizer-type NullTokenizer --train-iters 100 --lr 1e-4}}"
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+# shellcheck disable=SC2046,SC2086
+exec torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "${{NODE_RANK:-0}}" \\
+    --master_addr "${{MASTER_ADDR:-localhost}}" --master_port "${{MASTER_PORT:-6000}}" \\
+    "${{MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout}}/pretrain_gpt.py" \\
+    $(cat "$HERE/megatron_args.txt") $DATA_ARGS "$@"
+"""

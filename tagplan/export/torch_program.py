@@ -1,0 +1,242 @@
+"""Export a Plan as a runnable PyTorch program: `train.py` plus `plan.json`, launched by torchrun.
+
+`train.py` is `tagplan/export/_program_train.py` copied verbatim (read it: it is the program);
+`plan.json` carries what it reads: the model SPEC, the workload, the ("pp", "dp", "tp") mesh
+degrees and per stage its layers, pipeline rank, recompute flag, ZeRO stage and the tensor-parallel
+strategy of every matmul and embedding (tagplan's Megatron defaults overridden by the stage's
+`sharding`, resolved here so the program needs no cost model).
+
+What the program expresses, and what `check_expressible` refuses (with the reason):
+- stages: any contiguous layer ranges; one pipeline rank per distinct device group, so
+  `interleaved_1f1b` runs several stages per rank (torch's ScheduleInterleaved1F1B);
+- every stage must have the same `dp` and the same `tp` (one mesh; torch pipelining sends whole
+  micro-batches between matching ranks and cannot re-split them between unequal meshes);
+- `batch_shares` must be even: torch DP and FSDP average equal per-replica gradients;
+- matmuls take `column`, `row` or `replicate` (token-split `sequence`/`batch` and `experts`
+  matmuls are refused); embeddings also take `sequence`/`batch`, run as a whole table;
+- norms all `sequence` (tagplan's default, Megatron-Core's layout) -> sequence parallelism: the
+  residual stream between layers is split along the sequence, norms run on their part
+  (SequenceParallel), attention and MLP gather it first, the matmul writing the stream back
+  reduce-scatters; norms all `replicate` -> plain Megatron TP; a mix is refused, and so is a
+  seq_len that tp does not divide under sequence parallelism. Attention and pointwise ops follow
+  their inputs' layout (their declared strategy is not read);
+- the program inserts no layout conversion between matmuls: strategies must chain as Megatron's
+  do (column -> row); `verify` catches a plan whose strategies do not (a swapped pair fails to
+  run);
+- `heads` and `kv_heads` divisible by `tp`; a tied table split alike in embedding and head;
+- ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), 1 and 2 -> FSDP2 `fully_shard` with
+  `reshard_after_forward=False` (FSDP2 also shards the weights at rest, so ZeRO 1/2 save more
+  memory than they promise), 3 -> `reshard_after_forward=True`; ZeRO with `dp == 1` shards over
+  nothing and runs as plain training;
+- `recompute` checkpoints every transformer block of the stage (embedding and head are kept);
+- torch's schedule limits: pipelined 1f1b needs micro_batches >= stages; interleaved needs
+  micro_batches divisible by max(1, micro_batches // pipeline ranks).
+Families: gpt and llama (`tagplan.export.modules`); a user's own module is not supported yet.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tagplan.cost.sharding import shard_block
+from tagplan.errors import SpecError
+from tagplan.export._program_train import PROGRAM_FORMAT
+from tagplan.export.modules import ModelConfig, model_config, tp_ops
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir.model import ModelGraph, OpKind
+from tagplan.ir.plan import Plan, Schedule, ShardStrategy, Stage
+
+PROGRAM_SOURCE = Path(__file__).with_name("_program_train.py")
+_SPLITTABLE = (ShardStrategy.COLUMN, ShardStrategy.ROW, ShardStrategy.REPLICATE)
+_TOKEN_SPLIT = (ShardStrategy.SEQUENCE, ShardStrategy.BATCH)
+_TIED_PAIRS = {("row", "column"), ("column", "row"), ("replicate", "replicate")}
+
+
+class ExportError(SpecError):
+    """A plan (or model) the exported torch program cannot express; the message says what and why."""
+
+
+def pipeline_ranks(plan: Plan) -> list[int]:
+    """Per stage, the pipeline rank that runs it: the index of its device group among distinct groups."""
+    groups = list(dict.fromkeys(s.devices for s in plan.stages))
+    return [groups.index(s.devices) for s in plan.stages]
+
+
+def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | None = None) -> None:
+    """Raise ExportError listing every feature of `plan` on `model` the program cannot express.
+
+    `config` (the torch model's shape, which the graph does not record) adds the check that
+    `tp` divides the attention heads.
+    """
+    problems = _model_problems(plan, model)
+    if not problems:
+        first = plan.stages[0]
+        for i, stage in enumerate(plan.stages):
+            problems += _stage_problems(i, stage, first, model, config)
+        problems += _schedule_problems(plan)
+        problems += _tied_problems(plan, model)
+        problems += _norm_problems(plan, model)
+    if problems:
+        raise ExportError("the plan cannot be exported to a torch program:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _model_problems(plan: Plan, model: ModelGraph) -> list[str]:
+    if model.family not in ("gpt", "llama"):
+        return [f"model {model.name!r} is of family {model.family!r}; the exporter builds gpt and llama models"]
+    end = plan.stages[-1].layers[1]
+    if plan.stages[0].layers[0] != 0 or end != len(model.layers):
+        return [f"the plan covers layers [{plan.stages[0].layers[0]}, {end}) but the model has "
+                f"{len(model.layers)} layers [0, {len(model.layers)})"]
+    return []
+
+
+def _stage_problems(i: int, stage: Stage, first: Stage, model: ModelGraph, config: ModelConfig | None) -> list[str]:
+    out = []
+    if (stage.dp, stage.tp) != (first.dp, first.tp):
+        out.append(f"stages[{i}] has dp={stage.dp}, tp={stage.tp} but stages[0] has dp={first.dp}, tp={first.tp}: "
+                   "the program builds one (pp, dp, tp) mesh, so every stage needs the same dp and tp (torch "
+                   "pipelining sends whole micro-batches between matching ranks)")
+    shares = stage.shares()
+    if max(shares) - min(shares) > 1e-9:
+        out.append(f"stages[{i}].batch_shares={[round(s, 4) for s in shares]} are uneven: torch DP/FSDP average "
+                   "equal per-replica gradients, so the program splits every batch evenly over the dp replicas")
+    if config is not None and stage.tp > 1 and (config.heads % stage.tp or config.kv_heads % stage.tp):
+        out.append(f"stages[{i}]: tp={stage.tp} must divide heads={config.heads} and kv_heads={config.kv_heads}: "
+                   "the program splits attention by whole heads")
+    out += _sharding_problems(i, stage, model)
+    return out
+
+
+def _sharding_problems(i: int, stage: Stage, model: ModelGraph) -> list[str]:
+    if not stage.sharding:
+        return []
+    ops = {op.name: op for j in range(*stage.layers) for op in model.block_of(j).ops}
+    out = []
+    for name, strategy in stage.sharding.items():
+        op = ops.get(name)
+        if op is None:
+            out.append(f"stages[{i}].sharding names op {name!r}, which no layer of the stage has "
+                       f"(ops: {', '.join(sorted(ops))})")
+        elif op.kind is OpKind.MATMUL and strategy not in _SPLITTABLE:
+            out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program splits matmuls as column, "
+                       "row or replicate only (token-split and expert-split matmuls are not expressed)")
+        elif op.kind is OpKind.EMBEDDING and strategy not in (*_SPLITTABLE, *_TOKEN_SPLIT):
+            out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program splits embeddings as row, "
+                       "column, replicate or sequence/batch (run replicated) only")
+    return out
+
+
+def _schedule_problems(plan: Plan) -> list[str]:
+    ranks = len(set(pipeline_ranks(plan)))
+    m, stages = plan.micro_batches, len(plan.stages)
+    if plan.schedule is Schedule.ONE_F_ONE_B and ranks > 1 and m < stages:
+        return [f"schedule 1f1b with micro_batches={m} < {stages} stages: torch's Schedule1F1B needs at least "
+                "one micro-batch per stage"]
+    if plan.schedule is Schedule.INTERLEAVED_1F1B and ranks > 1 and m % max(1, m // ranks):
+        return [f"schedule interleaved_1f1b with micro_batches={m} on {ranks} pipeline ranks: torch's "
+                f"ScheduleInterleaved1F1B needs micro_batches divisible by max(1, {m} // {ranks})"]
+    return []
+
+
+def _tied_problems(plan: Plan, model: ModelGraph) -> list[str]:
+    head_ops = [op.name for op in model.block_of(len(model.layers) - 1).ops]
+    if "lm_head.tied" not in head_ops or plan.stages[0].tp == 1:
+        return []
+    first, last = plan.stages[0], plan.stages[-1]
+    wte = strategies_for(model, first, 0).get("wte", ShardStrategy.REPLICATE)
+    wte = ShardStrategy.REPLICATE if wte in _TOKEN_SPLIT else wte  # a token-split lookup keeps the whole table
+    head = strategies_for(model, last, len(model.layers) - 1).get("lm_head.tied", ShardStrategy.REPLICATE)
+    if (wte.value, head.value) in _TIED_PAIRS:
+        return []
+    return [f"tied embedding 'wte'={wte.value!r} and head 'lm_head.tied'={head.value!r}: the tied table must be "
+            "split alike (row with column, column with row, or both replicate) to keep its two copies equal; "
+            "tagplan's default splits the larger embedding table by rows, so a model with more positions than "
+            "vocabulary entries needs 'wte' set explicitly"]
+
+
+def _norm_strategies(plan: Plan, model: ModelGraph) -> dict[str, set[ShardStrategy]]:
+    """Strategy -> the norms (`stages[i].op`) that take it, over every stage with tp > 1."""
+    out: dict[str, set[ShardStrategy]] = {}
+    for i, stage in enumerate(plan.stages):
+        if stage.tp == 1:
+            continue
+        for j in range(*stage.layers):
+            norms = [op.name for op in model.block_of(j).ops if op.kind is OpKind.LAYERNORM]
+            resolved = strategies_for(model, stage, j)
+            for name in norms:
+                out.setdefault(f"stages[{i}].{name}", set()).add(resolved[name])
+    return out
+
+
+def sequence_parallel(plan: Plan, model: ModelGraph) -> bool:
+    """Whether the program splits the residual stream along the sequence: tp > 1 and every norm
+    `sequence` (tagplan's default, Megatron-Core's layout); all `replicate` turns it off."""
+    return any(ShardStrategy.SEQUENCE in s for s in _norm_strategies(plan, model).values())
+
+
+def _norm_problems(plan: Plan, model: ModelGraph) -> list[str]:
+    by_norm = _norm_strategies(plan, model)
+    seq = sorted(n for n, s in by_norm.items() if ShardStrategy.SEQUENCE in s)
+    other = sorted(n for n, s in by_norm.items() if s - {ShardStrategy.SEQUENCE})
+    if seq and other:
+        return [f"norms {other[:4]} are not 'sequence' while {seq[:4]} are: the residual stream is split along "
+                "the sequence (all norms 'sequence') or kept whole (all 'replicate') in the whole plan"]
+    return []
+
+
+def strategies_for(model: ModelGraph, stage: Stage, layer: int) -> dict[str, ShardStrategy]:
+    """Every op's strategy in `layer` under `stage`: tagplan's Megatron defaults, then the stage's overrides."""
+    return shard_block(model.block_of(layer), stage.sharding).strategies
+
+
+def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: ModelConfig, *, seq_len: int,
+                   global_batch: int, steps: int, seed: int) -> dict[str, Any]:
+    """The plan.json the program reads (format `tagplan-torch-program/1`)."""
+    ranks = pipeline_ranks(plan)
+    stages = []
+    for i, stage in enumerate(plan.stages):
+        strategies = {}
+        for j in range(*stage.layers):
+            resolved = strategies_for(model, stage, j)
+            strategies[str(j)] = {op: resolved[op].value for op in tp_ops(config, j) if op in resolved}
+        stages.append({"layers": list(stage.layers), "pp_rank": ranks[i], "devices": list(stage.devices),
+                       "recompute": stage.recompute, "zero": stage.zero if stage.dp > 1 else 0,
+                       "strategies": strategies})
+    first = plan.stages[0]
+    return {"format": PROGRAM_FORMAT, "model": model_spec, "seq_len": seq_len, "global_batch": global_batch,
+            "steps": steps, "seed": seed, "micro_batches": plan.micro_batches, "schedule": plan.schedule.value,
+            "sequence_parallel": sequence_parallel(plan, model),
+            "mesh": {"pp": len(set(ranks)), "dp": first.dp, "tp": first.tp}, "world_size": len(plan.devices),
+            "stages": stages, "plan": plan.model_dump(mode="json")}
+
+
+def write_torch_program(model_spec: str, plan: Plan, out_dir: Path, *, seq_len: int, global_batch: int,
+                        steps: int = 3, seed: int = 0) -> Path:
+    """Write `train.py` and `plan.json` into `out_dir` (created); return the path of `train.py`.
+
+    Launch: `torchrun --nproc-per-node <len(plan.devices)> train.py`. ExportError when the model
+    or plan cannot be expressed, or `global_batch` does not split into dp x micro_batches.
+    """
+    try:
+        config = model_config(model_spec, seq_len=seq_len)
+        model = load_model(model_spec, seq_len=seq_len)
+    except SpecError as err:
+        raise ExportError(str(err)) from None
+    check_expressible(plan, model, config=config)
+    dp, micro = plan.stages[0].dp, plan.micro_batches
+    if global_batch % (dp * micro):
+        raise ExportError(f"global_batch={global_batch} does not split into dp={dp} replicas x "
+                          f"micro_batches={micro}: it must be a multiple of {dp * micro}")
+    if sequence_parallel(plan, model) and seq_len % plan.stages[0].tp:
+        raise ExportError(f"seq_len={seq_len} does not split over tp={plan.stages[0].tp} ranks: the norms are "
+                          "'sequence' (sequence parallel), so the sequence must be a multiple of tp")
+    cfg = program_config(model_spec, plan, model, config, seq_len=seq_len, global_batch=global_batch, steps=steps,
+                         seed=seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "plan.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    target = out_dir / "train.py"
+    shutil.copyfile(PROGRAM_SOURCE, target)
+    return target

@@ -1,0 +1,278 @@
+"""Megatron-LM arguments, DeepSpeed configs and the export dispatcher (tagplan.export.megatron,
+tagplan.export.deepspeed, tagplan.export.dispatch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tagplan.errors import SpecError
+from tagplan.export import export
+from tagplan.export.deepspeed import deepspeed_config, deepspeed_partition
+from tagplan.export.dispatch import export_error
+from tagplan.export.megatron import megatron_arguments, model_config_from_spec
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan, Schedule, Stage
+
+ExportError = export_error()
+
+
+@pytest.fixture(scope="module")
+def gpt3() -> ModelGraph:
+    return load_model("gpt3-175b")  # embedding, 96 blocks, head
+
+
+@pytest.fixture(scope="module")
+def llama70b() -> ModelGraph:
+    return load_model("llama2-70b", seq_len=4096)  # embedding, 80 blocks, head
+
+
+def pipeline(blocks: list[int], *, tp: int, dp: int = 1, micro_batches: int = 64, schedule: str = "1f1b",
+             groups: int | None = None, **stage_fields: Any) -> Plan:
+    """Stages holding `blocks[i]` transformer blocks, the embedding on the first, the head on the last,
+    on consecutive device groups of dp * tp (reused round-robin over `groups` for interleaving)."""
+    n = dp * tp
+    groups = groups or len(blocks)
+    bounds = [0, *(1 + sum(blocks[: i + 1]) for i in range(len(blocks)))]
+    bounds[-1] += 1  # the head
+    first = [n * (i % groups) for i in range(len(blocks))]  # first device of each stage's group
+    stages = tuple(Stage(layers=(bounds[i], bounds[i + 1]), devices=tuple(range(first[i], first[i] + n)),
+                         dp=dp, tp=tp, **stage_fields) for i in range(len(blocks)))
+    return Plan(micro_batches=micro_batches, schedule=Schedule(schedule), stages=stages)
+
+
+def all_stages(plan: Plan, **update: Any) -> Plan:
+    """`plan` with every stage changed."""
+    return plan.model_copy(update={"stages": tuple(s.model_copy(update=update) for s in plan.stages)})
+
+
+def swap_devices(plan: Plan, a: int, b: int) -> Plan:
+    """`plan` with the device groups of stages `a` and `b` exchanged."""
+    stages = list(plan.stages)
+    stages[a], stages[b] = (stages[a].model_copy(update={"devices": stages[b].devices}),
+                            stages[b].model_copy(update={"devices": stages[a].devices}))
+    return plan.model_copy(update={"stages": tuple(stages)})
+
+
+def with_stage(plan: Plan, index: int, **update: Any) -> Plan:
+    """`plan` with stage `index` changed (re-validated)."""
+    stages = list(plan.stages)
+    stages[index] = Stage.model_validate({**stages[index].model_dump(), **update})
+    return Plan(micro_batches=plan.micro_batches, schedule=plan.schedule, stages=tuple(stages))
+
+
+# --- Megatron-LM --------------------------------------------------------------------------------
+
+
+def test_gpt3_175b_tp8_pp8_is_exactly_megatrons_published_layout(gpt3: ModelGraph) -> None:
+    plan = pipeline([12] * 8, tp=8, recompute=True)
+    args = megatron_arguments(gpt3, plan, global_batch=1536, seq_len=2048)
+    assert args == [
+        "--tensor-model-parallel-size", "8",
+        "--pipeline-model-parallel-size", "8",
+        "--sequence-parallel",
+        "--num-layers", "96",
+        "--hidden-size", "12288",
+        "--ffn-hidden-size", "49152",
+        "--num-attention-heads", "96",
+        "--seq-length", "2048",
+        "--max-position-embeddings", "2048",
+        "--vocab-size", "50257",
+        "--micro-batch-size", "24",
+        "--global-batch-size", "1536",
+        "--recompute-granularity", "full",
+        "--recompute-method", "uniform",
+        "--recompute-num-layers", "1",
+        "--bf16",
+    ]
+
+
+def test_data_parallel_and_zero1_add_the_distributed_optimizer_and_overlap(gpt3: ModelGraph) -> None:
+    plan = pipeline([24] * 4, tp=8, dp=2, micro_batches=32, zero=1)
+    args = megatron_arguments(gpt3, plan, global_batch=512, seq_len=2048)
+    assert args[-4:] == ["--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather", "--bf16"]
+    assert args[args.index("--micro-batch-size") + 1] == "8"  # 512 / (32 micro-batches * dp 2)
+    assert "--recompute-granularity" not in args
+
+
+def test_llama_interleaved_uses_virtual_stages_and_llama_switches(llama70b: ModelGraph) -> None:
+    plan = pipeline([10] * 8, tp=8, groups=4, schedule="interleaved_1f1b", micro_batches=16)
+    args = megatron_arguments(llama70b, plan, global_batch=16, seq_len=4096)
+    text = " ".join(args)
+    assert "--pipeline-model-parallel-size 4" in text
+    assert "--num-layers-per-virtual-pipeline-stage 10" in text
+    assert ("--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+            "--group-query-attention --num-query-groups 8 --untie-embeddings-and-output-weights") in text
+    assert "--ffn-hidden-size 28672" in text and "--max-position-embeddings 4096" in text
+
+
+def test_uneven_first_and_last_stages_use_the_decoder_flags(gpt3: ModelGraph) -> None:
+    args = megatron_arguments(gpt3, pipeline([9, 13, 13, 13, 13, 13, 13, 9], tp=8), global_batch=64, seq_len=2048)
+    assert args[4:8] == ["--decoder-first-pipeline-num-layers", "9", "--decoder-last-pipeline-num-layers", "9"]
+    only_first = megatron_arguments(gpt3, pipeline([5, 13, 13, 13, 13, 13, 13, 13], tp=8), global_batch=64,
+                                    seq_len=2048)
+    assert only_first[4:6] == ["--decoder-first-pipeline-num-layers", "5"]
+    assert "--decoder-last-pipeline-num-layers" not in only_first
+
+
+def test_model_config_comes_from_the_spec() -> None:
+    config = model_config_from_spec("llama?layers=4&hidden=256&heads=8&kv_heads=2")
+    assert (config["family"], config["layers"], config["hidden"], config["kv_heads"]) == ("llama", 4, 256, 2)
+    assert model_config_from_spec("gpt3-175b")["heads"] == 96
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda p: p.model_copy(update={"schedule": Schedule.GPIPE}), r"schedule 'gpipe' has no Megatron-LM equivalent"),
+    (lambda p: all_stages(p, zero=3), r"zero=3: .*ZeRO-2/3 are not in Megatron-Core"),
+    (lambda p: with_stage(p, 2, zero=1), r"stages use ZeRO stages \[0, 1\]"),
+    (lambda p: with_stage(p, 3, tp=4, dp=2), r"stages\[3\]\.tp = 4 but stages\[0\]\.tp = 8"),
+    (lambda p: with_stage(p, 1, recompute=True), r"stages \[1\] recompute but stages \[0, 2, .*same count on every"),
+    (lambda p: swap_devices(p, 0, 1), r"pipeline rank 0 runs on devices \[8, .*ranks 0\.\.7"),
+    (lambda p: with_stage(p, 4, sharding={"attn.q": "row"}), r"stages\[4\]\.sharding\['attn\.q'\] = row but .* column"),
+])
+def test_megatron_refuses_what_it_cannot_express(gpt3: ModelGraph, change: Any, match: str) -> None:
+    plan = change(pipeline([12] * 8, tp=8))
+    with pytest.raises(ExportError, match=match):
+        megatron_arguments(gpt3, plan, global_batch=64, seq_len=2048)
+
+
+def test_megatron_refuses_uneven_shares_and_middle_splits(gpt3: ModelGraph) -> None:
+    shares = with_stage(pipeline([24] * 4, tp=4, dp=2), 2, batch_shares=(0.6, 0.4))
+    with pytest.raises(ExportError, match=r"stages\[2\]\.batch_shares = \[0\.6, 0\.4\] are uneven"):
+        megatron_arguments(gpt3, shares, global_batch=128, seq_len=2048)
+    middle = pipeline([12, 11, 13, 12, 12, 12, 12, 12], tp=8)
+    with pytest.raises(ExportError, match=r"stages\[2\] holds 13 transformer layers but stages\[1\] holds 11"):
+        megatron_arguments(gpt3, middle, global_batch=64, seq_len=2048)
+    empty_first = pipeline([0, 16, 16, 16, 16, 16, 16], tp=8)
+    with pytest.raises(ExportError, match=r"stages\[0\] holds no transformer layer; .*must be > 0"):
+        megatron_arguments(gpt3, empty_first, global_batch=64, seq_len=2048)
+    chunks = pipeline([11, 13, 12, 12, 12, 12, 12, 12], tp=8, groups=4, schedule="interleaved_1f1b")
+    with pytest.raises(ExportError, match=r"same count in every chunk"):
+        megatron_arguments(gpt3, chunks, global_batch=64, seq_len=2048)
+
+
+def test_moe_adds_experts_and_a_single_stage_has_no_pipeline_flags() -> None:
+    moe = load_model("moe?layers=4&hidden=256&heads=8&kv_heads=2&ffn=512&experts=4&top_k=1", seq_len=128)
+    plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 6), devices=(0, 1, 2, 3), dp=2, tp=2),))
+    args = megatron_arguments(moe, plan, global_batch=8, seq_len=128)
+    assert args[:5] == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                        "--sequence-parallel"]
+    text = " ".join(args)
+    assert "--num-experts 4 --moe-router-topk 1" in text and "--num-query-groups 2" in text
+    assert "--micro-batch-size 2" in text and "--overlap-grad-reduce" in text
+
+
+def test_megatron_refuses_non_decoder_families() -> None:
+    bert = load_model("bert-large")
+    plan = Plan(stages=(Stage(layers=(0, len(bert.layers)), devices=(0,)),))
+    with pytest.raises(ExportError, match=r"family 'bert' is not exported"):
+        megatron_arguments(bert, plan, global_batch=8, seq_len=512)
+
+
+# --- DeepSpeed ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_small() -> ModelGraph:
+    return load_model("gpt3-125m")  # 14 layers: embedding, 12 blocks, head
+
+
+def ds_plan(**stage_fields: Any) -> Plan:
+    """PP=4, DP=2 over 8 devices, uneven boundaries [0, 4, 7, 11, 14], 8 micro-batches."""
+    bounds = [0, 4, 7, 11, 14]
+    stages = tuple(Stage(layers=(bounds[i], bounds[i + 1]), devices=(2 * i, 2 * i + 1), dp=2, **stage_fields)
+                   for i in range(4))
+    return Plan(micro_batches=8, schedule=Schedule.ONE_F_ONE_B, stages=stages)
+
+
+def test_deepspeed_batch_arithmetic_and_partition(gpt_small: ModelGraph) -> None:
+    plan = ds_plan(zero=1, recompute=True)
+    config = deepspeed_config(gpt_small, plan, global_batch=64, seq_len=2048)
+    assert config["train_micro_batch_size_per_gpu"] == 4
+    assert config["gradient_accumulation_steps"] == 8
+    assert config["train_batch_size"] == 64 == 4 * 8 * 2  # micro-batch * grad accumulation * dp
+    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True}
+    assert config["bf16"] == {"enabled": True}
+    assert config["pipeline"] == {"stages": 4, "seed_layers": False, "activation_checkpoint_interval": 1}
+    partition = deepspeed_partition(gpt_small, plan)
+    assert partition["parts"] == [0, 4, 7, 11, 14]
+    assert partition["layers"][0] == "embed" and partition["layers"][-1] == "head"
+    assert partition["activation_checkpoint_interval"] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(("plan", "match"), [
+    (all_stages(ds_plan(), dp=1, tp=2), r"stages\[0\]\.tp = 2: .*needs Megatron-DeepSpeed"),
+    (ds_plan(zero=2), r"zero=2 with 4 pipeline stages"),
+    (ds_plan().model_copy(update={"schedule": Schedule.GPIPE}), r"gpipe"),
+    (with_stage(ds_plan(), 1, batch_shares=(0.75, 0.25)), r"stages\[1\]\.batch_shares"),
+    (with_stage(ds_plan(), 1, devices=(2, 3, 8, 9), dp=4), r"stages\[1\]\.dp = 4 but stages\[0\]\.dp = 2"),
+])
+def test_deepspeed_refuses_what_it_cannot_express(gpt_small: ModelGraph, plan: Plan, match: str) -> None:
+    with pytest.raises(ExportError, match=match):
+        deepspeed_config(gpt_small, plan, global_batch=64, seq_len=2048)
+
+
+def test_deepspeed_refuses_interleaving(gpt_small: ModelGraph) -> None:
+    bounds = [0, 4, 7, 11, 14]
+    stages = tuple(Stage(layers=(bounds[i], bounds[i + 1]), devices=(2 * (i % 2), 2 * (i % 2) + 1), dp=2)
+                   for i in range(4))
+    plan = Plan(micro_batches=8, schedule=Schedule.INTERLEAVED_1F1B, stages=stages)
+    with pytest.raises(ExportError, match=r"interleaved_1f1b"):
+        deepspeed_config(gpt_small, plan, global_batch=64, seq_len=2048)
+
+
+def test_single_stage_deepspeed_allows_zero3(gpt_small: ModelGraph) -> None:
+    plan = Plan(micro_batches=4, stages=(Stage(layers=(0, 14), devices=tuple(range(8)), dp=8, zero=3),))
+    config = deepspeed_config(gpt_small, plan, global_batch=64, seq_len=2048)
+    assert config["zero_optimization"]["stage"] == 3 and "pipeline" not in config
+    assert config["train_batch_size"] == 64 == 2 * 4 * 8
+
+
+# --- the dispatcher -----------------------------------------------------------------------------
+
+
+def test_export_megatron_writes_the_arguments_and_a_launcher(tmp_path: Path) -> None:
+    plan = pipeline([12] * 8, tp=8, recompute=True)
+    paths = export("gpt3-175b", plan, tmp_path / "out", fmt="megatron", seq_len=None, global_batch=1536,
+                   cluster=load_cluster("dgx-a100-80gb:nodes=8"))
+    assert [p.name for p in paths] == ["megatron_args.txt", "launch.sh"]
+    lines = paths[0].read_text().splitlines()
+    assert lines[:3] == ["--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 8", "--sequence-parallel"]
+    assert "--recompute-num-layers 1" in lines
+    launch = paths[1].read_text()
+    assert "pretrain_gpt.py" in launch and "$(cat \"$HERE/megatron_args.txt\")" in launch
+    assert os.access(paths[1], os.X_OK)
+
+
+def test_export_deepspeed_writes_config_and_partition(tmp_path: Path) -> None:
+    paths = export("gpt3-125m", ds_plan(), tmp_path, fmt="deepspeed", seq_len=None, global_batch=64)
+    assert [p.name for p in paths] == ["ds_config.json", "partition.json"]
+    assert json.loads(paths[0].read_text())["train_batch_size"] == 64
+    assert json.loads(paths[1].read_text())["parts"] == [0, 4, 7, 11, 14]
+
+
+def test_export_refusals_are_spec_errors_and_write_nothing(tmp_path: Path) -> None:
+    plan = pipeline([12] * 8, tp=8).model_copy(update={"schedule": Schedule.GPIPE})
+    with pytest.raises(SpecError, match=r"^megatron: schedule 'gpipe'"):
+        export("gpt3-175b", plan, tmp_path / "out", fmt="megatron", seq_len=None, global_batch=64)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_checks_the_plan_against_the_model(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match=r"plan covers layers \[0, 98\) but model 'gpt3-125m' has 14 layers"):
+        export("gpt3-125m", pipeline([12] * 8, tp=8), tmp_path, fmt="megatron", seq_len=None, global_batch=64)
+    with pytest.raises(SpecError, match=r"unknown export format 'onnx'"):
+        export("gpt3-125m", ds_plan(), tmp_path, fmt="onnx", seq_len=None, global_batch=64)  # type: ignore[arg-type]
+
+
+def test_importing_the_package_does_not_import_torch() -> None:
+    code = "import sys, tagplan.export; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

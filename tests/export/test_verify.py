@@ -1,0 +1,156 @@
+"""The torch program exporter and its verification (tagplan.export.modules, torch_program, verify).
+
+Tests marked slow run the exported program on 2-4 local gloo processes (a few seconds each on
+two busy cores); the rest check the builders, the refusals and the comparison without spawning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import py_compile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tagplan.export.modules import build_model, model_config, scaled_down
+from tagplan.export.torch_program import ExportError, check_expressible, write_torch_program
+from tagplan.export.verify import _judge, predicted_vs_measured, reference, verify
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir.cluster import DeviceSpec
+from tagplan.ir.plan import Plan, Stage
+
+ONE_STAGE = (0, 4)  # embed, two blocks, head
+
+
+def _stage(layers: tuple[int, int], devices: tuple[int, ...], **kw: object) -> Stage:
+    return Stage(layers=layers, devices=devices, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec", ["gpt?layers=2&hidden=64&heads=4&vocab=128&max_positions=16",
+                                  "llama?layers=2&hidden=64&heads=4&kv_heads=2&vocab=128",
+                                  "llama?layers=1&hidden=64&heads=4&vocab=100&tied=true"])
+def test_modules_have_the_analytic_parameter_count_and_layer_list(spec: str) -> None:
+    graph = load_model(spec, seq_len=16)
+    model = build_model(spec, seq_len=16)
+    assert sum(p.numel() for p in model.parameters()) == graph.params
+    assert len(model.layers) == len(graph.layers)
+    assert model(torch.randint(0, 64, (2, 16))).shape == (2, 16, model.config.vocab)
+
+
+def test_scaled_down_keeps_family_layers_and_attention_grouping() -> None:
+    small = scaled_down("llama3-8b")
+    config = model_config(small, seq_len=16)
+    assert (config.family, config.layers, config.hidden, config.heads, config.kv_heads, config.vocab) == (
+        "llama", 32, 64, 4, 2, 128)
+    assert not config.tied
+    gpt = model_config(scaled_down("gpt3-175b"), seq_len=16)
+    assert (gpt.layers, gpt.max_positions, gpt.tied) == (96, 16, True)
+
+
+def test_uneven_shares_in_a_dp_group_raise_export_error(gpt_spec: str) -> None:
+    plan = Plan(stages=(_stage(ONE_STAGE, (0, 1), dp=2, batch_shares=(0.6, 0.4)),))
+    with pytest.raises(ExportError, match=r"stages\[0\]\.batch_shares=\[0\.6, 0\.4\] are uneven: torch DP/FSDP"):
+        check_expressible(plan, load_model(gpt_spec))
+    with pytest.raises(ExportError, match="uneven"):
+        verify(gpt_spec, plan)  # refused before anything is launched
+
+
+def test_every_inexpressible_feature_is_listed(gpt_spec: str) -> None:
+    plan = Plan(schedule="1f1b", micro_batches=1, stages=(
+        _stage((0, 2), (0, 1), tp=2, sharding={"mlp.fc1": "sequence", "attn.qq": "column"}),
+        _stage((2, 4), (2, 3), dp=2)))
+    with pytest.raises(ExportError) as err:
+        check_expressible(plan, load_model(gpt_spec))
+    message = str(err.value)
+    assert "stages[1] has dp=2, tp=1 but stages[0] has dp=1, tp=2" in message
+    assert "stages[0].sharding['mlp.fc1']='sequence'" in message
+    assert "names op 'attn.qq', which no layer of the stage has" in message
+    assert "micro_batches=1 < 2 stages" in message
+
+
+def test_heads_must_split_over_tp() -> None:
+    spec = "llama?layers=2&hidden=64&heads=4&kv_heads=1&vocab=128"
+    plan = Plan(stages=(_stage(ONE_STAGE, (0, 1), tp=2),))
+    with pytest.raises(ExportError, match="tp=2 must divide heads=4 and kv_heads=1"):
+        check_expressible(plan, load_model(spec), config=model_config(spec, seq_len=16))
+
+
+def test_written_program_carries_resolved_megatron_strategies(gpt_spec: str, tmp_path: Path) -> None:
+    plan = Plan(micro_batches=2, stages=(_stage((0, 2), (0, 1), tp=2, recompute=True),
+                                         _stage((2, 4), (2, 3), tp=2, zero=3)))
+    train = write_torch_program(gpt_spec, plan, tmp_path, seq_len=16, global_batch=4)
+    py_compile.compile(str(train), doraise=True)
+    cfg = json.loads((tmp_path / "plan.json").read_text())
+    assert cfg["mesh"] == {"pp": 2, "dp": 1, "tp": 2} and cfg["sequence_parallel"] is True
+    assert cfg["stages"][0]["strategies"]["0"] == {"wte": "row", "wpe": "sequence"}
+    assert cfg["stages"][0]["strategies"]["1"]["attn.q"] == "column"
+    assert cfg["stages"][0]["strategies"]["1"]["attn.o"] == "row"
+    assert cfg["stages"][1]["strategies"]["3"] == {"lm_head.tied": "column"}
+    assert cfg["stages"][1]["zero"] == 0  # dp == 1: nothing to shard over
+    with pytest.raises(ExportError, match="global_batch=5 does not split"):
+        write_torch_program(gpt_spec, plan, tmp_path, seq_len=16, global_batch=5)
+
+
+def test_a_wrong_gradient_fails_and_names_its_parameter(gpt_spec: str) -> None:
+    small = scaled_down(gpt_spec)
+    loss, grads = reference(small, seq_len=16, global_batch=4, dp=2, micro_batches=1)
+    same = _judge(dict(grads), grads, loss, loss, atol=1e-6, rtol=1e-4, times={}, stages={})
+    assert same.passed and same.max_abs_error == 0.0
+    bad = dict(grads)
+    bad["layers.2.mlp.fc2.bias"] = 2 * grads["layers.2.mlp.fc2.bias"]  # a bias added on both tp ranks
+    report = _judge(bad, grads, loss, loss, atol=1e-6, rtol=1e-4, times={}, stages={})
+    assert not report.passed and report.worst_parameter == "layers.2.mlp.fc2.bias"
+    assert "OUTSIDE tolerance" in report.message and "layers.2.mlp.fc2.bias" in report.message
+
+
+@pytest.mark.slow
+def test_tp2_x_dp2_matches_one_process(gpt_spec: str) -> None:
+    report = verify(gpt_spec, Plan(micro_batches=2, stages=(_stage(ONE_STAGE, (0, 1, 2, 3), dp=2, tp=2),)))
+    assert report.passed, report.message
+    assert report.max_abs_error < 1e-6 and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
+    assert sorted(report.step_time_s) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_two_stage_1f1b_matches_and_is_timed(gpt_spec: str, cpu_device: DeviceSpec) -> None:
+    plan = Plan(schedule="1f1b", micro_batches=2, stages=(_stage((0, 2), (4,)), _stage((2, 4), (7,))))
+    report = verify(gpt_spec, plan)  # the tied head's copy on stage 1 is summed with the embedding's
+    assert report.passed, report.message
+    assert report.rank_stages == {0: (0,), 1: (1,)}
+    comparison = predicted_vs_measured(report, device=cpu_device)
+    assert comparison.predicted_s > 0 and comparison.measured_s == max(report.step_time_s.values())
+    assert comparison.ratio == pytest.approx(comparison.measured_s / comparison.predicted_s)
+
+
+@pytest.mark.slow
+def test_fsdp_zero3_with_tp2_and_recompute_matches(gpt_spec: str) -> None:
+    plan = Plan(micro_batches=2, stages=(_stage(ONE_STAGE, (0, 1, 2, 3), dp=2, tp=2, zero=3, recompute=True),))
+    report = verify(gpt_spec, plan)
+    assert report.passed, report.message
+
+
+@pytest.mark.slow
+def test_gpipe_two_stages_of_zero1_replicas_match(gpt_spec: str) -> None:
+    plan = Plan(schedule="gpipe", micro_batches=2, stages=(_stage((0, 2), (0, 1), dp=2, zero=1),
+                                                           _stage((2, 4), (2, 3), dp=2, zero=1)))
+    report = verify(gpt_spec, plan)  # FSDP2 without resharding; tied copies summed across stages
+    assert report.passed, report.message
+
+
+@pytest.mark.slow
+def test_interleaved_llama_matches(llama_spec: str) -> None:
+    plan = Plan(schedule="interleaved_1f1b", micro_batches=2, stages=(
+        _stage((0, 1), (0,)), _stage((1, 2), (1,)), _stage((2, 3), (0,)), _stage((3, 4), (1,))))
+    report = verify(llama_spec, plan)
+    assert report.passed, report.message
+    assert report.rank_stages == {0: (0, 2), 1: (1, 3)}
+
+
+@pytest.mark.slow
+def test_swapped_column_and_row_sharding_fails_verification(gpt_spec: str) -> None:
+    plan = Plan(stages=(_stage(ONE_STAGE, (0, 1), tp=2, sharding={"mlp.fc1": "row", "mlp.fc2": "column"}),))
+    report = verify(gpt_spec, plan)
+    assert not report.passed
+    assert "mlp.fc1 (row)" in report.message and math.isinf(report.max_abs_error)
