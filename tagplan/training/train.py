@@ -44,6 +44,8 @@ class TrainConfig:
     rank_weight: float = 0.1  # the pairwise term breaks near-ties; larger, it inflates the spread and the MSE
     fit_weight: float = 0.2
     seed: int = 0
+    dropout: float = 0.0
+    weight_decay: float = 1e-4
     held_out_families: tuple[str, ...] = HELD_OUT_FAMILIES
 
 
@@ -112,7 +114,7 @@ def fit(model: torch.nn.Module, splits: Splits, config: TrainConfig,
     from torch_geometric.loader import DataLoader
 
     torch.manual_seed(config.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(config.epochs, 1))
     best, best_state, stale, history = math.inf, None, 0, []
     loader = DataLoader(splits.train, batch_size=config.batch_size, shuffle=True,
@@ -170,7 +172,7 @@ def train(data_dir: Path, out_dir: Path, config: TrainConfig = TrainConfig(),
     splits = split(train_set, held, config)
     if not splits.train:
         raise ValueError(f"{data_dir}: no training samples after holding out families {config.held_out_families}")
-    model = PlanGNN(hidden=config.hidden, layers=config.layers)
+    model = PlanGNN(hidden=config.hidden, layers=config.layers, dropout=config.dropout)
     run = fit(model, splits, config, on_epoch)
     metrics = {name: evaluate(model, items) for name, items in
                (("val", splits.val), ("test_family", splits.test_family), ("test_gpu", splits.test_gpu))}
