@@ -159,6 +159,30 @@ def test_a_plan_through_the_real_server_and_worker(live: Live) -> None:
         assert 'tagplan_jobs{status="succeeded"} 1' in client.get("/metrics").text
 
 
+def test_fifty_concurrent_http_submissions_give_fifty_results(live: Live) -> None:
+    """Fifty clients at once: fifty distinct jobs, each finished once, none lost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def submit(seed: int) -> str:
+        with httpx.Client(base_url=live.url, headers=live.headers, timeout=60) as client:
+            answer = client.post("/v1/plans", json={**TINY, "seed": seed})
+            assert answer.status_code == 202, answer.text
+            return str(answer.json()["id"])
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        ids = list(pool.map(submit, range(50)))
+    assert len(set(ids)) == 50
+    deadline = time.monotonic() + 10 * JOB_TIMEOUT_S
+    with httpx.Client(base_url=live.url, headers=live.headers, timeout=30) as client:
+        for job_id in ids:
+            while (job := client.get(f"/v1/jobs/{job_id}").json())["status"] in ("queued", "running"):
+                assert time.monotonic() < deadline, f"job {job_id} still {job['status']}"
+                time.sleep(0.5)
+            assert job["status"] == "succeeded" and job["attempts"] == 1, job
+        listed = client.get("/v1/jobs", params={"limit": 100}).json()
+        assert set(ids) <= {j["id"] for j in listed["jobs"]}
+
+
 def _fuzz(schema: Any, operation: Any, headers: dict[str, str]) -> str | None:
     """About MAX_EXAMPLES valid and as many invalid requests to one operation (its documented
     examples among them); the failure, if any."""
