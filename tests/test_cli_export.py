@@ -53,3 +53,25 @@ def test_verify_runs_a_pipeline_on_gloo_and_compares_with_one_process(tmp_path: 
     out = json.loads(capsys.readouterr().out)
     assert out["passed"] and out["max_abs_error"] < 1e-5 and len(out["step_time_s"]) == 2
     assert out["predicted_vs_measured"]["predicted_s"] > 0
+
+
+HF_LLAMA = ("hf:LlamaConfig?num_hidden_layers=2&hidden_size=256&intermediate_size=512&num_attention_heads=4"
+            "&num_key_value_heads=2&vocab_size=1000")
+
+
+def test_hugging_face_llama_and_gpt2_configs_export_as_their_families(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from tagplan.export.modules import build_model
+    from tagplan.frontends.model_spec import load_model
+
+    for spec in (HF_LLAMA, "hf:GPT2Config?n_layer=2&n_embd=128&n_head=4&vocab_size=1000"):
+        graph, module = load_model(spec, seq_len=16), build_model(spec, seq_len=16)
+        assert sum(p.numel() for p in module.parameters()) == graph.params  # same shapes as the traced graph
+    plan = write_plan(tmp_path / "tp2.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 1, "tp": 2}], 2)
+    for fmt in ("torch", "megatron"):
+        assert main(["export", "--model", HF_LLAMA, "--plan", str(plan), "--seq", "16", "--format", fmt,
+                     "--out", str(tmp_path / fmt)]) == 0, capsys.readouterr().err
+    args = (tmp_path / "megatron" / "megatron_args.txt").read_text().split()
+    assert args[args.index("--num-query-groups") + 1] == "2" and "--swiglu" in args
+    assert main(["export", "--model", "hf:BertConfig", "--plan", str(plan), "--format", "torch",
+                 "--out", str(tmp_path / "bert")]) == 2

@@ -42,7 +42,8 @@ _DTYPE_FLAG = {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}
 
 def model_config_from_spec(spec: str) -> dict[str, Any]:
     """`{"family": ..., **TransformerShape fields}` for a zoo name or `family?key=value` SPEC;
-    ExportError for other SPECs (Hugging Face configs, graph files), whose shapes are not known here."""
+    `hf:LlamaConfig?...` and `hf:GPT2Config?...` map to the llama and gpt shapes; ExportError for
+    other SPECs (other Hugging Face configs, graph files), whose shapes are not known here."""
     spec = spec.strip()
     family, _, query = spec.partition("?")
     if family in FAMILIES:
@@ -51,8 +52,13 @@ def model_config_from_spec(spec: str) -> dict[str, Any]:
     if key is not None:
         entry = ZOO[key]
         return {"family": entry.family, **asdict(entry.shape)}
-    raise refuse(FMT, f"model {spec!r} is not a zoo name or FAMILY?key=value SPEC, so its transformer shape "
-                      "(layers, hidden, heads, ffn, vocab) is not known; pass model_config explicitly")
+    if spec.startswith("hf:"):
+        from tagplan.export.modules import hf_family_shape  # LlamaConfig and GPT2Config: the same shapes
+
+        hf_family, shape = hf_family_shape(spec[3:])
+        return {"family": hf_family, **asdict(shape)}
+    raise refuse(FMT, f"model {spec!r} is not a zoo name, FAMILY?key=value or hf:LlamaConfig/GPT2Config SPEC, so "
+                      "its transformer shape (layers, hidden, heads, ffn, vocab) is not known; pass model_config")
 
 
 def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int,

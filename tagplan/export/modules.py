@@ -55,8 +55,16 @@ class ModelConfig:
         return self.layers + 2
 
 
+HF_FAMILIES = {"LlamaConfig": "llama", "GPT2Config": "gpt"}
+"""Hugging Face configs built as the tagplan family of the same shape (same layers, parameter counts)."""
+
+
 def family_shape(spec: str) -> tuple[str, TransformerShape]:
-    """(family, shape) of a zoo name or `family?key=value` SPEC; SpecError for other families."""
+    """(family, shape) of a zoo name, a `family?key=value` SPEC, or `hf:LlamaConfig?...` /
+    `hf:GPT2Config?...` (built as the llama / gpt family of the same shape: the program's modules
+    are tagplan's, not Hugging Face's classes); SpecError for other families."""
+    if spec.strip().startswith("hf:"):
+        return hf_family_shape(spec.strip()[3:])
     family, _, query = spec.strip().partition("?")
     if family in SUPPORTED_FAMILIES:
         return family, parse_shape(family, query)
@@ -65,6 +73,28 @@ def family_shape(spec: str) -> tuple[str, TransformerShape]:
         return ZOO[key].family, ZOO[key].shape
     raise SpecError(f"model {spec!r}: the torch exporter builds the {' and '.join(SUPPORTED_FAMILIES)} families "
                     "(zoo names or FAMILY?key=value); other families and user modules are not supported yet")
+
+
+def hf_family_shape(rest: str) -> tuple[str, TransformerShape]:
+    """The family and shape of a Hugging Face config `Class?key=value&...` (overrides as `load_model` takes)."""
+    from urllib.parse import parse_qsl
+
+    from tagplan.frontends.huggingface import _make_config
+
+    cls, _, query = rest.partition("?")
+    if cls not in HF_FAMILIES:
+        raise SpecError(f"model 'hf:{rest}': the torch exporter builds {', '.join(sorted(HF_FAMILIES))} "
+                        f"(as the {' and '.join(sorted(set(HF_FAMILIES.values())))} families); not {cls}")
+    config = _make_config(cls, dict(parse_qsl(query, keep_blank_values=True)))
+    if cls == "LlamaConfig":
+        return "llama", TransformerShape(
+            layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads or config.num_attention_heads, ffn=config.intermediate_size,
+            vocab=config.vocab_size, max_positions=config.max_position_embeddings,
+            tied=bool(config.tie_word_embeddings))
+    return "gpt", TransformerShape(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head,
+                                   ffn=config.n_inner or 4 * config.n_embd, vocab=config.vocab_size,
+                                   max_positions=config.n_positions)
 
 
 def model_config(spec: str, *, seq_len: int) -> ModelConfig:
