@@ -198,29 +198,16 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-AUTO_GNN_MAX_DEVICES = 256  # beyond this, scoring each expansion's graphs costs more than it saves
-
-
 def _gnn_prior(choice: str, devices: int) -> Callable[[Any], Any] | None:
     """A factory of the GNN prior from the registry's active checkpoint (or the packaged one)."""
-    if choice == "simulator" or (choice == "auto" and devices > AUTO_GNN_MAX_DEVICES):
+    if choice == "simulator":
         return None
-    from tagplan.training.registry import Registry
+    from tagplan.training.registry import Registry, gnn_prior_factory
 
-    path = Registry().checkpoint()
-    if path is None or not path.exists():
-        if choice == "gnn":
-            raise SpecError("--scorer gnn: no GNN checkpoint is installed; train one with `tagplan train`")
-        return None
-    import torch
-
-    from tagplan.gnn.model import load_checkpoint
-    from tagplan.gnn.scorer import GNNPrior, GNNScorer
-
-    torch.set_num_threads(1)  # small graphs: one thread is ~100x faster than two contending ones here
-    model, _ = load_checkpoint(path)
-    scorer = GNNScorer(model)
-    return lambda space: GNNPrior(space, scorer)
+    try:
+        return gnn_prior_factory(Registry(), devices, required=choice == "gnn")
+    except SpecError as err:
+        raise SpecError(f"--scorer gnn: {err}") from None
 
 
 @contextmanager

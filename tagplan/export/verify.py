@@ -207,13 +207,13 @@ def predicted_vs_measured(report: VerifyReport, *, device: DeviceSpec | None = N
     from tagplan.frontends.cluster_file import parse_cluster_data
     from tagplan.ir.workload import DType, Optimizer, Workload
     from tagplan.profiling.device import cpu_device_spec
+    from tagplan.profiling.iterations import cpu_cluster
 
     if report.plan is None or not report.step_time_s:
         raise ValueError("the report has no plan or no measured step times (did the program run?)")
     spec = device or cpu_device_spec(cores=1)
     plan = local_plan(report.plan)
-    cluster = parse_cluster_data({"name": "this-cpu", "node_groups": [
-        {"gpu": spec.model_dump(), "gpus_per_node": len(plan.devices), "fabric": "smp"}]})
+    cluster = parse_cluster_data(cpu_cluster(spec, len(plan.devices)))
     cal = load_calibration(calibration) if isinstance(calibration, str | Path) else calibration or DEFAULT_CALIBRATION
     workload = Workload(global_batch=report.global_batch, seq_len=report.seq_len, dtype=DType.FP32,
                         optimizer=Optimizer.ADAM)

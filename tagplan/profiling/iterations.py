@@ -118,9 +118,10 @@ def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2)
     return statistics.median(times), steps
 
 
-def cpu_cluster(spec: DeviceSpec) -> dict[str, Any]:
-    """An inline cluster file object: one node holding this CPU as its one device."""
-    return {"name": "this-cpu", "node_groups": [{"gpu": spec.model_dump(), "gpus_per_node": 1, "fabric": "smp"}]}
+def cpu_cluster(spec: DeviceSpec, devices: int = 1) -> dict[str, Any]:
+    """An inline cluster file object: one node of `devices` devices of `spec` (this CPU) on shared memory."""
+    return {"name": "this-cpu",
+            "node_groups": [{"gpu": spec.model_dump(), "gpus_per_node": devices, "fabric": "smp"}]}
 
 
 def iteration_records(spec: DeviceSpec, cases: Sequence[IterationCase] = QUICK_CASES, *, steps: int = 5,

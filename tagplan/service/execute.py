@@ -8,7 +8,6 @@ SPEC, a GPU name), and the size limits are checked before the graph or cluster i
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -346,26 +345,11 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 def gnn_prior_factory(settings: Settings, devices: int) -> Callable[[Any], Any] | None:
-    """The GNN search prior from this service's registry (like `tagplan plan --scorer auto`); None
-    beyond the CLI's device cut-off or without a checkpoint (the search then uses a uniform prior)."""
-    from tagplan.cli import AUTO_GNN_MAX_DEVICES
+    """The GNN search prior from this service's registry, by the CLI's rules (`tagplan plan --scorer auto`)."""
     from tagplan.training.registry import Registry
+    from tagplan.training.registry import gnn_prior_factory as from_registry
 
-    path = Registry(registry_root(settings)).checkpoint()
-    if devices > AUTO_GNN_MAX_DEVICES or path is None or not path.exists():
-        return None
-    from tagplan.gnn.scorer import GNNPrior, GNNScorer
-
-    scorer = GNNScorer(_gnn_model(str(path), path.stat().st_mtime_ns))
-    return lambda space: GNNPrior(space, scorer)
-
-
-@functools.lru_cache(maxsize=4)
-def _gnn_model(path: str, mtime_ns: int) -> Any:
-    """The checkpoint at `path`, loaded once per worker process (keyed by its mtime: a new version reloads)."""
-    from tagplan.gnn.model import load_checkpoint
-
-    return load_checkpoint(path)[0]
+    return from_registry(Registry(registry_root(settings)), devices)
 
 
 def _finite(value: Any) -> Any:

@@ -13,15 +13,19 @@ registry has no active version.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tagplan.errors import SpecError
 
 PACKAGED_CHECKPOINT = Path(__file__).resolve().parents[1] / "gnn" / "checkpoints" / "default.pt"
+AUTO_GNN_MAX_DEVICES = 256
+"""Beyond this many devices, scoring each expansion's graphs costs more search time than it saves."""
 
 
 def default_root() -> Path:
@@ -121,3 +125,34 @@ class Registry:
         if version is not None:
             return self.root / "versions" / version / "model.pt"
         return PACKAGED_CHECKPOINT if PACKAGED_CHECKPOINT.exists() else None
+
+
+def gnn_prior_factory(registry: Registry, devices: int, *, required: bool = False) -> Callable[[Any], Any] | None:
+    """A factory of the search's GNN prior from `registry`'s active checkpoint (else the packaged one).
+
+    None (the search then uses a uniform prior) beyond `AUTO_GNN_MAX_DEVICES` devices or without a
+    checkpoint; with `required`, SpecError instead of None when no checkpoint exists. The model is
+    loaded once per process and checkpoint version.
+    """
+    path = registry.checkpoint()
+    if path is None or not path.exists():
+        if required:
+            raise SpecError("no GNN checkpoint is installed; train one with `tagplan train`")
+        return None
+    if devices > AUTO_GNN_MAX_DEVICES and not required:
+        return None
+    import torch
+
+    from tagplan.gnn.scorer import GNNPrior, GNNScorer
+
+    torch.set_num_threads(1)  # small graphs: one thread is ~100x faster than two contending ones here
+    scorer = GNNScorer(_load_model(str(path), path.stat().st_mtime_ns))
+    return lambda space: GNNPrior(space, scorer)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_model(path: str, mtime_ns: int) -> Any:
+    """The checkpoint at `path`, loaded once (keyed by its mtime: a replaced file reloads)."""
+    from tagplan.gnn.model import load_checkpoint
+
+    return load_checkpoint(path)[0]
