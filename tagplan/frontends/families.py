@@ -92,7 +92,7 @@ def llama_block(shape: TransformerShape, seq: int, nbytes: int, *, moe: bool = F
     a = _attention(b, b.norm("input_norm", x, h, bias=False), shape, bias=False)
     r = b.elementwise("residual_1", (x, a), h, saves_input=False)
     n = b.norm("post_attention_norm", r, h, bias=False)
-    ffn = shape.ffn or _llama_ffn(h)
+    ffn = shape.ffn or llama_ffn(h)
     if moe:
         b.linear("router", n, h, shape.experts)
         d = b.all_to_all("dispatch", n, h, shape.top_k)
@@ -105,7 +105,7 @@ def llama_block(shape: TransformerShape, seq: int, nbytes: int, *, moe: bool = F
     return b.build(h)
 
 
-def _llama_ffn(h: int) -> int:
+def llama_ffn(h: int) -> int:
     ffn = int(2 * 4 * h / 3)
     return 256 * ((ffn + 255) // 256)
 

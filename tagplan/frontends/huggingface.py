@@ -108,7 +108,7 @@ def graph_from_hf(
         raise SpecError(f"{config_class}: batch must be positive, got {batch}")
     if spec is None:
         raise unknown("Hugging Face config class", config_class, list(_MODELS))
-    config = _make_config(config_class, overrides)
+    config = make_config(config_class, overrides)
     seq = _seq_len(spec, config, seq_len, config_class)
     name = "hf:" + config_class + ("?" + "&".join(f"{k}={v}" for k, v in overrides.items()) if overrides else "")
     depths = _depths(spec, config)
@@ -122,7 +122,7 @@ def graph_from_hf(
     return _trace(spec, config, name, seq, dtype, batch)
 
 
-def _make_config(config_class: str, overrides: dict[str, str]) -> Any:
+def make_config(config_class: str, overrides: dict[str, str]) -> Any:
     """The config object with overrides coerced to the types of the defaults."""
     import transformers
 

@@ -6,6 +6,7 @@ family's defaults (see `FAMILY_DEFAULTS`). Every builder derives each distinct b
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import fields, replace
 from urllib.parse import parse_qsl
@@ -155,10 +156,9 @@ def _coerce(key: str, raw: str) -> int | bool:
         if raw.lower() not in {"true", "false", "1", "0"}:
             raise SpecError(f"tied={raw!r}: expected true or false")
         return raw.lower() in {"true", "1"}
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SpecError(f"{key}={raw!r}: expected a whole number") from None
+    if not re.fullmatch(r"-?\d{1,12}", raw.strip()):  # int() would also take "1_000"
+        raise SpecError(f"{key}={raw!r}: expected a whole number")
+    value = int(raw)
     if value < 0 or (value == 0 and key in _POSITIVE):
         raise SpecError(f"{key}={value}: must be {'positive' if key in _POSITIVE else '>= 0'}")
     return value

@@ -25,48 +25,62 @@ class ZooEntry(NamedTuple):
     exact: bool = True
 
 
-def _gpt3(layers: int, hidden: int, heads: int, params: float, exact: bool = False) -> ZooEntry:
-    return ZooEntry("gpt", TransformerShape(layers=layers, hidden=hidden, heads=heads, head_dim=hidden // heads,
-                                            vocab=50257, max_positions=2048), 2048, params, exact)
+def _gpt3(*, layers: int, hidden: int, heads: int, params: float, exact: bool = False) -> ZooEntry:
+    shape = TransformerShape(layers=layers, hidden=hidden, heads=heads, head_dim=hidden // heads, vocab=50257,
+                             max_positions=2048)
+    return ZooEntry(family="gpt", shape=shape, seq_len=2048, published_params=params, exact=exact)
 
 
-def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, params: float,
-           seq: int) -> ZooEntry:
-    shape = TransformerShape(layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=ffn, vocab=vocab, tied=False)
-    return ZooEntry("llama", shape, seq, params)
+def _llama(*, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, params: float,
+           seq_len: int) -> ZooEntry:
+    shape = TransformerShape(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
+                             tied=False)
+    return ZooEntry(family="llama", shape=shape, seq_len=seq_len, published_params=params)
 
 
 ZOO: dict[str, ZooEntry] = {
     # GPT-3 paper, Table 2.1 (n_ctx 2048, vocab 50257; 13B uses d_model 5140 with 40 heads of 128).
-    "gpt3-125m": _gpt3(12, 768, 12, 125e6),
-    "gpt3-350m": _gpt3(24, 1024, 16, 350e6),
-    "gpt3-760m": _gpt3(24, 1536, 16, 760e6),
-    "gpt3-1.3b": _gpt3(24, 2048, 24, 1.3e9),
-    "gpt3-2.7b": _gpt3(32, 2560, 32, 2.7e9),
-    "gpt3-6.7b": _gpt3(32, 4096, 32, 6.7e9),
-    "gpt3-13b": ZooEntry("gpt", TransformerShape(layers=40, hidden=5140, heads=40, head_dim=128, vocab=50257,
-                                                 max_positions=2048), 2048, 13e9, False),
-    "gpt3-175b": _gpt3(96, 12288, 96, 174.6e9, exact=True),
+    "gpt3-125m": _gpt3(layers=12, hidden=768, heads=12, params=125e6),
+    "gpt3-350m": _gpt3(layers=24, hidden=1024, heads=16, params=350e6),
+    "gpt3-760m": _gpt3(layers=24, hidden=1536, heads=16, params=760e6),
+    "gpt3-1.3b": _gpt3(layers=24, hidden=2048, heads=24, params=1.3e9),
+    "gpt3-2.7b": _gpt3(layers=32, hidden=2560, heads=32, params=2.7e9),
+    "gpt3-6.7b": _gpt3(layers=32, hidden=4096, heads=32, params=6.7e9),
+    "gpt3-13b": ZooEntry(family="gpt", shape=TransformerShape(layers=40, hidden=5140, heads=40, head_dim=128,
+                                                              vocab=50257, max_positions=2048),
+                         seq_len=2048, published_params=13e9, exact=False),
+    "gpt3-175b": _gpt3(layers=96, hidden=12288, heads=96, params=174.6e9, exact=True),
     # Llama 2 (Touvron et al. 2023) and Llama 3 (Meta 2024) model cards.
-    "llama2-7b": _llama(32, 4096, 32, 32, 11008, 32000, 6.74e9, 4096),
-    "llama2-13b": _llama(40, 5120, 40, 40, 13824, 32000, 13.02e9, 4096),
-    "llama2-70b": _llama(80, 8192, 64, 8, 28672, 32000, 68.98e9, 4096),
-    "llama3-8b": _llama(32, 4096, 32, 8, 14336, 128256, 8.03e9, 8192),
-    "llama3-70b": _llama(80, 8192, 64, 8, 28672, 128256, 70.55e9, 8192),
+    "llama2-7b": _llama(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000,
+                        params=6.74e9, seq_len=4096),
+    "llama2-13b": _llama(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000,
+                         params=13.02e9, seq_len=4096),
+    "llama2-70b": _llama(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000,
+                         params=68.98e9, seq_len=4096),
+    "llama3-8b": _llama(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
+                        params=8.03e9, seq_len=8192),
+    "llama3-70b": _llama(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256,
+                         params=70.55e9, seq_len=8192),
     # BERT-large with pooler and MLM head (the pre-training model, 336M as Hugging Face counts it).
-    "bert-large": ZooEntry("bert", TransformerShape(layers=24, hidden=1024, heads=16, vocab=30522,
-                                                    max_positions=512), 512, 336e6),
+    "bert-large": ZooEntry(family="bert", shape=TransformerShape(layers=24, hidden=1024, heads=16, vocab=30522,
+                                                                 max_positions=512),
+                           seq_len=512, published_params=336e6),
     # T5 v1.0 (Raffel et al. 2020): 3B and 11B, 24 + 24 blocks, d_kv 128.
-    "t5-3b": ZooEntry("t5", TransformerShape(layers=24, hidden=1024, heads=32, head_dim=128, ffn=16384,
-                                             vocab=32128), 512, 2.85e9),
-    "t5-11b": ZooEntry("t5", TransformerShape(layers=24, hidden=1024, heads=128, head_dim=128, ffn=65536,
-                                              vocab=32128), 512, 11.3e9),
+    "t5-3b": ZooEntry(family="t5", shape=TransformerShape(layers=24, hidden=1024, heads=32, head_dim=128, ffn=16384,
+                                                          vocab=32128),
+                      seq_len=512, published_params=2.85e9),
+    "t5-11b": ZooEntry(family="t5", shape=TransformerShape(layers=24, hidden=1024, heads=128, head_dim=128, ffn=65536,
+                                                           vocab=32128),
+                       seq_len=512, published_params=11.3e9),
     # Mixtral 8x7B (Jiang et al. 2024): 46.7B parameters, 12.9B active.
-    "mixtral-8x7b": ZooEntry("moe", TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
-                                                     vocab=32000, tied=False, experts=8, top_k=2), 4096, 46.7e9),
+    "mixtral-8x7b": ZooEntry(family="moe", shape=TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8,
+                                                                  ffn=14336, vocab=32000, tied=False, experts=8,
+                                                                  top_k=2),
+                             seq_len=4096, published_params=46.7e9),
     # ViT-H/14 (Dosovitskiy et al. 2021): 632M parameters at 224 x 224.
-    "vit-h-14": ZooEntry("vit", TransformerShape(layers=32, hidden=1280, heads=16, vocab=0, patch=14,
-                                                 image=224, classes=1000), 257, 632e6),
+    "vit-h-14": ZooEntry(family="vit", shape=TransformerShape(layers=32, hidden=1280, heads=16, vocab=0, patch=14,
+                                                              image=224, classes=1000),
+                         seq_len=257, published_params=632e6),
 }
 
 ALIASES = {"vit-h/14": "vit-h-14", "llama-2-7b": "llama2-7b", "llama-2-13b": "llama2-13b",
