@@ -19,6 +19,7 @@ from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.workload import Workload
 from tagplan.search.planner import plan
+from tagplan.search.problem import PlanProblem
 
 # name, model, cluster, global batch, seq, heterogeneous
 CASES = [
@@ -44,7 +45,7 @@ def run_case(name: str, model: str, cluster: str, batch: int, seq: int, *, evalu
     """One suite row: the planner's best plan against the baselines."""
     m, c = load_model(model, seq_len=seq), load_cluster(cluster)
     w = Workload(global_batch=batch, seq_len=m.seq_len)
-    r = plan(m, c, w, max_evaluations=evaluations, budget_s=budget_s, exhaustive_limit=3000)
+    r = plan(PlanProblem(m, c, w, max_evaluations=evaluations, budget_s=budget_s, exhaustive_limit=3000))
     best = r.best.report.throughput_samples_s
     row: dict[str, Any] = {"case": name, "model": model, "cluster": cluster, "batch": batch, "seq": seq,
                            "best_samples_s": best, "best_iteration_s": r.best.report.iteration_time_s,
@@ -69,7 +70,7 @@ def folding_scaling(evaluations: int) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"layers": layers}
         for fold in (True, False):
             start = time.perf_counter()
-            plan(m, c, w, max_evaluations=evaluations, budget_s=600, fold=fold)
+            plan(PlanProblem(m, c, w, max_evaluations=evaluations, budget_s=600, fold=fold))
             row["folded_s" if fold else "unfolded_s"] = time.perf_counter() - start
         rows.append(row)
     return rows
@@ -82,8 +83,9 @@ def ablation(evaluations: int, budget_s: float) -> list[dict[str, Any]]:
         name, model, cluster, batch, seq, _ = CASES[i]
         m, c = load_model(model, seq_len=seq), load_cluster(cluster)
         w = Workload(global_batch=batch, seq_len=m.seq_len)
-        topo = plan(m, c, w, max_evaluations=evaluations, budget_s=budget_s)
-        blind = plan(m, c, w, max_evaluations=evaluations, budget_s=budget_s, comm_mode=CommMode.BYTES_ONLY)
+        topo = plan(PlanProblem(m, c, w, max_evaluations=evaluations, budget_s=budget_s))
+        blind = plan(PlanProblem(m, c, w, max_evaluations=evaluations, budget_s=budget_s,
+                                 comm_mode=CommMode.BYTES_ONLY))
         judged = Simulator(m, c, w).simulate(blind.best.plan)
 
         def comm(rep: Any) -> float:

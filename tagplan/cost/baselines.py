@@ -1,7 +1,7 @@
 """Baseline plans as constructors: pure data parallel, and the Megatron-LM heuristic.
 
 They are what users run today; the planner reports them beside its own plan. Each returns a
-`Baseline` with the plan, or `plan=None` and the reason it does not apply.
+`BaselinePlan` with the plan, or `plan=None` and the reason it does not apply.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ MAX_TP = 8  # Megatron keeps tensor parallelism inside a node, up to 8 GPUs
 
 
 @dataclass(frozen=True)
-class Baseline:
+class BaselinePlan:
     """A baseline plan, or None with the reason it does not apply or does not fit."""
 
     name: str
@@ -24,7 +24,7 @@ class Baseline:
     reason: str = ""
 
 
-def data_parallel(sim: Simulator) -> Baseline:
+def data_parallel(sim: Simulator) -> BaselinePlan:
     """Every device a replica of the whole model, with the least ZeRO stage that fits (0-3).
 
     The batch is split evenly; gradient accumulation (micro-batches) is used only when one
@@ -33,7 +33,7 @@ def data_parallel(sim: Simulator) -> Baseline:
     n = sim.cluster.num_devices
     batch = sim.workload.global_batch
     if batch < n:
-        return Baseline("data_parallel", None, f"global batch {batch} is smaller than the {n} devices")
+        return BaselinePlan("data_parallel", None, f"global batch {batch} is smaller than the {n} devices")
     devices = tuple(range(n))
     plan: Plan | None = None
     for micro in _divisors(batch // n):
@@ -41,11 +41,11 @@ def data_parallel(sim: Simulator) -> Baseline:
             stage = Stage(layers=(0, len(sim.model.layers)), devices=devices, dp=n, tp=1, zero=zero)
             plan = Plan(micro_batches=micro, schedule=Schedule.ONE_F_ONE_B, stages=(stage,))
             if sim.simulate(plan).fits:
-                return Baseline("data_parallel", plan)
-    return Baseline("data_parallel", None, "does not fit in memory at any ZeRO stage or micro-batch count")
+                return BaselinePlan("data_parallel", plan)
+    return BaselinePlan("data_parallel", None, "does not fit in memory at any ZeRO stage or micro-batch count")
 
 
-def megatron(sim: Simulator) -> Baseline:
+def megatron(sim: Simulator) -> BaselinePlan:
     """Megatron-LM as its users configure it.
 
     TP = the node's GPU count up to 8 (the smallest node's, on mixed clusters); PP = the fewest
@@ -57,7 +57,7 @@ def megatron(sim: Simulator) -> Baseline:
     """
     cluster = sim.cluster
     if len({node.gpus for node in cluster.nodes}) > 1:
-        return Baseline("megatron", None, "nodes differ in GPU count; Megatron-LM needs equal nodes")
+        return BaselinePlan("megatron", None, "nodes differ in GPU count; Megatron-LM needs equal nodes")
     per_node = cluster.nodes[0].gpus
     tp = max(t for t in (1, 2, 4, 8) if t <= min(per_node, MAX_TP) and per_node % t == 0)
     nodes = len(cluster.nodes)
@@ -67,22 +67,22 @@ def megatron(sim: Simulator) -> Baseline:
         if result.plan is not None:
             return result
         last_reason = result.reason
-    return Baseline("megatron", None, last_reason)
+    return BaselinePlan("megatron", None, last_reason)
 
 
-def megatron_plan(sim: Simulator, *, tp: int, pp: int) -> Baseline:
+def megatron_plan(sim: Simulator, *, tp: int, pp: int) -> BaselinePlan:
     """Megatron's plan for given TP and PP degrees (DP is the rest): even layer split, 1F1B, ZeRO-1
     when DP > 1, micro-batch size by the users' rule. `plan=None` if it cannot apply or fit."""
     n = sim.cluster.num_devices
     if n % (tp * pp):
-        return Baseline("megatron", None, f"{n} devices are not divisible by tp * pp = {tp} * {pp}")
+        return BaselinePlan("megatron", None, f"{n} devices are not divisible by tp * pp = {tp} * {pp}")
     stages = _megatron_stages(sim.model, n, tp, pp)
     if isinstance(stages, str):
-        return Baseline("megatron", None, stages)
+        return BaselinePlan("megatron", None, stages)
     plan = _megatron_micro_batches(sim, stages)
     if plan is None:
-        return Baseline("megatron", None, f"tp={tp}, pp={pp}: the batch does not divide or the plan does not fit")
-    return Baseline("megatron", plan)
+        return BaselinePlan("megatron", None, f"tp={tp}, pp={pp}: the batch does not divide or the plan does not fit")
+    return BaselinePlan("megatron", plan)
 
 
 def _intra_node_pp(nodes: int, per_node: int, tp: int) -> list[tuple[int, int]]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import math
 from functools import cached_property
-from pathlib import Path
 
 from pydantic import Field, model_validator
 
@@ -162,20 +161,3 @@ def calibrated_cluster(cluster: Cluster, calibration: Calibration) -> Cluster:
     if latencies:
         network = network.model_copy(update={"latency_s": max(latencies), "oversubscription": 1.0})
     return cluster.model_copy(update={"nodes": tuple(nodes), "network": network})
-
-
-def load_calibration(path: str | Path) -> Calibration:
-    """A calibration file written by `tagplan calibrate`; SpecError naming the file and the bad field."""
-    from pydantic import ValidationError
-
-    from tagplan.errors import SpecError, from_validation
-
-    source = Path(path)
-    try:
-        text = source.read_text()
-    except OSError as err:
-        raise SpecError(f"--calibration {source}: cannot read it ({err.strerror or err})") from None
-    try:
-        return Calibration.model_validate_json(text)
-    except ValidationError as err:
-        raise from_validation(f"calibration file {source}", err) from None

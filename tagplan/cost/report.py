@@ -24,12 +24,13 @@ class Breakdown(Record):
 
 
 class DeviceMemoryReport(Record):
-    """Peak memory of one device of the plan, by part (bytes)."""
+    """Peak memory of one device of the plan, by part (bytes); `mem_bytes` is the device's memory
+    (`DeviceSpec.mem_bytes`, the one name for it), `memory_bytes` the plan's peak use of it."""
 
     device: int
     type: str
     memory_bytes: float
-    capacity_bytes: float
+    mem_bytes: float
     fits: bool
     weights_bytes: float
     gradients_bytes: float
@@ -52,7 +53,7 @@ class StageReport(Record):
     p2p_s: float
     in_flight: int
     samples_per_micro_batch: float
-    memory: DeviceMemoryReport = Field(description="the stage's device with the highest memory / capacity")
+    memory: DeviceMemoryReport = Field(description="the stage's device with the highest memory_bytes / mem_bytes")
 
 
 class Report(Record):
@@ -64,7 +65,7 @@ class Report(Record):
     tflops_per_device: float = Field(description="model FLOPs (no recomputation) per device per second / 1e12")
     mfu: float = Field(description="model FLOPs / (iteration time x sum of the devices' dense peaks)")
     peak_memory_bytes: float
-    worst_device: int = Field(description="the device with the highest memory / capacity ratio")
+    worst_device: int = Field(description="the device with the highest memory_bytes / mem_bytes ratio")
     fits: bool
     breakdown: Breakdown
     devices: tuple[int, ...] = Field(description="the plan's devices, ascending")

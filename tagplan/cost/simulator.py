@@ -327,12 +327,6 @@ class Simulator:
                            in_flight=pipe.max_in_flight[i], samples_per_micro_batch=max(cost.samples), memory=memory)
 
 
-def simulate(model: ModelGraph, cluster: Cluster, plan: Plan, workload: Workload, *,
-             calibration: Calibration = DEFAULT_CALIBRATION, comm_mode: CommMode = CommMode.TOPOLOGY) -> Report:
-    """The Report of one iteration of `plan` (see `Simulator` to reuse memo tables across plans)."""
-    return Simulator(model, cluster, workload, calibration=calibration, comm_mode=comm_mode).simulate(plan)
-
-
 def _lanes(plan: Plan) -> list[tuple[tuple[int, ...], list[int]]]:
     """Distinct device groups in order (one lane each) and the stages each runs."""
     order: dict[tuple[int, ...], list[int]] = {}
@@ -356,7 +350,7 @@ def _device_report(cluster: Cluster, device: int, mems: list[DeviceMemory]) -> D
     other = max(m.transient_bytes for m in mems) + mems[0].overhead_bytes
     total = weights + grads + optim + acts + other
     return DeviceMemoryReport(
-        device=device, type=spec.name, memory_bytes=total, capacity_bytes=float(spec.mem_bytes),
+        device=device, type=spec.name, memory_bytes=total, mem_bytes=float(spec.mem_bytes),
         fits=total <= spec.mem_bytes, weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim,
         activations_bytes=acts, other_bytes=other)
 

@@ -29,6 +29,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from tagplan import __version__
+from tagplan.cost.bounds import lower_bound_s
 from tagplan.cost.simulator import Simulator
 from tagplan.datasets.clusters import TRAIN_GPU_TYPES, random_cluster
 from tagplan.datasets.models import ModelRecipe, build_model, random_recipe
@@ -99,12 +100,6 @@ class Instance:
 def model_digest(model: ModelGraph) -> str:
     """First 16 hex digits of the sha256 of the model's JSON."""
     return hashlib.sha256(model.to_json().encode()).hexdigest()[:16]
-
-
-def lower_bound_s(model: ModelGraph, cluster: Cluster, workload: Workload) -> float:
-    """Seconds of an iteration at every device's dense peak: 3 * batch * FLOPs / sum of peaks."""
-    peak = sum(d.spec.peak_flops(workload.dtype) for d in cluster.devices)
-    return 3.0 * workload.global_batch * model.flops_per_sample / peak
 
 
 def instance_rng(seed: int, index: int) -> random.Random:

@@ -12,7 +12,7 @@ Node types and edge types (TAG's op/device graph at layer granularity):
 - ``('layer', 'placed_on', 'device')`` and its reverse ``('device', 'hosts', 'layer')``: each
   layer to every device of its stage, `PLACE_DIM` attributes.
 - ``data.graph_attr`` of shape [1, GRAPH_DIM]: plan-wide scalars, among them the closed-form
-  estimate of `gnn.analytic` (the cost model's per-stage figures composed by formula), which
+  estimate of `cost.estimate` (the cost model's per-stage figures composed by formula), which
   the value head corrects.
 
 `LAYER_FEATURES`, `DEVICE_FEATURES`, ... name the columns in order. Every feature is a ratio or
@@ -36,10 +36,11 @@ import numpy as np
 import torch
 from torch_geometric.data import HeteroData
 
+from tagplan.cost.bounds import lower_bound_s
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
+from tagplan.cost.estimate import Estimate, estimate
 from tagplan.cost.memory import FRAMEWORK_OVERHEAD_BYTES, model_state_bytes
 from tagplan.cost.simulator import Simulator
-from tagplan.gnn.analytic import Estimate, estimate
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule, check_plan
@@ -78,7 +79,7 @@ LAYER_FEATURES = (
     # what crosses pipeline cuts (flows edge attributes, summed per layer)
     "log1p(MB received across a stage cut per replica micro-batch)",
     "log1p(MB sent across a stage cut per replica micro-batch)",
-    # the cost model's figures of the layer's stage (gnn.analytic)
+    # the cost model's figures of the layer's stage (cost.estimate)
     "log(M * stage forward + backward per micro-batch / estimate)",
     "stage TP communication / stage forward + backward",
     "log1p(stage gradient sync per iteration / estimate)",
@@ -104,7 +105,7 @@ GRAPH_FEATURES = (
     "log2 stages", "log2 micro-batches", "schedule is gpipe", "schedule is 1f1b", "schedule is interleaved_1f1b",
     "log global batch", "log devices used", "log(used devices' peak / all devices' peak)",
     "log(3 * batch * forward FLOPs / used peak, in s)", "log(model params / 1e9)", "log(model seq_len / 1024)",
-    # the closed-form estimate of gnn.analytic and its parts
+    # the closed-form estimate of cost.estimate and its parts
     "log(estimate / T_lb)", "log(pipeline / estimate)", "log(M * busiest lane / pipeline)",
     "log1p(p2p per micro-batch / estimate)", "log1p(gradient sync / estimate)",
     "log1p(exposed gradient sync / estimate)", "log1p(optimizer step / estimate)",
@@ -126,12 +127,6 @@ EDGE_DIMS = {FLOWS: FLOW_DIM, LINK: LINK_DIM, PLACED_ON: PLACE_DIM, HOSTS: PLACE
 KINDS = {"embedding": 0, "head": 2, "other": 3}  # any other block kind (block, encoder, ...) is 1
 SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B)
 MIN_LATENCY_S = 1e-9  # a device's link to itself has latency 0; the log needs a floor
-
-
-def lower_bound_s(model: ModelGraph, cluster: Cluster, workload: Workload) -> float:
-    """T_lb in seconds: one iteration's training FLOPs (3x forward) over the sum of every device's peak."""
-    peak = sum(d.spec.peak_flops(workload.dtype) for d in cluster.devices)
-    return 3.0 * workload.global_batch * model.flops_per_sample / peak
 
 
 @dataclass(frozen=True)
@@ -224,7 +219,7 @@ def featurize(model: ModelGraph, cluster: Cluster, workload: Workload, plan: Pla
 
     Raises ValueError when the plan does not cover the model or names devices the cluster lacks.
     Pass a `FeatureCache` to reuse the model and cluster parts across plans. `calibration` is
-    the cost model's, whose per-stage figures the analytic features (`gnn.analytic`) are made of.
+    the cost model's, whose per-stage figures the analytic features (`cost.estimate`) are made of.
     """
     check_plan(plan, model, cluster)
     cache = cache or FeatureCache(size=1)

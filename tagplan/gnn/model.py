@@ -52,7 +52,7 @@ class PlanGNN(nn.Module):
     :math:`\hat{y}` estimates :math:`\log(T / T_{lb}) \geq 0` and :math:`\sigma(\hat{f})` the
     probability that the plan fits in memory. With `prior` (the default) the value head predicts
     a correction to the closed-form estimate :math:`g_{G,\mathrm{prior}} = \log(T_{est} / T_{lb})`
-    of `gnn.analytic` (graph column `features.PRIOR_FEATURE`); without it, the whole value.
+    of `cost.estimate` (graph column `features.PRIOR_FEATURE`); without it, the whole value.
 
     Args:
         hidden (int): width of every node embedding; divisible by `heads`. (default: 64)

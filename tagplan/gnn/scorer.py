@@ -14,14 +14,14 @@ import numpy as np
 import torch
 from torch_geometric.data import Batch
 
+from tagplan.cost.bounds import INFEASIBLE_FACTOR, lower_bound_s
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from tagplan.gnn.features import FeatureCache, featurize, lower_bound_s
+from tagplan.gnn.features import FeatureCache, featurize
 from tagplan.gnn.model import PlanGNN
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan
 from tagplan.ir.workload import Workload
-from tagplan.search.planner import INFEASIBLE_FACTOR
 from tagplan.search.space import Action, PlanSpace, PlanState
 
 FIT_THRESHOLD = 0.5
@@ -40,7 +40,7 @@ class GNNScorer:
                 calibration: Calibration = DEFAULT_CALIBRATION) -> tuple[np.ndarray, np.ndarray]:
         """(log_ratio [B], fit_prob [B]) as float64 arrays, from one batched forward pass.
 
-        log_ratio estimates log(T / T_lb) (T_lb from `features.lower_bound_s`); fit_prob is the
+        log_ratio estimates log(T / T_lb) (T_lb from `cost.bounds.lower_bound_s`); fit_prob is the
         probability that the plan fits in every device's memory. `calibration` is the cost
         model's, whose per-stage figures the features include.
         """

@@ -8,6 +8,8 @@ from pydantic import Field
 
 from tagplan.ir.base import Record
 
+DEFAULT_GLOBAL_BATCH = 8  # samples per iteration when none is asked for (every command, the service)
+
 
 class DType(StrEnum):
     """Compute dtype of activations and weights used in matmuls."""
@@ -44,7 +46,7 @@ _STATE_BYTES = {
 class Workload(Record):
     """One training iteration: global batch (samples), sequence length (tokens), dtype, optimizer."""
 
-    global_batch: int = Field(default=8, gt=0, description="samples per iteration, all replicas")
+    global_batch: int = Field(default=DEFAULT_GLOBAL_BATCH, gt=0, description="samples per iteration, all replicas")
     seq_len: int = Field(default=2048, gt=0, description="tokens per sample")
     dtype: DType = DType.BF16
     optimizer: Optimizer = Optimizer.ADAM

@@ -17,7 +17,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +24,7 @@ from torch.nn import functional
 from torch.utils.checkpoint import checkpoint
 
 from tagplan.datasets.traces.bundle import IterationRecord
+from tagplan.frontends.cpu import cpu_cluster
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.plan import Plan, Stage
 from tagplan.ir.workload import DType, Optimizer, Workload
@@ -116,12 +116,6 @@ def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2)
         if step >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times), steps
-
-
-def cpu_cluster(spec: DeviceSpec, devices: int = 1) -> dict[str, Any]:
-    """An inline cluster file object: one node of `devices` devices of `spec` (this CPU) on shared memory."""
-    return {"name": "this-cpu",
-            "node_groups": [{"gpu": spec.model_dump(), "gpus_per_node": devices, "fabric": "smp"}]}
 
 
 def iteration_records(spec: DeviceSpec, cases: Sequence[IterationCase] = QUICK_CASES, *, steps: int = 5,

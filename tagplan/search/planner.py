@@ -1,9 +1,10 @@
 """The planner: MCTS over the decision process, judged by the simulator, with baselines.
 
-`plan()` searches with an injected prior and evaluator (uniform prior + simulator by default;
-the GNN provides another pair), then refines the best plan's tensor-parallel stages with the
+`plan(problem)` searches with an injected prior (uniform by default; the GNN provides another)
+and the simulator as evaluator, then refines the best plan's tensor-parallel stages with the
 intra-stage solver, and reports the Pareto frontier of everything it simulated, the baselines
-and, where the space is small enough, the exhaustive optimum.
+and, where the space is small enough, the exhaustive optimum. The best plan is simulated once
+more with its task times recorded, so callers draw its timeline without simulating again.
 
 The value the search maximises is scale-free: T_lb / T, where T_lb is the iteration's model
 FLOPs over the sum of the devices' peaks; a plan that does not fit scores 1% of that.
@@ -15,23 +16,21 @@ import time
 from collections.abc import Callable
 
 from tagplan.cost import baselines as base
-from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from tagplan.cost.comm import CommMode
+from tagplan.cost.bounds import lower_bound_s, plan_value
 from tagplan.cost.report import Report
 from tagplan.cost.simulator import Simulator
-from tagplan.ir.cluster import Cluster
-from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan
-from tagplan.ir.workload import Workload
 from tagplan.search.exhaustive import exhaustive
-from tagplan.search.mcts import Evaluator, Prior, mcts, uniform_prior
+from tagplan.search.mcts import Prior, mcts, uniform_prior
 from tagplan.search.pareto import frontier
+from tagplan.search.problem import Objective, PlanProblem
 from tagplan.search.refine import refine_sharding
-from tagplan.search.result import Baseline, Candidate, Objective, PlanResult, SearchInfo
+from tagplan.search.result import Baseline, Candidate, PlanResult, SearchInfo
 from tagplan.search.space import PlanSpace, PlanState
 
-INFEASIBLE_FACTOR = 0.01
 DEFAULT_TIME_SLACK = 1.25  # memory / GPU objectives accept plans up to 25% slower than the fastest
+PriorFactory = Callable[[PlanSpace], Prior]
+Progress = Callable[[int, int], None]
 
 
 class SimulatorEvaluator:
@@ -40,8 +39,7 @@ class SimulatorEvaluator:
     def __init__(self, space: PlanSpace) -> None:
         self.space = space
         sim = space.sim
-        peak = sum(d.spec.peak_flops(sim.workload.dtype) for d in sim.cluster.devices)
-        self.lower_bound_s = 3.0 * sim.workload.global_batch * sim.model.flops_per_sample / peak
+        self.lower_bound_s = lower_bound_s(sim.model, sim.cluster, sim.workload)
         self.candidates: dict[str, Candidate] = {}  # keyed by the plan's JSON (plans with sharding are unhashable)
 
     def __call__(self, state: PlanState) -> float:
@@ -58,49 +56,46 @@ class SimulatorEvaluator:
         return hit
 
     def value(self, report: Report) -> float:
-        """The scale-free value of a report."""
-        v = self.lower_bound_s / report.iteration_time_s
-        return v if report.fits else v * INFEASIBLE_FACTOR
+        """The scale-free value of a report (`cost.bounds.plan_value`)."""
+        return plan_value(self.lower_bound_s, report.iteration_time_s, fits=report.fits)
 
 
-def plan(model: ModelGraph, cluster: Cluster, workload: Workload, *, objective: Objective = Objective.TIME,
-         budget_s: float = 30.0, max_evaluations: int = 400, seed: int = 0, prior: Prior | None = None,
-         evaluator: Evaluator | None = None, time_bound_s: float | None = None,
-         calibration: Calibration = DEFAULT_CALIBRATION, comm_mode: CommMode = CommMode.TOPOLOGY,
-         exhaustive_limit: int = 0, progress: Callable[[int, int], None] | None = None,
-         fold: bool = True, prior_factory: Callable[[PlanSpace], Prior] | None = None) -> PlanResult:
-    """Search plans of `model` on `cluster` for `workload` and return the best, frontier and baselines.
+def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None,
+         progress: Progress | None = None) -> PlanResult:
+    """Search plans for `problem`; the best (with its simulation), the frontier and the baselines.
 
-    `fold=False` disables block folding (every layer costed on its own, no memo between plans):
-    an ablation for the benchmark. `prior_factory(space)` builds the search prior (the GNN's);
-    whatever guides the search, the returned plans are ranked by the simulator.
+    `prior_factory(space)` builds the search prior (the GNN's; the caller resolves
+    `problem.scorer` to it, since the search imports no model); without one the prior is uniform.
+    Whatever guides the search, the returned plans are ranked by the simulator. `progress(done,
+    total)` is called after each evaluation and may raise to stop the search.
     """
     start = time.perf_counter()
-    sim = Simulator(model, cluster, workload, calibration=calibration, comm_mode=comm_mode, fold=fold)
-    space = PlanSpace(sim, subsets=objective is Objective.GPUS)
+    sim = Simulator(problem.model, problem.cluster, problem.workload, calibration=problem.calibration,
+                    comm_mode=problem.comm_mode, fold=problem.fold)
+    space = PlanSpace(sim, subsets=problem.objective is Objective.GPUS)
     judge = SimulatorEvaluator(space)
-    if prior is None and prior_factory is not None:
-        prior = prior_factory(space)
-    found = mcts(space, PlanState(), prior=prior or uniform_prior, evaluator=evaluator or judge,
-                 max_evaluations=max_evaluations, max_wall_s=budget_s, seed=seed, progress=progress)
+    prior = prior_factory(space) if prior_factory is not None else uniform_prior
+    found = mcts(space, PlanState(), prior=prior, evaluator=judge, max_evaluations=problem.max_evaluations,
+                 max_wall_s=problem.budget_s, seed=problem.seed, progress=progress)
     for state, _ in found.evaluated:
         judge.candidate(space.to_plan(state))
-    baselines = _baselines(sim, judge, exhaustive_limit, space)
+    baselines = _baselines(sim, judge, problem.exhaustive_limit, space)
     pool = [c for c in judge.candidates.values() if c.report.fits]
     pool += [b.candidate for b in baselines.values() if b.candidate is not None]
-    best, notes = _choose(pool, objective, time_bound_s, judge)
+    best, notes = _choose(pool, problem.objective, problem.time_bound_s, judge)
     refined, solves, hits = refine_sharding(sim, best.plan)
     if refined is not None:
         better = judge.candidate(refined, "search+intra")
         if better.report.fits and better.report.iteration_time_s < best.report.iteration_time_s:
             best = better
             pool.append(better)
+    simulation = sim.run(best.plan)  # the best plan's task times, for its timeline
     stats = found.stats
     info = SearchInfo(wall_s=time.perf_counter() - start, evaluations=stats.evaluations, cache_hits=stats.cache_hits,
                       simulations=stats.simulations, stopped_by=stats.stopped_by, intra_solves=solves,
                       intra_cache_hits=hits)
-    return PlanResult(best=best, pareto=tuple(frontier(pool)), baselines=baselines, search=info, objective=objective,
-                      notes=tuple(notes))
+    return PlanResult(best=best, pareto=tuple(frontier(pool)), baselines=baselines, search=info,
+                      objective=problem.objective, notes=tuple(notes), simulation=simulation)
 
 
 def _baselines(sim: Simulator, judge: SimulatorEvaluator, limit: int, space: PlanSpace) -> dict[str, Baseline]:

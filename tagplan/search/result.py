@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from tagplan.cost.report import Report
+from tagplan.cost.simulator import Simulation
+from tagplan.cost.timeline import chrome_trace
 from tagplan.ir.plan import Plan
-
-
-class Objective(StrEnum):
-    """What "best" means."""
-
-    TIME = "time"  # minimise iteration time among plans that fit
-    MEMORY = "memory"  # minimise peak memory per device, within the time bound
-    GPUS = "gpus"  # minimise GPUs used, within the time bound
+from tagplan.search.problem import Objective
 
 
 @dataclass(frozen=True)
@@ -61,14 +55,19 @@ class SearchInfo:
 
 @dataclass(frozen=True)
 class PlanResult:
-    """The planner's answer."""
+    """The planner's answer; `simulation` is the best plan's, with the task times of its timeline."""
 
     best: Candidate
     pareto: tuple[Candidate, ...]
     baselines: dict[str, Baseline]
     search: SearchInfo
+    simulation: Simulation
     objective: Objective = Objective.TIME
     notes: tuple[str, ...] = field(default=())
+
+    def timeline(self) -> dict[str, Any]:
+        """The best plan's iteration as a Chrome trace document (`cost.timeline.chrome_trace`)."""
+        return chrome_trace(self.simulation)
 
     def to_json(self) -> dict[str, Any]:
         """`{best, pareto, baselines, baseline_reasons, search}` (the CLI's and service's contract)."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tagplan.errors import SpecError
+from tagplan.search.problem import Scorer
 
 PACKAGED_CHECKPOINT = Path(__file__).resolve().parents[1] / "gnn" / "checkpoints" / "default.pt"
 AUTO_GNN_MAX_DEVICES = 256
@@ -125,6 +126,16 @@ class Registry:
         if version is not None:
             return self.root / "versions" / version / "model.pt"
         return PACKAGED_CHECKPOINT if PACKAGED_CHECKPOINT.exists() else None
+
+
+def prior_factory(scorer: Scorer, registry: Registry, devices: int) -> Callable[[Any], Any] | None:
+    """The search prior `scorer` asks for: None (uniform) for `simulator`, else the GNN's (see below)."""
+    if scorer is Scorer.SIMULATOR:
+        return None
+    try:
+        return gnn_prior_factory(registry, devices, required=scorer is Scorer.GNN)
+    except SpecError as err:
+        raise SpecError(f"scorer gnn: {err}") from None
 
 
 def gnn_prior_factory(registry: Registry, devices: int, *, required: bool = False) -> Callable[[Any], Any] | None:

@@ -27,11 +27,12 @@ import numpy as np
 import torch
 from torch_geometric.data import Batch, HeteroData
 
+from tagplan.cost.bounds import lower_bound_s
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.cost.simulator import Simulator
 from tagplan.datasets.traces.bundle import Bundle, IterationRecord
 from tagplan.errors import SpecError
-from tagplan.gnn.features import FeatureCache, featurize, lower_bound_s
+from tagplan.gnn.features import FeatureCache, featurize
 from tagplan.gnn.model import PlanGNN, load_checkpoint, save_checkpoint
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph

@@ -6,13 +6,21 @@ from hypothesis import strategies as st
 
 from tagplan.cost.calibration import Calibration
 from tagplan.cost.comm import CommMode
-from tagplan.cost.simulator import Simulator, simulate
+from tagplan.cost.report import Report
+from tagplan.cost.simulator import Simulator
 from tagplan.errors import SpecError
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
-from tagplan.ir import Cluster, LinkKind, Network, Node, Plan, Schedule, Stage, Workload
+from tagplan.ir import Cluster, LinkKind, ModelGraph, Network, Node, Plan, Schedule, Stage, Workload
 
 from .conftest import flat_cluster, matmul_model, unit_spec
+
+
+def simulate(model: ModelGraph, cluster: Cluster, plan: Plan, workload: Workload, *,
+             calibration: Calibration | None = None, comm_mode: CommMode = CommMode.TOPOLOGY) -> Report:
+    """One plan's Report from a fresh Simulator (the tests here change the cluster between calls)."""
+    extra = {} if calibration is None else {"calibration": calibration}
+    return Simulator(model, cluster, workload, comm_mode=comm_mode, **extra).simulate(plan)
 
 
 def one_per_stage(stages: int, layers: int, micro_batches: int, schedule: Schedule = Schedule.ONE_F_ONE_B) -> Plan:

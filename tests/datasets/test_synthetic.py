@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tagplan.cost.bounds import lower_bound_s
 from tagplan.cost.simulator import Simulator
 from tagplan.datasets.clusters import HELD_OUT_GPU_TYPES, TRAIN_GPU_TYPES
 from tagplan.datasets.models import TRANSFORMER_FAMILIES
@@ -21,7 +22,6 @@ from tagplan.datasets.synthetic import (
     instance_rng,
     label_instance,
     load_samples,
-    lower_bound_s,
     random_instance,
     random_walk,
     rebuild,

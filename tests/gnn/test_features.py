@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tagplan.cost.baselines import megatron
+from tagplan.cost.bounds import lower_bound_s
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
@@ -28,7 +29,6 @@ from tagplan.gnn.features import (
     PLACED_ON,
     FeatureCache,
     featurize,
-    lower_bound_s,
 )
 from tagplan.gnn.model import PlanGNN
 from tagplan.ir import Cluster, ModelGraph, Plan, Schedule, Stage, Workload

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 from torch_geometric.data import Batch, HeteroData
 
+from tagplan.cost.bounds import lower_bound_s
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
-from tagplan.gnn.features import lower_bound_s
 from tagplan.gnn.model import PlanGNN
 from tagplan.gnn.scorer import GNNEvaluator, GNNPrior, GNNScorer
 from tagplan.ir import Workload

@@ -6,9 +6,18 @@ from tagplan.cli import main
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir import Workload
+from tagplan.ir.cluster import Cluster
+from tagplan.ir.model import ModelGraph
 from tagplan.search.pareto import dominates
-from tagplan.search.planner import plan
-from tagplan.search.result import Objective
+from tagplan.search.planner import PriorFactory, plan
+from tagplan.search.problem import Objective, PlanProblem
+from tagplan.search.result import PlanResult
+
+
+def _plan(model: ModelGraph, cluster: Cluster, workload: Workload, *, prior_factory: PriorFactory | None = None,
+          **problem: object) -> PlanResult:
+    return plan(PlanProblem(model, cluster, workload, **problem), prior_factory=prior_factory)  # type: ignore[arg-type]
+
 
 SMALL = [
     ("gpt?layers=4&hidden=256&heads=4&vocab=500", "p3.8xlarge+g4dn.12xlarge", 16),
@@ -21,7 +30,7 @@ SMALL = [
 @pytest.mark.parametrize(("model", "cluster", "batch"), SMALL)
 def test_planner_matches_the_exhaustive_optimum_on_small_heterogeneous_cases(model: str, cluster: str,
                                                                               batch: int) -> None:
-    result = plan(load_model(model, seq_len=256), load_cluster(cluster), Workload(global_batch=batch, seq_len=256),
+    result = _plan(load_model(model, seq_len=256), load_cluster(cluster), Workload(global_batch=batch, seq_len=256),
                   max_evaluations=400, budget_s=60, exhaustive_limit=20000)
     exhaustive = result.baselines["exhaustive"].candidate
     assert exhaustive is not None
@@ -29,7 +38,7 @@ def test_planner_matches_the_exhaustive_optimum_on_small_heterogeneous_cases(mod
 
 
 def test_tp_stays_inside_nvlink_nodes_and_not_across_a_slow_network() -> None:
-    result = plan(load_model("gpt?layers=8&hidden=2048&heads=16&vocab=1000", seq_len=1024),
+    result = _plan(load_model("gpt?layers=8&hidden=2048&heads=16&vocab=1000", seq_len=1024),
                   load_cluster("p3.8xlarge:nodes=2"), Workload(global_batch=16, seq_len=1024), max_evaluations=150)
     cluster = load_cluster("p3.8xlarge:nodes=2")
     for stage in result.best.plan.stages:
@@ -39,7 +48,7 @@ def test_tp_stays_inside_nvlink_nodes_and_not_across_a_slow_network() -> None:
 
 
 def test_faster_gpus_get_more_layers_or_batch() -> None:
-    result = plan(load_model("gpt?layers=12&hidden=1024&heads=16&vocab=1000", seq_len=512),
+    result = _plan(load_model("gpt?layers=12&hidden=1024&heads=16&vocab=1000", seq_len=512),
                   load_cluster("dgx-a100-80gb+g4dn.12xlarge"), Workload(global_batch=32, seq_len=512),
                   max_evaluations=200)
     cluster = load_cluster("dgx-a100-80gb+g4dn.12xlarge")
@@ -60,12 +69,12 @@ def test_faster_gpus_get_more_layers_or_batch() -> None:
 def test_frontier_is_non_dominated_and_same_seed_same_plan() -> None:
     args = (load_model("gpt?layers=6&hidden=512&heads=8&vocab=500", seq_len=256), load_cluster("p3.8xlarge:nodes=2"),
             Workload(global_batch=16, seq_len=256))
-    a = plan(*args, max_evaluations=80, seed=3)
-    b = plan(*args, max_evaluations=80, seed=3)
+    a = _plan(*args, max_evaluations=80, seed=3)
+    b = _plan(*args, max_evaluations=80, seed=3)
     assert a.best.plan == b.best.plan
     for x in a.pareto:
         assert not any(dominates(y.objectives, x.objectives) for y in a.pareto)
-    memory = plan(*args, max_evaluations=80, seed=3, objective=Objective.MEMORY)
+    memory = _plan(*args, max_evaluations=80, seed=3, objective=Objective.MEMORY)
     assert memory.best.report.peak_memory_bytes <= a.best.report.peak_memory_bytes
     assert memory.best.report.iteration_time_s <= 1.25 * a.best.report.iteration_time_s + 1e-12
 
@@ -88,8 +97,8 @@ def test_gpu_objective_can_use_fewer_nodes_within_the_time_bound() -> None:
     model = load_model("gpt?layers=4&hidden=256&heads=4&vocab=500", seq_len=128)
     cluster = load_cluster("p3.8xlarge:nodes=4")  # a tiny model over 10 Gb/s: more nodes barely help
     workload = Workload(global_batch=16, seq_len=128)
-    fastest = plan(model, cluster, workload, max_evaluations=150)
-    frugal = plan(model, cluster, workload, max_evaluations=150, objective=Objective.GPUS)
+    fastest = _plan(model, cluster, workload, max_evaluations=150)
+    frugal = _plan(model, cluster, workload, max_evaluations=150, objective=Objective.GPUS)
     assert frugal.best.report.devices_used < 16
     assert frugal.best.report.iteration_time_s <= 1.25 * fastest.best.report.iteration_time_s + 1e-12
 
@@ -107,8 +116,16 @@ def test_gnn_guided_search_still_matches_the_exhaustive_optimum() -> None:
     scorer = GNNScorer(model)
     args = (load_model("gpt?layers=4&hidden=256&heads=4&vocab=500", seq_len=256),
             load_cluster("p3.8xlarge+g4dn.12xlarge"), Workload(global_batch=16, seq_len=256))
-    guided = plan(*args, max_evaluations=400, budget_s=120, exhaustive_limit=20000,
+    guided = _plan(*args, max_evaluations=400, budget_s=120, exhaustive_limit=20000,
                   prior_factory=lambda space: GNNPrior(space, scorer))
     exhaustive = guided.baselines["exhaustive"].candidate
     assert exhaustive is not None
     assert guided.best.report.iteration_time_s <= exhaustive.report.iteration_time_s * 1.02
+
+
+def test_result_carries_the_best_plans_simulation_and_timeline() -> None:
+    result = _plan(load_model("gpt?layers=4&hidden=256&heads=4&vocab=500", seq_len=128), load_cluster("p3.8xlarge"),
+                   Workload(global_batch=8, seq_len=128), max_evaluations=30)
+    assert result.simulation.report == result.best.report  # the same plan, simulated with its task times
+    events = result.timeline()["traceEvents"]
+    assert any(e.get("ph") == "X" for e in events)

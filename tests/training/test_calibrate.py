@@ -14,7 +14,6 @@ from tagplan.cost.calibration import (
     LinkFit,
     calibrated_cluster,
     link_key,
-    load_calibration,
     scaled,
 )
 from tagplan.cost.comm import Collective, CommModel
@@ -25,6 +24,7 @@ from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.model import OpKind
 from tagplan.ir.workload import DType
 from tagplan.training.calibrate import fit_calibration, predict_op_s
+from tagplan.training.calibrations import load_calibration
 
 DEVICE = DeviceSpec(name="test-accel", peak_flops_bf16=1e14, peak_flops_fp16=1e14, peak_flops_fp32=2e13,
                     mem_bytes=16 * 2**30, mem_bandwidth_Bps=1e12)

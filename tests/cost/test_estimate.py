@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tagplan.cost.estimate import estimate
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
-from tagplan.gnn.analytic import estimate
 from tagplan.ir import Plan, Schedule, Stage, Workload
 from tagplan.search.space import PlanSpace, PlanState
 
