@@ -1,4 +1,8 @@
-"""Summaries of IR objects for people (rich tables) and tools (JSON-ready dicts, stable keys)."""
+"""Rich tables for people: each draws the JSON-ready dict (or object) a command prints with `--json`.
+
+The dicts come from `tagplan.ir.summary`, `PlanResult.to_json`-side objects and the commands
+themselves; nothing here computes a figure, it only formats one.
+"""
 
 from __future__ import annotations
 
@@ -7,64 +11,12 @@ from typing import Any
 from rich.table import Table
 
 from tagplan.cost.report import Report
-from tagplan.ir.cluster import Cluster
-from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan
-from tagplan.ir.workload import DType
 from tagplan.search.result import Candidate, PlanResult
 
 
-def model_summary(model: ModelGraph, *, batch: int = 1) -> dict[str, Any]:
-    """`{name, params, flops_per_sample, layers: [{name, hash, params, flops}], unique_blocks, ...}`.
-
-    Layer `flops` are forward FLOPs per sample; `flops_per_batch` is forward for `batch` samples.
-    """
-    layers = []
-    for i, layer in enumerate(model.layers):
-        block = model.block_of(i)
-        layers.append({"name": layer.name, "hash": block.hash, "kind": block.kind, "params": block.params,
-                       "flops": block.flops, "param_bytes": block.param_bytes,
-                       "saved_bytes": block.saved_bytes, "output_bytes": block.output_bytes})
-    return {
-        "name": model.name, "family": model.family, "params": model.params,
-        "flops_per_sample": model.flops_per_sample, "unique_blocks": model.unique_blocks,
-        "seq_len": model.seq_len, "dtype": model.dtype.value, "batch": batch,
-        "flops_per_batch": model.flops_per_sample * batch, "layers": layers,
-    }
-
-
-def cluster_summary(cluster: Cluster, *, dtype: DType = DType.BF16) -> dict[str, Any]:
-    """`{name, devices: [{index, node, type, peak_flops, mem_bytes}], nodes: [...], links: [...]}`.
-
-    `peak_flops` is dense FLOP/s in `dtype`; bandwidths are unidirectional bytes/s.
-    """
-    devices = [{"index": d.index, "node": d.node, "local": d.local, "type": d.spec.name,
-                "peak_flops": d.spec.peak_flops(dtype), "mem_bytes": d.spec.mem_bytes,
-                "mem_bandwidth_Bps": d.spec.mem_bandwidth_Bps} for d in cluster.devices]
-    nodes, links = [], []
-    for n, node in enumerate(cluster.nodes):
-        members = list(cluster.node_devices(n))
-        nodes.append({"index": n, "name": node.name, "type": node.device.name, "gpus": node.gpus,
-                      "devices": members, "fabric": node.fabric.value,
-                      "fabric_bandwidth_Bps": node.fabric_bandwidth_Bps, "nics": node.nics,
-                      "nic_bandwidth_Bps": node.nic_bandwidth_Bps,
-                      "nic_bandwidth_per_gpu_Bps": node.nic_bandwidth_per_gpu_Bps})
-        if node.gpus > 1:
-            links.append({"scope": "intra", "node": n, "kind": node.fabric.value, "devices": members,
-                          "bandwidth_Bps": node.fabric_bandwidth_Bps, "latency_s": node.fabric_latency_s})
-        for p in node.pair_links:
-            links.append({"scope": "pair", "node": n, "kind": p.kind.value, "src": members[p.a],
-                          "dst": members[p.b], "bandwidth_Bps": p.bandwidth_Bps, "latency_s": p.latency_s})
-        if len(cluster.nodes) > 1:
-            links.append({"scope": "nic", "node": n, "kind": "network", "nics": node.nics,
-                          "bandwidth_Bps": node.nic_bandwidth_per_gpu_Bps, "latency_s": cluster.network.latency_s})
-    return {"name": cluster.name, "num_devices": cluster.num_devices, "device_types": list(cluster.device_types),
-            "devices": devices, "nodes": nodes, "links": links,
-            "network": {"latency_s": cluster.network.latency_s,
-                        "oversubscription": cluster.network.oversubscription}}
-
-
-def _si(x: float, unit: str = "") -> str:
+def si(x: float, unit: str = "") -> str:
+    """`x` with an SI prefix and two decimals: `si(2.5e12, "FLOP")` is `"2.50 TFLOP"`."""
     for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= factor:
             return f"{x / factor:.2f} {prefix}{unit}"
@@ -73,7 +25,7 @@ def _si(x: float, unit: str = "") -> str:
 
 def model_table(summary: dict[str, Any], max_rows: int = 40) -> Table:
     """A table of the layer sequence; runs of identical blocks are collapsed into one row."""
-    title = (f"{summary['name']}: {_si(summary['params'])} params, {_si(summary['flops_per_sample'], 'FLOP')} "
+    title = (f"{summary['name']}: {si(summary['params'])} params, {si(summary['flops_per_sample'], 'FLOP')} "
              f"fwd/sample at seq {summary['seq_len']} ({summary['dtype']}), {summary['unique_blocks']} unique blocks")
     table = Table(title=title)
     for col in ("layers", "kind", "hash", "params", "fwd FLOP/sample", "saved act./sample"):
@@ -87,8 +39,8 @@ def model_table(summary: dict[str, Any], max_rows: int = 40) -> Table:
     for run in runs[:max_rows]:
         first = run[0]
         name = first["name"] if len(run) == 1 else f"{first['name']}..{run[-1]['name'].rsplit('.', 1)[-1]} x{len(run)}"
-        table.add_row(name, first["kind"], first["hash"][:10], _si(first["params"]), _si(first["flops"]),
-                      _si(first["saved_bytes"], "B"))
+        table.add_row(name, first["kind"], first["hash"][:10], si(first["params"]), si(first["flops"]),
+                      si(first["saved_bytes"], "B"))
     return table
 
 
@@ -102,9 +54,9 @@ def cluster_table(summary: dict[str, Any]) -> Table:
     for node in summary["nodes"]:
         first = by_index[node["devices"][0]]
         span = f"{node['devices'][0]}-{node['devices'][-1]}"
-        table.add_row(node["name"], span, f"{node['gpus']} x {node['type']}", _si(first["peak_flops"], "FLOP/s"),
-                      _si(first["mem_bytes"], "B"), node["fabric"], _si(node["fabric_bandwidth_Bps"], "B/s"),
-                      _si(node["nic_bandwidth_per_gpu_Bps"], "B/s"))
+        table.add_row(node["name"], span, f"{node['gpus']} x {node['type']}", si(first["peak_flops"], "FLOP/s"),
+                      si(first["mem_bytes"], "B"), node["fabric"], si(node["fabric_bandwidth_Bps"], "B/s"),
+                      si(node["nic_bandwidth_per_gpu_Bps"], "B/s"))
     return table
 
 
@@ -113,7 +65,7 @@ def report_table(report: Report, plan: Plan) -> Table:
     b = report.breakdown
     title = (f"iteration {report.iteration_time_s:.3f} s | {report.throughput_samples_s:.2f} samples/s | "
              f"{report.tflops_per_device:.1f} TFLOP/s per device | MFU {report.mfu:.1%} | peak memory "
-             f"{_si(report.peak_memory_bytes, 'B')} on device {report.worst_device} "
+             f"{si(report.peak_memory_bytes, 'B')} on device {report.worst_device} "
              f"({'fits' if report.fits else 'DOES NOT FIT'})\n"
              f"compute {b.compute:.3f} s, tp {b.tp_comm:.3f} s, dp {b.dp_comm:.3f} s, pp {b.pp_comm:.3f} s, "
              f"bubble {b.bubble:.3f} s, optimizer {b.optimizer:.3f} s | {plan.micro_batches} micro-batches, "
@@ -136,7 +88,7 @@ def plan_result_table(result: PlanResult) -> Table:
     best = result.best
     title = (f"best plan ({best.source}, objective {result.objective.value}): {best.report.iteration_time_s:.3f} s "
              f"per iteration, {best.report.throughput_samples_s:.2f} samples/s, MFU {best.report.mfu:.1%}, "
-             f"peak {_si(best.report.peak_memory_bytes, 'B')} | searched {result.search.evaluations} plans in "
+             f"peak {si(best.report.peak_memory_bytes, 'B')} | searched {result.search.evaluations} plans in "
              f"{result.search.wall_s:.1f} s")
     table = Table(title=title)
     for col in ("plan", "stages (layers: dp x tp @ devices)", "micro-batches", "iteration", "samples/s",
@@ -153,6 +105,68 @@ def plan_result_table(result: PlanResult) -> Table:
                            for s in cand.plan.stages)
         r = cand.report
         table.add_row(name, stages, str(cand.plan.micro_batches), f"{r.iteration_time_s:.3f} s",
-                      f"{r.throughput_samples_s:.2f}", _si(r.peak_memory_bytes, "B"), str(r.devices_used),
+                      f"{r.throughput_samples_s:.2f}", si(r.peak_memory_bytes, "B"), str(r.devices_used),
                       f"{r.iteration_time_s / best.report.iteration_time_s:.2f}x")
     return table
+
+
+def calibration_table(report: dict[str, Any]) -> Table:
+    """`tagplan calibrate`'s report: held-out error per device and kind, before and after the fit."""
+    caption = None
+    if report.get("ops_mape_before") is not None:
+        caption = (f"ops, all held out: MAPE {report['ops_mape_before']:.1%} before -> "
+                   f"{report['ops_mape_after']:.1%} after")
+    table = Table(title=f"held-out error of the simulator's op and collective times ({report['calibration']})",
+                  caption=caption)
+    for column in ("device", "what", "fitted on", "held out", "MAPE before", "MAPE after"):
+        table.add_column(column, justify="right" if column not in ("device", "what") else "left")
+    for row in report["rows"]:
+        before = "-" if row["mape_before"] is None else f"{row['mape_before']:.1%}"
+        table.add_row(row["device"], row["what"], str(row["fitted_on"]), str(row["held_out"]), before,
+                      f"{row['mape_after']:.1%}")
+    return table
+
+
+def metrics_table(summary: dict[str, Any]) -> Table:
+    """`tagplan train`'s result: the checkpoint, its version, and its metrics per split."""
+    version = summary.get("version")
+    state = "not registered"
+    if version:
+        state = f"registered as {version}" + (" (active)" if summary.get("activated") else "")
+    table = Table(title=f"{summary['checkpoint']}: {state}")
+    table.add_column("split")
+    table.add_column("metrics")
+    for split, values in summary["metrics"].items():
+        shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+        table.add_row(split, shown)
+    return table
+
+
+_HEADLINE = ("mape", "mape_after", "kendall_tau")  # the metrics `models list` shows per split (--json: all)
+
+
+def models_table(summary: dict[str, Any]) -> Table | str:
+    """`tagplan models`: the registry's versions, the active one marked (one line when there are none)."""
+    fallback = f"; the planner uses {summary['fallback']}" if summary.get("fallback") else ""
+    if not summary["versions"]:
+        return f"no GNN versions registered{fallback}"
+    table = Table(title=f"GNN versions (active: {summary['active'] or 'none'}{fallback})")
+    for col in ("version", "active", "metrics"):
+        table.add_column(col)
+    for row in summary["versions"]:
+        metrics = "; ".join(f"{split}: " + ", ".join(f"{k} {m[k]:.4g}" for k in _HEADLINE
+                                                     if isinstance(m.get(k), float))
+                            for split, m in row["metrics"].items() if isinstance(m, dict))
+        table.add_row(row["version"], "*" if row["active"] else "", metrics)
+    return table
+
+
+def bundle_line(summary: dict[str, Any]) -> str:
+    """A trace bundle's record counts in one line (and, when the summary holds it, what its manifest says)."""
+    line = (f"{summary['bundle']}: {summary['op_records']} op records, {summary['collective_records']} collective "
+            f"records, {summary['iteration_records']} iteration records")
+    manifest = summary.get("manifest")
+    if manifest:
+        line += (f"\nmeasured on {manifest['fingerprint']['device_type']} by `{manifest['source']}` "
+                 f"({manifest['created']})")
+    return line

@@ -1,0 +1,111 @@
+"""`tagplan export` and `tagplan verify`: a plan as a program, and proof that it runs as planned.
+
+Both read the model SPEC with the frontends' grammar (`parse_model_spec`) before anything else;
+`export` builds `--cluster` with the shared cluster options (`ClusterOptions`), `verify` resolves
+`--calibration` as every command does and measures this CPU (one core per rank) for its prediction.
+Both print a summary for people, or JSON with `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from tagplan.cli.options import (
+    Subparsers,
+    add_calibration_option,
+    add_cluster_options,
+    add_json_option,
+    emit,
+    load_calibration_option,
+    load_cluster_option,
+    positive_int,
+)
+from tagplan.errors import SpecError
+
+
+def add_export_commands(sub: Subparsers) -> None:
+    """Add `export` and `verify` to the `tagplan` parser."""
+    exp = sub.add_parser("export", help="write a plan as a torch program, Megatron-LM arguments or a DeepSpeed config")
+    exp.add_argument("--model", required=True, help="model SPEC")
+    exp.add_argument("--cluster", default=None, help="cluster SPEC (checked against the plan's devices)")
+    add_cluster_options(exp)
+    exp.add_argument("--plan", required=True, help="a Plan JSON file")
+    exp.add_argument("--format", choices=["torch", "megatron", "deepspeed"], default="torch", dest="fmt")
+    exp.add_argument("--batch", type=positive_int, default=8, help="global batch in samples")
+    exp.add_argument("--seq", type=positive_int, default=None, help="tokens per sample (default: the model's)")
+    exp.add_argument("--out", required=True, help="directory to write")
+    add_json_option(exp, "the format and the files written")
+    exp.set_defaults(func=_export)
+
+    ver = sub.add_parser("verify", help="run the exported plan on CPU (gloo) on a scaled-down model and check it "
+                                        "against a one-process reference")
+    ver.add_argument("--model", required=True, help="model SPEC (scaled down, same family and layer count)")
+    ver.add_argument("--plan", required=True, help="a Plan JSON file")
+    ver.add_argument("--procs", type=positive_int, default=None, help="local processes (default: the plan's devices)")
+    add_calibration_option(ver, "the one pinned beside the active GNN version, else the shipped defaults; "
+                                "for the predicted step time")
+    add_json_option(ver, "the verification report")
+    ver.set_defaults(func=_verify)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tagplan.export import export
+    from tagplan.frontends.model_spec import parse_model_spec
+    from tagplan.frontends.plan_file import load_plan
+
+    spec = parse_model_spec(args.model)
+    plan = load_plan(args.plan)
+    cluster = load_cluster_option(args.cluster, args) if args.cluster else None
+    written = export(spec, plan, Path(args.out), fmt=args.fmt, seq_len=args.seq, global_batch=args.batch,
+                     cluster=cluster)
+    emit({"format": args.fmt, "files": [str(p) for p in written]}, args.json, _export_text)
+    return 0
+
+
+def _export_text(result: dict[str, Any]) -> str:
+    return "\n".join([f"wrote the {result['format']} export:", *(f"  {f}" for f in result["files"])])
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from tagplan.export.verify import predicted_vs_measured, verify
+    from tagplan.frontends.model_spec import parse_model_spec
+    from tagplan.frontends.plan_file import load_plan
+    from tagplan.profiling.device import cpu_device_spec
+
+    spec = parse_model_spec(args.model)
+    calibration = load_calibration_option(args)
+    plan = load_plan(args.plan)
+    report = verify(spec, plan, procs=args.procs)
+    out = {k: v for k, v in dataclasses.asdict(report).items() if k != "plan"}
+    if report.passed:
+        try:  # each rank ran one torch thread: the device is this CPU with one core
+            comparison = predicted_vs_measured(report, cpu_device_spec(cores=1), calibration=calibration)
+            out["predicted_vs_measured"] = dataclasses.asdict(comparison)
+        except (SpecError, ValueError) as err:
+            out["predicted_vs_measured"] = {"error": str(err)}
+    emit(out, args.json, _verify_text)
+    if not report.passed:
+        print(f"tagplan verify: FAILED: {report.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _verify_text(out: dict[str, Any]) -> str:
+    verdict = "PASSED" if out["passed"] else "FAILED"
+    loss = "none" if out["loss"] is None else f"{out['loss']:.6g}"
+    lines = [f"verify {verdict}: {out['message']}",
+             f"  loss {loss} vs one-process reference {out['reference_loss']:.6g}; max |error| "
+             f"{out['max_abs_error']:.3g}, max relative {out['max_rel_error']:.3g} (worst: {out['worst_parameter']})"]
+    for rank, seconds in sorted(out["step_time_s"].items()):
+        lines.append(f"  rank {rank} (stages {out['rank_stages'].get(rank, ())}): {seconds * 1e3:.1f} ms per step")
+    pvm = out.get("predicted_vs_measured", {})
+    if "ratio" in pvm:
+        lines.append(f"  measured {pvm['measured_s'] * 1e3:.1f} ms vs predicted {pvm['predicted_s'] * 1e3:.1f} ms "
+                     f"(ratio {pvm['ratio']:.2f})")
+    elif "error" in pvm:
+        lines.append(f"  no prediction: {pvm['error']}")
+    return "\n".join(lines)

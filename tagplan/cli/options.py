@@ -1,0 +1,155 @@
+"""What every `tagplan` command shares: exit codes, argument types, output, and the problem options.
+
+The model, cluster and workload options are defined here once, for every command that takes
+them (`inspect cluster`, `simulate`, `plan`; `export` and `service` may adopt them), with the one
+function that turns each group into what the core takes: `cluster_options` -> `ClusterOptions`,
+`load_problem` -> (ModelGraph, Cluster, Workload). This module imports no other `tagplan.cli` module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from tagplan.ir.workload import DType, Optimizer, Workload
+from tagplan.search.problem import DEFAULT_GLOBAL_BATCH
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+
+    from tagplan.cost.calibration import Calibration
+    from tagplan.frontends.cluster_spec import ClusterOptions
+    from tagplan.ir.cluster import Cluster
+    from tagplan.ir.model import ModelGraph
+
+EXIT_BAD_INPUT = 2
+"""The exit code of bad input (a SpecError, or arguments argparse refuses)."""
+
+Subparsers = argparse._SubParsersAction
+"""What `add_subparsers` returns; each command group adds its commands to it."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number above zero."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number")
+    return value
+
+
+def console() -> Console:
+    """Rich's console on stdout; piped output gets a wide page rather than rich's 80-column default."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
+def add_json_option(parser: argparse.ArgumentParser, what: str = "the result") -> None:
+    """`--json`: print `what` as JSON on stdout instead of a table for people."""
+    parser.add_argument("--json", action="store_true", help=f"{what} as JSON on stdout (for tools)")
+
+
+def emit(result: Any, as_json: bool, render: Callable[[Any], RenderableType]) -> None:
+    """Print `result` as JSON (a dict or a pydantic model) or as `render(result)` for people."""
+    if as_json:
+        text = result.model_dump_json(indent=2) if isinstance(result, BaseModel) else json.dumps(result, indent=2)
+        sys.stdout.write(text + "\n")
+        return
+    rendered = render(result)
+    if isinstance(rendered, str):  # plain text: paths and sources may hold brackets rich would read as markup
+        from rich.text import Text
+
+        rendered = Text(rendered)
+    console().print(rendered)
+
+
+def add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """The options that complete a cluster SPEC (`frontends.cluster_spec.ClusterOptions`)."""
+    group = parser.add_argument_group("cluster options", "defaults for every preset term; what a topology file "
+                                                         "leaves out")
+    group.add_argument("--nodes", type=positive_int, default=None, help="nodes, for one-node topology files")
+    group.add_argument("--gpu", default=None, help="GPU type, for topology files that do not name it")
+    group.add_argument("--nics", type=positive_int, default=None, help="NICs per node")
+    group.add_argument("--nic-gbps", type=positive_float, default=None, help="NIC speed in Gb/s")
+    group.add_argument("--network-latency-us", type=float, default=None,
+                       help="one-way latency between nodes in microseconds (default: by NIC class)")
+    group.add_argument("--nccl-tests", action="append", default=None, metavar="LOG",
+                       help="nccl-tests output whose measured bandwidth replaces the catalog's (repeatable)")
+
+
+def cluster_options(args: argparse.Namespace) -> ClusterOptions:
+    """The ClusterOptions the flags `add_cluster_options` defines ask for."""
+    from tagplan.frontends.cluster_spec import ClusterOptions
+
+    return ClusterOptions(nodes=args.nodes, gpu=args.gpu, nic_speed_Gbps=args.nic_gbps, nics=args.nics,
+                          network_latency_us=args.network_latency_us, nccl_tests=tuple(args.nccl_tests or ()))
+
+
+def load_cluster_option(spec: str, args: argparse.Namespace) -> Cluster:
+    """The Cluster a SPEC names, completed by the cluster options in `args`."""
+    from tagplan.frontends.cluster_spec import load_cluster
+
+    return load_cluster(spec, cluster_options(args))
+
+
+def add_dtype_option(parser: argparse.ArgumentParser) -> None:
+    """`--dtype`: the training precision (and the peak FLOP/s a cluster is shown with)."""
+    parser.add_argument("--dtype", choices=[d.value for d in DType], default=DType.BF16.value)
+
+
+def add_calibration_option(parser: argparse.ArgumentParser, default_help: str) -> None:
+    """`--calibration`: a calibration file or a registry version with one pinned."""
+    parser.add_argument("--calibration", default=None, metavar="CALIB.json|VERSION",
+                        help="cost-model calibration from `tagplan calibrate`, or a registry version with one "
+                             f"pinned (default: {default_help})")
+
+
+def load_calibration_option(args: argparse.Namespace) -> Calibration:
+    """The calibration `--calibration` names (`training.calibrations.resolve_calibration`)."""
+    from tagplan.training.calibrations import resolve_calibration
+    from tagplan.training.registry import Registry
+
+    return resolve_calibration(args.calibration, Registry(), allow_paths=True)
+
+
+def add_problem_options(parser: argparse.ArgumentParser) -> None:
+    """--model, --cluster (with the cluster options), the workload and the calibration options."""
+    parser.add_argument("--model", required=True, help="model SPEC")
+    parser.add_argument("--cluster", required=True, help="cluster SPEC")
+    add_cluster_options(parser)
+    parser.add_argument("--batch", type=positive_int, default=DEFAULT_GLOBAL_BATCH,
+                        help=f"global batch in samples (default {DEFAULT_GLOBAL_BATCH})")
+    parser.add_argument("--seq", type=positive_int, default=None, help="tokens per sample (default: the model's)")
+    add_dtype_option(parser)
+    parser.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value)
+    add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
+
+
+def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workload]:
+    """(ModelGraph, Cluster, Workload) from the options `add_problem_options` defines."""
+    from tagplan.frontends.model_spec import load_model
+
+    dtype = DType(args.dtype)
+    model = load_model(args.model, seq_len=args.seq, dtype=dtype)
+    workload = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
+                        optimizer=Optimizer(args.optimizer))
+    return model, load_cluster_option(args.cluster, args), workload

@@ -1,0 +1,137 @@
+"""`tagplan simulate` (predict one plan) and `tagplan plan` (search the best one).
+
+Both take the problem options of `cli.options`; `plan` turns them into one `PlanProblem`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tagplan.cli.options import (
+    Subparsers,
+    add_json_option,
+    add_problem_options,
+    emit,
+    load_calibration_option,
+    load_problem,
+    positive_float,
+    positive_int,
+)
+from tagplan.cost.comm import CommMode
+from tagplan.errors import SpecError
+from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS, Objective, PlanProblem, Scorer
+from tagplan.search.result import PlanResult
+
+
+def add_planning_commands(sub: Subparsers) -> None:
+    """Add `simulate` and `plan` to the `tagplan` parser."""
+    sim = sub.add_parser("simulate", help="predict one iteration of a plan: time, memory, breakdown, timeline")
+    add_problem_options(sim)
+    sim.add_argument("--plan", required=True, help="a Plan JSON file, or a baseline: dp | megatron")
+    _add_comm_mode(sim)
+    sim.add_argument("--timeline", default=None, metavar="OUT.json", help="write a Chrome trace (open in Perfetto)")
+    sim.add_argument("--plan-out", default=None, metavar="PLAN.json", help="write the simulated plan (for baselines)")
+    add_json_option(sim, "the Report")
+    sim.set_defaults(func=_simulate)
+
+    cmd = sub.add_parser("plan", help="search the best plan: MCTS judged by the simulator, with baselines")
+    add_problem_options(cmd)
+    cmd.add_argument("--budget-s", type=positive_float, default=DEFAULT_BUDGET_S,
+                     help=f"wall-clock budget of the search in seconds (default {DEFAULT_BUDGET_S:g})")
+    cmd.add_argument("--max-evaluations", type=positive_int, default=DEFAULT_MAX_EVALUATIONS,
+                     help=f"plans simulated at most (default {DEFAULT_MAX_EVALUATIONS})")
+    cmd.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.TIME.value)
+    cmd.add_argument("--time-bound-s", type=positive_float, default=None,
+                     help="for --objective memory|gpus: slowest acceptable iteration (default 1.25 x the fastest)")
+    cmd.add_argument("--exhaustive-limit", type=int, default=0,
+                     help="also enumerate the whole space when it has at most this many plans")
+    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--scorer", choices=[s.value for s in Scorer], default=Scorer.AUTO.value,
+                     help="search prior: the GNN (auto: when a checkpoint is installed) or uniform; "
+                          "plans are always ranked by the simulator")
+    _add_comm_mode(cmd)
+    cmd.add_argument("--out", default=None, metavar="PLAN.json", help="write the best plan (Plan JSON v1)")
+    cmd.add_argument("--timeline", default=None, metavar="OUT.json", help="write the best plan's Chrome trace")
+    add_json_option(cmd, "the full result (`PlanResult.to_json`)")
+    cmd.set_defaults(func=_plan)
+
+
+def _add_comm_mode(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--comm-mode", choices=[m.value for m in CommMode], default=CommMode.TOPOLOGY.value,
+                        help="bytes_only ignores the topology (an ablation; its times only compare with each other)")
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from tagplan.cli.tables import report_table
+    from tagplan.cost.baselines import data_parallel, megatron
+    from tagplan.cost.simulator import Simulator
+    from tagplan.cost.timeline import chrome_trace
+    from tagplan.frontends.plan_file import load_plan
+
+    model, cluster, workload = load_problem(args)
+    sim = Simulator(model, cluster, workload, comm_mode=CommMode(args.comm_mode),
+                    calibration=load_calibration_option(args))
+    if args.plan in ("dp", "megatron"):
+        baseline = (data_parallel if args.plan == "dp" else megatron)(sim)
+        if baseline.plan is None:
+            raise SpecError(f"--plan {args.plan}: the baseline does not apply: {baseline.reason}")
+        plan = baseline.plan
+    else:
+        plan = load_plan(args.plan)
+    result = sim.run(plan, record_tasks=bool(args.timeline))
+    if args.timeline:
+        Path(args.timeline).write_text(json.dumps(chrome_trace(result)))
+    if args.plan_out:
+        Path(args.plan_out).write_text(plan.model_dump_json(indent=2))
+    emit(result.report, args.json, lambda report: report_table(report, plan))
+    return 0
+
+
+def plan_problem(args: argparse.Namespace) -> PlanProblem:
+    """The one PlanProblem the `plan` options describe."""
+    model, cluster, workload = load_problem(args)
+    return PlanProblem(model, cluster, workload, objective=Objective(args.objective), budget_s=args.budget_s,
+                       max_evaluations=args.max_evaluations, seed=args.seed, time_bound_s=args.time_bound_s,
+                       calibration=load_calibration_option(args), scorer=Scorer(args.scorer),
+                       comm_mode=CommMode(args.comm_mode), exhaustive_limit=args.exhaustive_limit)
+
+
+def search(problem: PlanProblem, *, show_progress: bool) -> PlanResult:
+    """`search.planner.plan` with the prior `problem.scorer` asks for, and a progress bar if asked."""
+    from tagplan.search.planner import plan
+    from tagplan.training.registry import Registry, prior_factory
+
+    prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices)
+    with _progress(problem.max_evaluations, enabled=show_progress) as tick:
+        return plan(problem, prior_factory=prior, progress=tick)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from tagplan.cli.tables import plan_result_table
+
+    result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty())
+    if args.out:
+        Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))
+    if args.timeline:
+        Path(args.timeline).write_text(json.dumps(result.timeline()))
+    emit(result.to_json() if args.json else result, args.json, plan_result_table)
+    return 0
+
+
+@contextmanager
+def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar on a terminal; nothing when piped."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("searching plans", total=total)
+        yield lambda done, _total: bar.update(task, completed=done)
+

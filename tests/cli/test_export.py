@@ -1,0 +1,92 @@
+"""`tagplan export` and `tagplan verify` as users run them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tagplan.cli import main
+
+TINY = "gpt?layers=2&hidden=64&heads=4&vocab=128"
+
+
+def write_plan(path: Path, stages: list[dict], micro_batches: int = 4) -> Path:  # type: ignore[type-arg]
+    path.write_text(json.dumps({"version": 1, "micro_batches": micro_batches, "schedule": "1f1b", "stages": stages}))
+    return path
+
+
+def test_export_torch_and_megatron_write_their_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = write_plan(tmp_path / "plan.json", [{"layers": [0, 2], "devices": [0, 1], "dp": 1, "tp": 2},
+                                               {"layers": [2, 4], "devices": [2, 3], "dp": 1, "tp": 2}])
+    wide = "gpt?layers=2&hidden=64&heads=4&vocab=4096"  # more vocabulary than positions: wte splits by rows
+    assert main(["export", "--model", wide, "--plan", str(plan), "--seq", "16", "--format", "torch",
+                 "--out", str(tmp_path / "torch"), "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert {Path(f).name for f in files} == {"train.py", "plan.json"}
+    assert "init_device_mesh" in (tmp_path / "torch" / "train.py").read_text()
+    assert main(["export", "--model", wide, "--plan", str(plan), "--seq", "16", "--format", "megatron",
+                 "--cluster", "p3.8xlarge", "--out", str(tmp_path / "mg")]) == 0
+    text = capsys.readouterr().out  # for people: the files, one a line
+    assert text.startswith("wrote the megatron export:") and "megatron_args.txt" in text
+    args = (tmp_path / "mg" / "megatron_args.txt").read_text().split()
+    assert args[args.index("--tensor-model-parallel-size") + 1] == "2"
+    assert args[args.index("--pipeline-model-parallel-size") + 1] == "2"
+
+
+def test_an_inexpressible_plan_is_refused_with_exit_code_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = write_plan(tmp_path / "uneven.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1,
+                                                 "batch_shares": [0.75, 0.25]}], micro_batches=1)
+    for fmt in ("torch", "megatron", "deepspeed"):
+        assert main(["export", "--model", TINY, "--plan", str(plan), "--seq", "16", "--format", fmt,
+                     "--out", str(tmp_path / fmt)]) == 2
+        err = capsys.readouterr().err
+        assert "share" in err, err
+        assert not (tmp_path / fmt).exists() or not any((tmp_path / fmt).iterdir())
+
+
+@pytest.mark.slow
+def test_verify_runs_a_pipeline_on_gloo_and_compares_with_one_process(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    plan = write_plan(tmp_path / "pp2.json", [{"layers": [0, 2], "devices": [0], "dp": 1, "tp": 1},
+                                              {"layers": [2, 4], "devices": [1], "dp": 1, "tp": 1}])
+    assert main(["verify", "--model", TINY, "--plan", str(plan), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] and out["max_abs_error"] < 1e-5 and len(out["step_time_s"]) == 2
+    assert out["predicted_vs_measured"]["predicted_s"] > 0
+
+
+HF_LLAMA = ("hf:LlamaConfig?num_hidden_layers=2&hidden_size=256&intermediate_size=512&num_attention_heads=4"
+            "&num_key_value_heads=2&vocab_size=1000")
+
+
+def test_hugging_face_llama_and_gpt2_configs_export_as_their_families(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from tagplan.export.modules import build_model
+    from tagplan.frontends.model_spec import load_model
+
+    for spec in (HF_LLAMA, "hf:GPT2Config?n_layer=2&n_embd=128&n_head=4&vocab_size=1000"):
+        graph, module = load_model(spec, seq_len=16), build_model(spec, seq_len=16)
+        assert sum(p.numel() for p in module.parameters()) == graph.params  # same shapes as the traced graph
+    plan = write_plan(tmp_path / "tp2.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 1, "tp": 2}], 2)
+    for fmt in ("torch", "megatron"):
+        assert main(["export", "--model", HF_LLAMA, "--plan", str(plan), "--seq", "16", "--format", fmt,
+                     "--out", str(tmp_path / fmt)]) == 0, capsys.readouterr().err
+    args = (tmp_path / "megatron" / "megatron_args.txt").read_text().split()
+    assert args[args.index("--num-query-groups") + 1] == "2" and "--swiglu" in args
+    assert main(["export", "--model", "hf:BertConfig", "--plan", str(plan), "--format", "torch",
+                 "--out", str(tmp_path / "bert")]) == 2
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = write_plan(tmp_path / "one.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1}], 1)
+    assert main(["export", "--model", "gpt?layerz=2", "--plan", str(tmp_path / "missing.json"),
+                 "--out", str(tmp_path / "x")]) == 2  # the SPEC is read first
+    assert "layerz" in capsys.readouterr().err
+    assert main(["export", "--model", TINY, "--plan", str(plan), "--seq", "16", "--cluster", "p3.8xlarge",
+                 "--nodes", "2", "--format", "deepspeed", "--out", str(tmp_path / "ds"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "deepspeed"
+    assert main(["verify", "--model", TINY, "--plan", str(plan), "--calibration", str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

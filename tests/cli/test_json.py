@@ -1,0 +1,65 @@
+"""`--json` output of the commands tools script: it parses, and carries the keys they read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tagplan.cli import main
+
+TINY = "gpt?layers=2&hidden=128&heads=2&vocab=2048"
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TAGPLAN_HOME", str(tmp_path / "home"))
+
+
+def _json(capsys: pytest.CaptureFixture[str]) -> dict:
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_timeline_and_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, timeline = tmp_path / "plan.json", tmp_path / "trace.json"
+    args = ["plan", "--model", TINY, "--seq", "64", "--cluster", "p3.8xlarge", "--max-evaluations", "20",
+            "--scorer", "simulator", "--out", str(out), "--timeline", str(timeline), "--json"]
+    assert main(args) == 0
+    result = _json(capsys)
+    assert {"objective", "best", "pareto", "baselines", "search"} <= set(result)
+    assert result["search"]["evaluations"] <= 20
+    assert json.loads(out.read_text()) == result["best"]["plan"]
+    assert any(e.get("cat") == "forward" for e in json.loads(timeline.read_text())["traceEvents"])
+    # the written plan simulates to the reported figures
+    assert main(["simulate", "--model", TINY, "--seq", "64", "--cluster", "p3.8xlarge", "--plan", str(out),
+                 "--json"]) == 0
+    assert _json(capsys)["iteration_time_s"] == pytest.approx(result["best"]["report"]["iteration_time_s"])
+
+
+def test_simulate_takes_the_cluster_options(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--model", TINY, "--seq", "64", "--cluster", "p3.8xlarge:nodes=2", "--plan", "dp", "--json"]
+    assert main(args) == 0
+    near = _json(capsys)["iteration_time_s"]
+    assert main([*args, "--network-latency-us", "5000"]) == 0
+    assert _json(capsys)["iteration_time_s"] > near
+
+
+def test_models_and_dataset_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", "list", "--json"]) == 0
+    assert _json(capsys)["versions"] == []
+    assert main(["models", "list"]) == 0
+    assert "no GNN versions registered" in capsys.readouterr().out
+    data = tmp_path / "data"
+    assert main(["dataset", "generate", "--out", str(data), "--instances", "1", "--plans-per-instance", "2",
+                 "--workers", "1", "--json"]) == 0
+    written = _json(capsys)
+    assert Path(written["train"], "samples.jsonl").exists() and Path(written["heldout_gpus"]).is_dir()
+
+
+@pytest.mark.slow
+def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--model", TINY, "--cluster", "p3.8xlarge", "--json"]) == 0
+    shown = _json(capsys)
+    assert shown["model"]["name"] == TINY and shown["cluster"]["num_devices"] == 4
+    assert shown["plan"]["best"]["report"]["fits"]

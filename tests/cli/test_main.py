@@ -1,0 +1,113 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tagplan.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user starts it: a separate process."""
+    return subprocess.run([sys.executable, "-m", "tagplan.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_inspect_model_json_has_the_stable_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "model", "gpt3-175b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"name", "params", "flops_per_sample", "layers", "unique_blocks"} <= set(out)
+    assert out["params"] == pytest.approx(174.6e9, rel=0.01)
+    assert out["unique_blocks"] == 3 and len(out["layers"]) == 98
+    assert {"name", "hash", "params", "flops"} <= set(out["layers"][0])
+    assert sum(layer["params"] for layer in out["layers"]) == out["params"]
+
+
+def test_inspect_model_batch_and_seq(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "model", "llama2-7b", "--seq", "1024", "--batch", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["seq_len"] == 1024
+    assert out["flops_per_batch"] == pytest.approx(8 * out["flops_per_sample"])
+
+
+def test_inspect_model_table_for_people(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "model", "gpt3-125m"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt3-125m" in out and "x12" in out  # twelve folded blocks shown as one row
+
+
+def test_inspect_cluster_mixed_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "cluster", "p3.8xlarge:nodes=3+g4dn.12xlarge:nodes=1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"name", "devices", "nodes", "links"} <= set(out)
+    assert len(out["devices"]) == 16
+    assert len({d["type"] for d in out["devices"]}) == 2
+    assert [d["index"] for d in out["devices"]] == list(range(16))
+    assert {"index", "node", "type", "peak_flops", "mem_bytes"} <= set(out["devices"][0])
+    assert out["devices"][0]["type"] != out["devices"][15]["type"]
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["inspect", "model", "gpt3-17b"], "Did you mean 'gpt3-175b'"),
+    (["inspect", "model", "gpt?layers=0"], "layers=0: must be positive"),
+    (["inspect", "cluster", "p3.8xlarge:nodes=0"], "nodes"),
+    (["inspect", "cluster", "dgx-a10"], "dgx-a100"),
+    (["inspect", "model", "llama2-7b", "--seq", "-4"], "must be positive"),
+])
+def test_bad_input_is_one_clear_message_exit_2(args: list[str], needle: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_hf_config_offline() -> None:
+    result = run_cli("inspect", "model", "hf:LlamaConfig?num_hidden_layers=2&hidden_size=256&intermediate_size=512"
+                     "&num_attention_heads=4&num_key_value_heads=4&vocab_size=1000", "--seq", "64", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["unique_blocks"] >= 2
+
+
+def test_inspect_cluster_from_topology_file_with_network_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    topo = Path(__file__).parents[1] / "frontends" / "fixtures" / "topo_dgx_a100.txt"
+    args = ["inspect", "cluster", str(topo), "--nodes", "2", "--gpu", "A100-SXM-80GB", "--nic-gbps", "200",
+            "--network-latency-us", "7", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["devices"]) == 16 and out["device_types"] == ["A100-SXM-80GB"]
+    assert out["network"]["latency_s"] == pytest.approx(7e-6)
+    nic = next(link for link in out["links"] if link["scope"] == "nic")
+    assert nic["bandwidth_Bps"] == pytest.approx(200e9 / 8)  # 8 NICs shared by 8 GPUs
+
+
+def test_simulate_megatron_gpt3_175b_on_128_dgx(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    timeline = tmp_path / "trace.json"
+    args = ["simulate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80gb:nodes=128", "--plan", "megatron",
+            "--batch", "1536", "--seq", "2048", "--json", "--timeline", str(timeline)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert 0 < report["mfu"] < 1
+    parts = report["breakdown"]
+    assert set(parts) == {"compute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer"}
+    assert sum(parts.values()) == pytest.approx(report["iteration_time_s"], rel=0.01)
+    for key in ("iteration_time_s", "throughput_samples_s", "tokens_per_s", "tflops_per_device", "peak_memory_bytes",
+                "fits", "memory_per_device_bytes"):
+        assert key in report
+    assert len(report["memory_per_device_bytes"]) == 1024
+    assert report["throughput_samples_s"] == pytest.approx(1536 / report["iteration_time_s"])
+    events = json.loads(timeline.read_text())["traceEvents"]
+    assert any(e.get("cat") == "backward" for e in events)
+
+
+def test_simulate_plan_file_and_bad_plan(tmp_path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"micro_batches": 2, "schedule": "1f1b", "stages": [
+        {"layers": [0, 7], "devices": [0, 1], "tp": 2}, {"layers": [7, 14], "devices": [2, 3], "dp": 2}]}))
+    ok = run_cli("simulate", "--model", "gpt3-125m", "--cluster", "g4dn.12xlarge", "--plan", str(plan), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["devices_used"] == 4
+    plan.write_text(json.dumps({"micro_batches": 2, "stages": [{"layers": [0, 14], "devices": [0, 9]}]}))
+    bad = run_cli("simulate", "--model", "gpt3-125m", "--cluster", "g4dn.12xlarge", "--plan", str(plan))
+    assert bad.returncode == 2 and "stages.0" in bad.stderr and "Traceback" not in bad.stderr

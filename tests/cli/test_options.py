@@ -1,0 +1,78 @@
+"""The CLI's shared grammar: one cluster option set, the planner's defaults, `--json` everywhere, no cycles."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from pathlib import Path
+
+import pytest
+
+import tagplan.cli
+from tagplan.cli import build_parser
+from tagplan.cli.options import cluster_options
+from tagplan.frontends.cluster_spec import ClusterOptions
+from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_EVALUATIONS
+
+CLI = Path(tagplan.cli.__file__).parent
+FLAGS = ["--nodes", "2", "--gpu", "A100-SXM-80GB", "--nics", "4", "--nic-gbps", "200", "--network-latency-us", "7",
+         "--nccl-tests", "a.log", "--nccl-tests", "b.log"]
+WANT = ClusterOptions(nodes=2, gpu="A100-SXM-80GB", nics=4, nic_speed_Gbps=200.0, network_latency_us=7.0,
+                      nccl_tests=("a.log", "b.log"))
+PROBLEM = ["--model", "gpt3-125m", "--cluster", "p3.8xlarge"]
+PRINTING = [["inspect", "model", "x"], ["inspect", "cluster", "x"], ["simulate", *PROBLEM, "--plan", "dp"],
+            ["plan", *PROBLEM], ["dataset", "generate", "--out", "d"], ["train"], ["models", "list"],
+            ["profile", "--out", "t"], ["traces", "import", "f", "--device", "cpu", "--out", "t"],
+            ["traces", "show", "t"], ["calibrate", "t", "--out", "c.json"], ["demo"]]
+
+
+@pytest.mark.parametrize("command", [["inspect", "cluster", "x"], ["simulate", *PROBLEM, "--plan", "dp"],
+                                     ["plan", *PROBLEM]])
+def test_every_cluster_command_takes_the_same_cluster_options(command: list[str]) -> None:
+    assert cluster_options(build_parser().parse_args([*command, *FLAGS])) == WANT
+    assert cluster_options(build_parser().parse_args(command)) == ClusterOptions()
+
+
+def test_plan_defaults_are_the_problem_defaults() -> None:
+    args = build_parser().parse_args(["plan", *PROBLEM])
+    assert (args.budget_s, args.max_evaluations, args.batch) == (DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS,
+                                                                 DEFAULT_GLOBAL_BATCH)
+    assert build_parser().parse_args(["simulate", *PROBLEM, "--plan", "dp"]).batch == DEFAULT_GLOBAL_BATCH
+
+
+@pytest.mark.parametrize("command", PRINTING, ids=lambda c: " ".join(c[:2]))
+def test_every_command_that_prints_a_result_takes_json(command: list[str]) -> None:
+    assert build_parser().parse_args([*command, "--json"]).json is True
+
+
+@pytest.mark.parametrize("bad", [["plan", *PROBLEM, "--budget-s", "0"], ["plan", *PROBLEM, "--time-bound-s", "-1"],
+                                 ["inspect", "cluster", "x", "--nic-gbps", "nan"]])
+def test_bad_numbers_are_refused_by_the_parser(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(bad)
+    assert stop.value.code == 2 and "must be a positive number" in capsys.readouterr().err
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_no_command_module_imports_the_entry_point() -> None:
+    for path in CLI.glob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py", "main.py"):
+            assert "tagplan.cli.main" not in _imports(path), path.name
+    options = {m for m in _imports(CLI / "options.py") if m.startswith("tagplan.cli")}
+    assert not options, "cli.options must import no other cli module"
+
+
+def test_help_is_built_for_every_command() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        assert command.format_help(), name
