@@ -3,19 +3,18 @@
 `export(model_spec, plan, out_dir, fmt=..., seq_len=..., global_batch=...)` writes the files and
 returns their paths; a format that cannot express the plan raises `ExportError` (a `SpecError`:
 the CLI exits with code 2) saying which stage or field and why. Importing this package imports no
-torch: the writers load on demand.
+torch: the torch writer loads on demand.
+
+Modules: `dispatch` (`export`) imports the writers `megatron`, `deepspeed` and `torch_program`;
+they share `checks` (the refusals and `ExportError`), which imports no other export module.
+`shapes` reads a model SPEC's transformer shape, `modules` builds its torch layers, and
+`runtime_train` / `runtime_launch` are the program copied into an exported run and its local
+launcher; `verify` runs it against a one-process reference.
 """
 
 from __future__ import annotations
 
-from tagplan.errors import SpecError
-from tagplan.export.dispatch import FORMATS, export, export_error
+from tagplan.export.checks import ExportError
+from tagplan.export.dispatch import FORMATS, Format, export
 
-__all__ = ["FORMATS", "ExportError", "export"]
-
-
-def __getattr__(name: str) -> type[SpecError]:
-    """`ExportError`, resolved on first use (its home, `torch_program`, may import torch)."""
-    if name == "ExportError":
-        return export_error()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["FORMATS", "ExportError", "Format", "export"]

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tagplan.export.dispatch import check_rank_order, micro_batch_size, refuse, uniform_mesh, validate
+from tagplan.export.checks import check_rank_order, micro_batch_size, refuse, uniform_mesh, validate
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule
 from tagplan.ir.workload import DType

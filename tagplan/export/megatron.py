@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from tagplan.cost.sharding import default_strategies
-from tagplan.export.dispatch import check_rank_order, micro_batch_size, refuse, uniform_mesh, validate
-from tagplan.frontends.families import TransformerShape, _llama_ffn
-from tagplan.frontends.parametric import FAMILIES, parse_shape
-from tagplan.frontends.zoo import ZOO, resolve_zoo_name
+from tagplan.errors import SpecError
+from tagplan.export.checks import ExportError, check_rank_order, micro_batch_size, refuse, uniform_mesh, validate
+from tagplan.export.shapes import ffn_width, transformer_shape
+from tagplan.frontends.families import TransformerShape
+from tagplan.frontends.model_spec import ModelSpec
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule
 from tagplan.ir.workload import DType
@@ -40,25 +41,18 @@ _EDGE_KINDS = ("embedding", "head")
 _DTYPE_FLAG = {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}
 
 
-def model_config_from_spec(spec: str) -> dict[str, Any]:
-    """`{"family": ..., **TransformerShape fields}` for a zoo name or `family?key=value` SPEC;
-    `hf:LlamaConfig?...` and `hf:GPT2Config?...` map to the llama and gpt shapes; ExportError for
-    other SPECs (other Hugging Face configs, graph files), whose shapes are not known here."""
-    spec = spec.strip()
-    family, _, query = spec.partition("?")
-    if family in FAMILIES:
-        return {"family": family, **asdict(parse_shape(family, query))}
-    key = resolve_zoo_name(spec)
-    if key is not None:
-        entry = ZOO[key]
-        return {"family": entry.family, **asdict(entry.shape)}
-    if spec.startswith("hf:"):
-        from tagplan.export.modules import hf_family_shape  # LlamaConfig and GPT2Config: the same shapes
-
-        hf_family, shape = hf_family_shape(spec[3:])
-        return {"family": hf_family, **asdict(shape)}
-    raise refuse(FMT, f"model {spec!r} is not a zoo name, FAMILY?key=value or hf:LlamaConfig/GPT2Config SPEC, so "
-                      "its transformer shape (layers, hidden, heads, ffn, vocab) is not known; pass model_config")
+def model_config_from_spec(spec: str | ModelSpec) -> dict[str, Any]:
+    """`{"family": ..., **TransformerShape fields}` of a zoo name or `family?key=value` SPEC;
+    `hf:LlamaConfig?...` and `hf:GPT2Config?...` map to the llama and gpt shapes
+    (`tagplan.export.shapes`); ExportError for graph files and user modules, whose shapes are not
+    known here; SpecError for other Hugging Face configs and bad SPECs."""
+    found = transformer_shape(spec)
+    if found is None:
+        text = spec.text if isinstance(spec, ModelSpec) else spec
+        raise refuse(FMT, f"model {text!r} is not a zoo name, FAMILY?key=value or hf:LlamaConfig/GPT2Config SPEC, so "
+                          "its transformer shape (layers, hidden, heads, ffn, vocab) is not known; pass model_config")
+    family, shape = found
+    return {"family": family, **asdict(shape)}
 
 
 def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int,
@@ -106,7 +100,15 @@ def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch
 
 
 def _shape(model: ModelGraph, config: dict[str, Any] | None) -> tuple[str, TransformerShape]:
-    config = dict(config) if config is not None else model_config_from_spec(model.name)
+    if config is None:
+        try:
+            config = model_config_from_spec(model.name)
+        except ExportError:
+            raise
+        except SpecError:  # a graph's own name, not a SPEC
+            raise refuse(FMT, f"model {model.name!r} is not a zoo name, FAMILY?key=value or "
+                              "hf:LlamaConfig/GPT2Config SPEC; pass model_config") from None
+    config = dict(config)
     family = str(config.pop("family", model.family))
     if family not in DECODER_FAMILIES:
         raise refuse(FMT, f"model family {family!r} is not exported; this exporter writes pretrain_gpt.py "
@@ -184,7 +186,7 @@ def _check_sharding(model: ModelGraph, plan: Plan) -> None:
 
 
 def _check_divisible(family: str, shape: TransformerShape, tp: int, seq_len: int) -> None:
-    ffn = _ffn(family, shape)
+    ffn = ffn_width(family, shape)
     sizes = {"num-attention-heads": shape.heads, "ffn-hidden-size": ffn, "seq-length (sequence parallel)": seq_len}
     if family != "gpt":
         sizes["num-query-groups"] = shape.kvh
@@ -193,16 +195,10 @@ def _check_divisible(family: str, shape: TransformerShape, tp: int, seq_len: int
             raise refuse(FMT, f"--{name} {size} is not divisible by the tensor-parallel size {tp}")
 
 
-def _ffn(family: str, shape: TransformerShape) -> int:
-    if shape.ffn:
-        return shape.ffn
-    return 4 * shape.hidden if family == "gpt" else _llama_ffn(shape.hidden)
-
-
 def _model_args(family: str, shape: TransformerShape, seq_len: int) -> list[str]:
     """Architecture flags: sizes from the shape, GPT defaults or the Llama/MoE switches."""
     args = ["--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden),
-            "--ffn-hidden-size", str(_ffn(family, shape)), "--num-attention-heads", str(shape.heads)]
+            "--ffn-hidden-size", str(ffn_width(family, shape)), "--num-attention-heads", str(shape.heads)]
     if shape.head_dim and shape.head_dim != shape.hidden // shape.heads:
         args += ["--kv-channels", str(shape.head_dim)]
     positions = max(shape.max_positions, seq_len) if family == "gpt" else seq_len

@@ -3,7 +3,9 @@
 The layer list matches `ModelGraph.layers` of the same SPEC one for one (embedding, blocks...,
 head), so a plan stage's `layers=(a, b)` is the slice `a:b`, and every module attribute that
 holds a matmul or embedding is named after the op the analytic family gives it (`attn.q`,
-`mlp.fc1`, `wte`, ...): a stage's per-op `sharding` finds its module by the op's name.
+`mlp.fc1`, `wte`, ...): a stage's per-op `sharding` finds its module by the op's name. The
+shape comes from the SPEC through `tagplan.export.shapes.model_config` (zoo names,
+`family?key=value`, `hf:LlamaConfig?...` and `hf:GPT2Config?...`).
 
 - gpt (GPT-2/3): learned positions, pre-LN blocks with separate q/k/v projections, GELU MLP,
   final LayerNorm, head tied to the token embedding (op `lm_head.tied`).
@@ -18,116 +20,14 @@ A user's own module (`module.path:factory`) is not supported yet.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from urllib.parse import urlencode
-
 import torch
 from torch import nn
 from torch.nn import functional
 
-from tagplan.errors import SpecError
-from tagplan.frontends.families import TransformerShape, _llama_ffn
-from tagplan.frontends.parametric import parse_shape
-from tagplan.frontends.zoo import ZOO, resolve_zoo_name
+from tagplan.export.shapes import ModelConfig, model_config
+from tagplan.frontends.model_spec import ModelSpec
 
-SUPPORTED_FAMILIES = ("gpt", "llama")
 INIT_STD = 0.02
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shape of one exportable model: family plus the transformer shape fields it reads."""
-
-    family: str
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int
-    ffn: int
-    kv_heads: int
-    head_dim: int
-    max_positions: int
-    tied: bool
-
-    @property
-    def num_layers(self) -> int:
-        """Entries of the layer list: embedding, the blocks, the head."""
-        return self.layers + 2
-
-
-HF_FAMILIES = {"LlamaConfig": "llama", "GPT2Config": "gpt"}
-"""Hugging Face configs built as the tagplan family of the same shape (same layers, parameter counts)."""
-
-
-def family_shape(spec: str) -> tuple[str, TransformerShape]:
-    """(family, shape) of a zoo name, a `family?key=value` SPEC, or `hf:LlamaConfig?...` /
-    `hf:GPT2Config?...` (built as the llama / gpt family of the same shape: the program's modules
-    are tagplan's, not Hugging Face's classes); SpecError for other families."""
-    if spec.strip().startswith("hf:"):
-        return hf_family_shape(spec.strip()[3:])
-    family, _, query = spec.strip().partition("?")
-    if family in SUPPORTED_FAMILIES:
-        return family, parse_shape(family, query)
-    key = resolve_zoo_name(spec.strip())
-    if key is not None and ZOO[key].family in SUPPORTED_FAMILIES:
-        return ZOO[key].family, ZOO[key].shape
-    raise SpecError(f"model {spec!r}: the torch exporter builds the {' and '.join(SUPPORTED_FAMILIES)} families "
-                    "(zoo names or FAMILY?key=value); other families and user modules are not supported yet")
-
-
-def hf_family_shape(rest: str) -> tuple[str, TransformerShape]:
-    """The family and shape of a Hugging Face config `Class?key=value&...` (overrides as `load_model` takes)."""
-    from urllib.parse import parse_qsl
-
-    from tagplan.frontends.huggingface import _make_config
-
-    cls, _, query = rest.partition("?")
-    if cls not in HF_FAMILIES:
-        raise SpecError(f"model 'hf:{rest}': the torch exporter builds {', '.join(sorted(HF_FAMILIES))} "
-                        f"(as the {' and '.join(sorted(set(HF_FAMILIES.values())))} families); not {cls}")
-    config = _make_config(cls, dict(parse_qsl(query, keep_blank_values=True)))
-    if cls == "LlamaConfig":
-        return "llama", TransformerShape(
-            layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
-            kv_heads=config.num_key_value_heads or config.num_attention_heads, ffn=config.intermediate_size,
-            vocab=config.vocab_size, max_positions=config.max_position_embeddings,
-            tied=bool(config.tie_word_embeddings))
-    return "gpt", TransformerShape(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head,
-                                   ffn=config.n_inner or 4 * config.n_embd, vocab=config.vocab_size,
-                                   max_positions=config.n_positions)
-
-
-def model_config(spec: str, *, seq_len: int) -> ModelConfig:
-    """The ModelConfig of `spec` at `seq_len` tokens (gpt positions grow to cover it, as `load_model` does)."""
-    family, s = family_shape(spec)
-    positions = s.max_positions
-    head, _, query = spec.strip().partition("?")
-    if head == "gpt" and "max_positions" not in query:  # as `load_model` grows a parametric gpt's table
-        positions = max(positions, seq_len)
-    if family == "gpt" and seq_len > positions:
-        raise SpecError(f"gpt: seq_len={seq_len} exceeds max_positions={positions}")
-    ffn = s.ffn or (4 * s.hidden if family == "gpt" else _llama_ffn(s.hidden))
-    return ModelConfig(family=family, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab, ffn=ffn,
-                       kv_heads=s.kvh, head_dim=s.dh, max_positions=positions, tied=s.tied)
-
-
-def scaled_down(spec: str, *, seq_len: int = 16, heads: int = 4, head_dim: int = 16, vocab: int = 128) -> str:
-    """A `family?...` SPEC of the same family and layer count, `heads * head_dim` wide, `vocab` tokens.
-
-    Grouped-query attention keeps a ratio: kv_heads becomes 1 if the model has one kv head,
-    else `heads // 2` when it has fewer kv heads than heads, else `heads`. gpt positions are
-    cut to `seq_len`; the FFN takes the family's default for the new width.
-    """
-    family, s = family_shape(spec)
-    small = replace(s, hidden=heads * head_dim, heads=heads, vocab=vocab, ffn=0, head_dim=0)
-    query: dict[str, int | str] = {"layers": s.layers, "hidden": small.hidden, "heads": heads, "vocab": vocab}
-    if family == "gpt":
-        query["max_positions"] = seq_len
-    else:
-        query["kv_heads"] = 1 if s.kvh == 1 else heads // 2 if s.kvh < s.heads else heads
-    if s.tied != (family == "gpt"):
-        query["tied"] = str(s.tied).lower()
-    return f"{family}?{urlencode(query)}"
 
 
 def layer_generator(seed: int, index: int) -> torch.Generator:
@@ -329,6 +229,6 @@ class LanguageModel(nn.Module):
         return x
 
 
-def build_model(spec: str, *, seq_len: int, seed: int = 0) -> LanguageModel:
+def build_model(spec: str | ModelSpec, *, seq_len: int, seed: int = 0) -> LanguageModel:
     """The whole model `spec` names, as one module, at `seq_len` tokens."""
     return LanguageModel(model_config(spec, seq_len=seq_len), seed=seed)

@@ -1,6 +1,7 @@
 """Export a Plan as a runnable PyTorch program: `train.py` plus `plan.json`, launched by torchrun.
 
-`train.py` is `tagplan/export/_program_train.py` copied verbatim (read it: it is the program);
+`train.py` is `tagplan/export/runtime_train.py` copied verbatim (read it: it is the program; the
+layers and their parallelization it imports from `tagplan.export.modules` and `runtime_parallel`);
 `plan.json` carries what it reads: the model SPEC, the workload, the ("pp", "dp", "tp") mesh
 degrees and per stage its layers, pipeline rank, recompute flag, ZeRO stage and the tensor-parallel
 strategy of every matmul and embedding (tagplan's Megatron defaults overridden by the stage's
@@ -43,20 +44,20 @@ from typing import Any
 
 from tagplan.cost.sharding import shard_block
 from tagplan.errors import SpecError
-from tagplan.export._program_train import PROGRAM_FORMAT
-from tagplan.export.modules import ModelConfig, model_config, tp_ops
-from tagplan.frontends.model_spec import load_model
+from tagplan.export.checks import ExportError
+from tagplan.export.modules import tp_ops
+from tagplan.export.runtime_train import PROGRAM_FORMAT
+from tagplan.export.shapes import ModelConfig, model_config, parsed
+from tagplan.frontends.model_spec import ModelSpec, build_model
 from tagplan.ir.model import ModelGraph, OpKind
 from tagplan.ir.plan import Plan, Schedule, ShardStrategy, Stage
 
-PROGRAM_SOURCE = Path(__file__).with_name("_program_train.py")
+PROGRAM_SOURCE = Path(__file__).with_name("runtime_train.py")
+PROGRAM_NAME = "train.py"
+"""The name the program is copied under in the run directory (beside `plan.json`)."""
 _SPLITTABLE = (ShardStrategy.COLUMN, ShardStrategy.ROW, ShardStrategy.REPLICATE)
 _TOKEN_SPLIT = (ShardStrategy.SEQUENCE, ShardStrategy.BATCH)
 _TIED_PAIRS = {("row", "column"), ("column", "row"), ("replicate", "replicate")}
-
-
-class ExportError(SpecError):
-    """A plan (or model) the exported torch program cannot express; the message says what and why."""
 
 
 def pipeline_ranks(plan: Plan) -> list[int]:
@@ -213,16 +214,18 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
             "stages": stages, "plan": plan.model_dump(mode="json")}
 
 
-def write_torch_program(model_spec: str, plan: Plan, out_dir: Path, *, seq_len: int, global_batch: int,
+def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, seq_len: int, global_batch: int,
                         steps: int = 3, seed: int = 0) -> Path:
     """Write `train.py` and `plan.json` into `out_dir` (created); return the path of `train.py`.
 
     Launch: `torchrun --nproc-per-node <len(plan.devices)> train.py`. ExportError when the model
     or plan cannot be expressed, or `global_batch` does not split into dp x micro_batches.
     """
+    text = model_spec.text if isinstance(model_spec, ModelSpec) else model_spec  # what plan.json names
     try:
-        config = model_config(model_spec, seq_len=seq_len)
-        model = load_model(model_spec, seq_len=seq_len)
+        spec = parsed(model_spec)
+        config = model_config(spec, seq_len=seq_len)
+        model = build_model(spec, seq_len=seq_len)
     except SpecError as err:
         raise ExportError(str(err)) from None
     check_expressible(plan, model, config=config)
@@ -233,10 +236,10 @@ def write_torch_program(model_spec: str, plan: Plan, out_dir: Path, *, seq_len: 
     if sequence_parallel(plan, model) and seq_len % plan.stages[0].tp:
         raise ExportError(f"seq_len={seq_len} does not split over tp={plan.stages[0].tp} ranks: the norms are "
                           "'sequence' (sequence parallel), so the sequence must be a multiple of tp")
-    cfg = program_config(model_spec, plan, model, config, seq_len=seq_len, global_batch=global_batch, steps=steps,
+    cfg = program_config(text, plan, model, config, seq_len=seq_len, global_batch=global_batch, steps=steps,
                          seed=seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    target = out_dir / "train.py"
+    target = out_dir / PROGRAM_NAME
     shutil.copyfile(PROGRAM_SOURCE, target)
     return target

@@ -28,14 +28,19 @@ from pathlib import Path
 
 import torch
 
-from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration, load_calibration
-from tagplan.export._program_launch import RankRun, launch
-from tagplan.export._program_train import loss_fn, synthetic_batch
-from tagplan.export.modules import LanguageModel, model_config, scaled_down
-from tagplan.export.torch_program import ExportError, check_expressible, write_torch_program
-from tagplan.frontends.model_spec import load_model
+from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
+from tagplan.cost.simulator import Simulator
+from tagplan.export.checks import ExportError
+from tagplan.export.modules import LanguageModel
+from tagplan.export.runtime_launch import RankRun, launch
+from tagplan.export.runtime_train import loss_fn, synthetic_batch
+from tagplan.export.shapes import ModelConfig, model_config, parsed, scaled_down
+from tagplan.export.torch_program import check_expressible, write_torch_program
+from tagplan.frontends.cpu import build_cpu_cluster
+from tagplan.frontends.model_spec import ModelSpec, build_model, load_model
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.plan import Plan
+from tagplan.ir.workload import DType, Optimizer, Workload
 
 RTOL, ATOL = 1e-4, 1e-6
 SEED = 0
@@ -60,7 +65,7 @@ class VerifyReport:
     plan: Plan | None = None
 
 
-def verify(model_spec: str, plan: Plan, *, procs: int | None = None, seq_len: int = 16,
+def verify(model_spec: str | ModelSpec, plan: Plan, *, procs: int | None = None, seq_len: int = 16,
            global_batch: int | None = None, atol: float = ATOL, rtol: float = RTOL, steps: int = 3,
            timeout_s: float = 300.0, keep_dir: Path | None = None) -> VerifyReport:
     """Run `plan` for `model_spec` scaled down on local processes and compare with one process.
@@ -69,13 +74,14 @@ def verify(model_spec: str, plan: Plan, *, procs: int | None = None, seq_len: in
     needing more raises ExportError, as does one the program cannot express. `global_batch`
     defaults to 2 samples per replica and micro-batch. `keep_dir` keeps the program and its logs.
     """
-    check_expressible(plan, load_model(model_spec), config=model_config(model_spec, seq_len=seq_len))
+    spec = parsed(model_spec)
+    check_expressible(plan, build_model(spec), config=model_config(spec, seq_len=seq_len))
     world = len(plan.devices)
     if procs is not None and world > procs:
         raise ExportError(f"the plan runs on {world} devices; verify may start at most procs={procs} processes")
     dp, micro = plan.stages[0].dp, plan.micro_batches
     batch = global_batch or 2 * dp * micro
-    small = scaled_down(model_spec, seq_len=seq_len, heads=_heads_for(model_spec, plan))
+    small = scaled_down(spec, seq_len=seq_len, heads=_heads_for(model_config(spec, seq_len=1), plan))
     with tempfile.TemporaryDirectory(prefix="tagplan-verify-") as tmp:
         folder = keep_dir or Path(tmp)
         program = write_torch_program(small, plan, folder, seq_len=seq_len, global_batch=batch, steps=steps,
@@ -90,10 +96,9 @@ def verify(model_spec: str, plan: Plan, *, procs: int | None = None, seq_len: in
     return replace(report, model_spec=small, seq_len=seq_len, global_batch=batch, plan=plan)
 
 
-def _heads_for(model_spec: str, plan: Plan) -> int:
+def _heads_for(config: ModelConfig, plan: Plan) -> int:
     """Heads of the scaled-down model: 4, or more so that tp divides heads and kv heads."""
     tp = max(s.tp for s in plan.stages)
-    config = model_config(model_spec, seq_len=1)
     gqa = config.kv_heads < config.heads
     return math.lcm(4, tp * (2 if gqa else 1))
 
@@ -195,30 +200,24 @@ class PredictedVsMeasured:
     ratio: float  # measured / predicted
 
 
-def predicted_vs_measured(report: VerifyReport, *, device: DeviceSpec | None = None,
-                          calibration: Calibration | str | Path | None = None) -> PredictedVsMeasured:
+def predicted_vs_measured(report: VerifyReport, device: DeviceSpec, *,
+                          calibration: Calibration = DEFAULT_CALIBRATION) -> PredictedVsMeasured:
     """Simulate the verified (scaled-down) run on a one-node cluster of `len(plan.devices)` CPU
-    devices (fabric `smp`, fp32, Adam) and compare with its measured step time.
+    devices of `device` (fabric `smp`: `frontends.cpu`; fp32, Adam) and compare with its measured
+    step time.
 
-    `device` defaults to this CPU with one core (each rank runs one torch thread; measures memory
-    bandwidth, about a second); `calibration` is a Calibration or a path written by `tagplan calibrate`.
+    `device`: this CPU as one rank sees it (each rank runs one torch thread; the CLI measures it
+    with `tagplan.profiling.device.cpu_device_spec(cores=1)`). `calibration`: the figures to
+    simulate with (the CLI resolves `--calibration`). ValueError when the report has no run.
     """
-    from tagplan.cost.simulator import simulate
-    from tagplan.frontends.cluster_file import parse_cluster_data
-    from tagplan.ir.workload import DType, Optimizer, Workload
-    from tagplan.profiling.device import cpu_device_spec
-    from tagplan.profiling.iterations import cpu_cluster
-
     if report.plan is None or not report.step_time_s:
         raise ValueError("the report has no plan or no measured step times (did the program run?)")
-    spec = device or cpu_device_spec(cores=1)
     plan = local_plan(report.plan)
-    cluster = parse_cluster_data(cpu_cluster(spec, len(plan.devices)))
-    cal = load_calibration(calibration) if isinstance(calibration, str | Path) else calibration or DEFAULT_CALIBRATION
+    cluster = build_cpu_cluster(device, len(plan.devices))
     workload = Workload(global_batch=report.global_batch, seq_len=report.seq_len, dtype=DType.FP32,
                         optimizer=Optimizer.ADAM)
     model = load_model(report.model_spec, seq_len=report.seq_len, dtype=DType.FP32)
-    predicted = simulate(model, cluster, plan, workload, calibration=cal).iteration_time_s
+    predicted = Simulator(model, cluster, workload, calibration=calibration).simulate(plan).iteration_time_s
     measured = max(report.step_time_s.values())
     return PredictedVsMeasured(predicted, measured, measured / predicted)
 

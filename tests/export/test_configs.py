@@ -3,6 +3,7 @@ tagplan.export.deepspeed, tagplan.export.dispatch)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -13,16 +14,13 @@ from typing import Any
 import pytest
 
 from tagplan.errors import SpecError
-from tagplan.export import export
+from tagplan.export import ExportError, export
 from tagplan.export.deepspeed import deepspeed_config, deepspeed_partition
-from tagplan.export.dispatch import export_error
 from tagplan.export.megatron import megatron_arguments, model_config_from_spec
 from tagplan.frontends.cluster_spec import load_cluster
-from tagplan.frontends.model_spec import load_model
+from tagplan.frontends.model_spec import load_model, parse_model_spec
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule, Stage
-
-ExportError = export_error()
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +125,9 @@ def test_model_config_comes_from_the_spec() -> None:
     config = model_config_from_spec("llama?layers=4&hidden=256&heads=8&kv_heads=2")
     assert (config["family"], config["layers"], config["hidden"], config["kv_heads"]) == ("llama", 4, 256, 2)
     assert model_config_from_spec("gpt3-175b")["heads"] == 96
+    assert model_config_from_spec(parse_model_spec("gpt3-175b")) == model_config_from_spec("gpt3-175b")
+    with pytest.raises(ExportError, match=r"'graphs/model\.json' is not a zoo name"):
+        model_config_from_spec("graphs/model.json")  # a graph file: its shape is not in the SPEC
 
 
 @pytest.mark.parametrize(("change", "match"), [
@@ -276,3 +277,13 @@ def test_export_checks_the_plan_against_the_model(tmp_path: Path) -> None:
 def test_importing_the_package_does_not_import_torch() -> None:
     code = "import sys, tagplan.export; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_refusals_are_one_class_and_the_checks_import_no_other_export_module() -> None:
+    from tagplan.export import checks, torch_program
+
+    assert torch_program.ExportError is checks.ExportError is ExportError and issubclass(ExportError, SpecError)
+    tree = ast.parse(Path(checks.__file__).read_text())
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m.startswith("tagplan.export")], imported

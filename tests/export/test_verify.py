@@ -1,4 +1,4 @@
-"""The torch program exporter and its verification (tagplan.export.modules, torch_program, verify).
+"""The torch program exporter and its verification (tagplan.export.shapes, modules, torch_program, verify).
 
 Tests marked slow run the exported program on 2-4 local gloo processes (a few seconds each on
 two busy cores); the rest check the builders, the refusals and the comparison without spawning.
@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tagplan.export.modules import build_model, model_config, scaled_down
-from tagplan.export.torch_program import ExportError, check_expressible, write_torch_program
+from tagplan.export import ExportError
+from tagplan.export.modules import build_model
+from tagplan.export.shapes import model_config, scaled_down
+from tagplan.export.torch_program import PROGRAM_NAME, PROGRAM_SOURCE, check_expressible, write_torch_program
 from tagplan.export.verify import _judge, predicted_vs_measured, reference, verify
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.cluster import DeviceSpec
@@ -81,6 +83,8 @@ def test_written_program_carries_resolved_megatron_strategies(gpt_spec: str, tmp
     plan = Plan(micro_batches=2, stages=(_stage((0, 2), (0, 1), tp=2, recompute=True),
                                          _stage((2, 4), (2, 3), tp=2, zero=3)))
     train = write_torch_program(gpt_spec, plan, tmp_path, seq_len=16, global_batch=4)
+    assert train == tmp_path / PROGRAM_NAME == tmp_path / "train.py"
+    assert train.read_text() == PROGRAM_SOURCE.read_text() and PROGRAM_SOURCE.name == "runtime_train.py"
     py_compile.compile(str(train), doraise=True)
     cfg = json.loads((tmp_path / "plan.json").read_text())
     assert cfg["mesh"] == {"pp": 2, "dp": 1, "tp": 2} and cfg["sequence_parallel"] is True
@@ -119,7 +123,7 @@ def test_two_stage_1f1b_matches_and_is_timed(gpt_spec: str, cpu_device: DeviceSp
     report = verify(gpt_spec, plan)  # the tied head's copy on stage 1 is summed with the embedding's
     assert report.passed, report.message
     assert report.rank_stages == {0: (0,), 1: (1,)}
-    comparison = predicted_vs_measured(report, device=cpu_device)
+    comparison = predicted_vs_measured(report, cpu_device)
     assert comparison.predicted_s > 0 and comparison.measured_s == max(report.step_time_s.values())
     assert comparison.ratio == pytest.approx(comparison.measured_s / comparison.predicted_s)
 

@@ -1,0 +1,83 @@
+"""The checks every export format shares, and `ExportError`, the refusal they raise.
+
+A format that cannot express a plan refuses with an `ExportError` (a `SpecError`, so the CLI
+exits with code 2) naming the stage, the field and the reason, instead of writing something that
+would run a different plan. Shared here: the plan covers the model (and the cluster's devices),
+one (dp, tp) mesh for all stages with even batch shares, a whole per-replica micro-batch, and
+device placement in launcher rank order. This module imports no other export module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tagplan.errors import SpecError
+from tagplan.ir.cluster import Cluster
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan, check_plan
+
+
+class ExportError(SpecError):
+    """A plan (or model) an export format cannot express; the message says what and why."""
+
+
+def refuse(fmt: str, message: str) -> ExportError:
+    """An ExportError saying that format `fmt` cannot express the plan, and why."""
+    return ExportError(f"{fmt}: {message}")
+
+
+def validate(plan: Plan, model: ModelGraph, cluster: Cluster | None = None) -> None:
+    """SpecError unless `plan` covers `model`'s layers exactly (and uses `cluster`'s devices)."""
+    try:
+        if cluster is not None:
+            check_plan(plan, model, cluster)
+        first, last = plan.stages[0].layers[0], plan.stages[-1].layers[1]
+        if first != 0 or last != len(model.layers):
+            raise ValueError(f"plan covers layers [{first}, {last}) but model {model.name!r} has "
+                             f"{len(model.layers)} layers [0, {len(model.layers)})")
+    except ValueError as exc:
+        raise SpecError(f"plan: {exc}") from None
+
+
+def uniform_mesh(plan: Plan, fmt: str, why: str) -> tuple[int, int]:
+    """The (dp, tp) every stage shares; ExportError naming the first stage that differs or that
+    splits its batch unevenly. `why` says what the format supports instead."""
+    first = plan.stages[0]
+    for i, stage in enumerate(plan.stages):
+        for field, value, expected in (("tp", stage.tp, first.tp), ("dp", stage.dp, first.dp)):
+            if value != expected:
+                raise refuse(fmt, f"stages[{i}].{field} = {value} but stages[0].{field} = {expected}; {why}")
+        shares = stage.shares()
+        if max(shares) - min(shares) > 1e-9:
+            raise refuse(fmt, f"stages[{i}].batch_shares = {[round(s, 4) for s in shares]} are uneven; every "
+                              "data-parallel replica gets the same micro-batch size in this format")
+    return first.dp, first.tp
+
+
+def micro_batch_size(plan: Plan, global_batch: int, dp: int, fmt: str) -> int:
+    """Samples per micro-batch per data-parallel replica; ExportError unless it is a whole number."""
+    per_step = plan.micro_batches * dp
+    if global_batch % per_step:
+        raise refuse(fmt, f"global batch {global_batch} is not divisible by micro_batches * dp = "
+                          f"{plan.micro_batches} * {dp} = {per_step}; the per-replica micro-batch size must "
+                          "be a whole number of samples")
+    return global_batch // per_step
+
+
+def check_rank_order(plan: Plan, groups: Sequence[tuple[int, ...]], *, tp: int, fmt: str, launcher: str) -> None:
+    """ExportError unless pipeline rank `p`'s devices are the launcher ranks `[p*n, (p+1)*n)` with
+    each tensor-parallel group a contiguous aligned block of `tp` ranks (`groups`: one per pipeline
+    rank). Order inside a group does not matter; which devices run which stage does."""
+    n = len(groups[0])
+    for p, group in enumerate(groups):
+        expected = set(range(p * n, (p + 1) * n))
+        if set(group) != expected:
+            raise refuse(fmt, f"pipeline rank {p} runs on devices {sorted(group)[:16]} but {launcher} gives it "
+                              f"ranks {p * n}..{(p + 1) * n - 1}; order the plan's stages by device, or launch "
+                              "with a host order that maps these devices to those ranks")
+        stage = plan.stages[p]
+        for r in range(stage.dp):
+            block = {d // tp for d in stage.replica(r)}
+            if len(block) != 1:
+                raise refuse(fmt, f"stages[{p}] replica {r} (devices {list(stage.replica(r))}) is not one aligned "
+                                  f"block of {tp} consecutive ranks, as {launcher} forms tensor-parallel groups")

@@ -1,0 +1,215 @@
+"""How one rank of the exported program builds and parallelizes its pipeline stages.
+
+Imported by the program (`tagplan.export.runtime_train`, copied into the run as `train.py`).
+Per rank, `build_parts` builds the stage's layers (the same numbers a single process would
+build), then applies, in this order:
+1. tensor parallelism (`parallelize_module` on the "tp" mesh axis): column -> ColwiseParallel,
+   row -> RowwiseParallel, replicate -> left whole; the vocabulary projection gathers its logits;
+   with sequence parallelism the residual stream between layers is split along the sequence;
+2. recomputation: each block of a `recompute` stage checkpoints its forward;
+3. data parallelism on the "dp" axis: ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), ZeRO 1/2
+   -> `fully_shard(reshard_after_forward=False)`, ZeRO 3 -> `fully_shard(reshard_after_forward=True)`.
+A tied head keeps its own copy of the embedding table; `sync_tied` sums the two copies'
+gradients after each backward (Megatron's embedding group), so they stay equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from tagplan.export.modules import Block, build_layer, tp_ops
+from tagplan.export.shapes import ModelConfig
+
+SEQUENCE = Shard(1)  # activations (batch, seq, hidden) split along the sequence
+STREAM_WRITERS = ("attn.o", "mlp.fc2", "mlp.down")  # matmuls whose output joins the residual stream
+CURRENT_OP = ["(before the first layer)"]  # verify mode: the last tensor-parallel op entered
+
+
+class StageModule(nn.Module):
+    """Layers `[start, end)` of the layer list, named by their index in the whole model."""
+
+    def __init__(self, layers: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): m for i, m in layers.items()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+@dataclass(frozen=True)
+class Rank:
+    """This process's place on the ("pp", "dp", "tp") mesh."""
+
+    mesh: DeviceMesh
+    pp: int
+    dp: int
+    tp: int
+    device: torch.device
+
+
+def linear_style(strategy: str, *, writes_stream: bool, sp: bool) -> ParallelStyle | None:
+    """The style of a Linear under `strategy`. A Linear that writes the residual stream (attn.o,
+    mlp.fc2, mlp.down) hands it back replicated, or split along the sequence with `sp`."""
+    stream = SEQUENCE if sp else Replicate()
+    if strategy == "column":
+        return ColwiseParallel()
+    if strategy == "row":
+        return RowwiseParallel(output_layouts=stream) if writes_stream else RowwiseParallel()
+    if writes_stream and sp:  # a whole (replicated) matmul: keep this rank's part of the sequence
+        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=SEQUENCE, use_local_output=True)
+    return None
+
+
+def head_style(strategy: str, *, sp: bool) -> ParallelStyle | None:
+    """The vocabulary projection: it gathers its logits (the loss is computed whole)."""
+    source = SEQUENCE if sp else Replicate()
+    if strategy == "column":
+        return ColwiseParallel(input_layouts=source, output_layouts=Replicate())
+    if strategy == "row":
+        return RowwiseParallel()
+    return _gather() if sp else None
+
+
+def embedding_style(strategy: str) -> ParallelStyle | None:
+    """Row: vocabulary-parallel table; column: hidden-split table; both hand back whole vectors."""
+    if strategy == "row":
+        return RowwiseParallel(input_layouts=Replicate())
+    if strategy == "column":
+        return ColwiseParallel(output_layouts=Replicate())
+    return None
+
+
+def _gather() -> ParallelStyle:
+    return PrepareModuleInput(input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),), use_local_output=True)
+
+
+def layer_styles(layer: nn.Module, index: int, config: ModelConfig, strategies: dict[str, str], *,
+                 sp: bool) -> dict[str, ParallelStyle]:
+    """Module path -> ParallelStyle for one layer. With sequence parallelism (`sp`) the residual
+    stream between layers is split along the sequence: norms run on their part (SequenceParallel),
+    attention and MLP gather it first, and the embedding hands back this rank's part."""
+    styles: dict[str, ParallelStyle | None] = {}
+    for op, path in tp_ops(config, index).items():
+        strategy = strategies.get(op, "replicate")
+        if isinstance(layer.get_submodule(path), nn.Embedding):
+            styles[path] = embedding_style(strategy)
+        elif path == "lm_head":
+            styles[path] = head_style(strategy, sp=sp)
+        else:
+            styles[path] = linear_style(strategy, writes_stream=op in STREAM_WRITERS, sp=sp)
+    if sp and isinstance(layer, Block):
+        styles.update({name: SequenceParallel(use_local_output=True) for name in layer.norm_names})
+        styles.update({"attn": _gather(), "mlp": _gather()})
+    if sp and index == config.num_layers - 1:
+        styles["final_norm"] = SequenceParallel(use_local_output=True)
+    return {path: style for path, style in styles.items() if style is not None}
+
+
+def apply_tp(part: StageModule, config: ModelConfig, stage: dict[str, Any], mesh: DeviceMesh, *, sp: bool,
+             track: bool) -> None:
+    """Split each layer's matmuls and embeddings over the "tp" axis as the stage's strategies say."""
+    for key, layer in part.layers.items():
+        index, strategies = int(key), stage["strategies"].get(key, {})
+        styles = layer_styles(layer, index, config, strategies, sp=sp)
+        if track:
+            for op, path in tp_ops(config, index).items():
+                label = f"layers.{index}.{path} ({strategies.get(op, 'replicate')})"
+                layer.get_submodule(path).register_forward_pre_hook(
+                    lambda *_, label=label: CURRENT_OP.__setitem__(0, label))
+        if styles:
+            parallelize_module(layer, mesh, styles)
+        if sp and index == 0:  # whole embeddings in, this rank's part of the sequence out
+            parallelize_module(layer, mesh, PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=SEQUENCE, use_local_output=True))
+
+
+def apply_dp(part: StageModule, zero: int, mesh: DeviceMesh) -> None:
+    """ZeRO 0: replicate; 1 and 2: shard, keep gathered weights until backward; 3: reshard after forward."""
+    if zero == 0:
+        replicate(part, mesh=mesh)
+        return
+    for layer in part.layers.values():
+        fully_shard(layer, mesh=mesh, reshard_after_forward=zero >= 3)
+    fully_shard(part, mesh=mesh, reshard_after_forward=zero >= 3)
+
+
+def build_parts(cfg: dict[str, Any], config: ModelConfig, rank: Rank, *, track: bool) -> dict[int, StageModule]:
+    """This rank's stages (plan stage index -> module), parallelized in the order TP, recompute, DP.
+
+    Layers are initialized on the CPU from their own generators (the numbers one process would
+    build), moved to the device, then split.
+    """
+    parts: dict[int, StageModule] = {}
+    for i, stage in enumerate(cfg["stages"]):
+        if stage["pp_rank"] != rank.pp:
+            continue
+        start, end = stage["layers"]
+        part = StageModule({j: build_layer(config, j, seed=cfg["seed"]) for j in range(start, end)}).to(rank.device)
+        if cfg["mesh"]["tp"] > 1:
+            apply_tp(part, config, stage, rank.mesh["tp"], sp=cfg["sequence_parallel"], track=track)
+        for layer in part.layers.values():
+            if isinstance(layer, Block):
+                layer.recompute = bool(stage["recompute"])
+        if cfg["mesh"]["dp"] > 1:
+            apply_dp(part, stage["zero"], rank.mesh["dp"])
+        parts[i] = part
+    return parts
+
+
+def tie_group(cfg: dict[str, Any], config: ModelConfig, rank: Rank) -> dist.ProcessGroup | None:
+    """The pair group (first and last pipeline rank at this rank's dp, tp) for a tied head split
+    across pipeline ranks; None when not tied, or both copies are on one rank. Every rank calls it."""
+    first, last = cfg["stages"][0]["pp_rank"], cfg["stages"][-1]["pp_rank"]
+    if not config.tied or first == last:
+        return None
+    dp, tp = cfg["mesh"]["dp"], cfg["mesh"]["tp"]
+    mine = None
+    for d in range(dp):
+        for t in range(tp):
+            group = dist.new_group([(first * dp + d) * tp + t, (last * dp + d) * tp + t])
+            if (d, t) == (rank.dp, rank.tp) and rank.pp in (first, last):
+                mine = group
+    return mine
+
+
+def sync_tied(parts: dict[int, StageModule], config: ModelConfig, group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of the embedding table and the tied head's copy (both hold the sum).
+
+    A gradient is first laid out like its parameter (an embedding's may come back replicated
+    while its table is split), so that the two copies' local pieces match element for element.
+    """
+    if not config.tied:
+        return
+    names = ("layers.0.wte.weight", f"layers.{config.num_layers - 1}.lm_head.weight")
+    params = [p for part in parts.values() for name, p in part.named_parameters() if name in names]
+    with torch.no_grad():
+        for p in params:
+            if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        grads = [p.grad for p in params if p.grad is not None]
+        if group is not None:
+            for g in grads:
+                dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
+        elif len(grads) == 2:
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])

@@ -1,0 +1,213 @@
+"""A training program exported by tagplan from a Plan: `torchrun --nproc-per-node N train.py`.
+
+`tagplan.export.torch_program` copies this file into the run directory as `train.py`, beside
+the `plan.json` it reads (model SPEC, workload, mesh degrees, per stage its layers, recompute,
+ZeRO stage and resolved per-op tensor-parallel strategies). It needs only torch and tagplan: the
+model's layers (`tagplan.export.modules`) and how a rank parallelizes them
+(`tagplan.export.runtime_parallel`: tensor parallelism, recomputation, FSDP2/replicate, the tied
+embedding's gradient sum). Rank r runs device `plan.devices[r]` of the plan: ranks are ordered
+pipeline rank, then data-parallel replica, then tensor-parallel rank, the plan's own order.
+Pipeline parallelism runs on the "pp" axis with the plan's schedule
+(`torch.distributed.pipelining`); one stage runs its micro-batches in a plain
+gradient-accumulation loop.
+
+Every step prints one JSON line per rank: step, rank, stages, seconds, loss (last stage only).
+`--verify DIR` also saves, after the first backward, the loss and every parameter's full
+gradient (`DTensor.full_tensor()`) keyed by its name in the single-process model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+from torch.nn import functional
+
+from tagplan.export.runtime_parallel import CURRENT_OP, Rank, StageModule, build_parts, sync_tied, tie_group
+from tagplan.export.shapes import ModelConfig, model_config
+
+PROGRAM_FORMAT = "tagplan-torch-program/1"
+# FSDP2 warns that a module returns a view; nothing here modifies module outputs in place.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def synthetic_batch(vocab: int, global_batch: int, seq_len: int, *, step: int, seed: int) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """(tokens, labels), each (global_batch, seq_len) int64: random tokens, labels shifted by one."""
+    g = torch.Generator().manual_seed(seed * 7919 + step)
+    data = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; logits (b, s, vocab), labels (b, s)."""
+    return functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class Runner:
+    """One training step's forward and backward over all micro-batches; returns the mean loss or None."""
+
+    def __init__(self, cfg: dict[str, Any], config: ModelConfig, parts: dict[int, StageModule], rank: Rank) -> None:
+        self.parts, self.micro = parts, cfg["micro_batches"]
+        self.num_stages = len(cfg["stages"])
+        self.schedule: Any = None
+        if cfg["mesh"]["pp"] > 1:
+            group = rank.mesh["pp"].get_group()
+            stages: list[Any] = []
+            for i, part in parts.items():
+                example_in, example_out = self._example_io(cfg, config, i, rank.device)
+                stages.append(PipelineStage(part, i, self.num_stages, rank.device, input_args=example_in,
+                                            output_args=example_out, group=group))
+            if cfg["schedule"] == "interleaved_1f1b":
+                self.schedule = ScheduleInterleaved1F1B(stages, self.micro, loss_fn=loss_fn)
+            else:
+                cls = ScheduleGPipe if cfg["schedule"] == "gpipe" else Schedule1F1B
+                self.schedule = cls(stages[0], self.micro, loss_fn=loss_fn)
+
+    def _example_io(self, cfg: dict[str, Any], config: ModelConfig, index: int, device: torch.device) -> tuple[
+            torch.Tensor, torch.Tensor]:
+        """One micro-batch's input and output of stage `index` (static shapes: no metadata inference,
+        whose forward on meta tensors does not mix with tensor-parallel collectives)."""
+        batch = cfg["global_batch"] // cfg["mesh"]["dp"] // self.micro
+        seq = cfg["seq_len"] // (cfg["mesh"]["tp"] if cfg["sequence_parallel"] else 1)
+        hidden = torch.empty(batch, seq, config.hidden, device=device, requires_grad=True)
+        first = torch.empty(batch, cfg["seq_len"], dtype=torch.long, device=device)
+        last = torch.empty(batch, cfg["seq_len"], config.vocab, device=device, requires_grad=True)
+        return first if index == 0 else hidden, last if index == self.num_stages - 1 else hidden
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float | None:
+        """Forward and backward of this rank's share of one batch; gradients end averaged."""
+        if self.schedule is None:
+            return self._local(tokens, labels)
+        first, last = 0 in self.parts, self.num_stages - 1 in self.parts
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if first else ()
+        self.schedule.step(*args, target=labels if last else None, losses=losses if last else None)
+        return float(torch.stack(losses).mean()) if last else None
+
+    def _local(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+        losses = []
+        for m, (x, y) in enumerate(zip(tokens.chunk(self.micro), labels.chunk(self.micro), strict=True)):
+            for part in self.parts.values():
+                if isinstance(part, FSDPModule):
+                    part.set_requires_gradient_sync(m == self.micro - 1)
+                x = part(x)
+            loss = loss_fn(x, y)
+            (loss / self.micro).backward()
+            losses.append(loss.detach())
+        return float(torch.stack(losses).mean())
+
+
+def full_grads(parts: dict[int, StageModule]) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient by name (collective over the stage's dp x tp ranks)."""
+    out: dict[str, torch.Tensor] = {}
+    for part in parts.values():
+        for name, p in part.named_parameters():
+            g = p.grad
+            if g is None:
+                continue
+            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
+    return out
+
+
+def dp_mean(value: float | None, rank: Rank) -> float | None:
+    """The loss averaged over the stage's replicas (all ranks of a dp group must call it)."""
+    if value is None or rank.mesh["dp"].size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=rank.device)
+    dist.all_reduce(t, group=rank.mesh["dp"].get_group())
+    return float(t.item()) / rank.mesh["dp"].size()
+
+
+def setup(cfg: dict[str, Any], timeout_s: float) -> Rank:
+    """Process group and the ("pp", "dp", "tp") mesh; CUDA (NCCL) when available, else CPU (gloo)."""
+    cuda = torch.cuda.is_available() and os.environ.get("TAGPLAN_DEVICE", "") != "cpu"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    shape = (cfg["mesh"]["pp"], cfg["mesh"]["dp"], cfg["mesh"]["tp"])
+    mesh = init_device_mesh("cuda" if cuda else "cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return Rank(mesh, mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank(),
+                device)
+
+
+def train(cfg: dict[str, Any], rank: Rank, *, steps: int, verify: Path | None) -> None:
+    """`steps` training steps (Adam), one JSON line per step; with `verify`, dump step 0's gradients."""
+    config = model_config(cfg["model"], seq_len=cfg["seq_len"])
+    torch.manual_seed(cfg["seed"])
+    parts = build_parts(cfg, config, rank, track=verify is not None)
+    group = tie_group(cfg, config, rank)
+    runner = Runner(cfg, config, parts, rank)
+    params = [p for part in parts.values() for p in part.parameters()]
+    optimizer = torch.optim.Adam(params, lr=1e-3)
+    per_replica = cfg["global_batch"] // cfg["mesh"]["dp"]
+    for step in range(steps):
+        tokens, labels = synthetic_batch(config.vocab, cfg["global_batch"], cfg["seq_len"], step=step,
+                                         seed=cfg["seed"])
+        rows = slice(rank.dp * per_replica, (rank.dp + 1) * per_replica)
+        start = time.perf_counter()
+        loss = runner.step(tokens[rows].to(rank.device), labels[rows].to(rank.device))
+        sync_tied(parts, config, group)
+        loss = dp_mean(loss, rank)
+        if verify is not None and step == 0:
+            dump(verify, parts, loss, rank)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        line = {"step": step, "rank": dist.get_rank(), "stages": sorted(parts), "pp": rank.pp, "dp": rank.dp,
+                "tp": rank.tp, "time_s": seconds, "loss": loss}
+        print(json.dumps(line), flush=True)
+
+
+def dump(out: Path, parts: dict[int, StageModule], loss: float | None, rank: Rank) -> None:
+    """Save this stage's full gradients and (last stage) the loss from the (dp 0, tp 0) rank."""
+    grads = full_grads(parts)
+    if rank.dp == 0 and rank.tp == 0:
+        torch.save(grads, out / f"grads_pp{rank.pp}.pt")
+        if loss is not None:
+            (out / "loss.json").write_text(json.dumps({"loss": loss}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, read plan.json, train; in verify mode record a failure before re-raising."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plan", type=Path, default=Path(__file__).with_name("plan.json"))
+    parser.add_argument("--steps", type=int, default=None, help="default: the plan file's")
+    parser.add_argument("--verify", type=Path, default=None, help="folder for step 0's gradients and loss")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="collective timeout")
+    args = parser.parse_args(argv)
+    cfg = json.loads(args.plan.read_text())
+    if cfg.get("format") != PROGRAM_FORMAT:
+        raise SystemExit(f"{args.plan}: not a {PROGRAM_FORMAT} file")
+    rank = setup(cfg, args.timeout_s)
+    try:
+        train(cfg, rank, steps=args.steps or cfg["steps"], verify=args.verify)
+    except Exception as err:
+        if args.verify is not None:
+            report = {"rank": dist.get_rank(), "time": time.time(), "op": CURRENT_OP[0],
+                      "error": f"{type(err).__name__}: {err}",
+                      "traceback": traceback.format_exc()[-4000:]}
+            (args.verify / f"error_rank{dist.get_rank()}.json").write_text(json.dumps(report))
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
