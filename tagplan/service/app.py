@@ -1,6 +1,6 @@
 """The HTTP API: `create_app(settings)` builds the FastAPI app of docs/SERVICE.md.
 
-Routes live in one module per resource (`api_jobs`, `api_traces`, `api_registry`, `api_ops`);
+Routes live in one module per resource (`api.jobs`, `api.traces`, `api.registry`, `api.ops`);
 this module wires them to the database, the limits, the error handlers and the web view.
 Long work never runs here: a request validates, queues a job, and a worker process runs it.
 
@@ -19,11 +19,11 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from tagplan import __version__
-from tagplan.service import api_errors, api_jobs, api_ops, api_registry, api_traces
-from tagplan.service.api_deps import Services
-from tagplan.service.api_limits import BodySizeLimit, RateLimiter
-from tagplan.service.api_metrics import CountRequests, RequestCounter
-from tagplan.service.api_schemas import SafeJSONResponse
+from tagplan.service.api import errors, jobs, ops, registry, traces
+from tagplan.service.api.deps import Services
+from tagplan.service.api.limits import BodySizeLimit, RateLimiter
+from tagplan.service.api.metrics import CountRequests, RequestCounter
+from tagplan.service.api.schemas import SafeJSONResponse
 from tagplan.service.db import make_engine
 from tagplan.service.settings import Settings
 from tagplan.service.store import JobStore
@@ -52,8 +52,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="tagplan planning service", version=__version__, description=DESCRIPTION,
                   default_response_class=SafeJSONResponse, lifespan=lifespan)
     app.state.services = services
-    api_errors.install(app)
-    for module in (api_jobs, api_traces, api_registry, api_ops):
+    errors.install(app)
+    for module in (jobs, traces, registry, ops):
         app.include_router(module.router)
     _add_web(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)

@@ -15,7 +15,6 @@ import datetime as dt
 import json
 import uuid
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import Engine, and_, case, func, insert, literal, or_, select, update
@@ -24,29 +23,10 @@ from sqlalchemy.sql.elements import ColumnElement
 from tagplan.errors import SpecError
 from tagplan.service.db import Job, Trace, UTCDateTime, utcnow
 from tagplan.service.settings import Settings
+from tagplan.service.vocabulary import TERMINAL, JobKind, JobStatus
 
 CLAIM_ROUNDS = 10  # candidate lists read per claim before giving up (each lost race moves on)
 CLAIM_CANDIDATES = 8
-
-
-class JobStatus(StrEnum):
-    """Where a job is in its life."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-class JobKind(StrEnum):
-    """What a job does."""
-
-    PLAN = "plan"
-    TRAIN = "train"
-
-
-TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 
 
 class LeaseLost(Exception):  # noqa: N818 (the name docs/SERVICE.md promises)
@@ -59,7 +39,7 @@ class JobView:
 
     id: str
     tenant_id: int
-    kind: str
+    kind: JobKind
     status: JobStatus
     progress: float
     message: str
@@ -77,7 +57,7 @@ class JobView:
         def iso(t: dt.datetime | None) -> str | None:
             return None if t is None else t.isoformat()
 
-        return {"id": self.id, "kind": self.kind, "status": self.status.value, "progress": self.progress,
+        return {"id": self.id, "kind": self.kind.value, "status": self.status.value, "progress": self.progress,
                 "message": self.message, "error": self.error, "attempts": self.attempts,
                 "created_at": iso(self.created_at), "started_at": iso(self.started_at),
                 "finished_at": iso(self.finished_at), "eta_s": self.eta_s}
@@ -89,7 +69,7 @@ _VIEW_COLUMNS = (Job.id, Job.tenant_id, Job.kind, Job.status, Job.progress, Job.
 
 def _view(row: Any, now: dt.datetime) -> JobView:
     status = JobStatus(row.status)
-    return JobView(id=row.id, tenant_id=row.tenant_id, kind=row.kind, status=status, progress=row.progress,
+    return JobView(id=row.id, tenant_id=row.tenant_id, kind=JobKind(row.kind), status=status, progress=row.progress,
                    message=row.message, error=row.error, attempts=row.attempts, created_at=row.created_at,
                    started_at=row.started_at, finished_at=row.finished_at,
                    eta_s=_eta_s(status, row.progress, row.started_at, now), request=json.loads(row.request))
@@ -116,15 +96,16 @@ class JobStore:
 
     # -- tenants' side -------------------------------------------------------------------------
 
-    def submit(self, tenant_id: int, kind: str, request: dict[str, Any]) -> JobView:
-        """Store a new `queued` job of `kind` ('plan' | 'train') and return it."""
-        if kind not in {k.value for k in JobKind}:
-            raise SpecError(f"job kind {kind!r} is not accepted; accepted: {', '.join(k.value for k in JobKind)}")
+    def submit(self, tenant_id: int, kind: JobKind, request: dict[str, Any]) -> JobView:
+        """Store a new `queued` job of `kind` and return it (SpecError for a kind that is not a JobKind)."""
+        if kind not in set(JobKind):
+            raise SpecError(f"job kind {str(kind)[:40]!r} is not accepted; accepted: {', '.join(JobKind)}")
         job_id = uuid.uuid4().hex
         now = utcnow()
         with self.engine.begin() as conn:
             conn.execute(insert(Job).values(
-                id=job_id, tenant_id=tenant_id, kind=kind, status=JobStatus.QUEUED.value, request=json.dumps(request),
+                id=job_id, tenant_id=tenant_id, kind=JobKind(kind).value, status=JobStatus.QUEUED.value,
+                request=json.dumps(request),
                 progress=0.0, message="queued", attempts=0, max_attempts=self.settings.max_attempts,
                 cancel_requested=False, created_at=now))
         view = self._get(job_id, tenant_id)

@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from tagplan.errors import SpecError
 from tagplan.service.db import make_engine
-from tagplan.service.execute import Cancelled, Progress, run_job
+from tagplan.service.jobs import Cancelled, Progress, run_job
 from tagplan.service.settings import Settings
 from tagplan.service.store import JobStore, JobView, LeaseLost
 

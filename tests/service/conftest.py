@@ -1,5 +1,6 @@
 """Fixtures of the service tests: a fresh database per test (SQLite; PostgreSQL too when
-`TAGPLAN_TEST_DATABASE_URL` is set), settings rooted in `tmp_path`, and worker processes."""
+`TAGPLAN_TEST_DATABASE_URL` is set), settings rooted in `tmp_path`, worker processes, and the
+HTTP API in-process (`TestClient`) with three tenants' keys."""
 
 from __future__ import annotations
 
@@ -9,15 +10,22 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
+from tagplan.service.app import create_app
 from tagplan.service.db import make_engine
+from tagplan.service.keys import create_key
 from tagplan.service.settings import Settings
-from tagplan.service.store import TERMINAL, JobStore, JobView
+from tagplan.service.store import JobStore, JobView
+from tagplan.service.vocabulary import TERMINAL, JobStatus
+from tagplan.service.worker import run_worker
 
 PG_ENV = "TAGPLAN_TEST_DATABASE_URL"
 
@@ -127,3 +135,92 @@ def workers(settings: Settings, tmp_path: Path) -> Iterator[Workers]:
     pool = Workers(settings, tmp_path)
     yield pool
     pool.stop()
+
+
+# -- the HTTP API in-process -----------------------------------------------------------------------
+
+TINY = {"model": "gpt?layers=4&hidden=256&heads=4&vocab=100", "cluster": "p3.8xlarge",
+        "workload": {"global_batch": 8, "seq_len": 64}, "max_evaluations": 20, "budget_s": 20}
+
+
+@pytest.fixture
+def make_settings(tmp_path: Path, database_url: str, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Settings]:
+    """`make_settings(**limits) -> Settings` on the test's database and home."""
+    monkeypatch.setenv("TAGPLAN_HOME", str(tmp_path))
+
+    def make(**overrides: Any) -> Settings:
+        return Settings(database_url=database_url, home=tmp_path, **overrides)
+
+    return make
+
+
+@dataclass
+class Keys:
+    """API keys of two tenants and an admin."""
+
+    a: str
+    b: str
+    admin: str
+    tenant_a: str
+
+
+@pytest.fixture
+def keys(make_settings: Callable[..., Settings]) -> Iterator[Keys]:
+    engine = make_engine(make_settings().database_url)
+    suffix = uuid.uuid4().hex[:8]
+    yield Keys(a=create_key(engine, f"acme-{suffix}"), b=create_key(engine, f"globex-{suffix}"),
+               admin=create_key(engine, f"ops-{suffix}", admin=True), tenant_a=f"acme-{suffix}")
+    engine.dispose()
+
+
+class Api:
+    """Helpers of the API tests (a fixture, since test modules import nothing from conftest)."""
+
+    TINY = TINY
+
+    @staticmethod
+    def client_for(settings: Settings) -> TestClient:
+        return TestClient(create_app(settings))
+
+    @staticmethod
+    def auth(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    @staticmethod
+    def submit(client: TestClient, key: str, body: dict[str, Any] | None = None, path: str = "/v1/plans") -> Any:
+        """POST a plan (default `TINY`); asserts the 202 and returns the job."""
+        answer = client.post(path, json=body or TINY, headers=Api.auth(key))
+        assert answer.status_code == 202, answer.text
+        return answer.json()
+
+    @staticmethod
+    def run_until_finished(settings: Settings, job_id: str, client: TestClient, key: str) -> dict[str, Any]:
+        """Run queued jobs in this process until `job_id` has finished (on a shared database, jobs
+        left queued by earlier tests may come first)."""
+        while True:
+            job = client.get(f"/v1/jobs/{job_id}", headers=Api.auth(key)).json()
+            if job["status"] in {s.value for s in TERMINAL}:
+                return dict(job)
+            assert run_worker(settings, once=True, poll_s=0.05) == 1, f"no job to run, yet {job_id} is {job['status']}"
+
+
+@pytest.fixture
+def api() -> type[Api]:
+    """`Api`: auth, submit, run_until_finished, client_for, TINY."""
+    return Api
+
+
+@pytest.fixture
+def client(make_settings: Callable[..., Settings]) -> Iterator[TestClient]:
+    """The app on the test's settings."""
+    with Api.client_for(make_settings()) as c:
+        yield c
+
+
+@pytest.fixture
+def finished(make_settings: Callable[..., Settings], client: TestClient, keys: Keys) -> dict[str, Any]:
+    """A TINY plan of tenant a, run to success by an in-process worker: its job JSON."""
+    job = Api.submit(client, keys.a)
+    done = Api.run_until_finished(make_settings(), job["id"], client, keys.a)
+    assert done["status"] == JobStatus.SUCCEEDED, done
+    return done

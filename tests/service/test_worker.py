@@ -1,25 +1,22 @@
 """Worker processes against a real database: plans run to the end, survive `kill -9`, are not run
-twice under 50 concurrent submissions, fail cleanly on bad requests, stop when cancelled; and the
-request validation the worker and the API share."""
+twice under 50 concurrent submissions, fail cleanly on bad requests, stop when cancelled.
+(What a job does is in tests/service/jobs/, the request model in test_requests.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tagplan.errors import SpecError
-from tagplan.service.execute import LimitError, parse_plan_request, run_job, validate_plan_request
 from tagplan.service.keys import ensure_tenant
 from tagplan.service.settings import Settings
-from tagplan.service.store import JobStatus, JobStore, JobView
+from tagplan.service.store import JobStore, JobView
+from tagplan.service.vocabulary import JobKind, JobStatus
 from tagplan.service.worker import WorkerPool
 
 # Worker processes share one SQLite file here; PostgreSQL's share of the races is in test_store.py.
@@ -39,7 +36,7 @@ def fast_settings(settings: Settings) -> Settings:
 
 def test_worker_runs_a_plan(store: JobStore, workers: Any, wait_for: Any) -> None:
     tenant = ensure_tenant(store.engine, "acme")
-    job = store.submit(tenant, "plan", TINY_PLAN)
+    job = store.submit(tenant, JobKind.PLAN, TINY_PLAN)
     workers.start()
     done = wait_for(store, tenant, job.id)
     assert done.status == JobStatus.SUCCEEDED, workers.logs()
@@ -61,7 +58,7 @@ def searching(job: JobView) -> bool:
 def test_a_killed_worker_s_job_is_finished_by_another(fast_settings: Settings, store: JobStore, workers: Any,
                                                       wait_for: Any) -> None:
     tenant = ensure_tenant(store.engine, "acme")
-    job = store.submit(tenant, "plan", LONG_PLAN)
+    job = store.submit(tenant, JobKind.PLAN, LONG_PLAN)
     first = workers.start(fast_settings)
     wait_for(store, tenant, job.id, searching)
     os.kill(first.pid, signal.SIGKILL)
@@ -82,7 +79,7 @@ def test_fifty_concurrent_submissions_two_workers(store: JobStore, workers: Any,
     lock = threading.Lock()
 
     def submit(n: int) -> None:
-        job = store.submit(tenant, "plan", {**request, "seed": n})
+        job = store.submit(tenant, JobKind.PLAN, {**request, "seed": n})
         with lock:
             ids.append(job.id)
 
@@ -104,17 +101,18 @@ def test_fifty_concurrent_submissions_two_workers(store: JobStore, workers: Any,
 
 def test_a_bad_request_fails_without_retry(store: JobStore, workers: Any, wait_for: Any) -> None:
     tenant = ensure_tenant(store.engine, "acme")
-    job = store.submit(tenant, "plan", {**TINY_PLAN, "model": "gpt5-huge"})
+    job = store.submit(tenant, JobKind.PLAN, {**TINY_PLAN, "model": "gpt5-huge"})
     workers.start()
     done = wait_for(store, tenant, job.id)
     assert (done.status, done.attempts) == (JobStatus.FAILED, 1), workers.logs()
     assert done.error is not None and "gpt5-huge" in done.error
+    assert done.error.startswith("plan request: model: ")  # the API's model, read back by the worker
 
 
 @pytest.mark.slow
 def test_cancel_reaches_the_search(fast_settings: Settings, store: JobStore, workers: Any, wait_for: Any) -> None:
     tenant = ensure_tenant(store.engine, "acme")
-    job = store.submit(tenant, "plan", LONG_PLAN)
+    job = store.submit(tenant, JobKind.PLAN, LONG_PLAN)
     workers.start(fast_settings)
     wait_for(store, tenant, job.id, searching)
     store.cancel(tenant, job.id)
@@ -128,7 +126,7 @@ def test_cancel_reaches_the_search(fast_settings: Settings, store: JobStore, wor
 def test_sigterm_hands_the_running_job_back(fast_settings: Settings, store: JobStore, workers: Any,
                                             wait_for: Any) -> None:
     tenant = ensure_tenant(store.engine, "acme")
-    job = store.submit(tenant, "plan", LONG_PLAN)
+    job = store.submit(tenant, JobKind.PLAN, LONG_PLAN)
     worker = workers.start(fast_settings)
     wait_for(store, tenant, job.id, searching)
     worker.terminate()
@@ -152,94 +150,3 @@ def test_pool_restarts_a_dead_worker_and_stops(settings: Settings) -> None:
     finally:
         pool.stop()
     assert pool.pids() == []
-
-
-# -- the request checks the API runs at submit time and the worker again ----------------------------
-
-
-def limit_error(request: dict[str, Any], settings: Settings) -> LimitError:
-    with pytest.raises(LimitError) as caught:
-        validate_plan_request(request, settings)
-    return caught.value
-
-
-def test_limits_name_the_limit(settings: Settings) -> None:
-    small = dataclasses.replace(settings, max_budget_s=10.0, max_evaluations=50, max_layers=6, max_devices=8)
-    cases = {"max_budget_s": {**TINY_PLAN, "budget_s": 11},
-             "max_evaluations": {**TINY_PLAN, "max_evaluations": 51},
-             "max_layers": {**TINY_PLAN, "model": "gpt?layers=7&hidden=64&heads=4&vocab=100"},
-             "max_devices": {**TINY_PLAN, "cluster": "p3.8xlarge:nodes=3"}}
-    for limit, request in cases.items():
-        err = limit_error(request, small)
-        assert (err.limit, err.status) == (limit, 422)
-        assert str(getattr(small, limit)).rstrip("0").rstrip(".") in str(err)
-    huge_spec = {**TINY_PLAN, "cluster": "p3.8xlarge:nodes=1000000000"}  # refused before building a node
-    assert limit_error(huge_spec, small).limit == "max_devices"
-    graph = {"blocks": {"b": {"kind": "mlp", "ops": [{"kind": "matmul", "flops": 1}], "output_bytes": 1}},
-             "layers": [{"block": "b", "repeat": 10**9}]}
-    assert limit_error({**TINY_PLAN, "model": graph}, small).limit == "max_layers"
-    validate_plan_request(TINY_PLAN, small)
-
-
-@pytest.mark.parametrize(("change", "names"), [
-    ({"model": "gpt5-huge"}, "gpt5-huge"),
-    ({"model": "/etc/passwd"}, "file path"),
-    ({"cluster": "../cluster.yaml"}, "file path"),
-    ({"cluster": "p3.8xlarge:gpu=/tmp/gpu.yaml"}, "file path"),
-    ({"cluster": 7}, "cluster: int"),
-    ({"workload": {"global_batch": 0}}, "global_batch"),
-    ({"workload": {"batch": 8}}, "batch"),
-    ({"objective": "fastest"}, "fastest"),
-    ({"budget_s": -1}, "budget_s"),
-    ({"max_evaluations": 2.5}, "max_evaluations"),
-    ({"calibration": "/etc/calibration.json"}, "calibration"),
-    ({"colour": "red"}, "colour"),
-])
-def test_bad_requests_are_spec_errors(settings: Settings, change: dict[str, Any], names: str) -> None:
-    with pytest.raises(SpecError, match=names):
-        validate_plan_request({**TINY_PLAN, **change}, settings)
-
-
-def test_inline_cluster_object_and_yaml_text(settings: Settings) -> None:
-    cluster = {"name": "lab", "node_groups": [{"preset": "p3.8xlarge", "nodes": 2}]}
-    as_object = parse_plan_request({**TINY_PLAN, "cluster": cluster}, settings)
-    text = "name: lab\nnode_groups:\n  - {preset: p3.8xlarge, nodes: 2}\n"
-    as_yaml = parse_plan_request({**TINY_PLAN, "cluster": text}, settings)
-    assert as_object.cluster.num_devices == as_yaml.cluster.num_devices == 8
-    defaults = parse_plan_request({"model": "gpt3-125m", "cluster": "p3.8xlarge"}, settings).request
-    assert (defaults["budget_s"], defaults["max_evaluations"], defaults["objective"]) == (30.0, 400, "time")
-
-
-def test_run_job_reports_progress_and_stops_when_cancelled(settings: Settings) -> None:
-    seen: list[tuple[float, str]] = []
-
-    class StopError(Exception):
-        pass
-
-    def progress(fraction: float, message: str) -> None:
-        seen.append((fraction, message))
-        if message.startswith("evaluations 3/"):
-            raise StopError
-
-    with pytest.raises(StopError):
-        run_job("plan", {**TINY_PLAN, "max_evaluations": 20}, settings, progress)
-    assert seen[-1][1] == "evaluations 3/20" and 0 < seen[-1][0] < 1
-    with pytest.raises(SpecError, match="kind"):
-        run_job("sleep", {}, settings, progress)
-
-
-BUNDLE = Path(__file__).parents[1] / "fixtures" / "traces" / "cpu-quick"
-
-
-@pytest.mark.slow
-def test_training_job_registers_a_version_in_the_service_home(settings: Settings) -> None:
-    uploaded = settings.home / "traces" / "1" / "cpu-quick"
-    shutil.copytree(BUNDLE, uploaded)
-    messages: list[str] = []
-    card = run_job("train", {"traces": [str(uploaded)]}, settings, lambda _f, m: messages.append(m))
-    assert card["version"] == "v0001" and (settings.home / "registry" / "versions" / "v0001" / "model.pt").exists()
-    assert messages[-1] == "registered"
-    with pytest.raises(SpecError, match="not a trace bundle uploaded"):
-        run_job("train", {"traces": [str(BUNDLE)]}, settings, lambda _f, _m: None)
-    with pytest.raises(SpecError, match="traces"):
-        run_job("train", {"traces": []}, settings, lambda _f, _m: None)

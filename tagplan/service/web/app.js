@@ -381,8 +381,8 @@
       ["Throughput", fmtNum(r.throughput_samples_s, 2) + " samples/s" +
         (isNum(r.tokens_per_s) ? " · " + fmtNum(r.tokens_per_s, 0) + " tokens/s" : "")],
       ["Peak memory", fmtBytes(r.peak_memory_bytes) +
-        (isNum(worst.capacity_bytes) ? " of " + fmtBytes(worst.capacity_bytes) +
-          " (" + fmtPct(worst.memory_bytes / worst.capacity_bytes) + ", device " + esc(worst.device) +
+        (isNum(worst.mem_bytes) ? " of " + fmtBytes(worst.mem_bytes) +
+          " (" + fmtPct(worst.memory_bytes / worst.mem_bytes) + ", device " + esc(worst.device) +
           (worst.type ? " " + esc(worst.type) : "") + ")" : "") +
         (r.fits === false ? ' <strong class="warn">does not fit</strong>' : "")],
     ];
@@ -524,7 +524,7 @@
       const rs = roles.get(id) || [];
       const mem = memory.get(id);
       const cap = isNum(c.dev.mem) ? c.dev.mem
-        : (rs.length && isNum((stageMem.get(rs[0].stage) || {}).capacity_bytes) ? stageMem.get(rs[0].stage).capacity_bytes : NaN);
+        : (rs.length && isNum((stageMem.get(rs[0].stage) || {}).mem_bytes) ? stageMem.get(rs[0].stage).mem_bytes : NaN);
       const lines = ["device " + id + (c.dev.type ? " (" + c.dev.type + ")" : "") +
         (layout.source !== "stages" ? ", " + layout.nodes[c.node].name + " #" + c.dev.local : "")];
       rs.forEach((role) => {

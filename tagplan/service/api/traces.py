@@ -20,9 +20,12 @@ from starlette.concurrency import run_in_threadpool
 
 from tagplan.datasets.traces.bundle import Fingerprint, Manifest, TraceRecord, now_iso, parse_record, write_bundle
 from tagplan.errors import SpecError, from_validation
-from tagplan.service.api_deps import ID_PATTERN, PrincipalDep, RateLimitDep, Services, ServicesDep
-from tagplan.service.api_schemas import Error, JobOut, TraceBundleIn, TraceCreated, TrainingRunRequest, job_out
+from tagplan.service.api.deps import ID_PATTERN, PrincipalDep, RateLimitDep, Services, ServicesDep
+from tagplan.service.api.schemas import Error, JobOut, TraceBundleIn, TraceCreated, TrainingRunRequest, job_out
 from tagplan.service.keys import Principal
+from tagplan.service.requests import CalibrationChoice, TrainRequest, calibration_of, traces_root
+from tagplan.service.settings import Settings
+from tagplan.service.vocabulary import JobKind
 
 router = APIRouter(tags=["traces"])
 
@@ -66,7 +69,7 @@ async def upload_trace(request: Request, principal: PrincipalDep, services: Serv
         raise HTTPException(415, f"Content-Type {media or '(none)'!r}: send application/json (a bundle "
                                  f"{{manifest, records}}) or one of {', '.join(LINES_TYPES)} (records.jsonl)")
     label = _CONTROL.sub(" ", name or manifest.fingerprint.device_type)[:MAX_NAME_CHARS]  # fits `traces.name`
-    root = services.settings.home / "traces" / str(principal.tenant_id)
+    root = traces_root(services.settings) / str(principal.tenant_id)
     trace_id = await run_in_threadpool(_store, services, principal, root, label, manifest, records)
     return TraceCreated(id=trace_id, records=len(records))
 
@@ -135,15 +138,10 @@ def _nonempty(records: list[TraceRecord]) -> list[TraceRecord]:
     return records
 
 
-def _calibration(value: dict[str, Any] | str) -> dict[str, Any] | str:
-    """An inline calibration is checked now, so a bad one never becomes a job (a version name, by the job)."""
-    if isinstance(value, dict):
-        from tagplan.cost.calibration import Calibration
-
-        try:
-            Calibration.model_validate(value)
-        except ValidationError as err:
-            raise from_validation("calibration", err) from None
+def _calibration(value: CalibrationChoice, settings: Settings) -> CalibrationChoice:
+    """The choice as given, checked now (`requests.calibration_of`), so a bad one never becomes a job."""
+    if value is not None:
+        calibration_of(value, settings)
     return value
 
 
@@ -157,7 +155,5 @@ def submit_training_run(body: TrainingRunRequest, principal: PrincipalDep, servi
     if paths is None:
         raise HTTPException(404, f"unknown trace id(s) for tenant {principal.tenant!r} among {ids[:10]}; "
                                  "upload traces with POST /v1/traces")
-    request: dict[str, Any] = {"traces": paths}
-    if body.calibration is not None:
-        request["calibration"] = _calibration(body.calibration)
-    return job_out(services.store.submit(principal.tenant_id, "train", request))
+    request = TrainRequest(traces=paths, calibration=_calibration(body.calibration, services.settings))
+    return job_out(services.store.submit(principal.tenant_id, JobKind.TRAIN, request.model_dump(exclude_none=True)))

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from tagplan.errors import SpecError
-from tagplan.service.execute import LimitError
+from tagplan.service.requests import LimitError, describe, shown
 
 log = logging.getLogger(__name__)
-MAX_SHOWN = 80  # characters of a rejected value quoted back
 
 
 def install(app: FastAPI) -> None:
@@ -24,23 +22,9 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _bug)
 
 
-def describe(error: dict[str, Any]) -> str:
-    """One pydantic error as `where: message (got value)`."""
-    where = ".".join(str(p) for p in error.get("loc", ())) or "(request)"
-    shown = _shown(error.get("input"))
-    return f"{where}: {error.get('msg', 'invalid')}" + (f" (got {shown})" if shown is not None else "")
-
-
-def _shown(value: Any) -> str | None:
-    if isinstance(value, dict | list):
-        return type(value).__name__ if value else None
-    text = repr(value)
-    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
-
-
 async def _invalid_request(_: Request, err: RequestValidationError) -> JSONResponse:
     errors = list(err.errors())
-    listed = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "got": _shown(e.get("input"))}
+    listed = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "got": shown(e.get("input"))}
               for e in errors[:20]]
     detail = "; ".join(describe(e) for e in errors[:5]) + (f"; and {len(errors) - 5} more" if len(errors) > 5 else "")
     return JSONResponse({"detail": detail or "invalid request", "errors": listed}, status_code=422)

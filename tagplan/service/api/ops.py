@@ -8,8 +8,8 @@ import sqlalchemy as sa
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from tagplan.service import api_metrics
-from tagplan.service.api_deps import ServicesDep
+from tagplan.service.api import metrics as job_metrics
+from tagplan.service.api.deps import ServicesDep
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
@@ -36,6 +36,6 @@ def readyz(services: ServicesDep) -> JSONResponse:
 @router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
 def metrics(services: ServicesDep) -> PlainTextResponse:
     """Jobs by status, queue depth, HTTP answers by route and code, and finished jobs' durations."""
-    text = api_metrics.render(services.store.counts(), services.requests.snapshot(),
-                              api_metrics.job_durations(services.engine))
-    return PlainTextResponse(text, media_type=api_metrics.CONTENT_TYPE)
+    text = job_metrics.render(services.store.counts(), services.requests.snapshot(),
+                              job_metrics.job_durations(services.engine))
+    return PlainTextResponse(text, media_type=job_metrics.CONTENT_TYPE)

@@ -10,8 +10,8 @@ import sqlalchemy as sa
 from fastapi import Depends, HTTPException, Path, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
-from tagplan.service.api_limits import RateLimiter, retry_after
-from tagplan.service.api_metrics import RequestCounter
+from tagplan.service.api.limits import RateLimiter, retry_after
+from tagplan.service.api.metrics import RequestCounter
 from tagplan.service.keys import Principal, authenticate
 from tagplan.service.settings import Settings
 from tagplan.service.store import JobStore, JobView

@@ -14,21 +14,19 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from tagplan.errors import SpecError
-from tagplan.service.api_deps import JobDep, PrincipalDep, RateLimitDep, Services, ServicesDep
-from tagplan.service.api_schemas import (
-    FINISHED,
+from tagplan.service.api.deps import JobDep, PrincipalDep, RateLimitDep, Services, ServicesDep
+from tagplan.service.api.schemas import Error, JobList, JobOut, SafeJSONResponse, job_out
+from tagplan.service.requests import (
     PLAN_EXAMPLE,
     TINY_PLAN_EXAMPLE,
-    Error,
-    JobList,
-    JobOut,
+    LimitError,
     PlanRequest,
-    SafeJSONResponse,
-    job_out,
+    calibration_of,
+    check_limits,
 )
-from tagplan.service.execute import LimitError, validate_plan_request
 from tagplan.service.settings import Settings
 from tagplan.service.store import JobStore, JobView
+from tagplan.service.vocabulary import TERMINAL, JobKind, JobStatus
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["jobs"])
@@ -53,15 +51,20 @@ def _job_json(job: JobView) -> dict[str, Any]:
     return job_out(job).model_dump(mode="json")
 
 
-def validate(request: dict[str, Any], settings: Settings) -> None:
-    """`execute.validate_plan_request`, where any failure to understand the input is a 422."""
+def validate(request: PlanRequest, settings: Settings) -> None:
+    """What the body's model cannot know: the service's limits and the calibration's registry version.
+
+    Read off the parsed request (`requests.check_limits`): no model or cluster is built here. Any
+    failure to understand the input is a 422, never a 500.
+    """
     try:
-        validate_plan_request(request, settings)
+        check_limits(request, settings)
+        calibration_of(request.calibration, settings)
     except (SpecError, LimitError):
         raise
     except Exception as err:  # the request could not be read: bad input, reported, never a 500
         log.warning("plan request validation raised %s", type(err).__name__, exc_info=err)
-        raise SpecError(f"invalid plan request: {type(err).__name__}: {err}") from None
+        raise SpecError(f"invalid plan request: {type(err).__name__}") from None
 
 
 @router.post("/v1/plans", status_code=202, response_model=JobOut, dependencies=[RateLimitDep],
@@ -73,9 +76,8 @@ def validate(request: dict[str, Any], settings: Settings) -> None:
 async def submit_plan(body: PlanBody, principal: PrincipalDep, services: ServicesDep,
                       wait: WaitQuery = None) -> Response:
     """Validate the problem (a bad one is a 422, never a job) and queue it; 202 with the job."""
-    request = body.to_request()
-    await run_in_threadpool(validate, request, services.settings)
-    job = await run_in_threadpool(services.store.submit, principal.tenant_id, "plan", request)
+    await run_in_threadpool(validate, body, services.settings)
+    job = await run_in_threadpool(services.store.submit, principal.tenant_id, JobKind.PLAN, body.to_request())
     if wait:
         job, result = await _wait(services.store, principal.tenant_id, job.id, min(wait, MAX_WAIT_S))
         if result is not None:
@@ -90,9 +92,9 @@ async def _wait(store: JobStore, tenant_id: int, job_id: str, wait_s: float) -> 
         job = await run_in_threadpool(store.get, tenant_id, job_id)
         if job is None:
             raise HTTPException(404, f"job {job_id!r} disappeared")
-        if job.status == "succeeded":
+        if job.status is JobStatus.SUCCEEDED:
             return job, await run_in_threadpool(store.result, tenant_id, job_id)
-        if job.status in FINISHED or time.monotonic() >= deadline:
+        if job.status in TERMINAL or time.monotonic() >= deadline:
             return job, None
         await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
 
@@ -124,7 +126,7 @@ def cancel_job(job: JobDep, principal: PrincipalDep, services: ServicesDep) -> J
             response_class=SafeJSONResponse)
 def job_result(job: JobDep, principal: PrincipalDep, services: ServicesDep) -> SafeJSONResponse:
     """The planner's JSON (`best`, `pareto`, `baselines`, `search`, `timeline`, ...); 409 until it succeeded."""
-    if job.status != "succeeded":
+    if job.status is not JobStatus.SUCCEEDED:
         why = f": {job.error}" if job.error else ""
         raise HTTPException(409, f"job is {job.status}{why}; the result exists once it succeeded")
     result = services.store.result(principal.tenant_id, job.id)
@@ -156,7 +158,7 @@ async def _events(services: Services, tenant_id: int, job_id: str) -> AsyncItera
         elif time.monotonic() - quiet_since > KEEPALIVE_S:
             quiet_since = time.monotonic()
             yield ": keep-alive\n\n"  # a comment: keeps proxies from closing a quiet stream
-        if job.status in FINISHED:
+        if job.status in TERMINAL:
             yield _sse("done", _job_json(job))
             return
         await asyncio.sleep(EVENTS_POLL_S)

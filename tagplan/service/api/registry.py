@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path
 
 from tagplan.errors import SpecError
-from tagplan.service.api_deps import AdminDep, PrincipalDep, ServicesDep
-from tagplan.service.api_schemas import Error, ModelsOut, ModelVersion
+from tagplan.service.api.deps import AdminDep, PrincipalDep, ServicesDep
+from tagplan.service.api.schemas import Error, ModelsOut, ModelVersion
 from tagplan.training.registry import PACKAGED_CHECKPOINT, Registry
 
 router = APIRouter(tags=["models"])

@@ -16,9 +16,9 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tagplan.service import db
+from tagplan.service.vocabulary import JobStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 UNMATCHED = "unmatched"
 
 
@@ -94,8 +94,9 @@ def render(jobs: Mapping[str, int], requests: Mapping[tuple[str, int], int], dur
     """The exposition text of the service's metrics."""
     answered = ((f'route="{_escape(route)}",code="{code}"', n) for (route, code), n in sorted(requests.items()))
     lines = [*_family("tagplan_jobs", "gauge", "Jobs by status.",
-                      ((f'status="{s}"', jobs.get(s, 0)) for s in sorted({*STATUSES, *jobs}))),
-             *_family("tagplan_queue_depth", "gauge", "Jobs waiting for a worker.", [("", jobs.get("queued", 0))]),
+                      ((f'status="{s}"', jobs.get(s, 0)) for s in sorted({*map(str, JobStatus), *jobs}))),
+             *_family("tagplan_queue_depth", "gauge", "Jobs waiting for a worker.",
+                      [("", jobs.get(JobStatus.QUEUED, 0))]),
              *_family("tagplan_http_requests_total", "counter", "HTTP requests answered, by route template and code.",
                       answered)]
     total, count = durations

@@ -1,0 +1,117 @@
+"""The HTTP API's wire formats besides the job requests (`service.requests.PlanRequest`): responses,
+the trace bundle and training-run bodies, and JSON that never fails on infinities.
+
+Bodies reject unknown keys (`extra="forbid"`) so a typo is a 422 naming the key, not a silently
+ignored option. Job kinds and statuses are `service.vocabulary`'s enums.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from tagplan.service.jobs import finite
+from tagplan.service.requests import CalibrationChoice
+from tagplan.service.store import JobView
+from tagplan.service.vocabulary import JobKind, JobStatus
+
+
+class JobOut(BaseModel):
+    """A job as clients see it."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "id": "3f2b9c1e0a6d4e8f9b7a5c3d1e2f4a6b", "kind": "plan", "status": "running", "progress": 0.4,
+        "message": "160/400 plans", "error": None, "attempts": 1, "created_at": "2026-01-05T10:00:00Z",
+        "started_at": "2026-01-05T10:00:01Z", "finished_at": None, "eta_s": 12.5}]})
+
+    id: str
+    kind: JobKind
+    status: JobStatus
+    progress: float = Field(ge=0, le=1)
+    message: str = ""
+    error: str | None = None
+    attempts: int = 0
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    eta_s: float | None = Field(default=None, description="seconds left, estimated from the progress so far")
+
+
+def job_out(job: JobView) -> JobOut:
+    """The client's view of a stored job."""
+    return JobOut.model_validate(job.to_json())
+
+
+class JobList(BaseModel):
+    """One page of a tenant's jobs, newest first."""
+
+    jobs: list[JobOut]
+    total: int
+    offset: int
+    limit: int
+
+
+class TraceBundleIn(BaseModel):
+    """A `tagplan-traces/1` bundle as one JSON document (what `manifest.json` and `records.jsonl` hold)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    manifest: dict[str, Any]
+    records: list[Any]
+
+
+class TraceCreated(BaseModel):
+    """An uploaded trace bundle."""
+
+    id: str
+    records: int
+
+
+class TrainingRunRequest(BaseModel):
+    """Retrain the GNN on uploaded traces."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"traces": ["0d5c8e4f2a1b4c6d8e0f1a2b3c4d5e6f"], "calibration": None}]})
+
+    traces: list[Annotated[str, Field(max_length=64)]] = Field(min_length=1, max_length=256,
+                                                               description="trace ids from POST /v1/traces")
+    calibration: CalibrationChoice = Field(default=None, description=(
+        "a calibration object, or a registry version with one pinned (default: the active version's)"))
+
+
+class ModelVersion(BaseModel):
+    """One registered GNN version and its model card."""
+
+    version: str
+    active: bool
+    card: dict[str, Any]
+
+
+class ModelsOut(BaseModel):
+    """The GNN registry: its versions, the active one, and the fallback when none is active."""
+
+    active: str | None
+    default: str | None = Field(description="the packaged checkpoint used while no version is active")
+    versions: list[ModelVersion]
+
+
+class Error(BaseModel):
+    """Every error answer: what was wrong, which value, and what is accepted."""
+
+    detail: str
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that never fails on infinities or NaN (a result may hold them): they become null."""
+
+    def render(self, content: Any) -> bytes:
+        """Strict JSON bytes of `content`."""
+        try:
+            text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        except ValueError:
+            text = json.dumps(finite(content), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8")

@@ -1,0 +1,201 @@
+"""Routes of plans and jobs (`service/api/jobs.py`), in-process (`TestClient`) on a fresh database per test.
+
+The `database_url` fixture (tests/service/conftest.py) gives a SQLite file, and with
+`TAGPLAN_TEST_DATABASE_URL` set (e.g. `postgresql+psycopg://user@host/db`) a fresh PostgreSQL
+schema as well, so every test here runs on both.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tagplan.service.worker import run_worker
+
+# -- auth ------------------------------------------------------------------------------------------
+
+
+def test_missing_or_bad_key_is_401(client: TestClient, keys: Any, api: Any) -> None:
+    missing = client.get("/v1/jobs")
+    assert missing.status_code == 401
+    assert "Authorization: Bearer" in missing.json()["detail"]
+    assert missing.headers["WWW-Authenticate"] == "Bearer"
+    bad = client.get("/v1/jobs", headers=api.auth("tp_not-a-key"))
+    assert bad.status_code == 401 and "invalid" in bad.json()["detail"]
+    assert client.get("/v1/jobs", headers={"X-API-Key": keys.a}).status_code == 200
+    assert client.post("/v1/plans", json=api.TINY).status_code == 401
+
+
+# -- jobs ------------------------------------------------------------------------------------------
+
+
+def test_submit_list_get_cancel(client: TestClient, keys: Any, api: Any) -> None:
+    jobs = [api.submit(client, keys.a) for _ in range(3)]
+    first = jobs[0]
+    assert first["status"] == "queued" and first["kind"] == "plan" and first["progress"] == 0.0
+    assert set(first) == {"id", "kind", "status", "progress", "message", "error", "attempts", "created_at",
+                          "started_at", "finished_at", "eta_s"}
+    page = client.get("/v1/jobs", params={"limit": 2}, headers=api.auth(keys.a)).json()
+    assert (page["total"], page["offset"], page["limit"], len(page["jobs"])) == (3, 0, 2, 2)
+    rest = client.get("/v1/jobs", params={"offset": 2, "limit": 2}, headers=api.auth(keys.a)).json()
+    assert [j["id"] for j in page["jobs"] + rest["jobs"]] == [j["id"] for j in reversed(jobs)]  # newest first
+    assert client.get(f"/v1/jobs/{first['id']}", headers=api.auth(keys.a)).json()["id"] == first["id"]
+    early = client.get(f"/v1/jobs/{first['id']}/result", headers=api.auth(keys.a))
+    assert early.status_code == 409 and "job is queued" in early.json()["detail"]
+    cancelled = client.delete(f"/v1/jobs/{first['id']}", headers=api.auth(keys.a))
+    assert cancelled.status_code == 202 and cancelled.json()["status"] == "cancelled"
+    gone = client.get(f"/v1/jobs/{first['id']}/result", headers=api.auth(keys.a))
+    assert "job is cancelled" in gone.json()["detail"]
+    assert client.get("/v1/jobs", params={"limit": 1000}, headers=api.auth(keys.a)).status_code == 422
+
+
+def test_plan_alias(client: TestClient, keys: Any, api: Any) -> None:
+    assert api.submit(client, keys.a, path="/plan")["kind"] == "plan"
+
+
+def test_the_stored_request_is_what_the_body_said(client: TestClient, keys: Any, api: Any,
+                                                  make_settings: Any) -> None:
+    from tagplan.service.db import make_engine
+    from tagplan.service.store import JobStore
+
+    body = {**api.TINY, "cluster": "name: lab\nnode_groups:\n  - {preset: p3.8xlarge, nodes: 1}\n",
+            "objective": "memory"}
+    job = api.submit(client, keys.a, body)
+    settings = make_settings()
+    stored = JobStore(make_engine(settings.database_url), settings)._get(job["id"])
+    assert stored is not None
+    assert stored.request == {**api.TINY, "objective": "memory",  # YAML text is read once, into an object
+                              "cluster": {"name": "lab", "node_groups": [{"preset": "p3.8xlarge", "nodes": 1}]}}
+
+
+def test_worker_runs_the_job_and_the_result_is_served(client: TestClient, keys: Any, api: Any,
+                                                      finished: dict[str, Any]) -> None:
+    assert finished["progress"] == 1.0 and finished["finished_at"] is not None
+    result = client.get(f"/v1/jobs/{finished['id']}/result", headers=api.auth(keys.a))
+    assert result.status_code == 200, result.text
+    body = result.json()
+    assert {"best", "timeline", "request", "cluster"} <= set(body)
+    assert body["best"]["plan"]["stages"]
+    assert body["request"]["budget_s"] == 20.0 and body["request"]["objective"] == "time"
+
+
+def test_events_end_with_done(client: TestClient, keys: Any, api: Any, finished: dict[str, Any]) -> None:
+    with client.stream("GET", f"/v1/jobs/{finished['id']}/events", headers=api.auth(keys.a)) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        text = "".join(stream.iter_text())
+    events = [block.split("\n") for block in text.strip().split("\n\n")]
+    assert [e[0] for e in events] == ["event: progress", "event: done"]
+    assert json.loads(events[-1][1].removeprefix("data: "))["status"] == "succeeded"
+
+
+def test_wait_answers_with_the_result(make_settings: Any, client: TestClient, keys: Any, api: Any) -> None:
+    stop = threading.Event()
+    worker = threading.Thread(target=run_worker, args=(make_settings(),), kwargs={"stop": stop, "poll_s": 0.05})
+    worker.start()
+    try:
+        answer = client.post("/v1/plans", params={"wait": 60}, json=api.TINY, headers=api.auth(keys.a))
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert "best" in answer.json()
+    queued = client.post("/v1/plans", params={"wait": 0.2}, json=api.TINY, headers=api.auth(keys.a))
+    assert queued.status_code == 202 and queued.json()["status"] == "queued"
+
+
+def test_tenants_do_not_see_each_others_jobs(client: TestClient, keys: Any, api: Any,
+                                             finished: dict[str, Any]) -> None:
+    job_id = finished["id"]
+    for method, path in [("GET", f"/v1/jobs/{job_id}"), ("GET", f"/v1/jobs/{job_id}/result"),
+                         ("GET", f"/v1/jobs/{job_id}/events"), ("DELETE", f"/v1/jobs/{job_id}")]:
+        answer = client.request(method, path, headers=api.auth(keys.b))
+        assert answer.status_code == 404, (method, path, answer.text)
+    assert client.get("/v1/jobs", headers=api.auth(keys.b)).json()["total"] == 0
+    assert client.get(f"/v1/jobs/{job_id}", headers=api.auth(keys.a)).status_code == 200
+
+
+def test_unknown_job_is_404(client: TestClient, keys: Any, api: Any) -> None:
+    for job_id in (uuid.uuid4().hex, "not-an-id", "%00"):
+        assert client.get(f"/v1/jobs/{job_id}", headers=api.auth(keys.a)).status_code == 404
+
+
+# -- validation and limits -------------------------------------------------------------------------
+
+
+def test_bad_bodies_are_422_naming_the_field(client: TestClient, keys: Any, api: Any) -> None:
+    negative = client.post("/v1/plans", json={**api.TINY, "budget_s": -1}, headers=api.auth(keys.a))
+    assert negative.status_code == 422 and "body.budget_s" in negative.json()["detail"]
+    typo = client.post("/v1/plans", json={**api.TINY, "max_evals": 3}, headers=api.auth(keys.a))
+    assert typo.status_code == 422 and "max_evals" in typo.json()["detail"]
+    json_headers = {**api.auth(keys.a), "Content-Type": "application/json"}
+    broken = client.post("/v1/plans", content=b'{"model": ', headers=json_headers)
+    assert broken.status_code == 422 and "JSON" in broken.json()["detail"]
+    assert client.post("/v1/plans", json=[1, 2], headers=api.auth(keys.a)).status_code == 422
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"max_evaluations": 2.5}, "body.max_evaluations"),
+    ({"max_evaluations": True}, "body.max_evaluations"),
+    ({"budget_s": "30"}, "body.budget_s"),
+    ({"workload": {"global_batch": 8.0}}, "body.workload.global_batch"),
+    ({"seed": -1}, "body.seed"),
+    ({"objective": "fastest"}, "body.objective"),
+])
+def test_numbers_are_strict(client: TestClient, keys: Any, api: Any, change: dict[str, Any], field: str) -> None:
+    answer = client.post("/v1/plans", json={**api.TINY, **change}, headers=api.auth(keys.a))
+    assert answer.status_code == 422 and field in answer.json()["detail"], answer.text
+
+
+def test_unknown_model_is_422_naming_it(client: TestClient, keys: Any, api: Any) -> None:
+    answer = client.post("/v1/plans", json={**api.TINY, "model": "gpt-17-nonesuch"}, headers=api.auth(keys.a))
+    assert answer.status_code == 422
+    assert "body.model" in answer.json()["detail"] and "gpt-17-nonesuch" in answer.json()["detail"]
+    assert client.get("/v1/jobs", headers=api.auth(keys.a)).json()["total"] == 0  # never became a job
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"model": "/etc/passwd"}, "body.model"),
+    ({"model": "graph.json"}, "body.model"),
+    ({"model": "os:system"}, "body.model"),
+    ({"cluster": "../cluster.yaml"}, "body.cluster"),
+    ({"cluster": "p3.8xlarge:gpu=/tmp/gpu.yaml"}, "body.cluster"),
+    ({"calibration": "/etc/calibration.json"}, "calibration"),
+])
+def test_files_are_refused(client: TestClient, keys: Any, api: Any, change: dict[str, Any], field: str) -> None:
+    answer = client.post("/v1/plans", json={**api.TINY, **change}, headers=api.auth(keys.a))
+    assert answer.status_code == 422 and field in answer.json()["detail"], answer.text
+    assert client.get("/v1/jobs", headers=api.auth(keys.a)).json()["total"] == 0
+
+
+def test_errors_quote_at_most_80_characters_of_input(client: TestClient, keys: Any, api: Any) -> None:
+    for change in ({"model": "gpt5-" + "x" * 1000}, {"cluster": "p3.8xlarge:nodes=" + "9" * 1000},
+                   {"model": "hf:" + "A" * 1000 + "?num_hidden_layers=x"}, {"calibration": "v" * 150}):
+        answer = client.post("/v1/plans", json={**api.TINY, **change}, headers=api.auth(keys.a))
+        assert answer.status_code == 422, answer.text
+        detail = answer.json()["detail"]
+        assert "x" * 81 not in detail and "9" * 81 not in detail and "A" * 81 not in detail, detail
+        assert "v" * 81 not in detail, detail
+
+
+def test_limits_are_422_naming_the_limit(make_settings: Any, keys: Any, api: Any) -> None:
+    with api.client_for(make_settings(max_devices=4, max_layers=6)) as client:
+        devices = client.post("/v1/plans", json={**api.TINY, "cluster": "p3.8xlarge:nodes=2"},
+                              headers=api.auth(keys.a))
+        assert devices.status_code == 422, devices.text
+        assert "4" in devices.json()["detail"] and "devices" in devices.json()["detail"]
+        evaluations = client.post("/v1/plans", json={**api.TINY, "max_evaluations": 10**6}, headers=api.auth(keys.a))
+        assert evaluations.status_code == 422
+        assert "5000" in evaluations.json()["detail"]
+        layers = client.post("/v1/plans", json={**api.TINY, "model": "gpt?layers=7&hidden=64&heads=4&vocab=100"},
+                             headers=api.auth(keys.a))
+        assert layers.status_code == 422 and "layers" in layers.json()["detail"]
+        hf = client.post("/v1/plans", json={**api.TINY, "model": "hf:LlamaConfig?num_hidden_layers=100000"},
+                         headers=api.auth(keys.a))
+        assert hf.status_code == 422 and "6" in hf.json()["detail"]
+        assert client.get("/v1/jobs", headers=api.auth(keys.a)).json()["total"] == 0

@@ -1,0 +1,88 @@
+"""Routes of measurements (`service/api/traces.py`): trace uploads and training runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from tagplan.service.settings import Settings
+
+FIXTURE_BUNDLE = Path(__file__).resolve().parents[2] / "fixtures" / "traces" / "cpu-quick"
+
+
+def _bundle() -> dict[str, Any]:
+    manifest = json.loads((FIXTURE_BUNDLE / "manifest.json").read_text())
+    lines = (FIXTURE_BUNDLE / "records.jsonl").read_text().splitlines()[:5]
+    return {"manifest": manifest, "records": [json.loads(line) for line in lines]}
+
+
+def _stored_traces(settings: Settings) -> list[Path]:
+    root = settings.home / "traces"
+    return sorted(p for p in root.glob("*/*") if p.is_dir()) if root.exists() else []
+
+
+def test_upload_a_json_bundle_and_train_on_it(make_settings: Any, client: TestClient, keys: Any, api: Any) -> None:
+    from tagplan.service.db import make_engine
+    from tagplan.service.store import JobStore
+
+    created = client.post("/v1/traces", json=_bundle(), headers=api.auth(keys.a))
+    assert created.status_code == 201, created.text
+    assert created.json()["records"] == 5
+    [stored] = _stored_traces(make_settings())
+    assert (stored / "manifest.json").is_file() and len((stored / "records.jsonl").read_text().splitlines()) == 5
+    run = client.post("/v1/training-runs", json={"traces": [created.json()["id"]]}, headers=api.auth(keys.a))
+    assert run.status_code == 202, run.text
+    assert run.json()["kind"] == "train" and run.json()["status"] == "queued"
+    settings = make_settings()
+    job = JobStore(make_engine(settings.database_url), settings)._get(run.json()["id"])
+    assert job is not None and job.request == {"traces": [str(stored)]}  # a TrainRequest, read by the worker
+
+
+def test_upload_records_jsonl(client: TestClient, keys: Any, api: Any) -> None:
+    text = "\n".join((FIXTURE_BUNDLE / "records.jsonl").read_text().splitlines()[:3]) + "\n"
+    for content_type in ("application/x-ndjson", "text/plain"):
+        created = client.post("/v1/traces", params={"name": "bench box", "device": "cpu-amd-epyc"},
+                              content=text.encode(), headers={**api.auth(keys.a), "Content-Type": content_type})
+        assert created.status_code == 201, created.text
+        assert created.json()["records"] == 3
+    unsupported = client.post("/v1/traces", content=b"<xml/>",
+                              headers={**api.auth(keys.a), "Content-Type": "text/xml"})
+    assert unsupported.status_code == 415
+
+
+def test_a_malformed_line_is_422_naming_it_and_nothing_is_stored(make_settings: Any, client: TestClient,
+                                                                  keys: Any, api: Any) -> None:
+    lines = (FIXTURE_BUNDLE / "records.jsonl").read_text().splitlines()[:2]
+    bad = json.loads(lines[1]) | {"time_s": -1}
+    text = "\n".join([lines[0], lines[1], json.dumps(bad), "{not json"]) + "\n"
+    answer = client.post("/v1/traces", content=text.encode(),
+                         headers={**api.auth(keys.a), "Content-Type": "application/x-ndjson"})
+    assert answer.status_code == 422
+    assert "line 3" in answer.json()["detail"] and "time_s" in answer.json()["detail"]
+    bundle = _bundle()
+    bundle["records"][1]["record"] = "opp"
+    answer = client.post("/v1/traces", json=bundle, headers=api.auth(keys.a))
+    assert answer.status_code == 422 and "records[1]" in answer.json()["detail"]
+    bundle = _bundle() | {"manifest": {"source": "x"}}
+    answer = client.post("/v1/traces", json=bundle, headers=api.auth(keys.a))
+    assert answer.status_code == 422 and "manifest" in answer.json()["detail"]
+    overflow = json.dumps(json.loads(lines[0]) | {"time_s": 12345.5}).replace("12345.5", "1e999")  # infinity
+    text_headers = {**api.auth(keys.a), "Content-Type": "text/plain"}
+    answer = client.post("/v1/traces", content=overflow.encode(), headers=text_headers)
+    assert answer.status_code == 422 and "line 1: time_s" in answer.json()["detail"], answer.text
+    assert _stored_traces(make_settings()) == []
+
+
+def test_training_on_another_tenants_trace_is_404(client: TestClient, keys: Any, api: Any) -> None:
+    theirs = client.post("/v1/traces", json=_bundle(), headers=api.auth(keys.b)).json()["id"]
+    answer = client.post("/v1/training-runs", json={"traces": [theirs]}, headers=api.auth(keys.a))
+    assert answer.status_code == 404 and theirs in answer.json()["detail"]
+    assert client.post("/v1/training-runs", json={"traces": []}, headers=api.auth(keys.a)).status_code == 422
+    mine = client.post("/v1/traces", json=_bundle(), headers=api.auth(keys.a)).json()["id"]
+    for calibration in ({"nonsense": 1}, "/etc/calibration.json", "v0042"):  # no paths; no such version
+        bad = client.post("/v1/training-runs", json={"traces": [mine], "calibration": calibration},
+                          headers=api.auth(keys.a))
+        assert bad.status_code == 422 and "calibration" in bad.json()["detail"], bad.text

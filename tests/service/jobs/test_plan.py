@@ -1,0 +1,67 @@
+"""A plan job (`service/jobs/plan.py`) in this process: progress, cancellation, defaults, one problem."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tagplan.errors import SpecError
+from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_EVALUATIONS, Objective
+from tagplan.service.jobs import LimitError, run_job
+from tagplan.service.jobs.plan import plan_problem
+from tagplan.service.requests import PlanRequest, calibration_of, read_request
+from tagplan.service.settings import Settings
+from tagplan.service.vocabulary import JobKind
+
+TINY_PLAN = {"model": "gpt?layers=2&hidden=64&heads=4&vocab=100", "cluster": "p3.8xlarge",
+             "workload": {"global_batch": 8, "seq_len": 16}, "max_evaluations": 20}
+
+
+def problem(data: dict[str, Any], settings: Settings) -> Any:
+    request = read_request(PlanRequest, data, "plan request")
+    return plan_problem(request, settings, calibration_of(request.calibration, settings))
+
+
+def test_run_job_reports_progress_and_stops_when_cancelled(settings: Settings) -> None:
+    seen: list[tuple[float, str]] = []
+
+    class StopError(Exception):
+        pass
+
+    def progress(fraction: float, message: str) -> None:
+        seen.append((fraction, message))
+        if message.startswith("evaluations 3/"):
+            raise StopError
+
+    with pytest.raises(StopError):
+        run_job(JobKind.PLAN, {**TINY_PLAN, "max_evaluations": 20}, settings, progress)
+    assert seen[-1][1] == "evaluations 3/20" and 0 < seen[-1][0] < 1
+    with pytest.raises(SpecError, match="kind"):
+        run_job("sleep", {}, settings, progress)
+
+
+def test_the_problem_takes_the_planner_s_defaults_capped_by_the_limits(settings: Settings) -> None:
+    defaults = problem({"model": "gpt3-125m", "cluster": "p3.8xlarge"}, settings)
+    assert (defaults.budget_s, defaults.max_evaluations, defaults.objective, defaults.seed) == (
+        DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS, Objective.TIME, 0)
+    assert defaults.workload.global_batch == DEFAULT_GLOBAL_BATCH and defaults.workload.seq_len == 2048
+    small = Settings(database_url=settings.database_url, home=settings.home, max_budget_s=5.0, max_evaluations=7)
+    capped = problem({"model": "gpt3-125m", "cluster": "p3.8xlarge"}, small)
+    assert (capped.budget_s, capped.max_evaluations) == (5.0, 7)
+
+
+def test_inline_graph_and_cluster(settings: Settings) -> None:
+    op = {"name": "mm", "kind": "matmul", "flops": 1e9, "bytes_read": 1e6, "bytes_written": 1e6, "param_bytes": 1e6}
+    graph = {"seq_len": 16, "blocks": {"b": {"kind": "mlp", "ops": [op]}}, "layers": [{"block": "b", "repeat": 4}]}
+    cluster = {"name": "lab", "node_groups": [{"preset": "p3.8xlarge", "nodes": 2}]}
+    built = problem({**TINY_PLAN, "model": graph, "cluster": cluster}, settings)
+    assert len(built.model.layers) == 4 and built.cluster.num_devices == 8 and built.workload.seq_len == 16
+    with pytest.raises(SpecError, match="seq_len"):
+        problem({**TINY_PLAN, "model": graph, "workload": {"seq_len": 32}}, settings)
+
+
+def test_the_worker_checks_the_limits_again(settings: Settings) -> None:
+    strict = Settings(database_url=settings.database_url, home=settings.home, max_devices=2)
+    with pytest.raises(LimitError, match="TAGPLAN_MAX_DEVICES"):
+        run_job(JobKind.PLAN, TINY_PLAN, strict, lambda _f, _m: None)

@@ -1,0 +1,40 @@
+"""A training job (`service/jobs/train.py`): only uploaded bundles, registered in the service's home."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tagplan.errors import SpecError
+from tagplan.service.jobs import run_job
+from tagplan.service.settings import Settings
+from tagplan.service.vocabulary import JobKind
+
+BUNDLE = Path(__file__).parents[2] / "fixtures" / "traces" / "cpu-quick"
+
+
+def test_a_training_job_reads_only_uploaded_bundles(settings: Settings) -> None:
+    elsewhere = settings.home / "training-data" / "cpu-quick"  # in the home, yet not an upload
+    shutil.copytree(BUNDLE, elsewhere)
+    for traces in ([str(BUNDLE)], [str(elsewhere)], [str(settings.home / "traces" / ".." / "training-data")]):
+        with pytest.raises(SpecError, match="not a trace bundle uploaded"):
+            run_job(JobKind.TRAIN, {"traces": traces}, settings, lambda _f, _m: None)
+    with pytest.raises(SpecError, match="traces"):
+        run_job(JobKind.TRAIN, {"traces": []}, settings, lambda _f, _m: None)
+    uploaded = settings.home / "traces" / "1" / "cpu-quick"
+    shutil.copytree(BUNDLE, uploaded)
+    with pytest.raises(SpecError, match="calibration"):
+        run_job(JobKind.TRAIN, {"traces": [str(uploaded)], "calibration": "/etc/calibration.json"}, settings,
+                lambda _f, _m: None)
+
+
+@pytest.mark.slow
+def test_training_job_registers_a_version_in_the_service_home(settings: Settings) -> None:
+    uploaded = settings.home / "traces" / "1" / "cpu-quick"
+    shutil.copytree(BUNDLE, uploaded)
+    messages: list[str] = []
+    card = run_job(JobKind.TRAIN, {"traces": [str(uploaded)]}, settings, lambda _f, m: messages.append(m))
+    assert card["version"] == "v0001" and (settings.home / "registry" / "versions" / "v0001" / "model.pt").exists()
+    assert messages[-1] == "registered"
