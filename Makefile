@@ -35,6 +35,7 @@ test: $(STAMP_DEV)
 lint: $(STAMP_DEV)
 	$(BIN)/ruff check tagplan tests bench
 	$(BIN)/mypy tagplan
+	$(BIN)/lint-imports
 
 bench: $(STAMP_RUN)
 	$(BIN)/python bench/frontends_speed.py
