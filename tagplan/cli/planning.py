@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tagplan.cli.options import (
+    EXIT_INFEASIBLE,
     Subparsers,
     add_json_option,
     add_problem_options,
@@ -57,6 +58,10 @@ def add_planning_commands(sub: Subparsers) -> None:
     _add_comm_mode(cmd)
     cmd.add_argument("--out", default=None, metavar="PLAN.json", help="write the best plan (Plan JSON v1)")
     cmd.add_argument("--timeline", default=None, metavar="OUT.json", help="write the best plan's Chrome trace")
+    cmd.add_argument("--exportable", choices=["torch", "megatron", "deepspeed"], default=None,
+                     help="return only plans this export format runs")
+    cmd.add_argument("--allow-infeasible", action="store_true",
+                     help="when no plan fits in memory, still write --out and exit 0")
     add_json_option(cmd, "the full result (`PlanResult.to_json`)")
     cmd.set_defaults(func=_plan)
 
@@ -101,26 +106,43 @@ def plan_problem(args: argparse.Namespace) -> PlanProblem:
                        comm_mode=CommMode(args.comm_mode), exhaustive_limit=args.exhaustive_limit)
 
 
-def search(problem: PlanProblem, *, show_progress: bool) -> PlanResult:
-    """`search.planner.plan` with the prior `problem.scorer` asks for, and a progress bar if asked."""
+def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None = None) -> PlanResult:
+    """`search.planner.plan` with the prior `problem.scorer` asks for, and a progress bar if asked;
+    with `exportable`, only plans that export format runs."""
     from tagplan.search.planner import plan
     from tagplan.training.registry import Registry, prior_factory
 
-    prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices)
+    admissible = None
+    if exportable is not None:
+        from tagplan.export.capability import exportable as can_export
+
+        batch = problem.workload.global_batch
+        admissible = lambda p: can_export(p, exportable, problem.model, global_batch=batch)  # noqa: E731
+
+    prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices,
+                          heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
     with _progress(problem.max_evaluations, enabled=show_progress) as tick:
-        return plan(problem, prior_factory=prior, progress=tick)
+        return plan(problem, prior_factory=prior, progress=tick, admissible=admissible)
 
 
 def _plan(args: argparse.Namespace) -> int:
     from tagplan.cli.tables import plan_result_table
 
-    result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty())
-    if args.out:
+    result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty(),
+                    exportable=args.exportable)
+    feasible = result.best.report.fits
+    if args.out and (feasible or args.allow_infeasible):
         Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))
     if args.timeline:
         Path(args.timeline).write_text(json.dumps(result.timeline()))
     emit(result.to_json() if args.json else result, args.json, plan_result_table)
-    return 0
+    if feasible or args.allow_infeasible:
+        return 0
+    if not args.json:
+        print(f"no plan fits in memory: the best plan needs {result.best.report.peak_memory_bytes / 2**30:.1f} GiB "
+              f"on device {result.best.report.worst_device}"
+              + ("" if not args.out else f"; {args.out} not written (--allow-infeasible writes it)"))
+    return EXIT_INFEASIBLE
 
 
 @contextmanager

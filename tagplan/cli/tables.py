@@ -6,6 +6,7 @@ themselves; nothing here computes a figure, it only formats one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rich.table import Table
@@ -83,6 +84,17 @@ def report_table(report: Report, plan: Plan) -> Table:
     return table
 
 
+def device_ranges(devices: Sequence[int]) -> str:
+    """Device ids as ranges in their order: "0-7, 16-23"; a single id alone."""
+    runs: list[list[int]] = []
+    for d in devices:
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
 def plan_result_table(result: PlanResult) -> Table:
     """The best plan beside the baselines and the frontier, for people."""
     best = result.best
@@ -90,19 +102,23 @@ def plan_result_table(result: PlanResult) -> Table:
              f"per iteration, {best.report.throughput_samples_s:.2f} samples/s, MFU {best.report.mfu:.1%}, "
              f"peak {si(best.report.peak_memory_bytes, 'B')} | searched {result.search.evaluations} plans in "
              f"{result.search.wall_s:.1f} s")
-    table = Table(title=title)
+    idle = result.idle_devices
+    caption = f"idle devices: {device_ranges(idle)}" if idle else None
+    table = Table(title=title, caption=caption)
     for col in ("plan", "stages (layers: dp x tp @ devices)", "micro-batches", "iteration", "samples/s",
                 "peak memory", "GPUs", "vs best"):
         table.add_column(col)
     rows: list[tuple[str, Candidate | None, str]] = [("best", best, "")]
-    rows += [(name, b.candidate, b.reason) for name, b in result.baselines.items()]
+    rows += [(name, b.candidate, b.reason or b.config) for name, b in result.baselines.items()]
     rows += [(f"pareto {i}", c, "") for i, c in enumerate(result.pareto)]
     for name, cand, reason in rows:
         if cand is None:
             table.add_row(name, f"n/a: {reason}", "", "", "", "", "", "")
             continue
-        stages = "; ".join(f"[{s.layers[0]},{s.layers[1]}): {s.dp}x{s.tp} @ {s.devices[0]}..{s.devices[-1]}"
+        stages = "; ".join(f"[{s.layers[0]},{s.layers[1]}): {s.dp}x{s.tp} @ {device_ranges(s.devices)}"
                            for s in cand.plan.stages)
+        if reason:  # a baseline's configuration
+            stages = f"{reason}\n{stages}"
         r = cand.report
         table.add_row(name, stages, str(cand.plan.micro_batches), f"{r.iteration_time_s:.3f} s",
                       f"{r.throughput_samples_s:.2f}", si(r.peak_memory_bytes, "B"), str(r.devices_used),

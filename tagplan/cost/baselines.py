@@ -32,11 +32,12 @@ def data_parallel(sim: Simulator) -> BaselinePlan:
     """
     n = sim.cluster.num_devices
     batch = sim.workload.global_batch
-    if batch < n:
-        return BaselinePlan("data_parallel", None, f"global batch {batch} is smaller than the {n} devices")
+    if batch % n:
+        return BaselinePlan("data_parallel", None, f"global batch {batch} does not split into whole samples over "
+                                                   f"the {n} devices")
     devices = tuple(range(n))
     plan: Plan | None = None
-    for micro in _divisors(batch // n):
+    for micro in _divisors(batch // n):  # micro-batch counts: each holds a multiple of n samples
         for zero in range(4):
             stage = Stage(layers=(0, len(sim.model.layers)), devices=devices, dp=n, tp=1, zero=zero)
             plan = Plan(micro_batches=micro, schedule=Schedule.ONE_F_ONE_B, stages=(stage,))

@@ -113,6 +113,8 @@ class _Compiled:
     max_in_flight: tuple[int, ...]
     last_backward: tuple[int, ...]
     """Per stage: the task id of its last backward."""
+    stage_lane: tuple[int, ...]
+    """Per stage: the lane that runs it."""
 
 
 def lane_order(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> list[list[TaskKey]]:
@@ -251,7 +253,7 @@ def _compile(orders: Sequence[Sequence[TaskKey]], num_stages: int, micro_batches
         raise ValueError(f"the orders miss some tasks, e.g. stage {stage}, micro-batch {mb}")
     fwd_deps = [-1] * M + list(range(S * M - M))
     bwd_deps = [S * M + t for t in range(M, S * M)] + list(range(S * M - M, S * M))
-    return _Compiled(S, M, tuple(flat), tuple(fwd_deps + bwd_deps), *_stage_stats(flat, S, M))
+    return _Compiled(S, M, tuple(flat), tuple(fwd_deps + bwd_deps), *_stage_stats(flat, S, M), tuple(stage_lane))
 
 
 def _stage_stats(orders: list[tuple[int, ...]], S: int, M: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -291,10 +293,18 @@ def _simulate(c: _Compiled, stages: Sequence[StageTiming], record_tasks: bool) -
         tasks=tasks,
         lane_end_s=tuple(lane_end),
         stage_last_backward_s=tuple((start[t], end[t]) for t in c.last_backward),
-        busy_s=tuple(sum(dur[t] for t in order) for order in c.orders),
+        busy_s=_lane_busy_s(c, stages),
         max_in_flight=c.max_in_flight,
         makespan_s=max(lane_end),
     )
+
+
+def _lane_busy_s(c: _Compiled, stages: Sequence[StageTiming]) -> tuple[float, ...]:
+    """Per lane, the seconds its tasks take: M x (forward + backward) of each stage on it."""
+    busy = [0.0] * len(c.orders)
+    for stage, lane in enumerate(c.stage_lane):
+        busy[lane] += c.micro_batches * (stages[stage].forward_s + stages[stage].backward_s)
+    return tuple(busy)
 
 
 def _run(c: _Compiled, dur: list[float], lag: list[float]) -> tuple[list[float], list[float], list[float]]:

@@ -49,6 +49,10 @@ class Stage(Record):
     batch_shares: tuple[float, ...] | None = Field(
         default=None, description="per data-parallel replica, summing to 1; None means even"
     )
+    batch_samples: tuple[int, ...] | None = Field(
+        default=None, description="samples per micro-batch of each data-parallel replica (whole, >= 1); "
+        "they sum to the micro-batch size; exclusive with batch_shares"
+    )
     recompute: bool = False
     zero: int = Field(default=0, ge=0, le=3, description="ZeRO stage 0-3")
     sharding: dict[str, ShardStrategy] | None = Field(
@@ -67,6 +71,14 @@ class Stage(Record):
             )
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"devices repeat within a stage: {list(self.devices)}")
+        if self.batch_samples is not None:
+            if self.batch_shares is not None:
+                raise ValueError("give batch_samples or batch_shares, not both")
+            if len(self.batch_samples) != self.dp:
+                raise ValueError(f"batch_samples has {len(self.batch_samples)} entries; dp is {self.dp}")
+            if any(n < 1 for n in self.batch_samples):
+                raise ValueError(f"batch_samples must be whole samples >= 1 per replica, "
+                                 f"got {list(self.batch_samples)}")
         if self.batch_shares is not None:
             shares = self.batch_shares
             if len(shares) != self.dp:
@@ -87,8 +99,30 @@ class Stage(Record):
         return self.devices[r * self.tp : (r + 1) * self.tp]
 
     def shares(self) -> tuple[float, ...]:
-        """Batch share of each replica (even when `batch_shares` is None)."""
+        """Batch share of each replica (from `batch_samples`, `batch_shares`, else even)."""
+        if self.batch_samples is not None:
+            total = sum(self.batch_samples)
+            return tuple(n / total for n in self.batch_samples)
         return self.batch_shares if self.batch_shares is not None else (1.0 / self.dp,) * self.dp
+
+    def replica_samples(self, micro_batch_size: int) -> tuple[int, ...]:
+        """Whole samples each replica takes of a micro-batch of `micro_batch_size` samples.
+
+        ValueError unless every replica gets a whole number of samples, at least one: no device
+        can run a fraction of a sample.
+        """
+        if self.batch_samples is not None:
+            if sum(self.batch_samples) != micro_batch_size:
+                raise ValueError(f"batch_samples {list(self.batch_samples)} sum to {sum(self.batch_samples)}, "
+                                 f"not the micro-batch size {micro_batch_size}")
+            return self.batch_samples
+        exact = [share * micro_batch_size for share in self.shares()]
+        counts = tuple(round(x) for x in exact)
+        if any(abs(x - n) > 1e-6 for x, n in zip(exact, counts, strict=True)) or min(counts) < 1:
+            shown = ", ".join(f"{x:.3g}" for x in exact[:8])
+            raise ValueError(f"a micro-batch of {micro_batch_size} samples gives the {self.dp} replicas {shown} "
+                             "samples each; every replica needs a whole number, at least 1 (set batch_samples)")
+        return counts
 
 
 class Plan(Record):
@@ -140,6 +174,19 @@ class Plan(Record):
     def devices(self) -> tuple[int, ...]:
         """All devices the plan uses, in stage order, without repeats."""
         return tuple(dict.fromkeys(d for s in self.stages for d in s.devices))
+
+
+def check_whole_samples(plan: Plan, global_batch: int) -> None:
+    """ValueError naming the stage unless `plan` gives every replica whole samples of every micro-batch."""
+    if global_batch % plan.micro_batches:
+        raise ValueError(f"micro_batches={plan.micro_batches} does not divide the global batch {global_batch}: "
+                         "micro-batches would hold fractions of samples")
+    micro = global_batch // plan.micro_batches
+    for i, stage in enumerate(plan.stages):
+        try:
+            stage.replica_samples(micro)
+        except ValueError as err:
+            raise ValueError(f"stages[{i}]: {err}") from None
 
 
 def check_plan(plan: Plan, model: ModelGraph, cluster: Cluster) -> None:

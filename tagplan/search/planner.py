@@ -15,13 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from tagplan.cost import baselines as base
 from tagplan.cost.bounds import lower_bound_s, plan_value
 from tagplan.cost.report import Report
 from tagplan.cost.simulator import Simulator
+from tagplan.errors import SpecError
 from tagplan.ir.plan import Plan
+from tagplan.search.baselines import run_baselines
 from tagplan.search.exhaustive import exhaustive
-from tagplan.search.mcts import Prior, mcts, uniform_prior
+from tagplan.search.mcts import Prior, SearchStats, mcts, uniform_prior
 from tagplan.search.pareto import frontier
 from tagplan.search.problem import Objective, PlanProblem
 from tagplan.search.refine import refine_sharding
@@ -29,7 +30,10 @@ from tagplan.search.result import Baseline, Candidate, PlanResult, SearchInfo
 from tagplan.search.space import PlanSpace, PlanState
 
 DEFAULT_TIME_SLACK = 1.25  # memory / GPU objectives accept plans up to 25% slower than the fastest
+BASELINE_BUDGET_SHARE = 0.5  # the baselines' grid may take up to this share of the wall-clock budget
+MIN_SEARCH_S = 1.0  # the search runs at least this long after the baselines
 PriorFactory = Callable[[PlanSpace], Prior]
+Admissible = Callable[[Plan], str | None]
 Progress = Callable[[int, int], None]
 
 
@@ -60,62 +64,74 @@ class SimulatorEvaluator:
         return plan_value(self.lower_bound_s, report.iteration_time_s, fits=report.fits)
 
 
-def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None,
-         progress: Progress | None = None) -> PlanResult:
+def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, progress: Progress | None = None,
+         admissible: Admissible | None = None) -> PlanResult:
     """Search plans for `problem`; the best (with its simulation), the frontier and the baselines.
 
     `prior_factory(space)` builds the search prior (the GNN's; the caller resolves
     `problem.scorer` to it, since the search imports no model); without one the prior is uniform.
     Whatever guides the search, the returned plans are ranked by the simulator. `progress(done,
-    total)` is called after each evaluation and may raise to stop the search.
+    total)` is called after each evaluation and may raise to stop the search. `admissible(plan)`
+    returns None for a plan the caller can use, else why not (e.g. an exporter's refusal): only
+    admissible plans are returned as the best or on the frontier.
     """
     start = time.perf_counter()
     sim = Simulator(problem.model, problem.cluster, problem.workload, calibration=problem.calibration,
                     comm_mode=problem.comm_mode, fold=problem.fold)
-    space = PlanSpace(sim, subsets=problem.objective is Objective.GPUS)
+    space = PlanSpace(sim, frugal=problem.objective is Objective.GPUS)
     judge = SimulatorEvaluator(space)
-    prior = prior_factory(space) if prior_factory is not None else uniform_prior
-    found = mcts(space, PlanState(), prior=prior, evaluator=judge, max_evaluations=problem.max_evaluations,
-                 max_wall_s=problem.budget_s, seed=problem.seed, progress=progress)
-    for state, _ in found.evaluated:
-        judge.candidate(space.to_plan(state))
-    baselines = _baselines(sim, judge, problem.exhaustive_limit, space)
+    baselines = run_baselines(sim, judge.candidate, deadline=start + BASELINE_BUDGET_SHARE * problem.budget_s)
+    baseline_evaluations = len(judge.candidates)
+    notes: list[str] = []
+    stats = SearchStats(evaluations=0, cache_hits=0, simulations=0, wall_s=0.0, stopped_by="no plan in the space")
+    if space.actions(PlanState()):
+        prior = prior_factory(space) if prior_factory is not None else uniform_prior
+        remaining_s = max(problem.budget_s - (time.perf_counter() - start), MIN_SEARCH_S)
+        found = mcts(space, PlanState(), prior=prior, evaluator=judge, max_evaluations=problem.max_evaluations,
+                     max_wall_s=remaining_s, seed=problem.seed, progress=progress)
+        for state, _ in found.evaluated:
+            judge.candidate(space.to_plan(state))
+        stats = found.stats
+    if not judge.candidates:
+        raise SpecError(f"no plan gives every data-parallel replica a whole sample of the global batch "
+                        f"{problem.workload.global_batch} on this cluster; raise the batch")
+    baselines["exhaustive"] = _exhaustive(space, problem.exhaustive_limit)
     pool = [c for c in judge.candidates.values() if c.report.fits]
-    pool += [b.candidate for b in baselines.values() if b.candidate is not None]
-    best, notes = _choose(pool, problem.objective, problem.time_bound_s, judge)
+    if admissible is not None:
+        kept = [c for c in pool if admissible(c.plan) is None]
+        if pool and not kept:
+            notes.append(f"no plan that fits is admissible ({admissible(pool[0].plan)})")
+        pool = kept
+    best, chosen_notes = _choose(pool, problem.objective, problem.time_bound_s, judge)
+    notes += chosen_notes
     refined, solves, hits = refine_sharding(sim, best.plan)
-    if refined is not None:
+    if refined is not None and (admissible is None or admissible(refined) is None):
         better = judge.candidate(refined, "search+intra")
         if better.report.fits and better.report.iteration_time_s < best.report.iteration_time_s:
             best = better
             pool.append(better)
     simulation = sim.run(best.plan)  # the best plan's task times, for its timeline
-    stats = found.stats
     info = SearchInfo(wall_s=time.perf_counter() - start, evaluations=stats.evaluations, cache_hits=stats.cache_hits,
                       simulations=stats.simulations, stopped_by=stats.stopped_by, intra_solves=solves,
-                      intra_cache_hits=hits)
+                      intra_cache_hits=hits, baseline_evaluations=baseline_evaluations)
     return PlanResult(best=best, pareto=tuple(frontier(pool)), baselines=baselines, search=info,
-                      objective=problem.objective, notes=tuple(notes), simulation=simulation)
+                      objective=problem.objective, notes=tuple(notes), simulation=simulation,
+                      cluster_devices=problem.cluster.num_devices)
 
 
-def _baselines(sim: Simulator, judge: SimulatorEvaluator, limit: int, space: PlanSpace) -> dict[str, Baseline]:
-    out: dict[str, Baseline] = {}
-    for name, build in (("data_parallel", base.data_parallel), ("megatron", base.megatron)):
-        b = build(sim)
-        cand = judge.candidate(b.plan, name) if b.plan is not None else None
-        out[name] = Baseline(name, cand if cand is None or cand.report.fits else None, b.reason or
-                             ("" if cand is None or cand.report.fits else "does not fit in memory"))
-    if limit > 0:
-        found = exhaustive(space, judge, limit=limit)
-        if found is None:
-            out["exhaustive"] = Baseline("exhaustive", None, f"the space has more than {limit} plans")
-        else:
-            cand = judge.candidate(space.to_plan(found[0]), "exhaustive")
-            out["exhaustive"] = Baseline("exhaustive", cand if cand.report.fits else None,
-                                         "" if cand.report.fits else "no plan fits in memory")
-    else:
-        out["exhaustive"] = Baseline("exhaustive", None, "not requested (exhaustive_limit=0)")
-    return out
+def _exhaustive(space: PlanSpace, limit: int) -> Baseline:
+    """The exhaustive optimum of the decision process, judged by its own evaluator (so that nothing
+    it enumerates joins the search's pool): a yardstick for the search, never one of its answers."""
+    if limit <= 0:
+        return Baseline("exhaustive", None, "not requested (exhaustive_limit=0)")
+    own = SimulatorEvaluator(space)
+    found = exhaustive(space, own, limit=limit)
+    if found is None:
+        return Baseline("exhaustive", None, f"the space has more than {limit} plans")
+    cand = own.candidate(space.to_plan(found[0]), "exhaustive")
+    if not cand.report.fits:
+        return Baseline("exhaustive", None, "no plan of the space fits in memory")
+    return Baseline("exhaustive", cand, config=f"best of all {found[2]} plans of the decision process")
 
 
 def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None,

@@ -38,6 +38,7 @@ class Baseline:
     name: str
     candidate: Candidate | None
     reason: str = ""
+    config: str = ""  # the configuration, as a practitioner would write it
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class SearchInfo:
     stopped_by: str
     intra_solves: int = 0
     intra_cache_hits: int = 0
+    baseline_evaluations: int = 0  # plans the baselines simulated before the search
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,15 @@ class PlanResult:
     baselines: dict[str, Baseline]
     search: SearchInfo
     simulation: Simulation
+    cluster_devices: int
     objective: Objective = Objective.TIME
     notes: tuple[str, ...] = field(default=())
+
+    @property
+    def idle_devices(self) -> list[int]:
+        """Devices of the cluster the best plan leaves idle (it may use a subset of the nodes)."""
+        used = set(self.best.plan.devices)
+        return [d for d in range(self.cluster_devices) if d not in used]
 
     def timeline(self) -> dict[str, Any]:
         """The best plan's iteration as a Chrome trace document (`cost.timeline.chrome_trace`)."""
@@ -77,6 +86,8 @@ class PlanResult:
             "pareto": [c.to_json() for c in self.pareto],
             "baselines": {name: (b.candidate.to_json() if b.candidate else None) for name, b in self.baselines.items()},
             "baseline_reasons": {name: b.reason for name, b in self.baselines.items() if b.candidate is None},
+            "baseline_configs": {name: b.config for name, b in self.baselines.items() if b.candidate is not None},
+            "idle_devices": self.idle_devices,
             "search": vars(self.search),
             "notes": list(self.notes),
         }

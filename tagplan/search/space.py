@@ -1,15 +1,22 @@
 """The decision process: a state is a partial plan; each action fills one small decision.
 
-Order of decisions: pipeline depth -> device groups of the stages -> tensor-parallel degree of
-each stage (data parallel is the rest of its group) -> each layer boundary, among candidates
-near the compute-balanced split for the stages' real speeds -> batch shares across unequal
-replicas (even or by speed) -> micro-batches -> recomputation and ZeRO. Every action is legal
-by construction, so every terminal state is a valid Plan.
+Order of decisions: which nodes to use (all of them, or the nodes of the fastest GPU types, or
+fewer nodes for the GPU objective; a decision only where there is a choice) -> pipeline depth ->
+device groups of the stages -> tensor-parallel degree of each stage (data parallel is the rest of
+its group) -> each layer boundary, among candidates near the compute-balanced split for the
+stages' real speeds -> batch split across unequal replicas (even or by speed) -> micro-batches ->
+recomputation and ZeRO.
+
+Every action is legal by construction, so every terminal state is a valid Plan that can run:
+every data-parallel replica gets a whole number of samples of every micro-batch, at least one
+(`Stage.batch_samples` where the split is uneven); depths, groups and TP degrees that would leave
+a replica without a sample are not offered.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
@@ -35,7 +42,7 @@ class PlanState:
     micro_batches: int | None = None
     chunks: int | None = None  # virtual pipeline chunks per device: 1 is 1F1B, more is interleaved 1F1B
     memory: tuple[bool, int] | None = None  # (recompute, ZeRO stage)
-    nodes: int | None = None  # for the GPU objective: use only the first `nodes` nodes
+    nodes: tuple[int, ...] | None = None  # the nodes the plan may use (indices into the cluster's nodes)
 
 
 @dataclass(frozen=True)
@@ -50,11 +57,12 @@ class PlanSpace:
     """The decision process over plans of one (model, cluster, workload) — an MCTS Environment."""
 
     def __init__(self, sim: Simulator, *, max_stages: int = 64, boundary_radius: int = 2,
-                 subsets: bool = False) -> None:
-        """`subsets=True` adds a first decision: how many of the cluster's nodes to use (GPU objective)."""
+                 frugal: bool = False) -> None:
+        """`frugal=True` (the GPU objective) also offers fewer nodes than every node of a type."""
         self.sim = sim
-        self.subsets = subsets
-        self._clusters: dict[int, Cluster] = {}
+        self.frugal = frugal
+        self._subsets: dict[tuple[int, ...], tuple[Cluster, tuple[int, ...]]] = {}
+        self._partitions: dict[tuple[tuple[int, ...], int], list[Partition]] = {}
         self.layers = len(sim.model.layers)
         self.max_stages = min(max_stages, self.layers, sim.cluster.num_devices)
         self.radius = boundary_radius
@@ -65,15 +73,68 @@ class PlanSpace:
         """Forward FLOPs per sample of each layer (plus a small floor so empty layers still weigh)."""
         return [max(self.sim.model.block_of(i).flops, 1.0) for i in range(self.layers)]
 
-    def cluster(self, state: PlanState) -> Cluster:
-        """The cluster the plan may use: all of it, or its first `state.nodes` nodes (same device ids)."""
-        if state.nodes is None or state.nodes == len(self.sim.cluster.nodes):
-            return self.sim.cluster
-        hit = self._clusters.get(state.nodes)
+    def on_every_node(self) -> PlanState:
+        """The state with the node decision taken: every node (where the other decisions start)."""
+        return PlanState(nodes=tuple(range(len(self.sim.cluster.nodes))))
+
+    def subset(self, nodes: tuple[int, ...]) -> tuple[Cluster, tuple[int, ...]]:
+        """The cluster of just `nodes` (in cluster order) and, per device of it, its id in the whole cluster."""
+        hit = self._subsets.get(nodes)
         if hit is None:
-            hit = self._clusters[state.nodes] = self.sim.cluster.model_copy(
-                update={"nodes": self.sim.cluster.nodes[: state.nodes]})
+            full = self.sim.cluster
+            ids = tuple(d for n in nodes for d in full.node_devices(n))
+            sub = full if len(nodes) == len(full.nodes) else full.model_copy(
+                update={"nodes": tuple(full.nodes[n] for n in nodes)})
+            hit = self._subsets[nodes] = (sub, ids)
         return hit
+
+    @cached_property
+    def node_subsets(self) -> list[tuple[int, ...]]:
+        """Node sets a plan may use, most natural first; only those on which some plan gives whole samples
+        (empty when none does: the batch is too small for any placement).
+
+        Every node; the nodes of the k fastest GPU types (k = 1 .. types - 1: slow nodes can cost more
+        than they add); with `frugal`, or when nothing else can run, also the first half, quarter and
+        eighth of each of those sets.
+        """
+        full = self.sim.cluster
+        dtype = self.sim.workload.dtype
+        speed = {n.device.name: n.device.peak_flops(dtype) for n in full.nodes}
+        ranked = sorted(speed, key=lambda t: -speed[t])
+        sets = [tuple(range(len(full.nodes)))]
+        sets += [tuple(i for i, n in enumerate(full.nodes) if n.device.name in ranked[:k])
+                 for k in range(1, len(ranked))]
+        halves = [s[: len(s) // d] for s in sets for d in (2, 4, 8) if len(s) // d >= 1]
+        feasible = [s for s in dict.fromkeys(sets) if self._stage_counts(s)]
+        if self.frugal or not feasible:
+            feasible += [s for s in dict.fromkeys(halves) if s not in feasible and self._stage_counts(s)]
+        return feasible
+
+    def _stage_counts(self, nodes: tuple[int, ...]) -> list[int]:
+        """Pipeline depths on `nodes` with at least one partition that gives every replica a sample."""
+        cluster, _ = self.subset(nodes)
+        return [s for s in stage_counts(cluster, min(self.max_stages, cluster.num_devices))
+                if self._feasible_partitions(nodes, s)]
+
+    def _feasible_partitions(self, nodes: tuple[int, ...], stages: int) -> list[Partition]:
+        """Partitions of `nodes` into `stages` groups (whole-cluster device ids) in which every group can
+        take a TP degree that leaves it at most `global_batch` replicas."""
+        key = (nodes, stages)
+        hit = self._partitions.get(key)
+        if hit is None:
+            cluster, ids = self.subset(nodes)
+            batch = self.sim.workload.global_batch
+            hit = []
+            for part in partitions(cluster, stages, self.sim.workload.dtype):
+                mapped = tuple(tuple(ids[d] for d in group) for group in part)
+                if all(self._tps(group, batch) for group in mapped):
+                    hit.append(mapped)
+            self._partitions[key] = hit
+        return hit
+
+    def _tps(self, group: tuple[int, ...], batch: int) -> list[int]:
+        """TP degrees for `group` that leave at most `batch` data-parallel replicas (each needs a sample)."""
+        return [t for t in tp_options(self.sim.cluster, group) if len(group) // t <= batch]
 
     def _chunk_candidates(self, state: PlanState) -> list[int]:
         """1 (plain 1F1B), and 2 chunks per device when every stage has 2+ layers and M fills the pipe."""
@@ -91,17 +152,15 @@ class PlanSpace:
 
     def actions(self, state: PlanState) -> list[Action]:
         """Legal actions from `state`, most natural first; empty when the plan is complete."""
-        if self.subsets and state.nodes is None:
-            n = len(self.sim.cluster.nodes)
-            return [Action("nodes", k) for k in sorted({n, *(n // d for d in (2, 4, 8) if n // d >= 1)}, reverse=True)]
-        cluster = self.cluster(state)
+        if state.nodes is None:
+            return [Action("nodes", n) for n in self.node_subsets]
         if state.stages is None:
-            return [Action("stages", s) for s in stage_counts(cluster, min(self.max_stages, cluster.num_devices))]
+            return [Action("stages", s) for s in self._stage_counts(state.nodes)]
         if state.groups is None:
-            return [Action("groups", g) for g in partitions(cluster, state.stages, self.sim.workload.dtype)]
+            return [Action("groups", g) for g in self._feasible_partitions(state.nodes, state.stages)]
         if len(state.tps) < state.stages:
             group = state.groups[len(state.tps)]
-            return [Action("tps", t) for t in reversed(tp_options(self.sim.cluster, group))]
+            return [Action("tps", t) for t in reversed(self._tps(group, self.sim.workload.global_batch))]
         if len(state.bounds) < state.stages - 1:
             return [Action("bounds", b) for b in self._boundary_candidates(state)]
         if state.balanced_shares is None:
@@ -181,15 +240,18 @@ class PlanSpace:
         return False
 
     def _micro_batch_candidates(self, state: PlanState) -> list[int]:
-        """Micro-batch counts that split the batch evenly over every stage's replicas, near 4 x depth."""
+        """Micro-batch counts M dividing the batch whose micro-batches give every replica a sample, near
+        4 x depth; without a by-speed split, counts that split every stage evenly come first."""
         batch = self.sim.workload.global_batch
         dps = [len(g) // t for g, t in zip(state.groups or (), state.tps, strict=True)]
-        valid = [m for m in range(1, batch + 1)
-                 if batch % m == 0 and all((batch // m) % dp == 0 or state.balanced_shares for dp in dps)]
-        if not valid:
-            valid = [m for m in range(1, batch + 1) if batch % m == 0 and batch // m >= max(dps)] or [1]
+        valid = [m for m in divisors(batch) if batch // m >= max(dps)]
         depth = state.stages or 1
-        return sorted(valid, key=lambda m: (abs(m - 4 * depth) / (4 * depth), m))[:6]
+
+        def order(m: int) -> tuple[bool, float, int]:
+            uneven = not state.balanced_shares and any((batch // m) % dp for dp in dps)
+            return (uneven, abs(m - 4 * depth) / (4 * depth), m)
+
+        return sorted(valid, key=order)[:6]
 
     def to_plan(self, state: PlanState) -> Plan:
         """The Plan a terminal state describes."""
@@ -198,10 +260,11 @@ class PlanSpace:
         bounds = [0, *state.bounds, self.layers]
         chunks = state.chunks or 1
         meshes = []
+        micro = self.sim.workload.global_batch // state.micro_batches
         for group, tp in zip(state.groups, state.tps, strict=True):
             dp = len(group) // tp
-            shares = self._shares(group, tp) if state.balanced_shares and dp > 1 else None
-            meshes.append({"devices": group, "dp": dp, "tp": tp, "batch_shares": shares, "recompute": recompute,
+            samples = self._samples(group, tp, micro, by_speed=bool(state.balanced_shares)) if dp > 1 else None
+            meshes.append({"devices": group, "dp": dp, "tp": tp, "batch_samples": samples, "recompute": recompute,
                            "zero": zero if dp > 1 else 0})
         if chunks == 1:
             stages = tuple(Stage(layers=(bounds[i], bounds[i + 1]), **m) for i, m in enumerate(meshes))
@@ -220,8 +283,32 @@ class PlanSpace:
                 start += sizes[s][c]
         return tuple(stages)
 
-    def _shares(self, group: tuple[int, ...], tp: int) -> tuple[float, ...] | None:
-        speeds = [self._speed(group[r * tp:(r + 1) * tp]) for r in range(len(group) // tp)]
-        if len(set(speeds)) == 1:
+    def _samples(self, group: tuple[int, ...], tp: int, micro: int, *, by_speed: bool) -> tuple[int, ...] | None:
+        """Whole samples per replica of a `micro`-sample micro-batch: in proportion to the replicas'
+        speeds (`by_speed`), else as even as whole samples allow; None when the even split is exact."""
+        dp = len(group) // tp
+        if by_speed:
+            weights = [self._speed(group[r * tp:(r + 1) * tp]) for r in range(dp)]
+        elif micro % dp == 0:
             return None
-        return tuple(s / sum(speeds) for s in speeds)
+        else:
+            weights = [1.0] * dp
+        return apportion(micro, weights)
+
+
+def apportion(total: int, weights: list[float]) -> tuple[int, ...]:
+    """`total` whole units over `len(weights)` parts, at least 1 each, in proportion to the weights
+    (largest remainder). Needs total >= len(weights)."""
+    spare = total - len(weights)
+    exact = [spare * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: spare - sum(counts)]:
+        counts[i] += 1
+    return tuple(1 + c for c in counts)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n` in increasing order (trial division to sqrt(n), never a walk to n)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})

@@ -111,3 +111,24 @@ def test_simulate_plan_file_and_bad_plan(tmp_path) -> None:
     plan.write_text(json.dumps({"micro_batches": 2, "stages": [{"layers": [0, 14], "devices": [0, 9]}]}))
     bad = run_cli("simulate", "--model", "gpt3-125m", "--cluster", "g4dn.12xlarge", "--plan", str(plan))
     assert bad.returncode == 2 and "stages.0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_plan_exits_1_and_writes_nothing_when_no_plan_fits(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "gpt3-175b", "--cluster", "rtx4090x4", "--batch", "8", "--max-evaluations", "20",
+            "--out", str(out)]
+    assert main(args) == 1
+    assert "no plan fits in memory" in capsys.readouterr().out
+    assert not out.exists()
+    assert main([*args, "--allow-infeasible"]) == 0
+    assert out.exists()
+
+
+def test_plan_exportable_restricts_the_answer(capsys) -> None:
+    import json
+
+    args = ["plan", "--model", "gpt?layers=4&hidden=256&heads=4&vocab=500", "--cluster", "p3.8xlarge+g4dn.12xlarge",
+            "--batch", "16", "--seq", "128", "--max-evaluations", "60", "--json", "--exportable", "megatron"]
+    assert main(args) == 0
+    best = json.loads(capsys.readouterr().out)["best"]["plan"]["stages"]
+    assert len({(s["dp"], s["tp"]) for s in best}) == 1  # Megatron runs one (dp, tp) for every stage

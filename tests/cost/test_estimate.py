@@ -10,7 +10,7 @@ from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir import Plan, Schedule, Stage, Workload
-from tagplan.search.space import PlanSpace, PlanState
+from tagplan.search.space import PlanSpace
 
 WORKLOAD = Workload(global_batch=16, seq_len=128)
 
@@ -57,7 +57,7 @@ def test_gradient_sync_counts_only_where_the_backward_cannot_hide_it() -> None:
 def test_close_to_the_simulator_on_the_plans_a_search_meets() -> None:
     s = sim("p3.8xlarge:nodes=2+g4dn.12xlarge")
     space = PlanSpace(s)
-    root = PlanState()
+    root = space.on_every_node()
     plans = {space.to_plan(space.complete(space.step(root, a))) for a in space.actions(root)}
     ratios = np.array([estimate(s, p).iteration_s / s.simulate(p).iteration_time_s for p in plans])
     assert len(ratios) >= 3

@@ -33,7 +33,7 @@ from tagplan.gnn.features import (
 from tagplan.gnn.model import PlanGNN
 from tagplan.ir import Cluster, ModelGraph, Plan, Schedule, Stage, Workload
 from tagplan.search.planner import SimulatorEvaluator
-from tagplan.search.space import PlanSpace, PlanState
+from tagplan.search.space import PlanSpace
 
 TINY = "gpt?layers=2&hidden=64&heads=4&vocab=100"
 WORKLOAD = Workload(global_batch=8, seq_len=16)
@@ -53,7 +53,7 @@ def space(cluster: Cluster, model: ModelGraph | None = None) -> PlanSpace:
 
 def some_plans(sp: PlanSpace) -> list[Plan]:
     """Default completions of every first decision and of every stage-1 device grouping."""
-    root = PlanState()
+    root = sp.on_every_node()
     states = [sp.complete(sp.step(root, a)) for a in sp.actions(root)]
     two = sp.step(root, next(a for a in sp.actions(root) if a.value == 2))
     states += [sp.complete(sp.step(two, a)) for a in sp.actions(two)[:4]]

@@ -29,7 +29,7 @@ def graphs() -> list[HeteroData]:
                                      ("gpt?layers=2&hidden=64&heads=4&vocab=100", "dgx-a100-80gb")):
         model, cluster = load_model(model_spec, seq_len=16), load_cluster(cluster_spec)
         sp = PlanSpace(Simulator(model, cluster, WORKLOAD))
-        for action in sp.actions(PlanState())[:2]:
+        for action in sp.actions(sp.on_every_node())[:2]:
             out.append(featurize(model, cluster, WORKLOAD, sp.to_plan(sp.complete(sp.step(PlanState(), action)))))
     return out
 

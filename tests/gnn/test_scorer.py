@@ -55,7 +55,7 @@ def test_predict_scores_many_plans_in_one_forward() -> None:
     sp = space()
     net = Counting()
     scorer = GNNScorer(net)
-    root = PlanState()
+    root = sp.on_every_node()
     plans = [sp.to_plan(sp.complete(sp.step(root, a))) for a in sp.actions(root)]
     log_ratio, fit = scorer.predict(sp.sim.model, sp.sim.cluster, WORKLOAD, plans)
     assert net.calls == [len(plans)] and not net.training
@@ -72,7 +72,7 @@ def test_prior_scores_every_action_in_one_batch_and_caches() -> None:
     sp = space()
     net = Counting()
     prior = GNNPrior(sp, GNNScorer(net))
-    root = PlanState()
+    root = sp.on_every_node()
     actions = sp.actions(root)
     scores = prior(root, actions)
     assert len(scores) == len(actions) and all(s >= 0 and math.isfinite(s) for s in scores)
@@ -86,7 +86,7 @@ def test_prior_scores_every_action_in_one_batch_and_caches() -> None:
 def test_prior_and_evaluator_follow_the_definitions() -> None:
     sp = space()
     scorer = GNNScorer(Constant(hidden=8, layers=1, heads=1))
-    root = PlanState()
+    root = sp.on_every_node()
     actions = sp.actions(root)
     fit = 1 / (1 + math.exp(3.0))
     assert GNNPrior(sp, scorer)(root, actions) == pytest.approx([fit] * len(actions))  # all equal: all best
@@ -112,7 +112,7 @@ class ByStages:
 
 def test_prior_weights_actions_by_their_predicted_slowdown_over_the_temperature() -> None:
     sp = space()
-    root = PlanState()
+    root = sp.on_every_node()
     actions = sp.actions(root)
     stages = [len(sp.to_plan(sp.complete(sp.step(root, a))).stages) for a in actions]
     assert len(set(stages)) > 1

@@ -101,3 +101,27 @@ def test_check_plan_against_model_and_cluster() -> None:
     with pytest.raises(ValueError, match=r"devices \[2\] are not in cluster"):
         check_plan(Plan(stages=(Stage(layers=(0, 6), devices=(2,)),)), model, cluster)
     assert load_model("gpt?layers=2&hidden=64&heads=4&vocab=10", seq_len=8).layers[0].name == "embed"
+
+
+def test_whole_samples_per_replica() -> None:
+    from tagplan.ir.plan import check_whole_samples
+
+    stage = Stage(layers=(0, 2), devices=(0, 1), dp=2, batch_samples=(3, 1))
+    assert stage.replica_samples(4) == (3, 1)
+    assert stage.shares() == (0.75, 0.25)
+    with pytest.raises(ValueError, match=r"sum to 4, not the micro-batch size 6"):
+        stage.replica_samples(6)
+    even = Stage(layers=(0, 2), devices=(0, 1, 2), dp=3)
+    assert even.replica_samples(6) == (2, 2, 2)
+    with pytest.raises(ValueError, match=r"1.33, 1.33, 1.33 samples each"):
+        even.replica_samples(4)
+    plan = Plan(micro_batches=2, stages=(even,))
+    with pytest.raises(ValueError, match=r"stages\[0\]: a micro-batch of 4 samples"):
+        check_whole_samples(plan, 8)
+    with pytest.raises(ValueError, match=r"micro_batches=2 does not divide the global batch 7"):
+        check_whole_samples(plan, 7)
+    check_whole_samples(plan, 12)
+    with pytest.raises(ValueError, match=r"whole samples >= 1"):
+        Stage(layers=(0, 2), devices=(0, 1), dp=2, batch_samples=(4, 0))
+    with pytest.raises(ValueError, match=r"not both"):
+        Stage(layers=(0, 2), devices=(0, 1), dp=2, batch_samples=(1, 1), batch_shares=(0.5, 0.5))

@@ -86,9 +86,10 @@ def test_cli_plan_beats_both_baselines(capsys: pytest.CaptureFixture[str]) -> No
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"best", "pareto", "baselines", "search"}
     best = out["best"]["report"]["iteration_time_s"]
-    for name in ("data_parallel", "megatron"):
+    for name in ("data_parallel", "megatron_grid", "fastest_nodes"):
         baseline = out["baselines"][name]
         assert (baseline is None and out["baseline_reasons"][name]) or best <= baseline["report"]["iteration_time_s"]
+        assert baseline is None or out["baseline_configs"][name]  # each says how it was configured
     assert out["baselines"]["exhaustive"] is None and "exhaustive" in out["baseline_reasons"]
     assert out["search"]["evaluations"] <= 150 and out["search"]["wall_s"] > 0
 
@@ -129,3 +130,25 @@ def test_result_carries_the_best_plans_simulation_and_timeline() -> None:
     assert result.simulation.report == result.best.report  # the same plan, simulated with its task times
     events = result.timeline()["traceEvents"]
     assert any(e.get("ph") == "X" for e in events)
+
+
+def test_never_worse_than_a_baseline_and_exhaustive_stays_apart() -> None:
+    result = _plan(load_model("gpt?layers=6&hidden=512&heads=8&vocab=500", seq_len=256),
+                   load_cluster("p3.8xlarge+g4dn.12xlarge"), Workload(global_batch=16, seq_len=256),
+                   max_evaluations=20, exhaustive_limit=20000)
+    for name, baseline in result.baselines.items():
+        if baseline.candidate is not None and name != "exhaustive":
+            assert result.best.report.iteration_time_s <= baseline.candidate.report.iteration_time_s
+    exhaustive = result.baselines["exhaustive"]
+    assert exhaustive.candidate is not None and "plans of the decision process" in exhaustive.config
+    # the enumeration is a yardstick: none of its plans joins the search's answers
+    assert all(c.source != "exhaustive" for c in (result.best, *result.pareto))
+
+
+def test_time_objective_may_leave_slow_nodes_idle() -> None:
+    # a tiny model over 10 Gb/s: the V100 node alone beats dragging four T4s along
+    result = _plan(load_model("gpt?layers=4&hidden=256&heads=4&vocab=500", seq_len=128),
+                   load_cluster("p3.8xlarge+g4dn.12xlarge"), Workload(global_batch=8, seq_len=128),
+                   max_evaluations=150)
+    assert result.idle_devices == [4, 5, 6, 7]
+    assert result.to_json()["idle_devices"] == [4, 5, 6, 7]

@@ -2,9 +2,10 @@ from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir import Workload
+from tagplan.ir.plan import check_whole_samples
 from tagplan.search.exhaustive import terminals
 from tagplan.search.groups import partitions, tp_options
-from tagplan.search.space import PlanSpace, PlanState
+from tagplan.search.space import PlanSpace, PlanState, apportion, divisors
 
 
 def space(model: str, cluster: str, batch: int = 8, seq: int = 128) -> PlanSpace:
@@ -16,10 +17,33 @@ def test_every_terminal_is_a_valid_plan_covering_the_model() -> None:
     sp = space("gpt?layers=4&hidden=128&heads=4&vocab=100", "p3.8xlarge+g4dn.12xlarge")
     states = terminals(sp, limit=20000)
     assert states
+    used = set()
     for state in states[:: max(len(states) // 200, 1)]:
         plan = sp.to_plan(state)
         assert plan.stages[0].layers[0] == 0 and plan.stages[-1].layers[1] == 6
-        assert sorted(plan.devices) == list(range(8))
+        assert set(plan.devices) <= set(range(8))
+        check_whole_samples(plan, 8)  # every replica gets whole samples of every micro-batch
+        used.add(len(plan.devices))
+    assert used == {4, 8}  # every node, or the V100 node alone (the T4 node idle)
+
+
+def test_whole_samples_on_an_uneven_split() -> None:
+    sp = space("gpt?layers=4&hidden=128&heads=4&vocab=100", "p3.8xlarge+g4dn.12xlarge", batch=6)
+    for state in terminals(sp, limit=20000) or []:
+        plan = sp.to_plan(state)
+        check_whole_samples(plan, 6)
+        for stage in plan.stages:
+            if stage.batch_samples is not None:
+                assert sum(stage.batch_samples) == 6 // plan.micro_batches
+                assert min(stage.batch_samples) >= 1
+
+
+def test_apportion_and_divisors() -> None:
+    assert apportion(7, [3.0, 1.0]) == (5, 2)
+    assert apportion(2, [100.0, 1.0]) == (1, 1)  # at least one sample each
+    assert sum(apportion(1000, [1.0, 2.0, 3.0])) == 1000
+    assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert divisors(999_999_937) == [1, 999_999_937]  # a prime: trial division to sqrt, not a walk to n
 
 
 def test_tp_groups_never_cross_nodes() -> None:
@@ -34,9 +58,9 @@ def test_tp_groups_never_cross_nodes() -> None:
 
 def test_boundaries_give_faster_stages_more_layers() -> None:
     sp = space("gpt?layers=24&hidden=256&heads=4&vocab=100", "dgx-a100-80gb+g4dn.12xlarge")
-    state = PlanState(stages=2)
+    state = PlanState(nodes=sp.on_every_node().nodes, stages=2)
     fast_first = next(a.value for a in sp.actions(state) if a.value[0][0] == 0)  # A100 node first
-    state = PlanState(stages=2, groups=fast_first, tps=(1, 1))
+    state = PlanState(nodes=sp.on_every_node().nodes, stages=2, groups=fast_first, tps=(1, 1))
     cut = sp.actions(state)[0].value
     assert cut > 13  # 8 A100s (312 TFLOP/s each) against 4 T4s (65): most of the 26 layers go first
 
@@ -49,7 +73,7 @@ def test_default_completion_is_deterministic_and_terminal() -> None:
 
 def test_interleaved_plans_are_proposed_and_valid() -> None:
     sp = space("gpt?layers=8&hidden=128&heads=4&vocab=100", "p3.8xlarge:nodes=2", batch=8)
-    state = PlanState(stages=2)
+    state = PlanState(nodes=sp.on_every_node().nodes, stages=2)
     state = sp.step(state, sp.actions(state)[0])
     state = sp.step(sp.step(state, sp.actions(state)[0]), sp.actions(sp.step(state, sp.actions(state)[0]))[0])
     while state.chunks is None:

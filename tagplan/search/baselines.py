@@ -1,0 +1,189 @@
+"""The baselines a practitioner would run, each computed as well as we can, judged by the simulator.
+
+- `megatron_grid`: the best uniform Megatron-LM configuration over its whole grid: tp in 1, 2, 4, 8
+  inside a node, every pipeline depth and data-parallel degree that divide the devices, every
+  micro-batch size that divides a replica's share, recompute off and on, ZeRO 0 and 1
+  (Megatron's distributed optimizer), blocks split evenly with the embedding on the first stage
+  and the head on the last, 1F1B; nodes in the cluster's order and reversed (which end of the
+  pipeline a node type takes matters on mixed clusters).
+- `data_parallel_best`: every device a replica, every micro-batch size, ZeRO 0-3, recompute off/on.
+- `fastest_nodes`: the best of both on the nodes of the fastest GPU type alone (mixed clusters),
+  the other nodes idle.
+
+Every plan gives each replica whole samples. A configuration's memory only grows with its
+micro-batch size, so the walk up the sizes stops at the first that does not fit. The planner
+evaluates these first and keeps them in its pool, so it never returns a plan slower than any of them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from tagplan.cost.simulator import Simulator
+from tagplan.ir.plan import Plan, Schedule, Stage
+from tagplan.search.result import Baseline, Candidate
+from tagplan.search.space import divisors
+
+Judge = Callable[[Plan, str], Candidate]
+MAX_TP = 8  # Megatron keeps tensor parallelism inside a node, up to 8 GPUs
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One uniform configuration: degrees, micro-batch size (samples per replica), memory options."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    recompute: bool
+    zero: int
+    order: str  # "cluster order" or "reversed"
+
+    def describe(self, micro_batches: int) -> str:
+        """The configuration as a practitioner writes it."""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}, micro-batch size {self.micro_batch_size} "
+                f"({micro_batches} micro-batches), ZeRO-{self.zero}, recompute {'on' if self.recompute else 'off'}, "
+                f"nodes in {self.order}")
+
+
+def run_baselines(sim: Simulator, judge: Judge, *, deadline: float | None = None,
+                  complete: bool = False) -> dict[str, Baseline]:
+    """Every practitioner baseline of this problem, each the best of its family (or why there is none).
+
+    `complete=True` walks every micro-batch size that fits instead of stopping past a series'
+    fastest (the benchmark's reference; the planner's seeds use the quicker walk).
+    """
+    nodes = tuple(range(len(sim.cluster.nodes)))
+    out = {"megatron_grid": megatron_grid(sim, judge, nodes, deadline=deadline, complete=complete),
+           "data_parallel": data_parallel_best(sim, judge, nodes, complete=complete)}
+    fastest = fastest_type_nodes(sim)
+    if fastest == nodes:
+        out["fastest_nodes"] = Baseline("fastest_nodes", None, "the cluster has one GPU type")
+    else:
+        grid = megatron_grid(sim, judge, fastest, deadline=deadline, complete=complete)
+        dp = data_parallel_best(sim, judge, fastest, complete=complete)
+        found = [b for b in (grid, dp) if b.candidate is not None]
+        best = min(found, key=_time, default=None)
+        type_name = sim.cluster.nodes[fastest[0]].device.name
+        out["fastest_nodes"] = (Baseline("fastest_nodes", best.candidate, config=f"{best.config}; only the "
+                                         f"{len(fastest)} {type_name} nodes") if best is not None else
+                                Baseline("fastest_nodes", None, f"nothing fits on the {type_name} nodes alone"))
+    return out
+
+
+def fastest_type_nodes(sim: Simulator) -> tuple[int, ...]:
+    """The nodes of the GPU type with the highest dense peak in the workload's dtype."""
+    dtype = sim.workload.dtype
+    best = max(sim.cluster.nodes, key=lambda n: n.device.peak_flops(dtype)).device.name
+    return tuple(i for i, n in enumerate(sim.cluster.nodes) if n.device.name == best)
+
+
+def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
+                  deadline: float | None = None, complete: bool = False) -> Baseline:
+    """The fastest uniform Megatron configuration on `nodes` (module docstring)."""
+    cluster = sim.cluster
+    gpus = {cluster.nodes[n].gpus for n in nodes}
+    tps = [t for t in (1, 2, 4, 8) if t <= min(min(gpus), MAX_TP) and all(g % t == 0 for g in gpus)]
+    orders = {"cluster order": list(nodes)}
+    if len({cluster.nodes[n].device.name for n in nodes}) > 1:
+        orders["reversed"] = list(reversed(nodes))
+    best: tuple[Candidate, str] | None = None
+    for order_name, order in orders.items():
+        devices = tuple(d for n in order for d in cluster.node_devices(n))
+        for tp in tps:
+            for pp in divisors(len(devices) // tp):
+                for series in _configurations(sim, devices, tp, pp, order_name):
+                    found = _walk(series, judge, "megatron_grid", complete=complete)
+                    if found is not None and (best is None or _faster(found[0], best[0])):
+                        best = found
+                if deadline is not None and time.perf_counter() > deadline:
+                    return _grid_result(best, "stopped at its time limit before any configuration fit")
+    return _grid_result(best, "no uniform configuration fits in memory or gives every replica a whole sample")
+
+
+def _walk(series: list[tuple[GridPoint, Plan]], judge: Judge, source: str, *,
+          complete: bool) -> tuple[Candidate, str] | None:
+    """The fastest configuration of a series ordered by micro-batch size: up the sizes until one does
+    not fit (memory only grows with the size) or, unless `complete`, is slower than the one before
+    (past the optimum: a larger micro-batch trades kernel efficiency for pipeline bubble)."""
+    best: tuple[Candidate, str] | None = None
+    previous = math.inf
+    for point, plan in series:
+        cand = judge(plan, source)
+        if not cand.report.fits or (not complete and cand.report.iteration_time_s > previous):
+            break
+        previous = cand.report.iteration_time_s
+        if best is None or _faster(cand, best[0]):
+            best = (cand, point.describe(plan.micro_batches))
+    return best
+
+
+def _faster(a: Candidate, b: Candidate) -> bool:
+    return a.report.iteration_time_s < b.report.iteration_time_s
+
+
+def _grid_result(best: tuple[Candidate, str] | None, reason: str) -> Baseline:
+    if best is None:
+        return Baseline("megatron_grid", None, reason)
+    return Baseline("megatron_grid", best[0], config=best[1])
+
+
+def _configurations(sim: Simulator, devices: tuple[int, ...], tp: int, pp: int,
+                    order: str) -> Iterator[list[tuple[GridPoint, Plan]]]:
+    """Per memory option (recompute, ZeRO), its (point, plan) series in ascending micro-batch size."""
+    layers = len(sim.model.layers)
+    blocks = layers - 2 if layers > 2 else layers
+    batch = sim.workload.global_batch
+    dp = len(devices) // (tp * pp)
+    if pp > blocks or batch % dp:
+        return
+    per_stage = len(devices) // pp
+    bounds = _even_bounds(layers, pp)
+    for recompute in (False, True):
+        for zero in ((0, 1) if dp > 1 else (0,)):
+            stages = tuple(Stage(layers=(bounds[s], bounds[s + 1]), devices=devices[s * per_stage:(s + 1) * per_stage],
+                                 dp=dp, tp=tp, zero=zero, recompute=recompute) for s in range(pp))
+            yield [(GridPoint(tp, pp, dp, size, recompute, zero, order),
+                    Plan(micro_batches=batch // (dp * size), schedule=Schedule.ONE_F_ONE_B, stages=stages))
+                   for size in divisors(batch // dp)]
+
+
+def _even_bounds(layers: int, pp: int) -> list[int]:
+    """Stage boundaries splitting the blocks evenly, the embedding on the first stage, the head on the last."""
+    if layers <= 2:
+        return [layers * s // pp for s in range(pp + 1)]
+    blocks = layers - 2
+    bounds = [1 + blocks * s // pp for s in range(pp + 1)]
+    bounds[0], bounds[-1] = 0, layers
+    return bounds
+
+
+def data_parallel_best(sim: Simulator, judge: Judge, nodes: Sequence[int], *, complete: bool = False) -> Baseline:
+    """The fastest pure data-parallel plan on `nodes`: every device a whole-model replica."""
+    devices = tuple(d for n in nodes for d in sim.cluster.node_devices(n))
+    batch, n = sim.workload.global_batch, len(devices)
+    if batch % n:
+        return Baseline("data_parallel", None, f"the global batch {batch} does not split into whole samples over "
+                                               f"{n} devices")
+    best: tuple[Candidate, str] | None = None
+    for recompute in (False, True):
+        for zero in range(4) if n > 1 else (0,):
+            stage = Stage(layers=(0, len(sim.model.layers)), devices=devices, dp=n, tp=1, zero=zero,
+                          recompute=recompute)
+            series = [(GridPoint(1, 1, n, size, recompute, zero, "cluster order"),
+                       Plan(micro_batches=batch // (n * size), schedule=Schedule.ONE_F_ONE_B, stages=(stage,)))
+                      for size in divisors(batch // n)]
+            found = _walk(series, judge, "data_parallel", complete=complete)
+            if found is not None and (best is None or _faster(found[0], best[0])):
+                best = found
+    if best is None:
+        return Baseline("data_parallel", None, "a whole-model replica does not fit in memory at any ZeRO stage")
+    return Baseline("data_parallel", best[0], config=best[1])
+
+
+def _time(b: Baseline) -> float:
+    return b.candidate.report.iteration_time_s if b.candidate is not None else math.inf
