@@ -6,7 +6,8 @@ the CLI exits with code 2) saying which stage or field and why. Importing this p
 torch: the torch writer loads on demand.
 
 Modules: `dispatch` (`export`) imports the writers `megatron`, `deepspeed` and `torch_program`;
-they share `checks` (the refusals and `ExportError`), which imports no other export module.
+they share `checks` (the refusals and `ExportError`), which imports no other export module;
+`capability.exportable(plan, fmt)` says whether (and why not) a format runs a plan.
 `shapes` reads a model SPEC's transformer shape, `modules` builds its torch layers, and
 `runtime_train` / `runtime_launch` are the program copied into an exported run and its local
 launcher; `verify` runs it against a one-process reference.
@@ -14,7 +15,8 @@ launcher; `verify` runs it against a one-process reference.
 
 from __future__ import annotations
 
+from tagplan.export.capability import exportable
 from tagplan.export.checks import ExportError
 from tagplan.export.dispatch import FORMATS, Format, export
 
-__all__ = ["FORMATS", "ExportError", "Format", "export"]
+__all__ = ["FORMATS", "ExportError", "Format", "export", "exportable"]

@@ -91,6 +91,11 @@ def _check(model: ModelGraph, plan: Plan, seq_len: int) -> tuple[int, int]:
     validate(plan, model)
     if seq_len != model.seq_len:
         raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
+    return plan_checks(plan)
+
+
+def plan_checks(plan: Plan) -> tuple[int, int]:
+    """(dp, pipeline depth) after every refusal the plan alone decides (ExportError naming the stage)."""
     dp, tp = uniform_mesh(plan, FMT, "DeepSpeed's pipeline topology has one data-parallel degree for all stages")
     if tp > 1:
         raise refuse(FMT, f"stages[0].tp = {tp}: DeepSpeed's pipeline engine has no tensor parallelism; that needs "

@@ -21,33 +21,37 @@ from tagplan.export.shapes import parsed
 from tagplan.frontends.model_spec import ModelSpec, build_model
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.plan import Plan
+from tagplan.ir.workload import DType, Optimizer
 
 Format = Literal["torch", "megatron", "deepspeed"]
 FORMATS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
 
 
 def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Format, seq_len: int | None,
-           global_batch: int, cluster: Cluster | None = None) -> list[Path]:
+           global_batch: int, cluster: Cluster | None = None, dtype: DType = DType.BF16,
+           optimizer: Optimizer = Optimizer.ADAM) -> list[Path]:
     """Write `plan` for `model_spec` (a SPEC string or a parsed ModelSpec) in format `fmt` under
     `out_dir`; returns the paths written.
 
     The model is built at `seq_len` (None: its own) and the plan checked against it (and against
-    `cluster`'s devices when given) before any file is written. ExportError when the format cannot
-    express the plan; SpecError for bad input.
+    `cluster`'s devices when given) before any file is written; `cluster` also orders the torch
+    program's nodes and names their GPU types. `dtype` and `optimizer`: as the plan was costed.
+    ExportError when the format cannot express the plan; SpecError for bad input.
     """
     if fmt not in FORMATS:
         raise unknown("export format", str(fmt), list(FORMATS))
     if global_batch <= 0:
         raise SpecError(f"global_batch={global_batch}: must be a positive number of samples")
     spec = parsed(model_spec)
-    model = build_model(spec, seq_len=seq_len)
+    model = build_model(spec, seq_len=seq_len, dtype=dtype)
     validate(plan, model, cluster)
     seq = model.seq_len
     if fmt == "torch":
         from tagplan.export.torch_program import write_torch_program  # imports torch
 
-        train = write_torch_program(model_spec, plan, out_dir, seq_len=seq, global_batch=global_batch)
-        return [train, train.with_name("plan.json")]
+        train = write_torch_program(model_spec, plan, out_dir, seq_len=seq, global_batch=global_batch,
+                                    cluster=cluster, dtype=dtype, optimizer=optimizer)
+        return [train, train.with_name("plan.json"), *sorted(out_dir.glob("launch_node*.sh"))]
     if fmt == "megatron":
         config = model_config_from_spec(spec)
         return write_megatron(model, plan, out_dir, global_batch=global_batch, seq_len=seq, model_config=config)

@@ -5,8 +5,9 @@ pp; the token embedding sits on the first pipeline stage and the output head on 
 their transformer layers. A plan maps onto it when every stage has the same tp and dp with even
 batch shares, the stages sit on ranks in that order, and the transformer layers per stage are
 even except on the first and last stage (`--decoder-first/last-pipeline-num-layers`, at least one
-layer each). Interleaved plans map onto virtual stages (`--num-layers-per-virtual-pipeline-stage`)
-when every chunk holds the same number of layers. Recomputation maps to full, uniform recomputation
+layer each); any other split, interleaved chunks included, is written as Megatron-Core's
+`--pipeline-model-parallel-layout`. Interleaved plans with the same number of layers in every chunk
+map onto virtual stages (`--num-layers-per-virtual-pipeline-stage`). Recomputation maps to full, uniform recomputation
 of every layer (`--recompute-num-layers 1`: keep each layer's input, as the plan's `recompute`
 means) and ZeRO-1 to the distributed optimizer. Anything else is refused with the reason: GPipe
 (Megatron has only 1F1B schedules), ZeRO-2/3 (not in Megatron-Core's optimizer), recomputation on
@@ -66,12 +67,8 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     family, shape = _shape(model, model_config)
     if seq_len != model.seq_len:
         raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
-    why = "Megatron-LM uses one tensor- and data-parallel degree for the whole model"
-    dp, tp = uniform_mesh(plan, FMT, why)
+    dp, tp = plan_checks(plan)
     pp, chunks = _pipeline_depth(plan)
-    _check_schedule(plan, pp)
-    check_rank_order(plan, [s.devices for s in plan.stages[:pp]], tp=tp, fmt=FMT,
-                     launcher="Megatron-LM (ranks tp-fastest, then dp, then pp)")
     _check_sharding(model, plan)
     counts = _layer_counts(model, plan, shape)
     _check_divisible(family, shape, tp, seq_len)
@@ -117,6 +114,19 @@ def _shape(model: ModelGraph, config: dict[str, Any] | None) -> tuple[str, Trans
     return family, TransformerShape(**{k: v for k, v in config.items() if k in known})
 
 
+def plan_checks(plan: Plan) -> tuple[int, int]:
+    """(dp, tp) after every refusal the plan alone decides: one mesh with even shares, the schedule,
+    the rank order, recomputation on all stages or none, one ZeRO stage of at most 1."""
+    dp, tp = uniform_mesh(plan, FMT, "Megatron-LM uses one tensor- and data-parallel degree for the whole model")
+    pp, _ = _pipeline_depth(plan)
+    _check_schedule(plan, pp)
+    check_rank_order(plan, [s.devices for s in plan.stages[:pp]], tp=tp, fmt=FMT,
+                     launcher="Megatron-LM (ranks tp-fastest, then dp, then pp)")
+    _recompute_args(plan)
+    _optimizer_args(plan, dp)
+    return dp, tp
+
+
 def _pipeline_depth(plan: Plan) -> tuple[int, int]:
     """(pipeline ranks, model chunks per rank)."""
     pp = len(dict.fromkeys(s.devices for s in plan.stages))
@@ -147,28 +157,32 @@ def _layer_counts(model: ModelGraph, plan: Plan, shape: TransformerShape) -> lis
 
 
 def _split_args(counts: list[int], pp: int, chunks: int) -> list[str]:
-    """Flags that place `counts[i]` transformer layers on plan stage i, or ExportError."""
-    if chunks > 1:
-        if len(set(counts)) > 1:
-            raise refuse(FMT, f"interleaved stages hold {counts} transformer layers; Megatron-LM's "
-                              "--num-layers-per-virtual-pipeline-stage needs the same count in every chunk")
-        return ["--num-layers-per-virtual-pipeline-stage", str(counts[0])]
+    """Flags that place `counts[i]` transformer layers on plan stage i.
+
+    Even splits need no flag (interleaved: `--num-layers-per-virtual-pipeline-stage`); uneven first
+    or last stages take `--decoder-first/last-pipeline-num-layers`; any other split is written as
+    Megatron-Core's `--pipeline-model-parallel-layout` (stages in model order separated by `|`,
+    `E` the embedding, `t` a transformer layer, `L` the head and loss)."""
     if len(set(counts)) == 1:
-        return []
+        return ["--num-layers-per-virtual-pipeline-stage", str(counts[0])] if chunks > 1 else []
     middle = counts[1:-1]
-    for i, c in enumerate(middle, start=1):
-        if c != middle[0]:
-            raise refuse(FMT, f"stages[{i}] holds {c} transformer layers but stages[1] holds {middle[0]}; "
-                              f"Megatron-LM splits all but the first and last stage evenly (plan: {counts})")
-    args: list[str] = []
-    for flag, index in (("--decoder-first-pipeline-num-layers", 0), ("--decoder-last-pipeline-num-layers", pp - 1)):
-        if middle and counts[index] == middle[0]:
-            continue
-        if counts[index] == 0:
-            raise refuse(FMT, f"stages[{index}] holds no transformer layer; Megatron-LM's {flag} must be > 0 "
-                              f"(plan: {counts})")
-        args += [flag, str(counts[index])]
-    return args
+    if chunks == 1 and len(set(middle)) <= 1 and min(counts[0], counts[-1]) > 0:
+        args: list[str] = []
+        for flag, index in (("--decoder-first-pipeline-num-layers", 0),
+                            ("--decoder-last-pipeline-num-layers", pp - 1)):
+            if not middle or counts[index] != middle[0]:
+                args += [flag, str(counts[index])]
+        return args
+    return ["--pipeline-model-parallel-layout", pipeline_layout(counts)]
+
+
+def pipeline_layout(counts: list[int]) -> str:
+    """Megatron-Core's layout string for `counts[i]` transformer layers on stage i, e.g. 'Et*3|t*5|t*2L'."""
+    parts = []
+    for i, c in enumerate(counts):
+        body = "t" if c == 1 else f"t*{c}" if c else ""
+        parts.append(("E" if i == 0 else "") + body + ("L" if i == len(counts) - 1 else ""))
+    return "|".join(parts)
 
 
 def _check_sharding(model: ModelGraph, plan: Plan) -> None:

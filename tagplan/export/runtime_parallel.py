@@ -44,16 +44,25 @@ CURRENT_OP = ["(before the first layer)"]  # verify mode: the last tensor-parall
 
 
 class StageModule(nn.Module):
-    """Layers `[start, end)` of the layer list, named by their index in the whole model."""
+    """Layers `[start, end)` of the layer list, named by their index in the whole model.
+
+    With `compute_dtype` set (bf16/fp16, as the plan was costed) the layers run under autocast over
+    the fp32 weights (the master copy the optimizer updates) and the stage hands back fp32, so
+    stages exchange one dtype whatever their compute.
+    """
+
+    compute_dtype: torch.dtype | None = None
 
     def __init__(self, layers: dict[int, nn.Module]) -> None:
         super().__init__()
         self.layers = nn.ModuleDict({str(i): m for i, m in layers.items()})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers.values():
-            x = layer(x)
-        return x
+        with torch.autocast(x.device.type, dtype=self.compute_dtype or torch.bfloat16,
+                            enabled=self.compute_dtype is not None):
+            for layer in self.layers.values():
+                x = layer(x)
+        return x.float() if self.compute_dtype is not None else x
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,19 @@
-"""A training program exported by tagplan from a Plan: `torchrun --nproc-per-node N train.py`.
+"""A training program exported by tagplan from a Plan: `launch_node*.sh` (torchrun) or `torchrun ... train.py`.
 
 `tagplan.export.torch_program` copies this file into the run directory as `train.py`, beside
-the `plan.json` it reads (model SPEC, workload, mesh degrees, per stage its layers, recompute,
-ZeRO stage and resolved per-op tensor-parallel strategies). It needs only torch and tagplan: the
-model's layers (`tagplan.export.modules`) and how a rank parallelizes them
-(`tagplan.export.runtime_parallel`: tensor parallelism, recomputation, FSDP2/replicate, the tied
-embedding's gradient sum). Rank r runs device `plan.devices[r]` of the plan: ranks are ordered
-pipeline rank, then data-parallel replica, then tensor-parallel rank, the plan's own order.
-Pipeline parallelism runs on the "pp" axis with the plan's schedule
-(`torch.distributed.pipelining`); one stage runs its micro-batches in a plain
-gradient-accumulation loop.
+the `plan.json` it reads (model SPEC, workload, the rank table, per stage its layers, mesh,
+recompute, ZeRO stage and resolved per-op tensor-parallel strategies). It needs only torch and
+tagplan: the model's layers (`tagplan.export.modules`) and how a rank parallelizes them.
+World rank r runs cluster device `ranks[r]["device"]` of plan.json (`tagplan.export.node_launch`);
+at start every rank checks that it sits on the node and GPU type the plan says, and stops naming
+the mismatch otherwise. Two runtimes, chosen at export (`runtime` in plan.json):
+- `mesh`: every stage has the same (dp, tp) and even batch shares: one ("pp", "dp", "tp") mesh,
+  `torch.distributed.pipelining` with the plan's schedule, FSDP2/replicate data parallelism
+  (`tagplan.export.runtime_parallel`); one stage runs its micro-batches in a plain loop;
+- `pipeline`: anything else (`tagplan.export.runtime_pipeline`): per-stage meshes, activations
+  re-split between stages of different dp or tp, whole-sample shares per replica.
+Compute runs in the plan's dtype (bf16/fp16 autocast over fp32 master weights) with the costed
+optimizer; `--verify` runs fp32.
 
 Every step prints one JSON line per rank: step, rank, stages, seconds, loss (last stage only).
 `--verify DIR` also saves, after the first backward, the loss and every parameter's full
@@ -24,6 +28,7 @@ import os
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,12 +41,18 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
+from tagplan.export.node_launch import startup_problems
+from tagplan.export.runtime_layout import programs, stage_layouts
 from tagplan.export.runtime_parallel import CURRENT_OP, Rank, StageModule, build_parts, sync_tied, tie_group
+from tagplan.export.runtime_pipeline import PipelineRunner, build_stage, make_groups
 from tagplan.export.shapes import ModelConfig, model_config
+from tagplan.ir.plan import Plan
 
-PROGRAM_FORMAT = "tagplan-torch-program/1"
+PROGRAM_FORMAT = "tagplan-torch-program/2"
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 # FSDP2 warns that a module returns a view; nothing here modifies module outputs in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+StepFn = Callable[[torch.Tensor, torch.Tensor], "float | None"]
 
 
 def synthetic_batch(vocab: int, global_batch: int, seq_len: int, *, step: int, seed: int) -> tuple[
@@ -57,8 +68,17 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer the plan was costed with (its state in fp32, beside the fp32 master weights)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if name in ("sgd", "sgd_momentum"):
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if name == "sgd_momentum" else 0.0)
+    return torch.optim.Adam(params, lr=1e-3)
+
+
 class Runner:
-    """One training step's forward and backward over all micro-batches; returns the mean loss or None."""
+    """The mesh runtime: one step's forward and backward over all micro-batches; the mean loss or None."""
 
     def __init__(self, cfg: dict[str, Any], config: ModelConfig, parts: dict[int, StageModule], rank: Rank) -> None:
         self.parts, self.micro = parts, cfg["micro_batches"]
@@ -119,7 +139,7 @@ def full_grads(parts: dict[int, StageModule]) -> dict[str, torch.Tensor]:
             g = p.grad
             if g is None:
                 continue
-            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
+            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().float().cpu().clone()
     return out
 
 
@@ -132,56 +152,107 @@ def dp_mean(value: float | None, rank: Rank) -> float | None:
     return float(t.item()) / rank.mesh["dp"].size()
 
 
-def setup(cfg: dict[str, Any], timeout_s: float) -> Rank:
-    """Process group and the ("pp", "dp", "tp") mesh; CUDA (NCCL) when available, else CPU (gloo)."""
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value is not None else None
+
+
+def setup(cfg: dict[str, Any], timeout_s: float) -> torch.device:
+    """Check this rank's place against the rank table, pin its GPU, join the process group (NCCL on
+    CUDA, else gloo); SystemExit naming every mismatch between the launch and the plan."""
     cuda = torch.cuda.is_available() and os.environ.get("TAGPLAN_DEVICE", "") != "cpu"
+    rank, world = _env_int("RANK") or 0, _env_int("WORLD_SIZE") or 1
+    table = cfg["ranks"]
+    local_gpu = table[rank]["local_gpu"] if rank < len(table) else 0
+    problems = startup_problems(
+        table, rank=rank, world=world, local_world=_env_int("LOCAL_WORLD_SIZE"), node_rank=_env_int("GROUP_RANK"),
+        gpu_count=torch.cuda.device_count() if cuda else None,
+        gpu_name=torch.cuda.get_device_name(local_gpu) if cuda and local_gpu < torch.cuda.device_count() else None)
+    if problems:
+        raise SystemExit("this process cannot run the plan as launched:\n" + "\n".join(f"  - {p}" for p in problems))
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_gpu)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def mesh_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool) -> tuple[
+        dict[int, StageModule], StepFn, Callable[[Path, float | None], None]]:
+    """The mesh runtime's parts, step and gradient dump."""
     shape = (cfg["mesh"]["pp"], cfg["mesh"]["dp"], cfg["mesh"]["tp"])
-    mesh = init_device_mesh("cuda" if cuda else "cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return Rank(mesh, mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank(),
-                device)
-
-
-def train(cfg: dict[str, Any], rank: Rank, *, steps: int, verify: Path | None) -> None:
-    """`steps` training steps (Adam), one JSON line per step; with `verify`, dump step 0's gradients."""
-    config = model_config(cfg["model"], seq_len=cfg["seq_len"])
-    torch.manual_seed(cfg["seed"])
-    parts = build_parts(cfg, config, rank, track=verify is not None)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
+    rank = Rank(mesh, mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank(), device)
+    parts = build_parts(cfg, config, rank, track=track)
     group = tie_group(cfg, config, rank)
     runner = Runner(cfg, config, parts, rank)
-    params = [p for part in parts.values() for p in part.parameters()]
-    optimizer = torch.optim.Adam(params, lr=1e-3)
     per_replica = cfg["global_batch"] // cfg["mesh"]["dp"]
+
+    def step(tokens: torch.Tensor, labels: torch.Tensor) -> float | None:
+        rows = slice(rank.dp * per_replica, (rank.dp + 1) * per_replica)
+        loss = runner.step(tokens[rows].to(device), labels[rows].to(device))
+        sync_tied(parts, config, group)
+        return dp_mean(loss, rank)
+
+    def save(out: Path, loss: float | None) -> None:
+        grads = full_grads(parts)
+        if rank.dp == 0 and rank.tp == 0:
+            torch.save(grads, out / f"grads_pp{rank.pp}.pt")
+            if loss is not None:
+                (out / "loss.json").write_text(json.dumps({"loss": loss}))
+
+    return parts, step, save
+
+
+def pipeline_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool) -> tuple[
+        dict[int, StageModule], StepFn, Callable[[Path, float | None], None]]:
+    """The pipeline runtime's parts, step and gradient dump (`tagplan.export.runtime_pipeline`)."""
+    plan = Plan.model_validate(cfg["plan"])
+    rank = dist.get_rank()
+    rank_of = {row["device"]: r for r, row in enumerate(cfg["ranks"])}
+    layouts = stage_layouts(plan, rank_of, cfg["global_batch"] // plan.micro_batches)
+    groups = make_groups(layouts, rank, tied=config.tied, device_type=device.type)
+    mine = [lay for lay in layouts if lay.place(rank) is not None]
+    parts = {lay.index: build_stage(cfg, config, lay, groups, device, track=track) for lay in mine}
+    program = programs(plan)[plan.stages[mine[0].index].devices] if mine else []
+    runner = PipelineRunner(cfg, config, rank, device, layouts, program, groups, parts)
+
+    def save(out: Path, loss: float | None) -> None:
+        for lay in mine:
+            grads = full_grads({lay.index: parts[lay.index]})
+            if lay.place(rank) == (0, 0):
+                torch.save(grads, out / f"grads_stage{lay.index}.pt")
+                if loss is not None and lay.index == len(layouts) - 1:
+                    (out / "loss.json").write_text(json.dumps({"loss": loss}))
+
+    return parts, runner.step, save
+
+
+def train(cfg: dict[str, Any], device: torch.device, *, steps: int, verify: Path | None) -> None:
+    """`steps` training steps with the costed optimizer, one JSON line per step; with `verify`,
+    dump step 0's gradients."""
+    config = model_config(cfg["model"], seq_len=cfg["seq_len"])
+    torch.manual_seed(cfg["seed"])
+    build = pipeline_runtime if cfg["runtime"] == "pipeline" else mesh_runtime
+    parts, step_fn, save = build(cfg, config, device, track=verify is not None)
+    compute = None if verify is not None else COMPUTE_DTYPES[cfg.get("dtype", "fp32")]
+    for part in parts.values():
+        part.compute_dtype = compute
+    params = [p for part in parts.values() for p in part.parameters()]
+    optimizer = make_optimizer(cfg.get("optimizer", "adam"), params)
     for step in range(steps):
         tokens, labels = synthetic_batch(config.vocab, cfg["global_batch"], cfg["seq_len"], step=step,
                                          seed=cfg["seed"])
-        rows = slice(rank.dp * per_replica, (rank.dp + 1) * per_replica)
         start = time.perf_counter()
-        loss = runner.step(tokens[rows].to(rank.device), labels[rows].to(rank.device))
-        sync_tied(parts, config, group)
-        loss = dp_mean(loss, rank)
+        loss = step_fn(tokens, labels)
         if verify is not None and step == 0:
-            dump(verify, parts, loss, rank)
+            save(verify, loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if rank.device.type == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        line = {"step": step, "rank": dist.get_rank(), "stages": sorted(parts), "pp": rank.pp, "dp": rank.dp,
-                "tp": rank.tp, "time_s": seconds, "loss": loss}
+        line = {"step": step, "rank": dist.get_rank(), "stages": sorted(parts), "time_s": seconds, "loss": loss}
         print(json.dumps(line), flush=True)
-
-
-def dump(out: Path, parts: dict[int, StageModule], loss: float | None, rank: Rank) -> None:
-    """Save this stage's full gradients and (last stage) the loss from the (dp 0, tp 0) rank."""
-    grads = full_grads(parts)
-    if rank.dp == 0 and rank.tp == 0:
-        torch.save(grads, out / f"grads_pp{rank.pp}.pt")
-        if loss is not None:
-            (out / "loss.json").write_text(json.dumps({"loss": loss}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,9 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = json.loads(args.plan.read_text())
     if cfg.get("format") != PROGRAM_FORMAT:
         raise SystemExit(f"{args.plan}: not a {PROGRAM_FORMAT} file")
-    rank = setup(cfg, args.timeout_s)
+    device = setup(cfg, args.timeout_s)
     try:
-        train(cfg, rank, steps=args.steps or cfg["steps"], verify=args.verify)
+        train(cfg, device, steps=args.steps or cfg["steps"], verify=args.verify)
     except Exception as err:
         if args.verify is not None:
             report = {"rank": dist.get_rank(), "time": time.time(), "op": CURRENT_OP[0],

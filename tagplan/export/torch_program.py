@@ -1,37 +1,40 @@
-"""Export a Plan as a runnable PyTorch program: `train.py` plus `plan.json`, launched by torchrun.
+"""Export a Plan as a runnable PyTorch program: `train.py`, `plan.json` and one launch script per node.
 
 `train.py` is `tagplan/export/runtime_train.py` copied verbatim (read it: it is the program; the
-layers and their parallelization it imports from `tagplan.export.modules` and `runtime_parallel`);
-`plan.json` carries what it reads: the model SPEC, the workload, the ("pp", "dp", "tp") mesh
-degrees and per stage its layers, pipeline rank, recompute flag, ZeRO stage and the tensor-parallel
-strategy of every matmul and embedding (tagplan's Megatron defaults overridden by the stage's
-`sharding`, resolved here so the program needs no cost model).
+layers and their parallelization it imports from `tagplan.export.modules`, `runtime_parallel` and
+`runtime_pipeline`); `plan.json` carries what it reads: the model SPEC, the workload (batch,
+sequence, dtype, optimizer), the rank table (`tagplan.export.node_launch`), the runtime and per
+stage its layers, pipeline rank, recompute flag, ZeRO stage and the tensor-parallel strategy of
+every matmul and embedding (tagplan's Megatron defaults overridden by the stage's `sharding`,
+resolved here so the program needs no cost model). `launch_node{k}.sh` starts node rank k.
+
+Runtimes (`runtime_for`): plans whose stages share one (dp, tp) with even shares, whose ranks are in
+the plan's device order and whose schedule torch.distributed.pipelining accepts run on one
+("pp", "dp", "tp") mesh (`mesh`); every other plan runs on the pipeline runtime (`pipeline`:
+per-stage meshes, activations re-split between stages of different dp or tp, whole-sample shares).
 
 What the program expresses, and what `check_expressible` refuses (with the reason):
-- stages: any contiguous layer ranges; one pipeline rank per distinct device group, so
-  `interleaved_1f1b` runs several stages per rank (torch's ScheduleInterleaved1F1B);
-- every stage must have the same `dp` and the same `tp` (one mesh; torch pipelining sends whole
-  micro-batches between matching ranks and cannot re-split them between unequal meshes);
-- `batch_shares` must be even: torch DP and FSDP average equal per-replica gradients;
+- stages: any contiguous layer ranges, any (dp, tp) per stage; `interleaved_1f1b` runs several
+  stages per device group;
+- batch shares: whole samples per replica per micro-batch (`ir.plan.check_whole_samples`);
 - matmuls take `column`, `row` or `replicate` (token-split `sequence`/`batch` and `experts`
   matmuls are refused); embeddings also take `sequence`/`batch`, run as a whole table;
-- norms all `sequence` (tagplan's default, Megatron-Core's layout) -> sequence parallelism: the
-  residual stream between layers is split along the sequence, norms run on their part
+- norms all `sequence` (tagplan's default, Megatron-Core's layout) -> sequence parallelism on
+  stages with tp > 1: the residual stream is split along the sequence, norms run on their part
   (SequenceParallel), attention and MLP gather it first, the matmul writing the stream back
   reduce-scatters; norms all `replicate` -> plain Megatron TP; a mix is refused, and so is a
-  seq_len that tp does not divide under sequence parallelism. Attention and pointwise ops follow
-  their inputs' layout (their declared strategy is not read);
+  seq_len that a stage's tp does not divide under sequence parallelism. Attention and pointwise
+  ops follow their inputs' layout (their declared strategy is not read);
 - the program inserts no layout conversion between matmuls: strategies must chain as Megatron's
   do (column -> row); `verify` catches a plan whose strategies do not (a swapped pair fails to
   run);
-- `heads` and `kv_heads` divisible by `tp`; a tied table split alike in embedding and head;
+- `heads` and `kv_heads` divisible by each stage's `tp`; a tied table split alike in embedding
+  and head;
 - ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), 1 and 2 -> FSDP2 `fully_shard` with
-  `reshard_after_forward=False` (FSDP2 also shards the weights at rest, so ZeRO 1/2 save more
-  memory than they promise), 3 -> `reshard_after_forward=True`; ZeRO with `dp == 1` shards over
+  `reshard_after_forward=False`, 3 -> `reshard_after_forward=True` (mesh runtime; the pipeline
+  runtime sums gradients over replicas without sharding state); ZeRO with `dp == 1` shards over
   nothing and runs as plain training;
-- `recompute` checkpoints every transformer block of the stage (embedding and head are kept);
-- torch's schedule limits: pipelined 1f1b needs micro_batches >= stages; interleaved needs
-  micro_batches divisible by max(1, micro_batches // pipeline ranks).
+- `recompute` checkpoints every transformer block of the stage (embedding and head are kept).
 Families: gpt and llama (`tagplan.export.modules`); a user's own module is not supported yet.
 """
 
@@ -46,11 +49,14 @@ from tagplan.cost.sharding import shard_block
 from tagplan.errors import SpecError
 from tagplan.export.checks import ExportError
 from tagplan.export.modules import tp_ops
+from tagplan.export.node_launch import launch_scripts, rank_table
 from tagplan.export.runtime_train import PROGRAM_FORMAT
 from tagplan.export.shapes import ModelConfig, model_config, parsed
 from tagplan.frontends.model_spec import ModelSpec, build_model
+from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph, OpKind
-from tagplan.ir.plan import Plan, Schedule, ShardStrategy, Stage
+from tagplan.ir.plan import Plan, Schedule, ShardStrategy, Stage, check_whole_samples
+from tagplan.ir.workload import DType, Optimizer
 
 PROGRAM_SOURCE = Path(__file__).with_name("runtime_train.py")
 PROGRAM_NAME = "train.py"
@@ -74,10 +80,8 @@ def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | No
     """
     problems = _model_problems(plan, model)
     if not problems:
-        first = plan.stages[0]
         for i, stage in enumerate(plan.stages):
-            problems += _stage_problems(i, stage, first, model, config)
-        problems += _schedule_problems(plan)
+            problems += _stage_problems(i, stage, model, config)
         problems += _tied_problems(plan, model)
         problems += _norm_problems(plan, model)
     if problems:
@@ -94,16 +98,8 @@ def _model_problems(plan: Plan, model: ModelGraph) -> list[str]:
     return []
 
 
-def _stage_problems(i: int, stage: Stage, first: Stage, model: ModelGraph, config: ModelConfig | None) -> list[str]:
+def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig | None) -> list[str]:
     out = []
-    if (stage.dp, stage.tp) != (first.dp, first.tp):
-        out.append(f"stages[{i}] has dp={stage.dp}, tp={stage.tp} but stages[0] has dp={first.dp}, tp={first.tp}: "
-                   "the program builds one (pp, dp, tp) mesh, so every stage needs the same dp and tp (torch "
-                   "pipelining sends whole micro-batches between matching ranks)")
-    shares = stage.shares()
-    if max(shares) - min(shares) > 1e-9:
-        out.append(f"stages[{i}].batch_shares={[round(s, 4) for s in shares]} are uneven: torch DP/FSDP average "
-                   "equal per-replica gradients, so the program splits every batch evenly over the dp replicas")
     if config is not None and stage.tp > 1 and (config.heads % stage.tp or config.kv_heads % stage.tp):
         out.append(f"stages[{i}]: tp={stage.tp} must divide heads={config.heads} and kv_heads={config.kv_heads}: "
                    "the program splits attention by whole heads")
@@ -130,16 +126,23 @@ def _sharding_problems(i: int, stage: Stage, model: ModelGraph) -> list[str]:
     return out
 
 
-def _schedule_problems(plan: Plan) -> list[str]:
+def mesh_schedule_ok(plan: Plan) -> bool:
+    """Whether torch.distributed.pipelining's schedule classes accept the plan: pipelined 1f1b needs
+    micro_batches >= stages; interleaved needs micro_batches divisible by max(1, micro_batches // ranks)."""
     ranks = len(set(pipeline_ranks(plan)))
     m, stages = plan.micro_batches, len(plan.stages)
     if plan.schedule is Schedule.ONE_F_ONE_B and ranks > 1 and m < stages:
-        return [f"schedule 1f1b with micro_batches={m} < {stages} stages: torch's Schedule1F1B needs at least "
-                "one micro-batch per stage"]
-    if plan.schedule is Schedule.INTERLEAVED_1F1B and ranks > 1 and m % max(1, m // ranks):
-        return [f"schedule interleaved_1f1b with micro_batches={m} on {ranks} pipeline ranks: torch's "
-                f"ScheduleInterleaved1F1B needs micro_batches divisible by max(1, {m} // {ranks})"]
-    return []
+        return False
+    return not (plan.schedule is Schedule.INTERLEAVED_1F1B and ranks > 1 and m % max(1, m // ranks))
+
+
+def runtime_for(plan: Plan, ranks: list[int]) -> str:
+    """`mesh` when one ("pp", "dp", "tp") mesh runs the plan (same dp and tp everywhere, even shares,
+    world ranks in the plan's device order, a schedule torch's pipelining accepts), else `pipeline`."""
+    first = plan.stages[0]
+    uniform = all((s.dp, s.tp) == (first.dp, first.tp) and max(s.shares()) - min(s.shares()) < 1e-9
+                  for s in plan.stages)
+    return "mesh" if uniform and ranks == list(plan.devices) and mesh_schedule_ok(plan) else "pipeline"
 
 
 def _tied_problems(plan: Plan, model: ModelGraph) -> list[str]:
@@ -194,8 +197,9 @@ def strategies_for(model: ModelGraph, stage: Stage, layer: int) -> dict[str, Sha
 
 
 def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: ModelConfig, *, seq_len: int,
-                   global_batch: int, steps: int, seed: int) -> dict[str, Any]:
-    """The plan.json the program reads (format `tagplan-torch-program/1`)."""
+                   global_batch: int, steps: int, seed: int, table: list[dict[str, Any]],
+                   dtype: DType = DType.FP32, optimizer: Optimizer = Optimizer.ADAM) -> dict[str, Any]:
+    """The plan.json the program reads (format `runtime_train.PROGRAM_FORMAT`)."""
     ranks = pipeline_ranks(plan)
     stages = []
     for i, stage in enumerate(plan.stages):
@@ -204,22 +208,41 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
             resolved = strategies_for(model, stage, j)
             strategies[str(j)] = {op: resolved[op].value for op in tp_ops(config, j) if op in resolved}
         stages.append({"layers": list(stage.layers), "pp_rank": ranks[i], "devices": list(stage.devices),
-                       "recompute": stage.recompute, "zero": stage.zero if stage.dp > 1 else 0,
-                       "strategies": strategies})
+                       "dp": stage.dp, "tp": stage.tp, "recompute": stage.recompute,
+                       "zero": stage.zero if stage.dp > 1 else 0, "strategies": strategies})
     first = plan.stages[0]
+    runtime = runtime_for(plan, [row["device"] for row in table])
     return {"format": PROGRAM_FORMAT, "model": model_spec, "seq_len": seq_len, "global_batch": global_batch,
-            "steps": steps, "seed": seed, "micro_batches": plan.micro_batches, "schedule": plan.schedule.value,
+            "steps": steps, "seed": seed, "dtype": dtype.value, "optimizer": optimizer.value,
+            "micro_batches": plan.micro_batches, "schedule": plan.schedule.value, "runtime": runtime,
             "sequence_parallel": sequence_parallel(plan, model),
             "mesh": {"pp": len(set(ranks)), "dp": first.dp, "tp": first.tp}, "world_size": len(plan.devices),
-            "stages": stages, "plan": plan.model_dump(mode="json")}
+            "ranks": table, "stages": stages, "plan": plan.model_dump(mode="json")}
+
+
+def check_batch(plan: Plan, model: ModelGraph, *, seq_len: int, global_batch: int) -> None:
+    """ExportError unless every replica gets whole samples of every micro-batch and, under sequence
+    parallelism, every stage's tp divides the sequence."""
+    try:
+        check_whole_samples(plan, global_batch)
+    except ValueError as err:
+        raise ExportError(f"global_batch={global_batch}: {err}") from None
+    if sequence_parallel(plan, model):
+        for i, stage in enumerate(plan.stages):
+            if stage.tp > 1 and seq_len % stage.tp:
+                raise ExportError(f"seq_len={seq_len} does not split over stages[{i}].tp={stage.tp} ranks: the norms "
+                                  "are 'sequence' (sequence parallel), so the sequence must be a multiple of tp")
 
 
 def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, seq_len: int, global_batch: int,
-                        steps: int = 3, seed: int = 0) -> Path:
-    """Write `train.py` and `plan.json` into `out_dir` (created); return the path of `train.py`.
+                        steps: int = 3, seed: int = 0, cluster: Cluster | None = None, dtype: DType = DType.FP32,
+                        optimizer: Optimizer = Optimizer.ADAM) -> Path:
+    """Write `train.py`, `plan.json` and `launch_node{k}.sh` per node into `out_dir` (created);
+    return the path of `train.py`.
 
-    Launch: `torchrun --nproc-per-node <len(plan.devices)> train.py`. ExportError when the model
-    or plan cannot be expressed, or `global_batch` does not split into dp x micro_batches.
+    `cluster` gives the nodes and GPU types (node order, start-up check); without it the plan runs
+    on one host. `dtype` and `optimizer`: as the plan was costed. ExportError when the model or
+    plan cannot be expressed, or `global_batch` gives some replica a fraction of a sample.
     """
     text = model_spec.text if isinstance(model_spec, ModelSpec) else model_spec  # what plan.json names
     try:
@@ -229,17 +252,17 @@ def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, 
     except SpecError as err:
         raise ExportError(str(err)) from None
     check_expressible(plan, model, config=config)
-    dp, micro = plan.stages[0].dp, plan.micro_batches
-    if global_batch % (dp * micro):
-        raise ExportError(f"global_batch={global_batch} does not split into dp={dp} replicas x "
-                          f"micro_batches={micro}: it must be a multiple of {dp * micro}")
-    if sequence_parallel(plan, model) and seq_len % plan.stages[0].tp:
-        raise ExportError(f"seq_len={seq_len} does not split over tp={plan.stages[0].tp} ranks: the norms are "
-                          "'sequence' (sequence parallel), so the sequence must be a multiple of tp")
+    check_batch(plan, model, seq_len=seq_len, global_batch=global_batch)
+    table = rank_table(plan, cluster)
     cfg = program_config(text, plan, model, config, seq_len=seq_len, global_batch=global_batch, steps=steps,
-                         seed=seed)
+                         seed=seed, table=table, dtype=dtype, optimizer=optimizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for old in out_dir.glob("launch_node*.sh"):
+        old.unlink()
+    for name, body in launch_scripts(table, PROGRAM_NAME).items():
+        (out_dir / name).write_text(body)
+        (out_dir / name).chmod(0o755)
     target = out_dir / PROGRAM_NAME
     shutil.copyfile(PROGRAM_SOURCE, target)
     return target

@@ -39,7 +39,7 @@ from tagplan.export.torch_program import check_expressible, write_torch_program
 from tagplan.frontends.cpu import build_cpu_cluster
 from tagplan.frontends.model_spec import ModelSpec, build_model, load_model
 from tagplan.ir.cluster import DeviceSpec
-from tagplan.ir.plan import Plan
+from tagplan.ir.plan import Plan, check_whole_samples
 from tagplan.ir.workload import DType, Optimizer, Workload
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -79,8 +79,7 @@ def verify(model_spec: str | ModelSpec, plan: Plan, *, procs: int | None = None,
     world = len(plan.devices)
     if procs is not None and world > procs:
         raise ExportError(f"the plan runs on {world} devices; verify may start at most procs={procs} processes")
-    dp, micro = plan.stages[0].dp, plan.micro_batches
-    batch = global_batch or 2 * dp * micro
+    batch = global_batch or default_batch(plan)
     small = scaled_down(spec, seq_len=seq_len, heads=_heads_for(model_config(spec, seq_len=1), plan))
     with tempfile.TemporaryDirectory(prefix="tagplan-verify-") as tmp:
         folder = keep_dir or Path(tmp)
@@ -91,7 +90,7 @@ def verify(model_spec: str | ModelSpec, plan: Plan, *, procs: int | None = None,
         dump.mkdir()
         runs = launch(program, world, ["--verify", str(dump), "--timeout-s", str(min(timeout_s, 120.0))],
                       timeout_s=timeout_s)
-        ref_loss, ref_grads = reference(small, seq_len=seq_len, global_batch=batch, dp=dp, micro_batches=micro)
+        ref_loss, ref_grads = reference(small, seq_len=seq_len, global_batch=batch, micro_batches=plan.micro_batches)
         report = _compare(dump, runs, ref_loss, ref_grads, atol=atol, rtol=rtol)
     return replace(report, model_spec=small, seq_len=seq_len, global_batch=batch, plan=plan)
 
@@ -103,18 +102,35 @@ def _heads_for(config: ModelConfig, plan: Plan) -> int:
     return math.lcm(4, tp * (2 if gqa else 1))
 
 
-def reference(model_spec: str, *, seq_len: int, global_batch: int, dp: int, micro_batches: int,
+def default_batch(plan: Plan) -> int:
+    """The global batch `verify` runs: micro_batches x the micro-batch size every stage splits into
+    whole samples (the stages' `batch_samples` sum, else the smallest multiple of 2 x each dp that does)."""
+    for stage in plan.stages:
+        if stage.batch_samples is not None:
+            return sum(stage.batch_samples) * plan.micro_batches
+    step = 2 * math.lcm(*(s.dp for s in plan.stages))
+    for size in range(step, 64 * step + 1, step):
+        try:
+            check_whole_samples(plan, size * plan.micro_batches)
+        except ValueError:
+            continue
+        return size * plan.micro_batches
+    return step * plan.micro_batches  # the program's own check names the stage
+
+
+def reference(model_spec: str, *, seq_len: int, global_batch: int, micro_batches: int,
               seed: int = SEED) -> tuple[float, dict[str, torch.Tensor]]:
-    """(mean loss, gradient by parameter name) of one step of the plain model, split as the program splits."""
+    """(mean loss, gradient by parameter name) of one step of the plain model: the token mean over
+    the global batch, accumulated over the plan's micro-batches."""
     model = LanguageModel(model_config(model_spec, seq_len=seq_len), seed=seed)
     tokens, labels = synthetic_batch(model.config.vocab, global_batch, seq_len, step=0, seed=seed)
     losses = []
-    for x, y in zip(tokens.chunk(dp * micro_batches), labels.chunk(dp * micro_batches), strict=True):
+    for x, y in zip(tokens.chunk(micro_batches), labels.chunk(micro_batches), strict=True):
         loss = loss_fn(model(x), y)
-        (loss / (dp * micro_batches)).backward()
-        losses.append(loss.item())
+        (loss * len(x) / global_batch).backward()
+        losses.append(loss.item() * len(x) / global_batch)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return statistics.fmean(losses), grads
+    return math.fsum(losses), grads
 
 
 def _compare(dump: Path, runs: list[RankRun], ref_loss: float, ref: dict[str, torch.Tensor], *, atol: float,
@@ -126,7 +142,7 @@ def _compare(dump: Path, runs: list[RankRun], ref_loss: float, ref: dict[str, to
         worst, message = failed
         return VerifyReport(False, math.inf, math.inf, worst, None, ref_loss, times, message, stages)
     got: dict[str, torch.Tensor] = {}
-    for path in sorted(dump.glob("grads_pp*.pt")):
+    for path in sorted(dump.glob("grads_*.pt")):
         got.update(torch.load(path))
     loss = float(json.loads((dump / "loss.json").read_text())["loss"])
     return _judge(got, ref, loss, ref_loss, atol=atol, rtol=rtol, times=times, stages=stages)

@@ -24,7 +24,7 @@ def test_export_torch_and_megatron_write_their_files(tmp_path: Path, capsys: pyt
     assert main(["export", "--model", wide, "--plan", str(plan), "--seq", "16", "--format", "torch",
                  "--out", str(tmp_path / "torch"), "--json"]) == 0
     files = json.loads(capsys.readouterr().out)["files"]
-    assert {Path(f).name for f in files} == {"train.py", "plan.json"}
+    assert {Path(f).name for f in files} == {"train.py", "plan.json", "launch_node0.sh"}
     assert "init_device_mesh" in (tmp_path / "torch" / "train.py").read_text()
     assert main(["export", "--model", wide, "--plan", str(plan), "--seq", "16", "--format", "megatron",
                  "--cluster", "p3.8xlarge", "--out", str(tmp_path / "mg")]) == 0
@@ -38,12 +38,43 @@ def test_export_torch_and_megatron_write_their_files(tmp_path: Path, capsys: pyt
 def test_an_inexpressible_plan_is_refused_with_exit_code_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan = write_plan(tmp_path / "uneven.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1,
                                                  "batch_shares": [0.75, 0.25]}], micro_batches=1)
-    for fmt in ("torch", "megatron", "deepspeed"):
+    for fmt in ("megatron", "deepspeed"):
         assert main(["export", "--model", TINY, "--plan", str(plan), "--seq", "16", "--format", fmt,
                      "--out", str(tmp_path / fmt)]) == 2
         err = capsys.readouterr().err
         assert "share" in err, err
         assert not (tmp_path / fmt).exists() or not any((tmp_path / fmt).iterdir())
+    assert main(["export", "--model", TINY, "--plan", str(plan), "--seq", "16", "--format", "torch",
+                 "--out", str(tmp_path / "torch")]) == 0  # 6 and 2 whole samples: the pipeline runtime runs it
+    fraction = write_plan(tmp_path / "fraction.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1,
+                                                       "batch_shares": [0.7, 0.3]}], micro_batches=1)
+    assert main(["export", "--model", TINY, "--plan", str(fraction), "--seq", "16", "--format", "torch",
+                 "--out", str(tmp_path / "fraction")]) == 2
+    assert "5.6, 2.4 samples each; every replica needs a whole number" in capsys.readouterr().err
+    assert not (tmp_path / "fraction").exists()
+
+
+def test_the_readme_tour_plan_exports_to_torch_with_launch_scripts_in_node_order(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stages = [{"layers": [0, 5], "devices": [12, 13, 14, 15], "dp": 2, "tp": 2},
+              {"layers": [5, 12], "devices": [0, 1, 2, 3], "dp": 4, "tp": 1},
+              {"layers": [12, 19], "devices": [4, 5, 6, 7], "dp": 4, "tp": 1},
+              {"layers": [19, 26], "devices": [8, 9, 10, 11], "dp": 4, "tp": 1}]
+    plan = write_plan(tmp_path / "tour.json", stages)
+    assert main(["export", "--model", "gpt3-1.3b", "--cluster", "p3.8xlarge:nodes=3+g4dn.12xlarge:nodes=1",
+                 "--plan", str(plan), "--batch", "32", "--seq", "1024", "--format", "torch",
+                 "--out", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "start launch_node0.sh on the node that runs stage 0" in text
+    cfg = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert cfg["runtime"] == "pipeline" and cfg["dtype"] == "bf16"
+    assert [r["device"] for r in cfg["ranks"][:5]] == [12, 13, 14, 15, 0]
+    node0 = (tmp_path / "run" / "launch_node0.sh").read_text()
+    assert "--nnodes 4 --node-rank 0 --nproc-per-node 4" in node0 and "g4dn.12xlarge-0, 4 x T4" in node0
+    for fmt in ("megatron", "deepspeed"):
+        assert main(["export", "--model", "gpt3-1.3b", "--plan", str(plan), "--batch", "32", "--seq", "1024",
+                     "--format", fmt, "--out", str(tmp_path / fmt)]) == 2
+        assert "stages[1].tp = 1 but stages[0].tp = 2" in capsys.readouterr().err
 
 
 @pytest.mark.slow

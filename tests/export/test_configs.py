@@ -145,19 +145,24 @@ def test_megatron_refuses_what_it_cannot_express(gpt3: ModelGraph, change: Any, 
         megatron_arguments(gpt3, plan, global_batch=64, seq_len=2048)
 
 
-def test_megatron_refuses_uneven_shares_and_middle_splits(gpt3: ModelGraph) -> None:
+def test_megatron_refuses_uneven_shares_and_writes_any_split_as_a_layout(gpt3: ModelGraph) -> None:
     shares = with_stage(pipeline([24] * 4, tp=4, dp=2), 2, batch_shares=(0.6, 0.4))
     with pytest.raises(ExportError, match=r"stages\[2\]\.batch_shares = \[0\.6, 0\.4\] are uneven"):
         megatron_arguments(gpt3, shares, global_batch=128, seq_len=2048)
-    middle = pipeline([12, 11, 13, 12, 12, 12, 12, 12], tp=8)
-    with pytest.raises(ExportError, match=r"stages\[2\] holds 13 transformer layers but stages\[1\] holds 11"):
-        megatron_arguments(gpt3, middle, global_batch=64, seq_len=2048)
-    empty_first = pipeline([0, 16, 16, 16, 16, 16, 16], tp=8)
-    with pytest.raises(ExportError, match=r"stages\[0\] holds no transformer layer; .*must be > 0"):
-        megatron_arguments(gpt3, empty_first, global_batch=64, seq_len=2048)
+    middle = megatron_arguments(gpt3, pipeline([12, 11, 13, 12, 12, 12, 12, 12], tp=8), global_batch=64, seq_len=2048)
+    layout = middle[middle.index("--pipeline-model-parallel-layout") + 1]
+    assert layout == "Et*12|t*11|t*13|t*12|t*12|t*12|t*12|t*12L"
+    assert "--decoder-first-pipeline-num-layers" not in middle
+    empty_first = megatron_arguments(gpt3, pipeline([0, 16, 16, 16, 16, 16, 16], tp=8), global_batch=64,
+                                     seq_len=2048)
+    assert empty_first[empty_first.index("--pipeline-model-parallel-layout") + 1].startswith("E|t*16|")
     chunks = pipeline([11, 13, 12, 12, 12, 12, 12, 12], tp=8, groups=4, schedule="interleaved_1f1b")
-    with pytest.raises(ExportError, match=r"same count in every chunk"):
-        megatron_arguments(gpt3, chunks, global_batch=64, seq_len=2048)
+    args = megatron_arguments(gpt3, chunks, global_batch=64, seq_len=2048)
+    assert args[args.index("--pipeline-model-parallel-layout") + 1] == "Et*11|t*13|t*12|t*12|t*12|t*12|t*12|t*12L"
+    assert "--num-layers-per-virtual-pipeline-stage" not in args
+    first_last = megatron_arguments(gpt3, pipeline([10, 12, 12, 12, 12, 12, 12, 14], tp=8), global_batch=64,
+                                    seq_len=2048)
+    assert " ".join(first_last).count("--decoder-first-pipeline-num-layers 10 --decoder-last-pipeline-num-layers 14")
 
 
 def test_moe_adds_experts_and_a_single_stage_has_no_pipeline_flags() -> None:

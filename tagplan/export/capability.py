@@ -1,0 +1,57 @@
+"""Which plans an export format runs: `exportable(plan, fmt)`, for the planner's `--exportable`.
+
+The search asks it of every candidate, so the plan-only checks are cheap and import no torch: the
+formats' own refusals (`megatron.plan_checks`, `deepspeed.plan_checks`) and the whole-sample rule
+(`ir.plan.check_whole_samples`) when the global batch is given. The torch program runs every
+(dp, tp) per stage, split and schedule; with a model the model-dependent checks run too (the
+torch program's per-op strategies and heads, which import torch; Megatron's layer counts and
+shapes; DeepSpeed's partition).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from tagplan.errors import SpecError
+from tagplan.export import deepspeed, megatron
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan, check_whole_samples
+
+Target = Literal["torch", "megatron", "deepspeed"]
+TARGETS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
+
+
+def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_batch: int | None = None) -> str | None:
+    """None when format `fmt` can run `plan`, else the reason (naming the stage and the field).
+
+    Without `model` only what the plan alone decides is checked; `global_batch` adds the
+    whole-sample rule (every replica a whole number of samples, at least one, per micro-batch).
+    ValueError for an unknown format.
+    """
+    if fmt not in TARGETS:
+        raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
+    try:
+        if global_batch is not None:
+            check_whole_samples(plan, global_batch)
+        if fmt == "megatron":
+            megatron.plan_checks(plan)
+            if model is not None:
+                megatron.megatron_arguments(model, plan, global_batch=global_batch or _batch(plan),
+                                            seq_len=model.seq_len)
+        elif fmt == "deepspeed":
+            deepspeed.plan_checks(plan)
+            if model is not None:
+                deepspeed.deepspeed_config(model, plan, global_batch=global_batch or _batch(plan),
+                                           seq_len=model.seq_len)
+        elif model is not None:
+            from tagplan.export.torch_program import check_expressible  # imports torch
+
+            check_expressible(plan, model)
+    except (SpecError, ValueError) as err:
+        return str(err)
+    return None
+
+
+def _batch(plan: Plan) -> int:
+    """A global batch the model-dependent checks accept when none is given: one sample per replica."""
+    return plan.micro_batches * plan.stages[0].dp

@@ -1,0 +1,104 @@
+"""Launching an exported program on the plan's nodes: the rank table, one torchrun script per node,
+and the start-up check each rank runs (no torch here).
+
+torchrun numbers ranks node by node: node rank k's processes take the world ranks after those of
+nodes 0..k-1. The plan numbers devices node-major in the cluster's order, but its stage 0 may sit
+on any node, and the rendezvous host (node rank 0) should be the node that starts the pipeline.
+So nodes are launched in the order their first device appears in the plan (stage 0's node first,
+`runtime_layout.node_order`), and `rank_table` says, per world rank, the cluster device it runs,
+its node, that node's launch rank, the local GPU index and the GPU type the plan was costed on.
+The program checks at start (`startup_problems`) that the rank it was given sits where the table
+says, on the GPU type the table names, and refuses to train otherwise, naming the mismatch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shlex
+from typing import Any
+
+from tagplan.export.runtime_layout import node_order, rank_devices
+from tagplan.ir.cluster import Cluster
+from tagplan.ir.plan import Plan
+
+DEFAULT_PORT = 29500
+
+
+def rank_table(plan: Plan, cluster: Cluster | None) -> list[dict[str, Any]]:
+    """Per world rank: `device`, `node` (name), `node_rank` (launch order), `local_gpu`, `gpu` (type).
+
+    Without a cluster the plan runs on one host, ranks in the plan's device order, no GPU type."""
+    if cluster is None:
+        return [{"device": d, "node": None, "node_rank": 0, "local_gpu": i, "gpu": None}
+                for i, d in enumerate(plan.devices)]
+    node_of = {d: cluster.device(d).node for d in plan.devices}
+    order = node_order(plan.devices, node_of)
+    rows = []
+    for d in rank_devices(plan.devices, node_of):
+        dev = cluster.device(d)
+        rows.append({"device": d, "node": cluster.nodes[dev.node].name, "node_rank": order.index(dev.node),
+                     "local_gpu": dev.local, "gpu": dev.spec.name})
+    return rows
+
+
+def launch_scripts(table: list[dict[str, Any]], program: str = "train.py") -> dict[str, str]:
+    """File name -> text of one bash script per node (`launch_node{k}.sh`, k = node rank): torchrun
+    with `--nnodes`, `--node-rank`, `--nproc-per-node` and one static rendezvous at $MASTER_ADDR."""
+    nodes = sorted({row["node_rank"] for row in table})
+    out = {}
+    for k in nodes:
+        mine = [row for row in table if row["node_rank"] == k]
+        first = next(row for row in table if row["node_rank"] == 0)
+        host = first["node"] or "this host"
+        lines = [
+            "#!/usr/bin/env bash",
+            f"# node rank {k} of {len(nodes)}: {mine[0]['node'] or 'this host'}"
+            + (f", {len(mine)} x {mine[0]['gpu']}" if mine[0]["gpu"] else f", {len(mine)} processes"),
+            f"# plan devices {[row['device'] for row in mine]} (local GPUs {[row['local_gpu'] for row in mine]}),"
+            f" world ranks {table.index(mine[0])}..{table.index(mine[-1])}",
+            f"# start every node's script; MASTER_ADDR is node rank 0 ({host}), which holds stage 0.",
+            "set -euo pipefail",
+            f': "${{MASTER_ADDR:?set MASTER_ADDR to the address of node rank 0 ({host})}}"',
+            f'MASTER_PORT="${{MASTER_PORT:-{DEFAULT_PORT}}}"',
+            'cd "$(dirname "$0")"',
+            f"exec torchrun --nnodes {len(nodes)} --node-rank {k} --nproc-per-node {len(mine)} "
+            f'--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" {shlex.quote(program)} "$@"',
+        ]
+        out[f"launch_node{k}.sh"] = "\n".join(lines) + "\n"
+    return out
+
+
+def gpu_matches(expected: str, found: str) -> bool:
+    """Whether the device name torch reports (`found`, e.g. 'Tesla V100-SXM2-16GB') is of the catalog
+    type `expected` (e.g. 'V100-SXM2-32GB'): its model ('V100') is a word of the name, or two adjacent
+    words ('RTX 4090')."""
+    model = expected.split("-")[0].lower()
+    words = [w for w in re.split(r"[\s\-_]+", found.lower()) if w]
+    return model in words or model in {a + b for a, b in itertools.pairwise(words)}
+
+
+def startup_problems(table: list[dict[str, Any]], *, rank: int, world: int, local_world: int | None,
+                     node_rank: int | None, gpu_name: str | None, gpu_count: int | None) -> list[str]:
+    """Why this process cannot run rank `rank` of the plan (empty: it can).
+
+    `local_world`, `node_rank` (torchrun's LOCAL_WORLD_SIZE, GROUP_RANK), `gpu_name` (the name of the
+    GPU it would use) and `gpu_count` are None where unknown (a CPU run), and then not checked."""
+    if world != len(table):
+        return [f"the plan runs on {len(table)} processes but WORLD_SIZE={world}: launch every node's "
+                "launch_node*.sh (their --nproc-per-node add up to the plan's devices)"]
+    row = table[rank]
+    where = f"rank {rank} (plan device {row['device']}" + (f" on node {row['node']})" if row["node"] else ")")
+    expected_local = sum(1 for r in table if r["node_rank"] == row["node_rank"])
+    out = []
+    if node_rank is not None and node_rank != row["node_rank"]:
+        out.append(f"{where} belongs to node rank {row['node_rank']} but was started as node rank {node_rank}: "
+                   f"run launch_node{row['node_rank']}.sh on {row['node'] or 'that node'}")
+    if local_world is not None and local_world != expected_local:
+        out.append(f"{where}: node rank {row['node_rank']} runs {expected_local} processes but this node started "
+                   f"{local_world}")
+    if gpu_count is not None and row["local_gpu"] >= gpu_count:
+        out.append(f"{where} needs local GPU {row['local_gpu']} but this node has {gpu_count} GPUs")
+    elif gpu_name is not None and row["gpu"] and not gpu_matches(row["gpu"], gpu_name):
+        out.append(f"{where} was planned on a {row['gpu']} but local GPU {row['local_gpu']} is a {gpu_name}")
+    return out

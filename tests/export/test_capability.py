@@ -1,0 +1,36 @@
+"""Which plans each export format runs (tagplan.export.capability.exportable)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tagplan.export import exportable
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir.plan import Plan, Stage
+
+HETERO = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2),
+                                       Stage(layers=(2, 4), devices=(2, 3), dp=2)))
+
+
+def test_torch_runs_heterogeneous_stages_that_megatron_and_deepspeed_refuse() -> None:
+    assert exportable(HETERO, "torch") is None
+    assert "stages[1].tp = 1 but stages[0].tp = 2" in (exportable(HETERO, "megatron") or "")
+    assert "stages[1].tp = 1 but stages[0].tp = 2" in (exportable(HETERO, "deepspeed") or "")
+
+
+def test_the_global_batch_adds_the_whole_sample_rule() -> None:
+    assert exportable(HETERO, "torch", global_batch=8) is None
+    reason = exportable(HETERO, "torch", global_batch=6)  # 3 samples per micro-batch over 2 replicas
+    assert reason is not None and "stages[1]" in reason and "whole" in reason
+
+
+def test_a_model_adds_the_model_checks() -> None:
+    model = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=16)
+    bad = Plan(stages=(Stage(layers=(0, 4), devices=(0, 1), tp=2, sharding={"mlp.fc1": "sequence"}),))
+    assert "sharding['mlp.fc1']='sequence'" in (exportable(bad, "torch", model) or "")
+    uniform = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2),
+                                            Stage(layers=(2, 4), devices=(2, 3), tp=2)))
+    assert exportable(uniform, "megatron", model) is None
+    assert "tensor parallelism" in (exportable(uniform, "deepspeed", model) or "")
+    with pytest.raises(ValueError, match="unknown export format"):
+        exportable(uniform, "jax")
