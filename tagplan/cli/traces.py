@@ -21,15 +21,23 @@ def add_trace_commands(sub: Subparsers) -> None:
                       help="torch threads for the ops (default: the idle cores, at least 1)")
     prof.add_argument("--iterations", action="store_true",
                       help="also time real training iterations of small GPTs (CPU, one device; about a minute)")
+    prof.add_argument("--layers", action="store_true",
+                      help="instead: time the unique blocks of --model over micro-batch sizes and tp degrees")
+    prof.add_argument("--model", default=None, help="with --layers: the model SPEC (gpt?layers=..&hidden=..)")
+    prof.add_argument("--seq", type=int, default=128, help="with --layers: sequence length")
+    prof.add_argument("--micro-batches", default="1,2,4", help="with --layers: micro-batch sizes, comma-separated")
+    prof.add_argument("--tps", default="1,2", help="with --layers: tp degrees, comma-separated")
     prof.add_argument("--out", required=True, help="bundle directory to write")
     add_json_option(prof, "{bundle, op_records, collective_records, iteration_records}")
     prof.set_defaults(func=_profile)
 
     traces = sub.add_parser("traces", help="import traces machines already print; show a bundle")
     what = traces.add_subparsers(dest="what", required=True)
-    imp = what.add_parser("import", help="Kineto/torch.profiler JSON, nccl-tests logs, iteration records")
+    imp = what.add_parser("import", help="Kineto/torch.profiler JSON, nccl-tests logs, iteration records, "
+                          "layer tables")
     imp.add_argument("files", nargs="+")
     imp.add_argument("--device", required=True, help="device type the traces were measured on (catalog name)")
+    imp.add_argument("--model", default=None, help="for layer tables: the model SPEC whose blocks the rows are")
     imp.add_argument("--out", required=True, help="bundle directory (created, or appended to)")
     add_json_option(imp, "{bundle, op_records, collective_records, iteration_records}")
     imp.set_defaults(func=_traces_import)
@@ -43,6 +51,13 @@ def add_trace_commands(sub: Subparsers) -> None:
     cal.add_argument("--out", required=True, metavar="CALIB.json")
     cal.add_argument("--pin", default=None, metavar="VERSION",
                      help="also pin the calibration beside this GNN version in the registry")
+    cal.add_argument("--device", default=None,
+                     help="device type the bundles should have measured; warns on records that disagree")
+    cal.add_argument("--folds", type=int, default=None, help="cross-validation folds over iteration records "
+                     "(default min(5, records))")
+    cal.add_argument("--no-iterations", action="store_true", help="fit ops and links only")
+    cal.add_argument("--force", action="store_true",
+                     help="write the calibration even when its held-out error is worse than what it replaces")
     add_json_option(cal, "the error report")
     cal.set_defaults(func=_calibrate)
 
@@ -52,6 +67,8 @@ def _profile(args: argparse.Namespace) -> int:
     from tagplan.profiling import profile
 
     say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if args.layers:
+        return _profile_layers(args, say)
     if args.iterations and args.device != "cpu":
         raise SpecError("--iterations: real iterations are timed on the CPU only (--device cpu)")
     threads = args.threads
@@ -85,12 +102,38 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_layers(args: argparse.Namespace, say: Any) -> int:
+    """`profile --layers`: a bundle of layer records of --model measured on this device."""
+    from tagplan.datasets.traces.bundle import Manifest, now_iso, read_bundle, write_bundle
+    from tagplan.profiling.device import cpu_device_spec, cuda_device_spec, fingerprint
+    from tagplan.profiling.layers import layer_records
+
+    if not args.model:
+        raise SpecError("profile --layers: give --model SPEC (the model whose blocks to time)")
+    try:
+        sizes = [int(v) for v in args.micro_batches.split(",") if v]
+        tps = [int(v) for v in args.tps.split(",") if v]
+    except ValueError:
+        raise SpecError(f"profile --layers: --micro-batches {args.micro_batches!r} and --tps {args.tps!r} must be "
+                        "comma-separated integers") from None
+    spec = cpu_device_spec() if args.device == "cpu" else cuda_device_spec()
+    records = list(layer_records(args.model, device=args.device, device_type=spec.name, seq_len=args.seq,
+                                 micro_batches=sizes, tps=tps, progress=say))
+    manifest = Manifest(created=now_iso(), source=f"tagplan profile --layers --model {args.model} --seq {args.seq}",
+                        fingerprint=fingerprint(args.device), device=spec,
+                        notes=f"layer profile: micro-batches {sizes}, tp {tps}")
+    out = write_bundle(args.out, manifest, records)
+    _emit_counts(str(out), read_bundle(out), args.json)
+    return 0
+
+
 def _traces_import(args: argparse.Namespace) -> int:
     from tagplan.datasets.traces.bundle import read_bundle
     from tagplan.datasets.traces.importing import import_to_bundle
 
     out = import_to_bundle([Path(f) for f in args.files], Path(args.out), device=args.device,
-                           source="tagplan traces import " + " ".join(args.files))
+                           source="tagplan traces import " + " ".join(args.files),
+                           warn=lambda line: print(f"warning: {line}", file=sys.stderr), model=args.model)
     _emit_counts(str(out), read_bundle(out), args.json)
     return 0
 
@@ -108,24 +151,78 @@ def _emit_counts(path: str, bundle: Any, as_json: bool, **extra: Any) -> None:
     from tagplan.cli.tables import bundle_line
 
     summary = {"bundle": path, **extra, "op_records": len(bundle.ops()),
-               "collective_records": len(bundle.collectives()), "iteration_records": len(bundle.iterations())}
+               "collective_records": len(bundle.collectives()), "iteration_records": len(bundle.iterations()),
+               "layer_records": len(bundle.layers())}
     emit(summary, as_json, bundle_line)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
     from tagplan.cli.tables import calibration_table
     from tagplan.datasets.traces.bundle import read_bundle
-    from tagplan.training.calibrate import fit_calibration
+    from tagplan.training.calibrate import compare_with, fingerprint_warnings, fit_calibration
 
     bundles = [read_bundle(b) for b in args.bundles]
-    fit = fit_calibration(bundles, name=Path(args.out).stem)
-    Path(args.out).write_text(fit.calibration.model_dump_json(indent=2) + "\n")
+    if args.device:
+        for line in fingerprint_warnings(bundles, args.device):
+            print(f"warning: {line}", file=sys.stderr)
+    out = Path(args.out)
+    fit = fit_calibration(bundles, name=out.stem, iterations=not args.no_iterations, folds=args.folds)
+    replaced_name, replaced = _replaced_calibration(out, args.pin)
+    comparison = compare_with(fit, replaced, bundles)
+    report: dict[str, Any] = {"calibration": args.out, **fit.summary(), "rows": [row.__dict__ for row in fit.rows],
+                              "links": {k: v.model_dump() for k, v in fit.calibration.links.items()}}
+    if fit.iterations is not None:
+        report["iteration_parameters"] = fit.iterations.parameters
+        report["iteration_records"] = fit.iterations.records
+    if comparison is not None:
+        report["held_out"] = {"metric": comparison.metric, "new": comparison.new, "replaced": comparison.replaced,
+                              "replaced_calibration": replaced_name}
+    if not args.json:
+        _say_iterations(fit, comparison, replaced_name)
+    if comparison is not None and comparison.worse and not args.force:
+        raise SpecError(f"calibrate: not written: the new calibration's held-out {comparison.metric} is "
+                        f"{comparison.new:.1%}, worse than the {comparison.replaced:.1%} of {replaced_name}, which "
+                        "it would replace; pass --force to write it anyway")
+    out.write_text(fit.calibration.model_dump_json(indent=2) + "\n")
     if args.pin:
         from tagplan.training.registry import Registry
 
-        Registry().pin_calibration(args.pin, Path(args.out))
-    report = {"calibration": args.out, **fit.summary(),
-              "rows": [row.__dict__ for row in fit.rows],
-              "links": {k: v.model_dump() for k, v in fit.calibration.links.items()}}
+        Registry().pin_calibration(args.pin, out)
     emit(report, args.json, calibration_table)
     return 0
+
+
+def _replaced_calibration(out: Path, pin: str | None) -> tuple[str, Any]:
+    """(name, calibration) a new one replaces: the file at --out, else the pinned one, else the defaults."""
+    from tagplan.cost.calibration import DEFAULT_CALIBRATION
+    from tagplan.training.calibrations import load_calibration, resolve_calibration
+    from tagplan.training.registry import Registry
+
+    if out.is_file():
+        try:
+            return f"the existing {out}", load_calibration(out)
+        except SpecError as err:
+            print(f"warning: {err}; comparing with the shipped defaults", file=sys.stderr)
+            return "the shipped defaults", DEFAULT_CALIBRATION
+    try:
+        pinned = resolve_calibration(pin, Registry(), allow_paths=False)
+    except SpecError:
+        pinned = DEFAULT_CALIBRATION
+    if pinned is DEFAULT_CALIBRATION:
+        return "the shipped defaults", DEFAULT_CALIBRATION
+    return f"the calibration pinned {'beside ' + pin if pin else 'in the registry'}", pinned
+
+
+def _say_iterations(fit: Any, comparison: Any, replaced_name: str) -> None:
+    """Held-out iteration error before and after, and the comparison, for people (stderr)."""
+    it = fit.iterations
+    if it is not None:
+        tau = lambda t: "-" if t is None else f"{t:.2f}"  # noqa: E731
+        print(f"iterations: {it.records} records, {it.folds}-fold held out: MAPE {it.before.mape:.1%} -> "
+              f"{it.after.mape:.1%}, Kendall tau {tau(it.before.kendall_tau)} -> {tau(it.after.kendall_tau)}",
+              file=sys.stderr)
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in it.parameters.items())
+        print(f"fitted parameters: {shown or 'none the records inform'}", file=sys.stderr)
+    if comparison is not None:
+        print(f"held-out {comparison.metric}: new {comparison.new:.1%}, {replaced_name} {comparison.replaced:.1%}",
+              file=sys.stderr)

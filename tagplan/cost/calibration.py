@@ -13,6 +13,12 @@ in the same JSON shape and it replaces them.
 - Memory-bound kernels (norms, pointwise, softmax): 80% of datasheet HBM bandwidth, as STREAM-
   like copies reach 85-90% and PyTorch pointwise kernels somewhat less.
 - Launch overhead: 4 us per kernel (CUDA launch plus framework dispatch, as profiles show).
+
+Named physical parameters fitted from measured iterations (`tagplan calibrate`; defaults keep the
+datasheet model: scales 1, overheads 0): an achieved-compute scale per device type (compute time
+x scale), per link class an achieved-bandwidth scale and an added latency per step, a fixed
+overhead per stage per micro-batch, per iteration and per pipeline send, and an optimizer-step
+scale. Measured layer times (`LayerTime`) replace the op model for the blocks they cover.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from functools import cached_property
 from pydantic import Field, model_validator
 
 from tagplan.ir.base import Record
-from tagplan.ir.cluster import Cluster
+from tagplan.ir.cluster import Cluster, Node
 from tagplan.ir.model import OpKind
+from tagplan.ir.workload import DType
 
 ANY_DEVICE = "*"
 
@@ -91,6 +98,28 @@ def link_key(device: str, scope: str) -> str:
     return f"{device}/{scope}"
 
 
+class LinkScale(Record):
+    """A link class's achieved bandwidth relative to the model's figure, and latency it adds per step."""
+
+    bandwidth_scale: float = Field(default=1.0, gt=0, description="multiplies the link's bandwidth")
+    latency_s: float = Field(default=0.0, ge=0, description="added to the link's per-step latency")
+
+
+class LayerTime(Record):
+    """One block's measured seconds per micro-batch on one device of a `tp`-way group (communication
+    excluded), from a `layer` trace record."""
+
+    block_hash: str = Field(min_length=1, description="the model's structural block hash")
+    block_name: str = ""
+    device: str = Field(min_length=1)
+    dtype: DType
+    seq_len: int = Field(gt=0)
+    tp: int = Field(default=1, ge=1)
+    micro_batch: float = Field(gt=0, description="samples per micro-batch")
+    forward_s: float = Field(gt=0)
+    backward_s: float = Field(gt=0)
+
+
 class Calibration(Record):
     """Efficiencies by device type (`*` for any) and op kind; memory and launch figures; measured links.
 
@@ -107,6 +136,17 @@ class Calibration(Record):
     attention_backward_factor: float = Field(default=2.5, gt=0, description="backward / forward FLOPs")
     links: dict[str, LinkFit] = Field(default_factory=dict)
     launch_by_device: dict[str, float] = Field(default_factory=dict, description="measured per device type, s")
+    compute_scale: dict[str, float] = Field(default_factory=dict,
+                                            description="per device type (or *): multiplies compute time")
+    link_scales: dict[str, LinkScale] = Field(default_factory=dict,
+                                              description="link_key(device type or *, intra | inter) -> scale")
+    micro_batch_overhead_s: dict[str, float] = Field(default_factory=dict,
+                                                     description="per device type (or *): s per stage per micro-batch")
+    iteration_overhead_s: dict[str, float] = Field(default_factory=dict, description="per device type (or *): s")
+    p2p_overhead_s: dict[str, float] = Field(default_factory=dict, description="per device type (or *): s per send")
+    optimizer_scale: dict[str, float] = Field(default_factory=dict,
+                                              description="per device type (or *): multiplies the optimizer step")
+    layers: tuple[LayerTime, ...] = Field(default=(), description="measured block times (layer records)")
 
     def curve(self, device: str, kind: OpKind) -> EfficiencyCurve | None:
         """The curve for `kind` on `device`, else the any-device curve, else None (memory-bound)."""
@@ -115,6 +155,36 @@ class Calibration(Record):
             if table is not None and kind in table:
                 return table[kind]
         return None
+
+    @cached_property
+    def _layer_index(self) -> dict[tuple[str, str, DType, int], list[LayerTime]]:
+        index: dict[tuple[str, str, DType, int], list[LayerTime]] = {}
+        for layer in self.layers:
+            index.setdefault((layer.block_hash, layer.device, layer.dtype, layer.seq_len), []).append(layer)
+        return index
+
+    def layer_profiles(self, block_hash: str, device: str, dtype: DType, seq_len: int) -> list[LayerTime]:
+        """Measured times of block `block_hash` on `device` at that dtype and sequence length ([] if none)."""
+        return self._layer_index.get((block_hash, device, dtype, seq_len), []) if self.layers else []
+
+    def compute_factor(self, device: str) -> float:
+        """Multiplier of compute time on `device`: its fitted scale, else the any-device one, else 1."""
+        return self.compute_scale.get(device, self.compute_scale.get(ANY_DEVICE, 1.0))
+
+    def overhead_s(self, name: str, device: str) -> float:
+        """Fitted overhead `name` (micro_batch_overhead_s, iteration_overhead_s, p2p_overhead_s) on `device`:
+        its own figure, else the any-device one, else 0. Keyed by device type, so a calibration
+        measured on one type never changes plans on another."""
+        table: dict[str, float] = getattr(self, name)
+        return table.get(device, table.get(ANY_DEVICE, 0.0))
+
+    def optimizer_factor(self, device: str) -> float:
+        """Multiplier of the optimizer step's time on `device` (1 unless fitted)."""
+        return self.optimizer_scale.get(device, self.optimizer_scale.get(ANY_DEVICE, 1.0))
+
+    def link_scale(self, device: str, scope: str) -> LinkScale | None:
+        """The fitted scale of `device`'s `scope` links (intra | inter), else the any-device one."""
+        return self.link_scales.get(link_key(device, scope), self.link_scales.get(link_key(ANY_DEVICE, scope)))
 
     def launch_s(self, device: str) -> float:
         """Seconds of overhead per kernel on `device`: its measured figure, else `launch_overhead_s`."""
@@ -138,26 +208,55 @@ def calibrated_cluster(cluster: Cluster, calibration: Calibration) -> Cluster:
     A node whose device type has an `intra` fit gets that bandwidth and latency as its fabric (and
     loses its per-pair overrides: the measurement already averages over the node's real links); one
     with an `inter` fit gets NICs whose per-GPU share is the fitted bandwidth, and the network the
-    largest fitted latency. Returns `cluster` itself when nothing applies.
+    largest fitted latency. Link scales (`Calibration.link_scales`) then multiply the resulting
+    bandwidths and add their latency. Returns `cluster` itself when nothing applies.
     """
-    if not calibration.links:
+    if not calibration.links and not calibration.link_scales:
         return cluster
-    nodes, latencies, changed = [], [], False
+    nodes: list[Node] = []
+    latencies: list[float] = []
+    changed = False
     for node in cluster.nodes:
-        update: dict[str, object] = {}
-        intra = calibration.links.get(link_key(node.device.name, INTRA))
-        if intra is not None and node.gpus > 1:
-            update.update(fabric_bandwidth_Bps=intra.bandwidth_Bps, fabric_latency_s=intra.latency_s, pair_links=())
-        inter = calibration.links.get(link_key(node.device.name, INTER))
-        if inter is not None:
-            nics = max(node.nics, 1)
-            update.update(nics=nics, nic_bandwidth_Bps=inter.bandwidth_Bps * node.gpus / nics)
-            latencies.append(inter.latency_s)
-        nodes.append(node.model_copy(update=update) if update else node)
-        changed = changed or bool(update)
+        update = _fitted_links(node, calibration, latencies)
+        node = node.model_copy(update=update) if update else node
+        scaled_update = _scaled_links(node, calibration)
+        nodes.append(node.model_copy(update=scaled_update) if scaled_update else node)
+        changed = changed or bool(update) or bool(scaled_update)
     if not changed:
         return cluster
     network = cluster.network
     if latencies:
         network = network.model_copy(update={"latency_s": max(latencies), "oversubscription": 1.0})
+    extra = [s.latency_s for n in cluster.nodes if (s := calibration.link_scale(n.device.name, INTER)) is not None]
+    if extra:
+        network = network.model_copy(update={"latency_s": network.latency_s + max(extra)})
     return cluster.model_copy(update={"nodes": tuple(nodes), "network": network})
+
+
+def _fitted_links(node: Node, calibration: Calibration, latencies: list[float]) -> dict[str, object]:
+    """The node's fields that measured alpha-beta fits replace (appending inter-node latencies)."""
+    update: dict[str, object] = {}
+    intra = calibration.links.get(link_key(node.device.name, INTRA))
+    if intra is not None and node.gpus > 1:
+        update.update(fabric_bandwidth_Bps=intra.bandwidth_Bps, fabric_latency_s=intra.latency_s, pair_links=())
+    inter = calibration.links.get(link_key(node.device.name, INTER))
+    if inter is not None:
+        nics = max(node.nics, 1)
+        update.update(nics=nics, nic_bandwidth_Bps=inter.bandwidth_Bps * node.gpus / nics)
+        latencies.append(inter.latency_s)
+    return update
+
+
+def _scaled_links(node: Node, calibration: Calibration) -> dict[str, object]:
+    """The node's link fields under the calibration's link scales (empty when none applies)."""
+    update: dict[str, object] = {}
+    intra = calibration.link_scale(node.device.name, INTRA)
+    if intra is not None and node.gpus > 1:
+        pairs = tuple(p.model_copy(update={"bandwidth_Bps": p.bandwidth_Bps * intra.bandwidth_scale,
+                                           "latency_s": p.latency_s + intra.latency_s}) for p in node.pair_links)
+        update.update(fabric_bandwidth_Bps=node.fabric_bandwidth_Bps * intra.bandwidth_scale,
+                      fabric_latency_s=node.fabric_latency_s + intra.latency_s, pair_links=pairs)
+    inter = calibration.link_scale(node.device.name, INTER)
+    if inter is not None:
+        update.update(nic_bandwidth_Bps=node.nic_bandwidth_Bps * inter.bandwidth_scale)
+    return update

@@ -10,9 +10,11 @@ memory-bound ops move about twice the bytes backward. Recomputation replays the 
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tagplan.cost.calibration import Calibration
+from tagplan.cost.calibration import Calibration, LayerTime
 from tagplan.cost.sharding import divides, divides_params
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.model import Block, Op, OpKind
@@ -73,6 +75,42 @@ def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: f
         forward += t.forward_s
         backward += t.backward_s
     return BlockTime(forward, backward)
+
+
+def profiled_block_time(profiles: Sequence[LayerTime], *, tp: int, samples: float) -> tuple[BlockTime | None, str]:
+    """(time, why) of one block from its measured layer times (one block, device, dtype, sequence length).
+
+    Interpolates linearly in micro-batch samples between measured sizes, and linearly in 1/tp
+    between measured tp degrees (compute divides by tp; what does not divide stays). Outside the
+    measured range it returns (None, the reason): the caller falls back to the op model and says so.
+    """
+    degrees = sorted({p.tp for p in profiles})
+    if tp in degrees:
+        return _over_samples([p for p in profiles if p.tp == tp], samples)
+    below, above = [d for d in degrees if d < tp], [d for d in degrees if d > tp]
+    if not below or not above:
+        return None, f"tp {tp} outside the profiled degrees {degrees}"
+    lo, hi = below[-1], above[0]
+    (t_lo, why_lo), (t_hi, why_hi) = (_over_samples([p for p in profiles if p.tp == d], samples) for d in (lo, hi))
+    if t_lo is None or t_hi is None:
+        return None, why_lo if t_lo is None else why_hi
+    w = (1 / lo - 1 / tp) / (1 / lo - 1 / hi)
+    return BlockTime(t_lo.forward_s + w * (t_hi.forward_s - t_lo.forward_s),
+                     t_lo.backward_s + w * (t_hi.backward_s - t_lo.backward_s)), "layer profile (interpolated tp)"
+
+
+def _over_samples(profiles: Sequence[LayerTime], samples: float) -> tuple[BlockTime | None, str]:
+    points = sorted(profiles, key=lambda p: p.micro_batch)
+    sizes = [p.micro_batch for p in points]
+    if samples < sizes[0] - 1e-9 or samples > sizes[-1] + 1e-9:
+        return None, f"micro-batch {samples:g} outside the profiled sizes {sizes[0]:g}-{sizes[-1]:g}"
+    i = bisect.bisect_left(sizes, samples - 1e-9)
+    if abs(sizes[i] - samples) <= 1e-9:
+        return BlockTime(points[i].forward_s, points[i].backward_s), "layer profile"
+    a, b = points[i - 1], points[i]
+    w = (samples - a.micro_batch) / (b.micro_batch - a.micro_batch)
+    return BlockTime(a.forward_s + w * (b.forward_s - a.forward_s),
+                     a.backward_s + w * (b.backward_s - a.backward_s)), "layer profile (interpolated)"
 
 
 def local_param_count(block: Block, strategies: dict[str, ShardStrategy], tp: int, nbytes: int) -> float:

@@ -54,6 +54,7 @@ class StageReport(Record):
     in_flight: int
     samples_per_micro_batch: float
     memory: DeviceMemoryReport = Field(description="the stage's device with the highest memory_bytes / mem_bytes")
+    compute_source: str = Field(default="ops", description="per block kind: the op model or a measured layer profile")
 
 
 class Report(Record):

@@ -28,7 +28,7 @@ from tagplan.cost.stage_cost import ReplicaCost, StageCoster, sharding_key
 from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import Block, ModelGraph
-from tagplan.ir.plan import Plan, Schedule, Stage, check_plan
+from tagplan.ir.plan import Plan, Schedule, Stage, check_plan, check_whole_samples
 from tagplan.ir.workload import Workload
 
 
@@ -65,6 +65,7 @@ class Simulator:
         self.calibration, self.comm_mode = calibration, comm_mode
         self.comm = CommModel(calibrated_cluster(cluster, calibration), comm_mode)  # measured links, if any
         self.coster = StageCoster(model, cluster, workload, calibration, self.comm, fold=fold)
+        self._dp_sync_memo: dict[tuple[tuple[int, ...], int, int, float], tuple[float, float]] = {}
         self._model_flops = sum(model_flops(model.block_of(i)) for i in range(len(model.layers)))
 
     def simulate(self, plan: Plan) -> Report:
@@ -80,16 +81,14 @@ class Simulator:
         _check(plan, self.model, self.cluster, self.workload)
         if not self.coster.fold:
             self.coster.clear()
+            self._dp_sync_memo.clear()
         costs = [self._stage(plan, i) for i in range(len(plan.stages))]
         lanes = _lanes(plan)
         timings = [self._timing(plan, i, c) for i, c in enumerate(costs)]
         pipe = simulate_pipeline(timings, plan.micro_batches, plan.schedule, lanes=len(lanes),
                                  record_tasks=record_tasks)
-        no_p2p = [StageTiming(t.forward_s, t.backward_s, 0.0, 0.0) for t in timings]
-        pipe_no_p2p = simulate_pipeline(no_p2p, plan.micro_batches, plan.schedule, lanes=len(lanes),
-                                        record_tasks=False)
         tails = [self._lane_tail(plan, costs, pipe, lane) for lane in range(len(lanes))]
-        report = self._report(plan, costs, pipe, pipe_no_p2p.makespan_s, lanes, tails)
+        report = self._report(plan, costs, pipe, _exposed_p2p_s(timings, plan.micro_batches), lanes, tails)
         return Simulation(report, pipe, tuple(devs for devs, _ in lanes), tuple(tails))
 
     def stage_costs(self, plan: Plan) -> tuple[list[StagePlanCost], list[StageTiming]]:
@@ -107,19 +106,24 @@ class Simulator:
 
     def _stage(self, plan: Plan, index: int) -> StagePlanCost:
         stage = plan.stages[index]
-        per_micro = self.workload.global_batch / plan.micro_batches
-        samples = tuple(per_micro * share for share in stage.shares())
+        per_micro = self.workload.global_batch // plan.micro_batches
+        samples = tuple(float(n) for n in stage.replica_samples(per_micro))
         replicas = [self.coster.replica(stage, r, samples[r]) for r in range(stage.dp)]
         # The stage waits for its slowest replica in each phase separately.
         fwd = max(replicas, key=lambda c: c.forward_s)
         bwd = max(replicas, key=lambda c: c.backward_s)
-        critical = ReplicaCost(fwd.forward_compute_s, bwd.backward_compute_s, fwd.forward_tp_s, bwd.backward_tp_s)
+        # fixed per-micro-batch cost (host dispatch, data, launches the op model misses), counted with compute
+        device = self.coster.slowest(stage.devices).name
+        overhead = self.calibration.overhead_s("micro_batch_overhead_s", device)
+        critical = ReplicaCost(fwd.forward_compute_s + overhead, bwd.backward_compute_s, fwd.forward_tp_s,
+                               bwd.backward_tp_s)
         params = self.coster.local_params(stage)
         p2p = 0.0
         if index + 1 < len(plan.stages):
             nxt = plan.stages[index + 1]
             act = self.coster.cut_bytes(stage.layers[1]) * per_micro
-            p2p = self.comm.p2p_groups(stage.devices, nxt.devices, act).time_s
+            p2p = (self.comm.p2p_groups(stage.devices, nxt.devices, act).time_s
+                   + self.calibration.overhead_s("p2p_overhead_s", device))
         reduce, gather = self._dp_sync(stage, params)
         reduce += self.coster.per_iteration_tp_s(stage)
         return StagePlanCost(critical, samples, params, p2p, (reduce, gather), self._zero3(stage, params))
@@ -132,6 +136,13 @@ class Simulator:
         """
         if stage.dp < 2 or stage.zero >= 3:
             return 0.0, 0.0
+        key = (stage.devices, stage.tp, stage.zero, params)  # equal stages of deep pipelines sync alike
+        hit = self._dp_sync_memo.get(key)
+        if hit is None:
+            hit = self._dp_sync_memo[key] = self._dp_sync_uncached(stage, params)
+        return hit
+
+    def _dp_sync_uncached(self, stage: Stage, params: float) -> tuple[float, float]:
         grad_bytes = params * self.workload.grad_bytes_per_param
         weight_bytes = params * self.workload.weight_bytes_per_param
         reduce = gather = 0.0
@@ -164,7 +175,9 @@ class Simulator:
         send_back = 0.0
         if back is not None:
             act = self.coster.cut_bytes(back.layers[1]) * self.workload.global_batch / plan.micro_batches
-            send_back = self.comm.p2p_groups(plan.stages[index].devices, back.devices, act).time_s
+            device = self.coster.slowest(plan.stages[index].devices).name
+            send_back = (self.comm.p2p_groups(plan.stages[index].devices, back.devices, act).time_s
+                         + self.calibration.overhead_s("p2p_overhead_s", device))
         return StageTiming(forward_s=fwd, backward_s=bwd, send_forward_s=cost.p2p_s, send_backward_s=send_back)
 
     def _lane_tail(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult,
@@ -190,7 +203,11 @@ class Simulator:
             exposed += max(queue_end - pipe.lane_end_s[lane], last)
         if gather:
             exposed += max(gather - first_forward, gather / layers)
-        return pipe.lane_end_s[lane], exposed, self._optimizer_s(plan, members, costs)
+        # the fixed per-iteration cost is reported with the optimizer step
+        step = self._optimizer_s(plan, members, costs) + max(
+            self.calibration.overhead_s("iteration_overhead_s", self.coster.slowest(plan.stages[i].devices).name)
+            for i in members)
+        return pipe.lane_end_s[lane], exposed, step
 
     def _optimizer_s(self, plan: Plan, members: list[int], costs: list[StagePlanCost]) -> float:
         """Memory-bound optimizer step: read and write weights, gradients and state once."""
@@ -202,15 +219,16 @@ class Simulator:
             spec = self.coster.slowest(stage.devices)
             shard = stage.dp if stage.zero >= 1 else 1
             bandwidth = spec.mem_bandwidth_Bps * self.calibration.bandwidth_fraction(spec.name)
-            seconds += costs[i].local_params / shard * traffic / bandwidth + self.calibration.launch_s(spec.name)
+            step = costs[i].local_params / shard * traffic / bandwidth + self.calibration.launch_s(spec.name)
+            seconds += step * self.calibration.optimizer_factor(spec.name)
         return seconds
 
-    def _report(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult, makespan_no_p2p: float,
+    def _report(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult, p2p_s: float,
                 lanes: list[tuple[tuple[int, ...], list[int]]], tails: list[tuple[float, float, float]]) -> Report:
         finish = [end + dp + opt for end, dp, opt in tails]
         critical = max(range(len(finish)), key=lambda i: finish[i])
         iteration = finish[critical]
-        breakdown = self._breakdown(plan, costs, lanes[critical][1], pipe, makespan_no_p2p, tails[critical], iteration)
+        breakdown = self._breakdown(plan, costs, lanes[critical][1], p2p_s, tails[critical], iteration)
         parts = self._memory(plan, costs, pipe)
         devices = tuple(sorted(parts))
         totals = tuple(_total(parts[d]) for d in devices)
@@ -231,8 +249,8 @@ class Simulator:
             devices_used=len(devices), model_flops_per_iteration=flops, comm_mode=self.comm_mode.value,
         )
 
-    def _breakdown(self, plan: Plan, costs: list[StagePlanCost], members: list[int], pipe: PipelineResult,
-                   makespan_no_p2p: float, tail: tuple[float, float, float], iteration: float) -> Breakdown:
+    def _breakdown(self, plan: Plan, costs: list[StagePlanCost], members: list[int], p2p_s: float,
+                   tail: tuple[float, float, float], iteration: float) -> Breakdown:
         m = plan.micro_batches
         compute = m * sum(costs[i].critical.forward_compute_s + costs[i].critical.backward_compute_s for i in members)
         tp = m * sum(costs[i].critical.forward_tp_s + costs[i].critical.backward_tp_s for i in members)
@@ -241,7 +259,7 @@ class Simulator:
         zero3_exposed = max(busy - compute - tp, 0.0)
         end, dp_exposed, optimizer = tail
         idle = max(end - busy, 0.0)
-        pp = min(max(pipe.makespan_s - makespan_no_p2p, 0.0), idle)
+        pp = min(p2p_s, idle)
         bubble = max(iteration - compute - tp - zero3_exposed - dp_exposed - optimizer - pp, 0.0)
         return Breakdown(compute=compute, tp_comm=tp, dp_comm=dp_exposed + zero3_exposed, pp_comm=pp, bubble=bubble,
                          optimizer=optimizer)
@@ -324,7 +342,23 @@ class Simulator:
         c = cost.critical
         return StageReport(index=i, layers=s.layers, dp=s.dp, tp=s.tp, forward_s=c.forward_s, backward_s=c.backward_s,
                            tp_comm_s=c.forward_tp_s + c.backward_tp_s, dp_sync_s=sum(cost.dp_sync_s), p2p_s=cost.p2p_s,
-                           in_flight=pipe.max_in_flight[i], samples_per_micro_batch=max(cost.samples), memory=memory)
+                           in_flight=pipe.max_in_flight[i], samples_per_micro_batch=max(cost.samples), memory=memory,
+                           compute_source=self.coster.compute_source(s, cost.samples[0]))
+
+
+def _exposed_p2p_s(timings: list[StageTiming], micro_batches: int) -> float:
+    """Seconds of pipeline sends the schedule cannot hide (the breakdown's `pp_comm`), in closed form.
+
+    The first micro-batch's forward and the last one's backward cross every cut with nothing to
+    overlap; in the steady state a cut whose send outlasts the work of the stages beside it adds
+    the difference once per micro-batch. (The iteration time itself comes from the event simulation.)
+    """
+    fill = sum(t.send_forward_s for t in timings[:-1]) + sum(t.send_backward_s for t in timings[1:])
+    steady = max((max(0.0, timings[i].send_forward_s + timings[i + 1].send_backward_s
+                      - max(timings[i].forward_s + timings[i].backward_s,
+                            timings[i + 1].forward_s + timings[i + 1].backward_s))
+                  for i in range(len(timings) - 1)), default=0.0)
+    return fill + max(micro_batches - 1, 0) * steady
 
 
 def _lanes(plan: Plan) -> list[tuple[tuple[int, ...], list[int]]]:
@@ -367,3 +401,7 @@ def _check(plan: Plan, model: ModelGraph, cluster: Cluster, workload: Workload) 
                             f"of the pipeline depth ({groups})")
     if workload.global_batch < plan.micro_batches:
         raise SpecError(f"plan: micro_batches={plan.micro_batches} exceeds the global batch {workload.global_batch}")
+    try:
+        check_whole_samples(plan, workload.global_batch)
+    except ValueError as exc:
+        raise SpecError(f"plan: {exc}") from None

@@ -13,7 +13,7 @@ from functools import cached_property
 
 from tagplan.cost.calibration import Calibration
 from tagplan.cost.comm import CommModel
-from tagplan.cost.compute import BlockTime, block_time, local_param_count
+from tagplan.cost.compute import BlockTime, block_time, local_param_count, profiled_block_time
 from tagplan.cost.sharding import ShardedBlock, collective_bytes, shard_block
 from tagplan.ir.cluster import Cluster, DeviceSpec
 from tagplan.ir.model import ModelGraph
@@ -52,6 +52,7 @@ class StageCoster:
         self.fold = fold
         self.calibration, self.comm = calibration, comm
         self.block_memo: dict[tuple[object, ...], BlockTime] = {}
+        self.source_memo: dict[tuple[object, ...], str] = {}  # same keys: "ops" or how a layer profile applied
         self.tp_memo: dict[tuple[object, ...], tuple[float, float]] = {}
         self.shard_memo: dict[tuple[str, ShardingKey], ShardedBlock] = {}
         self.memory_memo: dict[tuple[object, ...], tuple[float, float]] = {}
@@ -121,7 +122,8 @@ class StageCoster:
 
     def clear(self) -> None:
         """Forget every memoised cost (what the search does without folding)."""
-        for table in (self.block_memo, self.tp_memo, self.shard_memo, self.memory_memo, self.params_memo):
+        for table in (self.block_memo, self.source_memo, self.tp_memo, self.shard_memo, self.memory_memo,
+                      self.params_memo):
             table.clear()
 
     def replica(self, stage: Stage, replica: int, samples: float) -> ReplicaCost:
@@ -176,13 +178,35 @@ class StageCoster:
 
     def _block(self, block_hash: str, sharded: ShardedBlock, spec: DeviceSpec, tp: int, samples: float,
                overrides: dict[str, ShardStrategy] | None) -> BlockTime:
+        """Compute seconds of one block per micro-batch: its layer profile where one covers the point
+        (and the plan keeps the default sharding), else the op model; times the device's compute scale."""
         key = (block_hash, spec.name, self.workload.dtype, tp, samples, sharding_key(overrides))
         hit = self.block_memo.get(key)
         if hit is None:
-            hit = self.block_memo[key] = block_time(
-                self.model.block_by_hash[block_hash], sharded.strategies, samples=samples, tp=tp, spec=spec,
-                dtype=self.workload.dtype, calibration=self.calibration)
+            measured, source = None, "ops"
+            profiles = self.calibration.layer_profiles(block_hash, spec.name, self.workload.dtype, self.model.seq_len)
+            if profiles and not overrides:
+                measured, why = profiled_block_time(profiles, tp=tp, samples=samples)
+                source = why if measured is not None else f"ops ({why})"
+            if measured is None:
+                measured = block_time(self.model.block_by_hash[block_hash], sharded.strategies, samples=samples,
+                                      tp=tp, spec=spec, dtype=self.workload.dtype, calibration=self.calibration)
+            scale = self.calibration.compute_factor(spec.name)
+            hit = self.block_memo[key] = BlockTime(measured.forward_s * scale, measured.backward_s * scale)
+            self.source_memo[key] = source
         return hit
+
+    def compute_source(self, stage: Stage, samples: float) -> str:
+        """Where the stage's compute times come from, per block kind: "block: layer profile; head: ops"."""
+        spec = self.slowest(stage.replica(0))
+        sources = set()
+        for block_hash, _ in self.units(stage):
+            key = (block_hash, spec.name, self.workload.dtype, stage.tp, samples, sharding_key(stage.sharding))
+            if key not in self.source_memo:
+                self._block(block_hash, self.sharded(block_hash, stage.sharding), spec, stage.tp, samples,
+                            stage.sharding)
+            sources.add(f"{self.model.block_by_hash[block_hash].kind}: {self.source_memo[key]}")
+        return "; ".join(sorted(sources))
 
     def _tp(self, block_hash: str, sharded: ShardedBlock, group: tuple[int, ...], samples: float,
             overrides: dict[str, ShardStrategy] | None) -> tuple[float, float]:

@@ -20,6 +20,12 @@ Links (per device type and scope, intra-node or inter-node): the ring's alpha-be
 
 fitted by non-negative least squares in (alpha, 1/bw), relative errors weighted equally.
 
+Iterations: with `iteration` records, the named physical parameters (compute scale per device,
+link scales and latencies, per-micro-batch, per-iteration and p2p overheads, optimizer scale)
+are fitted on top of the op and link fit by robust least squares on log time, scored by k-fold
+cross-validation (`training.iteration_fit`). Layer records are copied in as measured block
+times (`Calibration.layers`) first, so the parameters correct the model the simulator will run.
+
 Held out: for each (device, kind) every third distinct shape in FLOPs order (both phases), and every third
 message size of each collective, are kept out of the fit; errors are MAPE of predicted vs measured
 time on them, with the base calibration ("before") and the fitted one ("after").
@@ -41,16 +47,18 @@ from tagplan.cost.calibration import (
     INTRA,
     Calibration,
     EfficiencyCurve,
+    LayerTime,
     LinkFit,
     link_key,
 )
 from tagplan.cost.compute import op_time
-from tagplan.datasets.traces.bundle import Bundle, CollectiveRecord, OpRecord
+from tagplan.datasets.traces.bundle import Bundle, CollectiveRecord, LayerRecord, OpRecord
 from tagplan.errors import SpecError
 from tagplan.frontends.catalog import lookup_device
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.model import Op, OpKind
 from tagplan.ir.plan import ShardStrategy
+from tagplan.training.iteration_fit import IterationFitReport, cross_validate, rebuild_cases
 
 CURVE_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 MEMORY_KINDS = (OpKind.LAYERNORM, OpKind.SOFTMAX, OpKind.ELEMENTWISE, OpKind.EMBEDDING, OpKind.REDUCTION)
@@ -82,15 +90,22 @@ class CalibrationFit:
     calibration: Calibration
     devices: dict[str, DeviceSpec]
     rows: list[ErrorRow] = field(default_factory=list)
+    iterations: IterationFitReport | None = None
+    held_ops: list[OpRecord] = field(default_factory=list)
 
     def summary(self) -> dict[str, float | None]:
         """Record-weighted MAPE over all held-out ops, before and after (None without ops)."""
         ops = [r for r in self.rows if "/" not in r.what]
         total = sum(r.held_out for r in ops)
-        if not total:
-            return {"ops_mape_before": None, "ops_mape_after": None}
-        before = sum((r.mape_before or 0.0) * r.held_out for r in ops) / total
-        return {"ops_mape_before": before, "ops_mape_after": sum(r.mape_after * r.held_out for r in ops) / total}
+        out: dict[str, float | None] = {"ops_mape_before": None, "ops_mape_after": None}
+        if total:
+            out["ops_mape_before"] = sum((r.mape_before or 0.0) * r.held_out for r in ops) / total
+            out["ops_mape_after"] = sum(r.mape_after * r.held_out for r in ops) / total
+        if self.iterations is not None:
+            it = self.iterations
+            out.update(iterations_mape_before=it.before.mape, iterations_mape_after=it.after.mape,
+                       iterations_tau_before=it.before.kendall_tau, iterations_tau_after=it.after.kendall_tau)
+        return out
 
 
 def device_specs(bundles: Sequence[Bundle]) -> dict[str, DeviceSpec]:
@@ -111,14 +126,40 @@ def device_specs(bundles: Sequence[Bundle]) -> dict[str, DeviceSpec]:
     return specs
 
 
-def fit_calibration(bundles: Sequence[Bundle], *, base: Calibration = DEFAULT_CALIBRATION,
-                    name: str = "measured") -> CalibrationFit:
-    """Fit compute and link figures to the bundles' op and collective records (see the module docstring)."""
-    specs = device_specs(bundles)
+def fit_calibration(bundles: Sequence[Bundle], *, base: Calibration = DEFAULT_CALIBRATION, name: str = "measured",
+                    iterations: bool = True, folds: int | None = None) -> CalibrationFit:
+    """Fit compute and link figures to the bundles' op and collective records, take their layer
+    records, then fit the named physical parameters to their iteration records (module docstring)."""
     ops = [r for b in bundles for r in b.ops()]
     collectives = [r for b in bundles for r in b.collectives()]
+    layers = [r for b in bundles for r in b.layers()]
+    measured = [r for b in bundles for r in b.iterations()] if iterations else []
+    if not ops and not collectives and not layers and not measured:
+        raise SpecError("the bundles hold no op, collective, layer or iteration records to calibrate from")
+    fit = _fit_ops_and_links(bundles, ops, collectives, base, name)
+    if layers:
+        fit.calibration = fit.calibration.model_copy(update={"layers": layer_times(layers, fit.calibration)})
+    if measured:
+        fit.calibration, fit.iterations = cross_validate(rebuild_cases(measured), fit.calibration, folds=folds)
+    return fit
+
+
+def layer_times(records: Sequence[LayerRecord], base: Calibration = DEFAULT_CALIBRATION) -> tuple[LayerTime, ...]:
+    """The layer records as the simulator's measured block times, after `base`'s own (a record of the
+    same block, device, dtype, sequence length, tp and micro-batch replaces the older one)."""
+    keyed = {(t.block_hash, t.device, t.dtype, t.seq_len, t.tp, t.micro_batch): t for t in base.layers}
+    for r in records:
+        keyed[(r.block_hash, r.device, r.dtype, r.seq_len, r.tp, float(r.micro_batch))] = LayerTime(
+            block_hash=r.block_hash, block_name=r.block_name, device=r.device, dtype=r.dtype, seq_len=r.seq_len,
+            tp=r.tp, micro_batch=r.micro_batch, forward_s=r.forward_s, backward_s=r.backward_s)
+    return tuple(keyed.values())
+
+
+def _fit_ops_and_links(bundles: Sequence[Bundle], ops: list[OpRecord], collectives: list[CollectiveRecord],
+                       base: Calibration, name: str) -> CalibrationFit:
     if not ops and not collectives:
-        raise SpecError("the bundles hold no op or collective records to calibrate from")
+        return CalibrationFit(base.model_copy(update={"name": name}), {})
+    specs = device_specs(bundles)
     by_device: dict[str, list[OpRecord]] = defaultdict(list)
     for record in ops:
         by_device[record.device].append(record)
@@ -142,12 +183,11 @@ def fit_calibration(bundles: Sequence[Bundle], *, base: Calibration = DEFAULT_CA
         if held_out:
             after = _mape([_link_time(links[key], r) for r in held_out], [r.time_s for r in held_out])
             link_rows.append(ErrorRow(key.split("/")[0], key, len(fit_links), len(held_out), None, after))
-    calibration = Calibration(name=name, compute=compute, memory_efficiency=memory,
-                              launch_overhead_s=base.launch_overhead_s, launch_by_device=launches,
-                              attention_backward_factor=base.attention_backward_factor, links=links)
+    calibration = base.model_copy(update=dict(name=name, compute=compute, memory_efficiency=memory,
+                                              launch_by_device=launches, links=links))
     rows = [row for device in by_device for row in _op_rows(device, held[device], specs[device], base, calibration,
                                                             len(by_device[device]) - len(held[device]))]
-    return CalibrationFit(calibration, specs, rows + link_rows)
+    return CalibrationFit(calibration, specs, rows + link_rows, held_ops=[r for d in held.values() for r in d])
 
 
 def predict_op_s(record: OpRecord, spec: DeviceSpec, calibration: Calibration) -> float:
@@ -298,3 +338,75 @@ def _link_time(fit: LinkFit, r: CollectiveRecord) -> float:
 def _mape(pred: Sequence[float], true: Sequence[float]) -> float:
     p, t = np.asarray(pred, dtype=float), np.asarray(true, dtype=float)
     return float(np.mean(np.abs(p / t - 1.0))) if len(t) else float("nan")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Held-out error of a new calibration and of the one it would replace, on the same records."""
+
+    metric: str  # "iteration MAPE (k-fold)" or "op MAPE (held-out shapes)"
+    new: float
+    replaced: float
+
+    @property
+    def worse(self) -> bool:
+        """Whether the new calibration is worse on held-out data (beyond rounding)."""
+        return self.new > self.replaced * (1 + 1e-6) + 1e-12
+
+
+def compare_with(fit: CalibrationFit, replaced: Calibration, bundles: Sequence[Bundle]) -> Comparison | None:
+    """The new fit's held-out error beside `replaced`'s on the same held-out records; None when the
+    bundles give no held-out error (layer records only, or a single iteration record)."""
+    from tagplan.training.iteration_fit import predict_s
+
+    if fit.iterations is not None and fit.iterations.folds:
+        cases = rebuild_cases([r for b in bundles for r in b.iterations()])
+        truth = np.array([c.measured_s for c in cases])
+        old = float(np.mean(np.abs(predict_s(cases, replaced) / truth - 1.0)))
+        return Comparison(f"iteration MAPE ({fit.iterations.folds}-fold)", fit.iterations.after.mape, old)
+    if fit.held_ops:
+        truth_ops = [r.time_s for r in fit.held_ops]
+        new = _mape([predict_op_s(r, fit.devices[r.device], fit.calibration) for r in fit.held_ops], truth_ops)
+        old = _mape([predict_op_s(r, fit.devices[r.device], replaced) for r in fit.held_ops], truth_ops)
+        return Comparison("op MAPE (held-out shapes)", new, old)
+    return None
+
+
+def fingerprint_warnings(bundles: Sequence[Bundle], device: str) -> list[str]:
+    """One line per bundle or record whose measured device type is not `device`."""
+    out = []
+    for i, bundle in enumerate(bundles):
+        measured = bundle.manifest.fingerprint.device_type
+        if measured != device:
+            out.append(f"bundle {i} ({bundle.manifest.source}): its fingerprint measured {measured!r}, not {device!r}")
+        kinds = ({r.device for r in bundle.ops()} | {r.device for r in bundle.collectives()}
+                 | {r.device for r in bundle.layers()}) - {device}
+        if kinds:
+            out.append(f"bundle {i}: records name device type(s) {', '.join(sorted(kinds))}, not {device!r}")
+        others = [j for j, r in enumerate(bundle.iterations())
+                  if (names := _cluster_devices(r.cluster)) and device not in names]
+        if others:
+            out.append(f"bundle {i}: {len(others)} iteration record(s) ({', '.join(map(str, others[:5]))}"
+                       f"{', ...' if len(others) > 5 else ''}) ran on clusters without {device!r}")
+    return out
+
+
+def _cluster_devices(cluster: object) -> set[str]:
+    """Device type names an iteration record's cluster names (inline objects only; SPECs: by name)."""
+    if isinstance(cluster, dict):
+        groups = cluster.get("node_groups") or cluster.get("nodes") or []
+        names = set()
+        for g in groups if isinstance(groups, list) else []:
+            gpu = g.get("gpu") if isinstance(g, dict) else None
+            name = gpu.get("name") if isinstance(gpu, dict) else gpu
+            if isinstance(name, str):
+                names.add(name)
+        return names
+    if isinstance(cluster, str):
+        from tagplan.frontends.cluster_spec import load_cluster
+
+        try:
+            return {d.spec.name for d in load_cluster(cluster).devices}
+        except SpecError:
+            return set()
+    return set()

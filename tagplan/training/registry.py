@@ -36,10 +36,16 @@ def default_root() -> Path:
 
 
 class Registry:
-    """Versioned checkpoints on disk with one active version."""
+    """Versioned checkpoints on disk with one active version.
 
-    def __init__(self, root: Path | None = None) -> None:
+    With a `fallback` (a tenant's registry in the service falls back to the service-wide one),
+    `checkpoint()` and `calibration_path()` without an active version of their own answer the
+    fallback's; versions registered or activated here never touch the fallback.
+    """
+
+    def __init__(self, root: Path | None = None, *, fallback: Registry | None = None) -> None:
         self.root = root or default_root()
+        self.fallback = fallback
 
     def _index(self) -> dict[str, Any]:
         path = self.root / "registry.json"
@@ -86,10 +92,10 @@ class Registry:
         self._copy_calibration(calibration, self.root / "versions" / version)
 
     def calibration_path(self, version: str | None = None) -> Path | None:
-        """The calibration pinned beside `version` (default: the active one), or None."""
+        """The calibration pinned beside `version` (default: the active one, else the fallback's), or None."""
         version = version or self.active()
         if version is None:
-            return None
+            return self.fallback.calibration_path() if self.fallback is not None else None
         path = self.root / "versions" / version / "calibration.json"
         return path if path.exists() else None
 
@@ -121,21 +127,49 @@ class Registry:
         return dict(json.loads(path.read_text()))
 
     def checkpoint(self, version: str | None = None) -> Path | None:
-        """Path of `version` (default: the active one, else the packaged default; None if neither)."""
+        """Path of `version` (default: the active one, else the fallback's, else the packaged default;
+        None if none)."""
         version = version or self.active()
         if version is not None:
             return self.root / "versions" / version / "model.pt"
+        if self.fallback is not None:
+            return self.fallback.checkpoint()
         return PACKAGED_CHECKPOINT if PACKAGED_CHECKPOINT.exists() else None
 
 
-def prior_factory(scorer: Scorer, registry: Registry, devices: int) -> Callable[[Any], Any] | None:
-    """The search prior `scorer` asks for: None (uniform) for `simulator`, else the GNN's (see below)."""
+def prior_factory(scorer: Scorer, registry: Registry, devices: int, *,
+                  heterogeneous: bool = False) -> Callable[[Any], Any] | None:
+    """The search prior `scorer` asks for: None (uniform) for `simulator`; for `auto`, the GNN's only
+    where its card records a measured wall-clock gain for this class of problem (`guidance_pays`);
+    for `gnn`, the GNN's (see `gnn_prior_factory`)."""
     if scorer is Scorer.SIMULATOR:
+        return None
+    if scorer is Scorer.AUTO and not guidance_pays(registry, devices, heterogeneous=heterogeneous):
         return None
     try:
         return gnn_prior_factory(registry, devices, required=scorer is Scorer.GNN)
     except SpecError as err:
         raise SpecError(f"scorer gnn: {err}") from None
+
+
+def guidance_pays(registry: Registry, devices: int, *, heterogeneous: bool) -> bool:
+    """Whether the active checkpoint's card records that GNN guidance reached a plan within 1% of the
+    best known in less search wall-clock than the uniform prior, on problems of this class.
+
+    The card's `guidance` list holds what `bench/planner.py` measured: entries
+    `{"heterogeneous": bool, "max_devices": int, "speedup": float}` (uniform seconds / GNN seconds,
+    geometric mean over the class). No entry, no GNN: `--scorer auto` is then the uniform prior.
+    """
+    path = registry.checkpoint()
+    if path is None:
+        return False
+    card_path = path.parent / "card.json" if (path.parent / "card.json").exists() else path.with_suffix(".card.json")
+    try:
+        card = json.loads(card_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return any(entry.get("heterogeneous") == heterogeneous and devices <= entry.get("max_devices", 0)
+               and entry.get("speedup", 0.0) > 1.0 for entry in card.get("guidance", []))
 
 
 def gnn_prior_factory(registry: Registry, devices: int, *, required: bool = False) -> Callable[[Any], Any] | None:

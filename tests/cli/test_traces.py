@@ -35,10 +35,15 @@ def test_profile_then_calibrate_from_a_fresh_process(tmp_path: Path) -> None:
     assert profiled.returncode == 0, profiled.stderr
     counts = json.loads(profiled.stdout)
     assert counts["op_records"] >= 20 and counts["collective_records"] >= 10
+    # a quick profile on a shared VM is noisy: its fit may be refused as worse on held-out shapes than the defaults
     calibrated = subprocess.run([*run, "calibrate", str(bundle), "--out", str(calib), "--json"], capture_output=True,
                                 text=True, timeout=300)
+    assert calibrated.returncode == 0 or "pass --force" in calibrated.stderr, calibrated.stderr
+    calibrated = subprocess.run([*run, "calibrate", str(bundle), "--out", str(calib), "--json", "--force"],
+                                capture_output=True, text=True, timeout=300)
     assert calibrated.returncode == 0, calibrated.stderr
     report = json.loads(calibrated.stdout)
+    assert report["held_out"]["metric"].startswith("op MAPE")
     assert report["ops_mape_after"] is not None and report["rows"]
     assert load_calibration(calib).links  # the collectives gave a link fit
 

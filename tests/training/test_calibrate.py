@@ -98,7 +98,7 @@ def test_a_calibration_file_round_trips_and_bad_ones_name_the_field(tmp_path: Pa
     path.write_text(json.dumps(broken))
     with pytest.raises(SpecError, match="bandwidth_Bps"):
         load_calibration(path)
-    with pytest.raises(SpecError, match="no op or collective records"):
+    with pytest.raises(SpecError, match="no op, collective, layer or iteration records"):
         fit_calibration([bundle([])])
     assert isinstance(LinkFit(bandwidth_Bps=1.0, latency_s=0.0), LinkFit)
 

@@ -35,3 +35,18 @@ def test_the_gnn_prior_factory_follows_the_auto_rules(tmp_path: Path, monkeypatc
     assert gnn_prior_factory(reg, 16) is None
     with pytest.raises(SpecError, match="no GNN checkpoint"):
         gnn_prior_factory(reg, 16, required=True)
+
+
+def test_a_tenant_registry_falls_back_to_the_global_one_and_never_changes_it(tmp_path: Path) -> None:
+    ckpt = tmp_path / "m.pt"
+    ckpt.write_bytes(b"weights")
+    shared = Registry(tmp_path / "global")
+    tenant = Registry(tmp_path / "tenant", fallback=shared)
+    assert tenant.checkpoint() == Registry(tmp_path / "empty").checkpoint()  # both empty: the packaged one
+    g1 = shared.register(ckpt, {})
+    assert tenant.checkpoint() == shared.checkpoint() == tmp_path / "global" / "versions" / g1 / "model.pt"
+    t1 = tenant.register(ckpt, {}, activate=True, activate_if_first=False)
+    assert tenant.checkpoint() == tmp_path / "tenant" / "versions" / t1 / "model.pt"
+    assert shared.active() == g1 and shared.versions() == [g1]  # the global registry is untouched
+    assert tenant.calibration_path() is None and tenant.active() == t1
+    assert tenant.register(ckpt, {}, activate_if_first=False) == "v0002" and tenant.active() == t1

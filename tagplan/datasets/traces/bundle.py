@@ -9,7 +9,9 @@ A bundle is a directory holding
     them and its measured seconds, forward or backward;
   - `collective` (`CollectiveRecord`): one collective over `ranks` processes on `nodes` machines,
     its message size as nccl-tests counts it and its measured seconds;
-  - `iteration` (`IterationRecord`): one measured training iteration of a plan.
+  - `iteration` (`IterationRecord`): one measured training iteration of a plan;
+  - `layer` (`LayerRecord`): one block (layer kind) of a model measured on one device of a
+    `tp`-way group at one micro-batch size: forward and backward seconds, memory where known.
 
 Every time is seconds, every size bytes, every rate per second. `write_bundle` writes both files
 atomically (a temporary file renamed into place), so a failed write leaves what was stored
@@ -39,6 +41,7 @@ from tagplan.ir.workload import DType, Workload
 FORMAT: Final = "tagplan-traces/1"
 MANIFEST_FILE = "manifest.json"
 RECORDS_FILE = "records.jsonl"
+RECORD_KINDS = ("op", "collective", "iteration", "layer")
 
 
 class Fingerprint(Record):
@@ -113,7 +116,27 @@ class IterationRecord(Record):
     source: str = ""
 
 
-TraceRecord = Annotated[OpRecord | CollectiveRecord | IterationRecord, Field(discriminator="record")]
+class LayerRecord(Record):
+    """One block of a model measured per micro-batch on one device of a `tp`-way group (no communication)."""
+
+    record: Literal["layer"] = "layer"
+    block_hash: str = Field(min_length=1, description="the model's structural block hash (ir.model.Block.hash)")
+    block_name: str = Field(default="", description="the layer kind as the source named it (decoder, embedding...)")
+    model: str = Field(default="", description="the model SPEC the block belongs to, where known")
+    device: str = Field(min_length=1, description="device type (a Fingerprint.device_type)")
+    tp: int = Field(default=1, ge=1, description="tensor-parallel degree the block was sharded over")
+    micro_batch: int = Field(ge=1, description="samples per micro-batch")
+    seq_len: int = Field(gt=0)
+    dtype: DType
+    forward_s: float = Field(gt=0, description="median seconds of the forward pass of one micro-batch")
+    backward_s: float = Field(gt=0, description="median seconds of the backward pass of one micro-batch")
+    activation_bytes: float | None = Field(default=None, ge=0, description="bytes saved for the backward")
+    peak_bytes: float | None = Field(default=None, ge=0, description="peak memory while running the block")
+    repeats: int = Field(default=1, ge=1)
+    source: str = ""
+
+
+TraceRecord = Annotated[OpRecord | CollectiveRecord | IterationRecord | LayerRecord, Field(discriminator="record")]
 _RECORD = TypeAdapter(TraceRecord)
 
 
@@ -134,6 +157,10 @@ class Bundle(Record):
     def iterations(self) -> list[IterationRecord]:
         """The iteration records."""
         return [r for r in self.records if isinstance(r, IterationRecord)]
+
+    def layers(self) -> list[LayerRecord]:
+        """The layer records."""
+        return [r for r in self.records if isinstance(r, LayerRecord)]
 
 
 def now_iso() -> str:
@@ -189,15 +216,15 @@ def read_bundle(directory: str | os.PathLike[str]) -> Bundle:
     return Bundle(manifest=manifest, records=tuple(records))
 
 
-def parse_record(line: str, where: str) -> OpRecord | CollectiveRecord | IterationRecord:
+def parse_record(line: str, where: str) -> OpRecord | CollectiveRecord | IterationRecord | LayerRecord:
     """One JSON line as a record; SpecError naming `where` (file:line) and the bad field."""
     try:
         data = json.loads(line)
     except json.JSONDecodeError as err:
         raise SpecError(f"{where}: not JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(data, dict) or data.get("record") not in ("op", "collective", "iteration"):
+    if not isinstance(data, dict) or data.get("record") not in RECORD_KINDS:
         kind = data.get("record") if isinstance(data, dict) else type(data).__name__
-        raise SpecError(f"{where}: record {kind!r} is not one of 'op', 'collective', 'iteration'")
+        raise SpecError(f"{where}: record {kind!r} is not one of {', '.join(map(repr, RECORD_KINDS))}")
     try:
         return _RECORD.validate_python(data)
     except ValidationError as err:
@@ -206,7 +233,7 @@ def parse_record(line: str, where: str) -> OpRecord | CollectiveRecord | Iterati
 
 def _first_error(err: ValidationError) -> str:
     e = err.errors()[0]
-    path = ".".join(str(p) for p in e.get("loc", ()) if p not in ("op", "collective", "iteration")) or "(top level)"
+    path = ".".join(str(p) for p in e.get("loc", ()) if p not in RECORD_KINDS) or "(top level)"
     got = e.get("input")
     shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
     return f"{path}: {e.get('msg', '')} (got {shown[:80]})"

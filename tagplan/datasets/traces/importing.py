@@ -10,9 +10,10 @@ bundle as it was; an existing bundle is appended to, never rewritten without its
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -24,6 +25,7 @@ from .bundle import (
     CollectiveRecord,
     Fingerprint,
     IterationRecord,
+    LayerRecord,
     Manifest,
     OpRecord,
     append_records,
@@ -33,11 +35,12 @@ from .bundle import (
 )
 from .iterations import import_iterations
 from .kineto import import_kineto
+from .layers import import_layer_table, looks_like_layer_table
 from .nccl import import_nccl_tests
 
-ImportKind = Literal["kineto", "nccl-tests", "iterations"]
+ImportKind = Literal["kineto", "nccl-tests", "iterations", "layers"]
 KINDS: tuple[str, ...] = get_args(ImportKind)
-ImportedRecord = OpRecord | CollectiveRecord | IterationRecord
+ImportedRecord = OpRecord | CollectiveRecord | IterationRecord | LayerRecord
 
 _HEAD_BYTES = 1 << 20  # enough to see a Kineto header or an nccl-tests column header
 _NCCL = re.compile(r"^\s*#\s*size\s+count\s+type\b|^\s*#.*\bnThread\b|^\s*#\s*Rank\s+\d+", re.MULTILINE)
@@ -52,6 +55,8 @@ def detect_kind(path: str | os.PathLike[str]) -> ImportKind:
         return "kineto"
     if _NCCL.search(head):
         return "nccl-tests"
+    if looks_like_layer_table(head) and source.suffix.lower() in _ITERATION_SUFFIXES:
+        return "layers"
     if "measured_s" in head and source.suffix.lower() in _ITERATION_SUFFIXES:
         return "iterations"
     if head.lstrip().startswith("{") and source.name.lower().endswith((".json", ".json.gz")):
@@ -61,8 +66,8 @@ def detect_kind(path: str | os.PathLike[str]) -> ImportKind:
                     f"records (.jsonl or .csv with a measured_s field); or pass kind= one of {', '.join(KINDS)}")
 
 
-def import_file(path: str | os.PathLike[str], *, device: str | None = None,
-                kind: str | None = None) -> tuple[str, list[ImportedRecord]]:
+def import_file(path: str | os.PathLike[str], *, device: str | None = None, kind: str | None = None,
+                model: str | None = None) -> tuple[str, list[ImportedRecord]]:
     """(kind, records) of one file; `kind` is detected unless given; `device` names the measured device.
 
     Kineto traces and nccl-tests logs measure a device, so they need `device`; iteration records
@@ -74,6 +79,8 @@ def import_file(path: str | os.PathLike[str], *, device: str | None = None,
         raise unknown("import kind", kind, KINDS)
     if kind == "iterations":
         return kind, list(import_iterations(path))
+    if kind == "layers":
+        return kind, list(import_layer_table(path, model=model, device=device))
     if not device:
         raise SpecError(f"{path}: a {kind} file measures one device type; pass device= (its catalog name, "
                         "or a name for a device outside the catalog)")
@@ -82,8 +89,42 @@ def import_file(path: str | os.PathLike[str], *, device: str | None = None,
     return kind, list(import_nccl_tests(path, device=device))
 
 
+def measured_device(path: str | os.PathLike[str], kind: str) -> str | None:
+    """The device a file says it measured, where it says so: a Kineto trace's `deviceProperties` name
+    (or "cpu" when it holds no GPU kernels), an nccl-tests log's `[0x..] NAME` rank lines; else None."""
+    head = _head(Path(path))
+    if kind == "nccl-tests":
+        found = re.search(r"^#\s*Rank\s+\d+.*\[0x[0-9a-fA-F]+\]\s+(.+?)\s*$", head, re.MULTILINE)
+        return found.group(1) if found else None
+    if kind != "kineto":
+        return None
+    try:
+        opener = gzip.open if Path(path).suffix == ".gz" else open
+        with opener(path, "rt") as handle:
+            trace = json.load(handle)
+    except (OSError, ValueError, EOFError):
+        return None
+    props = trace.get("deviceProperties") if isinstance(trace, dict) else None
+    if isinstance(props, list) and props and isinstance(props[0], dict) and props[0].get("name"):
+        return str(props[0]["name"])
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else []
+    gpu = any(isinstance(e, dict) and str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy") for e in events)
+    return None if gpu else "cpu"
+
+
+def device_disagrees(measured: str, device: str) -> bool:
+    """Whether a file's own device name contradicts `device` (model tokens like A100, H100 compared; a CPU
+    trace filed as a GPU or the other way round)."""
+    is_cpu = lambda name: name.lower().startswith("cpu") or "epyc" in name.lower() or "xeon" in name.lower()  # noqa: E731
+    if is_cpu(measured) != is_cpu(device):
+        return True
+    tokens = lambda name: set(re.findall(r"[a-z]{1,3}\d{2,4}[a-z]?", name.lower()))  # noqa: E731
+    a, b = tokens(measured), tokens(device)
+    return bool(a and b and not a & b)
+
+
 def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], *, device: str,
-                     source: str) -> Path:
+                     source: str, warn: Callable[[str], None] | None = None, model: str | None = None) -> Path:
     """Import `paths` into the bundle at `out_dir` (created, or appended to); returns its directory.
 
     Everything is read and validated before anything is written. A new bundle's fingerprint names
@@ -94,9 +135,12 @@ def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.
         raise SpecError("import: no files given; expected Kineto traces, nccl-tests logs or iteration records")
     records: list[ImportedRecord] = []
     for path in paths:
-        kind, found = import_file(path, device=device)
+        kind, found = import_file(path, device=device, model=model)
         if not found:
             raise SpecError(f"{path}: no records found in this {kind} file; nothing to import")
+        measured = measured_device(path, kind)
+        if warn is not None and measured is not None and device_disagrees(measured, device):
+            warn(f"{path}: the file says it measured {measured!r}, but it is imported as {device!r}")
         records.extend(found)
     out = Path(out_dir)
     if (out / MANIFEST_FILE).is_file():

@@ -1,0 +1,269 @@
+"""Fit the cost model's named physical parameters to measured iteration times.
+
+The parameters (`cost.calibration.Calibration`; the defaults are the datasheet model):
+
+- per device type an achieved-compute scale (compute time x scale);
+- per link class (`DEVICE/intra`, `DEVICE/inter`) an achieved-bandwidth scale and an added latency per step;
+- a fixed overhead per stage per micro-batch, one per iteration, one per pipeline send;
+- an optimizer-step scale.
+
+All but the compute scales are filed under the one device type the records ran on (`*` when
+they span several), so a calibration of one device type never changes plans on another.
+
+Each measured iteration is simulated with the candidate parameters; the fit minimises the Huber
+loss (delta 0.1) of log(predicted / measured) by Levenberg-Marquardt with forward-difference
+Jacobians, iteratively reweighted, plus a weak pull (`PRIOR`) towards the starting calibration
+so that parameters the records cannot see stay where they were. Scales are fitted in log space
+within [1/50, 50]; overheads and latencies in units of the median measured time, never negative.
+A parameter whose change moves no prediction (a link class no measured plan uses) is left out.
+
+`cross_validate` scores the procedure: k folds (k = min(5, records)), each record predicted by a
+fit that never saw it; it reports MAPE and Kendall tau before (the starting calibration) and after.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tagplan.cost.calibration import ANY_DEVICE, INTER, INTRA, Calibration, LinkScale
+from tagplan.cost.simulator import Simulator
+from tagplan.datasets.traces.bundle import IterationRecord
+from tagplan.errors import SpecError
+from tagplan.ir.cluster import Cluster
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan
+from tagplan.ir.workload import Workload
+
+PRIOR = 1e-3
+"""Weight of the pull towards the starting values, per parameter (in log or median-time units)."""
+HUBER_DELTA = 0.1
+"""log-error beyond which a record's weight falls as 1/|error| (robust to a few bad measurements)."""
+SCALE_BOUNDS = (math.log(1 / 50), math.log(50))
+MAX_FOLDS = 5
+
+
+@dataclass(frozen=True)
+class IterationCase:
+    """One measured iteration rebuilt: what the simulator needs and the measured seconds."""
+
+    model: ModelGraph
+    cluster: Cluster
+    workload: Workload
+    plan: Plan
+    measured_s: float
+
+
+@dataclass(frozen=True)
+class Param:
+    """One named parameter: `field` of Calibration, its key, and whether it is a log-scale or seconds."""
+
+    name: str
+    log_scale: bool
+
+
+@dataclass(frozen=True)
+class IterationScore:
+    """MAPE and Kendall tau of predicted against measured iteration times."""
+
+    mape: float
+    kendall_tau: float | None
+
+
+@dataclass(frozen=True)
+class IterationFitReport:
+    """Cross-validated error before (starting calibration) and after (the fitted parameters)."""
+
+    records: int
+    folds: int
+    before: IterationScore
+    after: IterationScore
+    parameters: dict[str, float]
+    held_out_predictions_s: tuple[float, ...]
+
+
+def rebuild_cases(records: Sequence[IterationRecord]) -> list[IterationCase]:
+    """The records' models, clusters and plans (SpecError naming the record that does not load)."""
+    from tagplan.training.traces import rebuild_record
+
+    cases = []
+    for i, record in enumerate(records):
+        model, cluster, plan = rebuild_record(record, f"iteration record {i}")
+        cases.append(IterationCase(model, cluster, record.workload, plan, record.measured_s))
+    return cases
+
+
+def predict_s(cases: Sequence[IterationCase], calibration: Calibration) -> np.ndarray:
+    """Simulated seconds per iteration of each case under `calibration`."""
+    out = []
+    for c in cases:
+        sim = Simulator(c.model, c.cluster, c.workload, calibration=calibration)
+        out.append(sim.simulate(c.plan).iteration_time_s)
+    return np.array(out)
+
+
+def score(pred: np.ndarray, truth: np.ndarray) -> IterationScore:
+    """MAPE and Kendall tau-b (None for fewer than two records or no variation)."""
+    mape = float(np.mean(np.abs(pred / truth - 1.0))) if len(truth) else float("nan")
+    return IterationScore(mape, kendall_tau(pred, truth))
+
+
+def kendall_tau(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray) -> float | None:
+    """Kendall's tau-b rank correlation of `a` and `b` (None where undefined)."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    i, j = np.triu_indices(len(x), k=1)
+    sx, sy = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])
+    n1, n2 = float(np.count_nonzero(sx)), float(np.count_nonzero(sy))
+    if n1 == 0 or n2 == 0:
+        return None
+    return float(np.sum(sx * sy) / math.sqrt(n1 * n2))
+
+
+def fit_key(cases: Sequence[IterationCase]) -> str:
+    """The device key the shared parameters are filed under: the one device type all cases ran on,
+    else `*` (so a calibration of one device type never changes plans on another)."""
+    devices = {d.spec.name for c in cases for d in c.cluster.devices}
+    return devices.pop() if len(devices) == 1 else ANY_DEVICE
+
+
+def parameters(cases: Sequence[IterationCase]) -> list[Param]:
+    """Every named parameter the cases could inform (unseen ones are dropped later by sensitivity)."""
+    devices = sorted({d.spec.name for c in cases for d in c.cluster.devices})
+    key = fit_key(cases)
+    params = [Param(f"compute_scale/{d}", True) for d in devices]
+    for scope in (INTRA, INTER):
+        params += [Param(f"bandwidth_scale/{key}/{scope}", True), Param(f"latency_s/{key}/{scope}", False)]
+    return [*params, Param(f"micro_batch_overhead_s/{key}", False), Param(f"iteration_overhead_s/{key}", False),
+            Param(f"p2p_overhead_s/{key}", False), Param(f"optimizer_scale/{key}", True)]
+
+
+_SCALES = ("compute_scale", "optimizer_scale")
+
+
+def read_values(base: Calibration, params: Sequence[Param], unit_s: float) -> np.ndarray:
+    """The starting vector: log scales and overheads in units of `unit_s`, as in `base`."""
+    out = []
+    for p in params:
+        head, _, key = p.name.partition("/")
+        if head in ("bandwidth_scale", "latency_s"):
+            link = base.link_scales.get(key, LinkScale())
+            value = link.bandwidth_scale if head == "bandwidth_scale" else link.latency_s
+        else:
+            value = getattr(base, head).get(key, 1.0 if head in _SCALES else 0.0)
+        out.append(math.log(value) if p.log_scale else value / unit_s)
+    return np.array(out, dtype=float)
+
+
+def write_values(base: Calibration, params: Sequence[Param], x: np.ndarray, unit_s: float) -> Calibration:
+    """`base` with the parameters set from vector `x` (inverse of `read_values`)."""
+    tables: dict[str, dict[str, float]] = {}
+    links = dict(base.link_scales)
+    for p, v in zip(params, x, strict=True):
+        value = math.exp(v) if p.log_scale else max(float(v), 0.0) * unit_s
+        head, _, key = p.name.partition("/")
+        if head in ("bandwidth_scale", "latency_s"):
+            links[key] = links.get(key, LinkScale()).model_copy(update={head: value})
+        else:
+            tables.setdefault(head, dict(getattr(base, head)))[key] = value
+    return base.model_copy(update={**tables, "link_scales": links})
+
+
+def fit_parameters(cases: Sequence[IterationCase], base: Calibration, *, max_steps: int = 40,
+                   ) -> tuple[Calibration, dict[str, float]]:
+    """(`base` with the fitted parameters, {name: value} of those the records inform)."""
+    if not cases:
+        raise SpecError("iteration calibration needs at least one iteration record")
+    truth = np.log([c.measured_s for c in cases])
+    unit_s = float(np.median([c.measured_s for c in cases]))
+    params = parameters(cases)
+    x0 = read_values(base, params, unit_s)
+
+    def residual(x: np.ndarray, active: list[int]) -> np.ndarray:
+        full = x0.copy()
+        full[active] = x
+        return np.log(predict_s(cases, write_values(base, params, full, unit_s))) - truth
+
+    every = list(range(len(params)))
+    jac0 = _jacobian(lambda x: residual(x, every), x0, residual(x0, every))
+    active = [k for k in every if np.max(np.abs(jac0[:, k])) > 1e-6]
+    if not active:
+        return base, {}
+    x = _levenberg_marquardt(lambda v: residual(v, active), x0[active], x0[active],
+                             [params[k].log_scale for k in active], max_steps)
+    full = x0.copy()
+    full[active] = x
+    fitted = write_values(base, params, full, unit_s)
+    values = {params[k].name: float(math.exp(full[k]) if params[k].log_scale else max(full[k], 0.0) * unit_s)
+              for k in active}
+    return fitted, values
+
+
+def _jacobian(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray, fx: np.ndarray) -> np.ndarray:
+    step = 1e-3
+    cols = []
+    for k in range(len(x)):
+        moved = x.copy()
+        moved[k] += step
+        cols.append((f(moved) - fx) / step)
+    return np.column_stack(cols) if cols else np.zeros((len(fx), 0))
+
+
+def _project(x: np.ndarray, log_scale: Sequence[bool]) -> np.ndarray:
+    out = x.copy()
+    for k, is_log in enumerate(log_scale):
+        out[k] = min(max(out[k], SCALE_BOUNDS[0]), SCALE_BOUNDS[1]) if is_log else max(out[k], 0.0)
+    return out
+
+
+def _levenberg_marquardt(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray, prior: np.ndarray,
+                         log_scale: Sequence[bool], max_steps: int) -> np.ndarray:
+    """Projected LM on the Huber loss of f(x) plus PRIOR * |x - prior|^2 (IRLS weights per step)."""
+
+    def loss(r: np.ndarray, v: np.ndarray) -> float:
+        a = np.abs(r)
+        huber = np.where(a <= HUBER_DELTA, 0.5 * a**2, HUBER_DELTA * (a - 0.5 * HUBER_DELTA))
+        return float(huber.sum() + 0.5 * PRIOR * np.sum((v - prior) ** 2))
+
+    r = f(x)
+    current, damping = loss(r, x), 1e-2
+    for _ in range(max_steps):
+        w = np.minimum(1.0, HUBER_DELTA / np.maximum(np.abs(r), 1e-12))
+        jac = _jacobian(f, x, r)
+        normal = jac.T @ (w[:, None] * jac) + PRIOR * np.eye(len(x))
+        gradient = jac.T @ (w * r) + PRIOR * (x - prior)
+        improved = False
+        for _ in range(8):
+            step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-9), -gradient)
+            trial = _project(x + step, log_scale)
+            r_trial = f(trial)
+            trial_loss = loss(r_trial, trial)
+            if trial_loss < current:
+                improved = current - trial_loss > 1e-7 * max(current, 1e-12)
+                x, r, current, damping = trial, r_trial, trial_loss, max(damping / 3, 1e-7)
+                break
+            damping *= 4
+        if not improved:
+            break
+    return x
+
+
+def cross_validate(cases: Sequence[IterationCase], base: Calibration, *, folds: int | None = None,
+                   ) -> tuple[Calibration, IterationFitReport]:
+    """(the fit on all records, the k-fold held-out scores of fitting on top of `base`)."""
+    n = len(cases)
+    truth = np.array([c.measured_s for c in cases])
+    before = score(predict_s(cases, base), truth)
+    k = min(folds or MAX_FOLDS, n)
+    held = np.zeros(n)
+    if k >= 2:
+        for fold in range(k):
+            test = [i for i in range(n) if i % k == fold]
+            train = [cases[i] for i in range(n) if i % k != fold]
+            fitted, _ = fit_parameters(train, base)
+            held[test] = predict_s([cases[i] for i in test], fitted)
+    fitted, values = fit_parameters(cases, base)
+    after = score(held, truth) if k >= 2 else IterationScore(float("nan"), None)
+    return fitted, IterationFitReport(n, k if k >= 2 else 0, before, after, values, tuple(float(v) for v in held))

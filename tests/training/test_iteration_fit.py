@@ -1,0 +1,81 @@
+"""Iteration calibration: recovers known physical parameters from simulator-made records; refuses a worse one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tagplan.cli import main
+from tagplan.cost.baselines import megatron_plan
+from tagplan.cost.calibration import DEFAULT_CALIBRATION
+from tagplan.cost.simulator import Simulator
+from tagplan.datasets.traces.bundle import Fingerprint, IterationRecord, Manifest, now_iso, write_bundle
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir.workload import Workload
+from tagplan.training.iteration_fit import IterationCase, fit_parameters, kendall_tau
+
+MODEL = "gpt?layers=4&hidden=512&heads=8&vocab=4096"
+CLUSTER = "dgx-a100-80gb:nodes=1"
+WORKLOAD = Workload(global_batch=16, seq_len=256)
+A100 = "A100-SXM-80GB"
+TRUTH = DEFAULT_CALIBRATION.model_copy(update={"name": "truth", "compute_scale": {A100: 1.5},
+                                               "micro_batch_overhead_s": {A100: 1e-3},
+                                               "iteration_overhead_s": {A100: 1e-2}})
+
+
+def cases(calibration=TRUTH) -> list[IterationCase]:  # type: ignore[no-untyped-def]
+    model, cluster = load_model(MODEL, seq_len=WORKLOAD.seq_len), load_cluster(CLUSTER)
+    sim = Simulator(model, cluster, WORKLOAD)
+    out = []
+    for tp, pp in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (1, 4), (2, 4)):
+        base = megatron_plan(sim, tp=tp, pp=pp).plan
+        assert base is not None
+        dp = 8 // (tp * pp)
+        for m in sorted({1, 2, WORKLOAD.global_batch // dp}):
+            plan = base.model_copy(update={"micro_batches": m})
+            seconds = Simulator(model, cluster, WORKLOAD, calibration=calibration).simulate(plan).iteration_time_s
+            out.append(IterationCase(model, cluster, WORKLOAD, plan, seconds))
+    return out
+
+
+@pytest.mark.slow
+def test_fit_recovers_the_parameters_that_made_the_records() -> None:
+    fitted, values = fit_parameters(cases(), DEFAULT_CALIBRATION)
+    assert values["compute_scale/A100-SXM-80GB"] == pytest.approx(1.5, rel=0.1)
+    assert fitted.iteration_overhead_s[A100] == pytest.approx(1e-2, rel=0.25, abs=1e-3)
+    assert fitted.micro_batch_overhead_s[A100] == pytest.approx(1e-3, rel=0.35, abs=3e-4)
+    assert f"bandwidth_scale/{A100}/inter" not in values  # one node: no record sees an inter-node link
+    assert fitted.overhead_s("iteration_overhead_s", "V100-SXM2-16GB") == 0.0  # other device types untouched
+
+
+def test_kendall_tau() -> None:
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert kendall_tau([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    assert kendall_tau([1, 1], [1, 1]) is None
+
+
+def write_records(path: Path, items: list[IterationCase]) -> None:
+    records = [IterationRecord(model=MODEL, cluster=CLUSTER, workload=c.workload, plan=c.plan.model_dump(mode="json"),
+                               measured_s=c.measured_s) for c in items]
+    manifest = Manifest(created=now_iso(), source="test", fingerprint=Fingerprint(device_type="A100-SXM-80GB"))
+    write_bundle(path, manifest, records)
+
+
+@pytest.mark.slow
+def test_calibrate_refuses_a_calibration_worse_than_the_one_it_replaces(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_records(tmp_path / "b", cases()[::4])
+    out = tmp_path / "calib.json"
+    out.write_text(TRUTH.model_dump_json())  # exact on these records: nothing fitted can beat it
+    args = ["calibrate", str(tmp_path / "b"), "--out", str(out), "--folds", "2", "--device", "H100-SXM"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "not written" in err and "--force" in err and "'H100-SXM'" in err  # and the fingerprint warning
+    assert json.loads(out.read_text())["name"] == "truth"
+    assert main([*args, "--force", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["held_out"]["replaced"] == pytest.approx(0.0, abs=1e-9)
+    assert json.loads(out.read_text())["name"] == "calib"
