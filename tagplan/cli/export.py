@@ -18,6 +18,7 @@ from tagplan.cli.options import (
     Subparsers,
     add_calibration_option,
     add_cluster_options,
+    add_dtype_option,
     add_json_option,
     emit,
     load_calibration_option,
@@ -25,18 +26,23 @@ from tagplan.cli.options import (
     positive_int,
 )
 from tagplan.errors import SpecError
+from tagplan.ir.workload import DType, Optimizer
 
 
 def add_export_commands(sub: Subparsers) -> None:
     """Add `export` and `verify` to the `tagplan` parser."""
     exp = sub.add_parser("export", help="write a plan as a torch program, Megatron-LM arguments or a DeepSpeed config")
     exp.add_argument("--model", required=True, help="model SPEC")
-    exp.add_argument("--cluster", default=None, help="cluster SPEC (checked against the plan's devices)")
+    exp.add_argument("--cluster", default=None, help="cluster SPEC (checked against the plan's devices; the torch "
+                                                     "program's launch scripts take its nodes and GPU types)")
     add_cluster_options(exp)
     exp.add_argument("--plan", required=True, help="a Plan JSON file")
     exp.add_argument("--format", choices=["torch", "megatron", "deepspeed"], default="torch", dest="fmt")
     exp.add_argument("--batch", type=positive_int, default=8, help="global batch in samples")
     exp.add_argument("--seq", type=positive_int, default=None, help="tokens per sample (default: the model's)")
+    add_dtype_option(exp)
+    exp.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value,
+                     help="the optimizer the plan was costed with (torch program)")
     exp.add_argument("--out", required=True, help="directory to write")
     add_json_option(exp, "the format and the files written")
     exp.set_defaults(func=_export)
@@ -61,13 +67,17 @@ def _export(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     cluster = load_cluster_option(args.cluster, args) if args.cluster else None
     written = export(spec, plan, Path(args.out), fmt=args.fmt, seq_len=args.seq, global_batch=args.batch,
-                     cluster=cluster)
+                     cluster=cluster, dtype=DType(args.dtype), optimizer=Optimizer(args.optimizer))
     emit({"format": args.fmt, "files": [str(p) for p in written]}, args.json, _export_text)
     return 0
 
 
 def _export_text(result: dict[str, Any]) -> str:
-    return "\n".join([f"wrote the {result['format']} export:", *(f"  {f}" for f in result["files"])])
+    lines = [f"wrote the {result['format']} export:", *(f"  {f}" for f in result["files"])]
+    scripts = [f for f in result["files"] if Path(f).name.startswith("launch_node")]
+    if len(scripts) > 1:
+        lines.append(f"start {Path(scripts[0]).name} on the node that runs stage 0 (MASTER_ADDR), then the others")
+    return "\n".join(lines)
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -2,17 +2,27 @@
 
 `serve` runs the API with uvicorn and an embedded pool of worker processes; `--demo` (what
 `make run` does) also creates a local API key (printed once, kept in `$TAGPLAN_HOME/local.key`),
-submits one example plan over HTTP and prints it and where to look, then keeps serving.
+submits one example plan over HTTP and prints it and where to look, then keeps serving
+(`--exit-after-demo`: stops once the plan is printed, exit status 0 only if it was).
+SIGTERM or SIGINT stops the server and then its workers, which hand their jobs back.
+
+The HTTP client here is the standard library's (`urllib`): `make run` works with the run
+dependencies alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 from tagplan.cli.demo import DEMO_BATCH, DEMO_CLUSTER, DEMO_MAX_EVALUATIONS, DEMO_MODEL, DEMO_SEQ
@@ -30,6 +40,8 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--workers", type=int, default=1, help="embedded worker processes (0: run `tagplan worker`)")
     serve.add_argument("--demo", action="store_true",
                        help="create a local key, submit an example plan and print it (what `make run` does)")
+    serve.add_argument("--exit-after-demo", action="store_true",
+                       help="with --demo: stop once the example plan is printed (exit 1 if it was not)")
     serve.set_defaults(func=_serve)
 
     worker = sub.add_parser("worker", help="run one worker process against the service's database")
@@ -41,6 +53,9 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     key.add_argument("--tenant", required=True)
     key.add_argument("--admin", action="store_true", help="may activate GNN versions")
     key.set_defaults(func=_create_key)
+    revoke = what.add_parser("revoke-key", help="revoke an API key (it answers 401 from now on)")
+    revoke.add_argument("--key", required=True, help="the key, or its first 8 characters as listed")
+    revoke.set_defaults(func=_revoke_key)
 
     submit = sub.add_parser("submit", help="submit a plan to a running service")
     submit.add_argument("--model", required=True, help="model SPEC")
@@ -65,62 +80,125 @@ def _serve(args: argparse.Namespace) -> int:
     from tagplan.service.worker import WorkerPool
 
     settings = Settings.from_env()
-    settings.home.mkdir(parents=True, exist_ok=True)
-    pool = WorkerPool(settings, args.workers) if args.workers > 0 else None
+    settings.home.mkdir(mode=0o700, parents=True, exist_ok=True)
     url = f"http://{args.host}:{args.port}"
+    server = _Server(uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level="warning"))
+    pool = WorkerPool(settings, args.workers) if args.workers > 0 else None
+    demo: dict[str, bool] = {}
     if pool is not None:
         pool.start()
-    if args.demo:
-        key = _local_key(settings)
-        threading.Thread(target=_demo_client, args=(url, key), daemon=True).start()
-    print(f"tagplan service on {url} (database {settings.database_url}; {args.workers} embedded workers)",
-          file=sys.stderr)
     try:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+        if args.demo:
+            key = _local_key(settings)
+            threading.Thread(target=_demo_client, args=(url, key, server if args.exit_after_demo else None, demo),
+                             daemon=True).start()
+        print(f"tagplan service on {url} (database {settings.database_url}; {args.workers} embedded workers)",
+              file=sys.stderr)
+        server.run()
     finally:
         if pool is not None:
             pool.stop()
-    return 0
+    return 1 if args.exit_after_demo and not demo.get("ok") else 0
+
+
+class _Server:
+    """uvicorn's server, stopped by SIGTERM or SIGINT like uvicorn's own, but without re-raising the
+    signal once it has stopped (uvicorn does, which would kill this process before its worker pool
+    is stopped and leave the workers orphaned)."""
+
+    def __init__(self, config: Any) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                handled = (signal.SIGINT, signal.SIGTERM)
+                previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+
+        self._server = Server(config)
+
+    def run(self) -> None:
+        """Serve until a signal or `stop()`."""
+        self._server.run()
+
+    def stop(self) -> None:
+        """Ask the server to stop (from any thread)."""
+        self._server.should_exit = True
 
 
 def _local_key(settings: Any) -> str:
-    """The local demo key: created once and kept in `$TAGPLAN_HOME/local.key` (mode 600)."""
+    """The local demo key: created once and kept in `$TAGPLAN_HOME/local.key` (created mode 600)."""
     path = settings.home / LOCAL_KEY_FILE
     if path.exists():
-        return path.read_text().strip()
+        return str(path.read_text().strip())
     from tagplan.service.db import make_engine
     from tagplan.service.keys import create_key
 
     key = create_key(make_engine(settings.database_url), "local", admin=True)
-    path.write_text(key + "\n")
-    path.chmod(0o600)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+        out.write(key + "\n")
     print(f"created the local admin API key (printed once; kept in {path}):\n  {key}", file=sys.stderr)
     return key
 
 
-def _demo_client(url: str, key: str) -> None:
-    """Wait for the server, submit the example plan, print the answer and where to look."""
-    import httpx
-
-    for _ in range(120):
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+def _demo_client(url: str, key: str, server: _Server | None, outcome: dict[str, bool]) -> None:
+    """Wait for the server, submit the example plan, print the answer and where to look; then stop
+    `server` if given."""
     try:
+        _wait_ready(url)
         request = _plan_request({"model": DEMO_MODEL, "cluster": DEMO_CLUSTER,
                                  "workload": {"global_batch": DEMO_BATCH, "seq_len": DEMO_SEQ},
                                  "max_evaluations": DEMO_MAX_EVALUATIONS, "budget_s": 60.0})
         result, job = _submit_and_wait(url, key, request, timeout_s=600.0)
-    except (SpecError, httpx.HTTPError) as err:
+        _print_result(result)
+        print(f"\nweb view: {url}/#/jobs/{job}?key={key}\nAPI docs: {url}/docs\n"
+              f"submit more: tagplan submit --model llama2-7b --cluster dgx-a100-80gb:nodes=2 --wait\n"
+              "stop the service with Ctrl-C", flush=True)
+        outcome["ok"] = True
+    except (SpecError, OSError) as err:
         print(f"tagplan demo: the example plan did not come back: {err}", file=sys.stderr)
-        return
-    _print_result(result)
-    print(f"\nweb view: {url}/#/jobs/{job}?key={key}\nAPI docs: {url}/docs\n"
-          f"submit more: tagplan submit --model llama2-7b --cluster dgx-a100-80gb:nodes=2 --wait\n"
-          "stop the service with Ctrl-C", flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, SpecError):
+            if _call("GET", f"{url}/readyz", timeout_s=2.0)[0] == 200:
+                return
+        time.sleep(0.5)
+    raise SpecError(f"the service at {url} did not become ready in {timeout_s:.0f} s")
+
+
+def _call(method: str, url: str, *, key: str | None = None, body: Any = None,
+          timeout_s: float = 30.0) -> tuple[int, Any]:
+    """(status, JSON answer) of one HTTP request; OSError when the service cannot be reached."""
+    headers = {"Accept": "application/json"}
+    data = None
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    if body is not None:
+        data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            status, text = answer.status, answer.read()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read()
+    try:
+        return status, json.loads(text) if text else None
+    except ValueError:
+        return status, {"detail": text[:200].decode("utf-8", "replace")}
 
 
 def _plan_request(fields: dict[str, Any]) -> dict[str, Any]:
@@ -131,31 +209,25 @@ def _plan_request(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def _submit_and_wait(url: str, key: str, request: dict[str, Any], *, timeout_s: float) -> tuple[dict[str, Any], str]:
-    import httpx
-
     from tagplan.service.vocabulary import TERMINAL, JobStatus
 
-    headers = {"Authorization": f"Bearer {key}"}
-    answer = httpx.post(f"{url}/v1/plans", json=request, headers=headers, timeout=30.0)
-    if answer.status_code >= 400:
-        raise SpecError(f"the service refused the plan ({answer.status_code}): {_detail(answer)}")
-    job = answer.json()["id"]
+    status, answer = _call("POST", f"{url}/v1/plans", key=key, body=request)
+    if status >= 400:
+        raise SpecError(f"the service refused the plan ({status}): {_detail(answer)}")
+    job = answer["id"]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        status = httpx.get(f"{url}/v1/jobs/{job}", headers=headers, timeout=30.0).json()
-        if status["status"] == JobStatus.SUCCEEDED:
-            return httpx.get(f"{url}/v1/jobs/{job}/result", headers=headers, timeout=30.0).json(), job
-        if status["status"] in TERMINAL:
-            raise SpecError(f"job {job} {status['status']}: {status.get('error') or ''}")
+        _, state = _call("GET", f"{url}/v1/jobs/{job}", key=key)
+        if state["status"] == JobStatus.SUCCEEDED:
+            return _call("GET", f"{url}/v1/jobs/{job}/result", key=key)[1], job
+        if state["status"] in TERMINAL:
+            raise SpecError(f"job {job} {state['status']}: {state.get('error') or ''}")
         time.sleep(1.0)
     raise SpecError(f"job {job} did not finish within {timeout_s:.0f} s; see {url}/v1/jobs/{job}")
 
 
 def _detail(answer: Any) -> str:
-    try:
-        return str(answer.json().get("detail", answer.text))
-    except ValueError:
-        return str(answer.text)
+    return str(answer.get("detail", answer) if isinstance(answer, dict) else answer)[:500]
 
 
 def _print_result(result: dict[str, Any]) -> None:
@@ -188,6 +260,17 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _revoke_key(args: argparse.Namespace) -> int:
+    from tagplan.service.db import make_engine
+    from tagplan.service.keys import revoke_key
+    from tagplan.service.settings import Settings
+
+    if not revoke_key(make_engine(Settings.from_env().database_url), args.key):
+        raise SpecError(f"revoke-key: no valid key {args.key[:8]!r}... (unknown, ambiguous or already revoked)")
+    print(f"revoked {args.key[:8]}...", file=sys.stderr)
+    return 0
+
+
 def _create_key(args: argparse.Namespace) -> int:
     from tagplan.service.db import make_engine
     from tagplan.service.keys import create_key
@@ -203,8 +286,6 @@ def _create_key(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    import httpx
-
     workload: dict[str, Any] = {"global_batch": args.batch}
     if args.seq:
         workload["seq_len"] = args.seq
@@ -220,15 +301,13 @@ def _submit(args: argparse.Namespace) -> int:
         key = local.read_text().strip()
     try:
         if not args.wait:
-            answer = httpx.post(f"{args.url}/v1/plans", json=request, headers={"Authorization": f"Bearer {key}"},
-                                timeout=30.0)
-            if answer.status_code >= 400:
-                raise SpecError(f"the service refused the plan ({answer.status_code}): {_detail(answer)}")
-            print(json.dumps(answer.json(), indent=2))
+            status, answer = _call("POST", f"{args.url}/v1/plans", key=key, body=request)
+            if status >= 400:
+                raise SpecError(f"the service refused the plan ({status}): {_detail(answer)}")
+            print(json.dumps(answer, indent=2))
             return 0
         result, _ = _submit_and_wait(args.url, key, request, timeout_s=args.timeout_s)
-    except httpx.HTTPError as err:
+    except OSError as err:
         raise SpecError(f"submit: cannot reach the service at {args.url}: {err}") from None
     _print_result(result)
     return 0
-

@@ -40,7 +40,7 @@ _FALLBACK_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>tagp
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The service's app on `settings` (default: from the environment); creates the tables if needed."""
     settings = settings or Settings.from_env()
-    engine = make_engine(settings.database_url)
+    engine = make_engine(settings.database_url, timeout_s=settings.db_timeout_s)
     services = Services(settings=settings, engine=engine, store=JobStore(engine, settings),
                         limiter=RateLimiter(settings.rate_per_minute), requests=RequestCounter())
 

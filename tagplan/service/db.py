@@ -8,8 +8,11 @@ concurrent writers from several worker processes wait for the lock instead of fa
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import functools
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -138,25 +141,40 @@ class Trace(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for `url` with the tables created (SQLite: WAL journal, busy timeout, any thread)."""
+def make_engine(url: str, *, timeout_s: float = SQLITE_BUSY_TIMEOUT_MS / 1000) -> Engine:
+    """An engine for `url` with the tables created (SQLite: a 0600 file, WAL journal, any thread).
+
+    `timeout_s` bounds how long a statement waits for the database (SQLite: another process's
+    write lock; PostgreSQL: connecting, and a pooled connection); past it the statement fails and
+    the API answers 503.
+    """
     parsed = make_url(url)
-    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    kwargs: dict[str, Any] = {"pool_pre_ping": True, "pool_timeout": timeout_s}
+    if parsed.get_backend_name() == "postgresql":
+        kwargs["connect_args"] = {"connect_timeout": max(1, round(timeout_s))}
     if parsed.get_backend_name() == "sqlite":
-        kwargs = {"connect_args": {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}}
+        kwargs = {"connect_args": {"check_same_thread": False, "timeout": timeout_s}}
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            _private_file(Path(parsed.database).expanduser())
     engine = create_engine(parsed, **kwargs)
     if engine.dialect.name == "sqlite":
-        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "connect", functools.partial(_sqlite_pragmas, busy_ms=round(timeout_s * 1000)))
     _create_tables(engine)
     return engine
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+def _private_file(path: Path) -> None:
+    """Create the SQLite file (and its directory) readable by this user only (0600; SQLite gives its
+    -wal and -shm files the database file's mode), before SQLite creates it with the umask's."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any, *, busy_ms: int) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
     cursor.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes in WAL mode
     cursor.close()
 

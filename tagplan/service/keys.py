@@ -82,8 +82,17 @@ def authenticate(engine: Engine, key: str) -> Principal | None:
 
 
 def revoke_key(engine: Engine, key: str) -> bool:
-    """Revoke `key`; True if it was valid until now."""
+    """Revoke `key` (the whole key, or its 8-character prefix as listed when that names exactly one
+    valid key); True if it was valid until now. A revoked key answers 401 at once."""
+    if len(key) == len(KEY_PREFIX) + 5:
+        with engine.connect() as conn:
+            hashes = conn.execute(select(ApiKey.key_hash).where(ApiKey.prefix == key,
+                                                                ApiKey.revoked_at.is_(None))).scalars().all()
+        if len(hashes) != 1:
+            return False
+        where = ApiKey.key_hash == hashes[0]
+    else:
+        where = ApiKey.key_hash == hash_key(key)
     with engine.begin() as conn:
-        done = conn.execute(update(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
-                            .values(revoked_at=utcnow()))
+        done = conn.execute(update(ApiKey).where(where, ApiKey.revoked_at.is_(None)).values(revoked_at=utcnow()))
     return bool(done.rowcount)

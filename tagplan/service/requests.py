@@ -40,6 +40,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from tagplan.cost.calibration import Calibration
+from tagplan.datasets.traces.bundle import Bundle, IterationRecord
 from tagplan.errors import SpecError
 from tagplan.frontends import presets
 from tagplan.frontends.cluster_spec import ClusterSpec, parse_cluster_spec
@@ -52,6 +53,8 @@ from tagplan.training.registry import Registry
 
 MAX_SHOWN = 80  # characters of a rejected value quoted back
 MAX_NAME_CHARS = 200  # a registry version name (a calibration choice)
+MAX_SPEC_CHARS = 10_000  # a model or cluster SPEC string, before any parsing (settings may say less)
+MAX_NESTING = 32  # levels of an inline object or of cluster YAML text (a graph needs about 5)
 _DEVICE_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 R = TypeVar("R", bound=BaseModel)
 
@@ -104,6 +107,11 @@ def invalid(what: str, err: ValidationError) -> SpecError:
 _LONG_QUOTE = re.compile(rf"'[^'\n]{{{MAX_SHOWN + 1},}}'|\"[^\"\n]{{{MAX_SHOWN + 1},}}\"")  # a long quoted value
 
 
+def clipped(message: str) -> str:
+    """`message` with any quoted value longer than `MAX_SHOWN` characters cut to that length."""
+    return _LONG_QUOTE.sub(lambda m: m.group(0)[:MAX_SHOWN + 1] + "..." + m.group(0)[0], message)
+
+
 def _clipped(message: str, text: str) -> str:
     """`message` with the input `text`, and any quoted value longer than `MAX_SHOWN`, cut to that length."""
     for whole in {text, text.strip()}:
@@ -129,14 +137,21 @@ def _parsed(parse: Callable[[str], Any], text: str) -> Any:
 # -- model -----------------------------------------------------------------------------------------
 
 
+def _long(value: str, what: str) -> None:
+    if len(value) > MAX_SPEC_CHARS:
+        raise _refused("spec_length", f"a {what} of {len(value)} characters is not accepted; at most "
+                                      f"{MAX_SPEC_CHARS} (starts {shown(value[:MAX_SHOWN])})")
+
+
 def _model_value(value: Any) -> ModelSpec | dict[str, Any]:
     if isinstance(value, ModelSpec):
         return value
     if isinstance(value, dict):
-        return value
+        return _shallow(value, "graph")
     if not isinstance(value, str):
         raise _refused("model_type", f"{type(value).__name__} is not accepted; expected a model SPEC string "
                                      "(e.g. 'gpt3-1.3b') or an inline tagplan-graph/1 object")
+    _long(value, "model SPEC")
     spec: ModelSpec = _parsed(parse_model_spec, value)
     if spec.names_file:
         raise _refused("file_path", f"{shown(spec.text)} is a file path or a Python module; the service reads "
@@ -178,13 +193,43 @@ def _count(value: Any) -> int:
 
 
 class _NoAliasLoader(yaml.SafeLoader):
-    """YAML without aliases: a small text cannot expand into a huge object."""
+    """YAML without aliases and at most `MAX_NESTING` levels deep: a small text cannot expand into a
+    huge object, and a deep one is refused before the composer recurses into it."""
+
+    _depth = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted", event.start_mark)
-        return super().compose_node(parent, index)
+        if self._depth >= MAX_NESTING:
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_NESTING} levels",
+                                              event.start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def nesting(value: Any, limit: int = MAX_NESTING) -> int:
+    """Levels of containers in `value` (a scalar: 0), counted level by level without recursion and
+    no further than `limit + 1`."""
+    depth, level = 0, [value]
+    while depth <= limit:
+        containers = [c for c in level if isinstance(c, dict | list)]
+        if not containers:
+            break
+        depth += 1
+        level = [v for c in containers for v in (c.values() if isinstance(c, dict) else c)]
+    return depth
+
+
+def _shallow(value: dict[str, Any], what: str) -> dict[str, Any]:
+    if nesting(value) > MAX_NESTING:
+        raise _refused("nesting", f"the inline {what} is nested deeper than {MAX_NESTING} levels")
+    return value
 
 
 def _json_like(value: Any) -> bool:
@@ -214,10 +259,11 @@ def _cluster_value(value: Any) -> ClusterSpec | dict[str, Any]:
     if isinstance(value, str) and ("\n" in value or value.lstrip().startswith("{")):
         value = _cluster_yaml(value)
     if isinstance(value, dict):
-        return value
+        return _shallow(value, "cluster")
     if not isinstance(value, str):
         raise _refused("cluster_type", f"{type(value).__name__} is not accepted; expected a cluster SPEC string "
                                        "(e.g. 'p3.8xlarge:nodes=2'), a cluster-file object or its YAML text")
+    _long(value, "cluster SPEC")
     spec: ClusterSpec = _parsed(parse_cluster_spec, value)
     if spec.names_file:  # a cluster or topology file, or a custom device file (gpu=...yaml)
         raise _refused("file_path", f"{shown(spec.text)} names a file path; the service reads no files: send "
@@ -330,14 +376,7 @@ def check_limits(request: PlanRequest, settings: Settings) -> None:
 
     Read off the parsed request alone: nothing is built, no file is read.
     """
-    layers = model_layers(request.model)
-    if layers > settings.max_layers:
-        raise LimitError(f"model: {layers} layers is over this service's limit of {settings.max_layers} "
-                         "(TAGPLAN_MAX_LAYERS)", limit="max_layers")
-    devices = cluster_devices(request.cluster)
-    if devices > settings.max_devices:
-        raise LimitError(f"cluster: {devices} devices is over this service's limit of {settings.max_devices} "
-                         "(TAGPLAN_MAX_DEVICES)", limit="max_devices")
+    check_sizes(request.model, request.cluster, request.workload, settings)
     if request.budget_s is not None and request.budget_s > settings.max_budget_s:
         raise LimitError(f"budget_s: {request.budget_s:g} is over this service's limit of "
                          f"{settings.max_budget_s:g} s (TAGPLAN_MAX_BUDGET_S)", limit="max_budget_s")
@@ -346,9 +385,73 @@ def check_limits(request: PlanRequest, settings: Settings) -> None:
                          f"{settings.max_evaluations} (TAGPLAN_MAX_EVALUATIONS)", limit="max_evaluations")
 
 
+def check_sizes(model: ModelSpec | Mapping[str, Any], cluster: ClusterSpec | Mapping[str, Any],
+                workload: WorkloadRequest | None, settings: Settings, where: str = "") -> None:
+    """LimitError when a model, a cluster or a workload is larger than `settings` allow (SPEC lengths,
+    layers, devices, global batch, sequence length), read off the parsed values: nothing is built."""
+    texts = [("model", m.text) for m in (model,) if isinstance(m, ModelSpec)]
+    texts += [("cluster", c.text) for c in (cluster,) if isinstance(c, ClusterSpec)]
+    for name, text in texts:
+        if len(text) > settings.max_spec_chars:
+            raise LimitError(f"{where}{name}: a SPEC of {len(text)} characters is over this service's limit of "
+                             f"{settings.max_spec_chars} (TAGPLAN_MAX_SPEC_CHARS)", limit="max_spec_chars")
+    _at_most(f"{where}model: layers", model_layers(model), settings.max_layers, "max_layers")
+    _at_most(f"{where}cluster: devices", cluster_devices(cluster), settings.max_devices, "max_devices")
+    if workload is not None:
+        _at_most(f"{where}workload.global_batch", workload.global_batch, settings.max_global_batch,
+                 "max_global_batch")
+        _at_most(f"{where}workload.seq_len", workload.seq_len, settings.max_seq_len, "max_seq_len")
+
+
+def _at_most(what: str, value: int | None, limit: int, name: str) -> None:
+    if value is not None and value > limit:
+        raise LimitError(f"{what}: {value} is over this service's limit of {limit} (TAGPLAN_{name.upper()})",
+                         limit=name)
+
+
+def check_iteration(record: IterationRecord, settings: Settings, where: str) -> IterationRecord:
+    """The record as the service keeps it (cluster YAML text read into an object), or SpecError
+    unless it is safe to rebuild in a worker: its model and its cluster are inline objects or SPECs
+    naming no file (the checks of `PlanRequest`), within the service's limits. The worker reads no
+    file a record names."""
+    try:
+        model = _model_value(record.model)
+        cluster = _cluster_value(record.cluster)
+    except PydanticCustomError as err:
+        raise SpecError(f"{where}: {err.message()}") from None
+    w = record.workload
+    check_sizes(model, cluster, WorkloadRequest(global_batch=w.global_batch, seq_len=w.seq_len), settings,
+                where=f"{where}: ")
+    return record.model_copy(update={"model": _model_json(model), "cluster": _cluster_json(cluster)})
+
+
+def check_bundle(bundle: Bundle, settings: Settings, where: str) -> Bundle:
+    """`bundle` with every iteration record checked and kept as `check_iteration` does."""
+    records = tuple(check_iteration(r, settings, f"{where} record {i}") if isinstance(r, IterationRecord) else r
+                    for i, r in enumerate(bundle.records))
+    return bundle.model_copy(update={"records": records})
+
+
 def registry_root(settings: Settings) -> Path:
     """The GNN registry of this service: `<home>/registry` (where `tagplan train` puts versions)."""
     return settings.home / "registry"
+
+
+def tenant_registry(settings: Settings, tenant_id: int | None) -> Registry:
+    """The GNN registry plans of `tenant_id` use: the tenant's own (`<home>/tenants/<id>/registry`,
+    where its training runs register versions) falling back to the service-wide one (what admins
+    activate); the service-wide one itself when `tenant_id` is None."""
+    shared = Registry(registry_root(settings))
+    if tenant_id is None:
+        return shared
+    return Registry(settings.home / "tenants" / str(int(tenant_id)) / "registry", fallback=shared)
+
+
+def gnn_version(registry: Registry) -> str:
+    """Which GNN `registry` answers with: `tenant:vNNNN`, `vNNNN` (service-wide) or `packaged`."""
+    if registry.active() is not None:
+        return f"tenant:{registry.active()}" if registry.fallback is not None else str(registry.active())
+    return gnn_version(registry.fallback) if registry.fallback is not None else "packaged"
 
 
 def traces_root(settings: Settings) -> Path:

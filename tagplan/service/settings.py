@@ -29,10 +29,20 @@ class Settings:
     max_devices: int = 4096
     max_evaluations: int = 5000
     max_budget_s: float = 600.0
+    max_global_batch: int = 65_536
+    max_seq_len: int = 131_072
+    max_spec_chars: int = 1000
+    max_nesting: int = 32
     rate_per_minute: int = 60
     max_attempts: int = 3
     lease_s: float = 30.0
     heartbeat_s: float = 5.0
+    job_timeout_s: float = 1800.0
+    job_memory_bytes: int = 4 * 2**30
+    max_queued_per_tenant: int = 1000
+    max_running_per_tenant: int = 64
+    max_traces_per_tenant: int = 200
+    db_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():

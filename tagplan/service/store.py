@@ -22,6 +22,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from tagplan.errors import SpecError
 from tagplan.service.db import Job, Trace, UTCDateTime, utcnow
+from tagplan.service.requests import LimitError
 from tagplan.service.settings import Settings
 from tagplan.service.vocabulary import TERMINAL, JobKind, JobStatus
 
@@ -103,6 +104,12 @@ class JobStore:
         job_id = uuid.uuid4().hex
         now = utcnow()
         with self.engine.begin() as conn:
+            waiting = conn.execute(select(func.count()).select_from(Job).where(
+                Job.tenant_id == tenant_id, Job.status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value]))).scalar()
+            if int(waiting or 0) >= self.settings.max_queued_per_tenant:
+                raise LimitError(f"this tenant has {waiting} jobs queued or running, the service's limit "
+                                 f"(TAGPLAN_MAX_QUEUED_PER_TENANT={self.settings.max_queued_per_tenant}); "
+                                 "wait for some to finish or cancel some", limit="max_queued_per_tenant", status=429)
             conn.execute(insert(Job).values(
                 id=job_id, tenant_id=tenant_id, kind=JobKind(kind).value, status=JobStatus.QUEUED.value,
                 request=json.dumps(request),
@@ -195,6 +202,11 @@ class JobStore:
                 raise LeaseLost(job_id)
             return bool(conn.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar())
 
+    def cancel_requested(self, job_id: str) -> bool:
+        """Whether the job was asked to stop (a cheap read the worker makes between heartbeats)."""
+        with self.engine.connect() as conn:
+            return bool(conn.execute(select(Job.cancel_requested).where(Job.id == job_id)).scalar())
+
     def complete(self, job_id: str, worker_id: str, result: dict[str, Any]) -> None:
         """Record the result and `succeeded`; LeaseLost (nothing written) if `worker_id` lost the job."""
         self._finish(job_id, worker_id, status=JobStatus.SUCCEEDED.value, result=json.dumps(result), error=None,
@@ -230,6 +242,11 @@ class JobStore:
         """Record an uploaded trace bundle at `path`; returns its id."""
         trace_id = uuid.uuid4().hex
         with self.engine.begin() as conn:
+            stored = conn.execute(select(func.count()).select_from(Trace).where(Trace.tenant_id == tenant_id)).scalar()
+            if int(stored or 0) >= self.settings.max_traces_per_tenant:
+                raise LimitError(f"this tenant has stored {stored} traces, the service's limit "
+                                 f"(TAGPLAN_MAX_TRACES_PER_TENANT={self.settings.max_traces_per_tenant})",
+                                 limit="max_traces_per_tenant", status=429)
             conn.execute(insert(Trace).values(id=trace_id, tenant_id=tenant_id, name=name, path=path, records=records,
                                               created_at=utcnow()))
         return trace_id
@@ -265,11 +282,23 @@ class JobStore:
             raise LeaseLost(job_id)
 
     def _candidates(self, now: dt.datetime) -> builtins.list[tuple[str, str, int]]:
+        """Runnable jobs in fair order: a tenant's k-th oldest runnable job takes its turn after the
+        jobs it already has running (`turn` = running + k), ties by age; so one tenant's backlog
+        never holds another's first job back, and a tenant at `max_running_per_tenant` waits."""
         runnable = or_(Job.status == JobStatus.QUEUED.value,
                        and_(Job.status == JobStatus.RUNNING.value, Job.lease_expires_at < now))
-        query = (select(Job.id, Job.status, Job.attempts)
-                 .where(runnable, Job.attempts < Job.max_attempts, ~Job.cancel_requested)
-                 .order_by(Job.created_at, Job.id).limit(CLAIM_CANDIDATES))
+        running = (select(Job.tenant_id, func.count().label("n"))
+                   .where(Job.status == JobStatus.RUNNING.value, Job.lease_expires_at >= now)
+                   .group_by(Job.tenant_id).subquery())
+        busy = func.coalesce(running.c.n, 0)
+        rank = func.row_number().over(partition_by=Job.tenant_id, order_by=(Job.created_at, Job.id))
+        ranked = (select(Job.id, Job.status, Job.attempts, Job.created_at, (rank + busy).label("turn"))
+                  .outerjoin(running, running.c.tenant_id == Job.tenant_id)
+                  .where(runnable, Job.attempts < Job.max_attempts, ~Job.cancel_requested,
+                         busy < self.settings.max_running_per_tenant)
+                  .subquery())
+        query = (select(ranked.c.id, ranked.c.status, ranked.c.attempts)
+                 .order_by(ranked.c.turn, ranked.c.created_at, ranked.c.id).limit(CLAIM_CANDIDATES))
         with self.engine.connect() as conn:
             return [(r.id, r.status, r.attempts) for r in conn.execute(query)]
 

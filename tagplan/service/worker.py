@@ -1,19 +1,29 @@
-"""The worker: claim a job, run it with a heartbeat thread, complete or fail it; and `WorkerPool`.
+"""The worker: claim a job, run it in a job process it supervises, complete or fail it; and `WorkerPool`.
 
-A job runs in the worker's own thread; a second thread renews the lease every `heartbeat_s` (at
-most a third of the lease, so two missed beats do not lose it) and writes the progress the job
-reported. The job's progress callback is where it stops: it raises `Cancelled` once a heartbeat
-saw the cancellation flag, or an internal error when the lease was lost or the worker is shutting
-down. A worker that loses its lease drops its result without a word: another worker owns the job.
+Each job runs in a process of its own, forked from the worker (`_job_process`): the worker can
+always stop it, whatever the job is doing. The job process sends its progress and, at the end,
+its result or error through a pipe; it dies with the worker (parent-death signal, and it checks
+its parent), and its address space is capped (`RLIMIT_AS`, `TAGPLAN_JOB_MEMORY_BYTES` beyond what
+it started with). The worker meanwhile
+- renews the lease every `heartbeat_s` in a second thread (at most a third of the lease, so two
+  missed beats do not lose it) and writes the progress the job reported;
+- checks every `CANCEL_POLL_S` whether the job was cancelled, and kills the job process at once;
+- kills it when it runs past `job_timeout_s` or its resident memory passes `job_memory_bytes`,
+  failing the job with a message naming the limit (no retry: a retry would do the same);
+- on SIGTERM kills it and hands the job back to the queue (not counted as an attempt);
+- when its lease was lost, kills it and drops it without a word: another worker owns the job.
 
 Run one with `python -m tagplan.service.worker` (or `tagplan worker`); `WorkerPool` keeps N of
-them alive for `tagplan serve`.
+them alive for `tagplan serve`, and a worker exits when that parent dies.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -22,34 +32,46 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from types import FrameType
+from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from tagplan.errors import SpecError
 from tagplan.service.db import make_engine
-from tagplan.service.jobs import Cancelled, Progress, run_job
+from tagplan.service.jobs import run_job
 from tagplan.service.settings import Settings
 from tagplan.service.store import JobStore, JobView, LeaseLost
 
 log = logging.getLogger(__name__)
 
 MAX_ERROR_CHARS = 4000  # what a failed job keeps of its error (the log has the rest)
-
-
-class _Abandon(Exception):  # noqa: N818 (control flow, never seen outside this module)
-    """Raised into a running job when its worker must drop it: the lease was lost, or shutdown."""
+POLL_S = 0.1  # how often the worker looks at its job process
+CANCEL_POLL_S = 0.5  # how often it asks the database whether the job was cancelled
+PARENT_ENV = "TAGPLAN_PARENT_PID"  # set by WorkerPool: the worker exits when this process is gone
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
 class _Running:
-    """What the job thread and the heartbeat thread share about one running job."""
+    """What the supervising loop and the heartbeat thread share about one running job."""
 
     progress: float = 0.0
     message: str = "running"
     cancel: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How a job process ended: `ok` (with `result`), `spec` (a bad request), `limit` (a cap of the
+    worker), `error` (retried), `cancelled`, or `released` (the worker is stopping)."""
+
+    kind: str
+    result: dict[str, Any] | None = None
+    text: str = ""
 
 
 def run_worker(settings: Settings, *, worker_id: str | None = None, stop: threading.Event | None = None,
@@ -79,64 +101,184 @@ def run_worker(settings: Settings, *, worker_id: str | None = None, stop: thread
         ran += 1
         if once:
             break
+    store.engine.dispose()
     return ran
 
 
 def run_one(store: JobStore, job: JobView, worker_id: str, settings: Settings, stop: threading.Event) -> None:
     """Run a claimed job to its end: completed, failed (retried or not), cancelled, or handed back."""
     state = _Running()
+    log.info("job %s (%s, attempt %d) started", job.id, job.kind, job.attempts)
+    process, pipe = _start(job, settings)  # forked before the heartbeat thread exists
     beat = threading.Thread(target=_heartbeats, args=(store, job.id, worker_id, state, _beat_s(settings)),
                             name=f"heartbeat-{job.id[:8]}", daemon=True)
     beat.start()
-
-    def progress(fraction: float, message: str) -> None:
-        state.progress, state.message = fraction, message
-        if state.lost.is_set() or stop.is_set():
-            raise _Abandon(job.id)
-        if state.cancel.is_set():
-            raise Cancelled(job.id)
-
-    log.info("job %s (%s, attempt %d) started", job.id, job.kind, job.attempts)
     try:
-        _settle(store, job, worker_id, settings, progress, state)
+        outcome = _supervise(store, job, settings, process, pipe, state, stop)
+        _record(store, job, worker_id, outcome, state)
     except LeaseLost:
         log.warning("job %s: lease lost to another worker; result dropped", job.id)
     except SQLAlchemyError as err:  # the lease runs out and another worker takes the job
         log.error("job %s: could not record its outcome: %s", job.id, err)
     finally:
+        _kill(process)
+        pipe.close()
         state.done.set()
         beat.join()
 
 
-def _settle(store: JobStore, job: JobView, worker_id: str, settings: Settings,
-            progress: Progress, state: _Running) -> None:
-    """Run the job and record how it ended (LeaseLost propagates: nothing to record then)."""
+def _start(job: JobView, settings: Settings) -> tuple[Any, Connection]:
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_job_process, args=(send, job, settings, os.getpid()),
+                              name=f"job-{job.id[:8]}", daemon=True)
+    process.start()
+    send.close()
+    return process, receive
+
+
+def _supervise(store: JobStore, job: JobView, settings: Settings, process: Any, pipe: Connection,
+               state: _Running, stop: threading.Event) -> _Outcome:
+    """Follow the job process until it reports its end, or stop it (cancel, caps, shutdown, lost lease)."""
+    deadline = time.monotonic() + settings.job_timeout_s
+    next_cancel_check = time.monotonic() + CANCEL_POLL_S
+    while True:
+        message = _receive(pipe)
+        if message is not None and message[0] == "progress":
+            state.progress, state.message = float(message[1]), str(message[2])
+            continue
+        if message is not None and message[0] != "eof":
+            return _Outcome(kind=message[0], result=message[1] if message[0] == "ok" else None,
+                            text="" if message[0] == "ok" else str(message[1]))
+        if message is not None or not process.is_alive():  # gone without a word: killed, or crashed
+            process.join(10)
+            return _Outcome("error", text=f"the job process died (exit code {process.exitcode})")
+        if state.lost.is_set():
+            raise LeaseLost(job.id)
+        if stop.is_set():
+            return _Outcome("released")
+        now = time.monotonic()
+        if now >= next_cancel_check:
+            next_cancel_check = now + CANCEL_POLL_S
+            if _cancel_requested(store, job.id):
+                state.cancel.set()
+        if state.cancel.is_set():
+            return _Outcome("cancelled")
+        if now > deadline:
+            return _Outcome("limit", text=f"the job ran longer than this service's limit of "
+                                          f"{settings.job_timeout_s:g} s per job (TAGPLAN_JOB_TIMEOUT_S)")
+        rss = _rss_bytes(process.pid)
+        if rss > settings.job_memory_bytes:
+            return _Outcome("limit", text=f"the job used more memory than this service's limit of "
+                                          f"{settings.job_memory_bytes / 2**30:.2f} GiB per job "
+                                          f"(TAGPLAN_JOB_MEMORY_BYTES)")
+
+
+def _receive(pipe: Connection) -> tuple[Any, ...] | None:
+    """The job process's next message, None if it sent none for `POLL_S`, ("eof",) once it is gone."""
     try:
-        result = run_job(job.kind, job.request, settings, progress)
-    except Cancelled:
+        if pipe.poll(POLL_S):
+            return tuple(pipe.recv())
+    except (EOFError, OSError):  # the job process closed its end: its exit code tells how it ended
+        return ("eof",)
+    return None
+
+
+def _cancel_requested(store: JobStore, job_id: str) -> bool:
+    try:
+        return store.cancel_requested(job_id)
+    except SQLAlchemyError as err:
+        log.warning("job %s: cancel check failed: %s", job_id, err)
+        return False
+
+
+def _record(store: JobStore, job: JobView, worker_id: str, outcome: _Outcome, state: _Running) -> None:
+    """Record how the job ended (LeaseLost propagates: nothing to record then)."""
+    if outcome.kind == "ok" and outcome.result is not None and not state.cancel.is_set():
+        store.complete(job.id, worker_id, outcome.result)
+        log.info("job %s succeeded", job.id)
+    elif outcome.kind in ("cancelled", "ok"):  # asked to stop after the job's last word: honour it
         store.mark_cancelled(job.id, worker_id)
         log.info("job %s cancelled", job.id)
-        return
-    except _Abandon:
-        if state.lost.is_set():
-            raise LeaseLost(job.id) from None
+    elif outcome.kind == "released":
         store.release(job.id, worker_id)
         log.info("job %s handed back: the worker is stopping", job.id)
-        return
+    elif outcome.kind in ("spec", "limit"):
+        store.fail(job.id, worker_id, outcome.text[:MAX_ERROR_CHARS], retry=False)
+        log.info("job %s failed on its request: %s", job.id, outcome.text[:500])
+    else:
+        text = f"internal error on attempt {job.attempts}: {outcome.text}"
+        store.fail(job.id, worker_id, text[:MAX_ERROR_CHARS], retry=True)
+        log.warning("job %s: %s", job.id, text[:500])
+
+
+def _kill(process: Any) -> None:
+    if process.is_alive():
+        process.kill()
+    process.join(10)
+
+
+def _rss_bytes(pid: int) -> int:
+    """Resident memory of process `pid` in bytes (0 where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# -- the job process -------------------------------------------------------------------------------
+
+
+def _job_process(pipe: Connection, job: JobView, settings: Settings, parent_pid: int) -> None:
+    """Run one job and send ("progress", f, message)* then ("ok", result) | ("spec" | "limit" | "error", text)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    die_with_parent(parent_pid)
+    _cap_address_space(settings.job_memory_bytes)
+
+    def progress(fraction: float, message: str) -> None:
+        pipe.send(("progress", fraction, message))
+
+    try:
+        result = run_job(job.kind, job.request, settings, progress, tenant_id=job.tenant_id)
+        pipe.send(("ok", result))
     except SpecError as err:
-        store.fail(job.id, worker_id, str(err)[:MAX_ERROR_CHARS], retry=False)
-        log.info("job %s failed on its request: %s", job.id, err)
-        return
+        pipe.send(("spec", str(err)[:MAX_ERROR_CHARS]))
+    except MemoryError:
+        pipe.send(("limit", f"the job used more memory than this service's limit of "
+                            f"{settings.job_memory_bytes / 2**30:.2f} GiB per job (TAGPLAN_JOB_MEMORY_BYTES)"))
     except Exception as err:
         log.exception("job %s: attempt %d raised", job.id, job.attempts)  # the traceback stays in the log
-        text = f"internal error on attempt {job.attempts}: {type(err).__name__}: {err}"
-        store.fail(job.id, worker_id, text[:MAX_ERROR_CHARS], retry=True)
-        return
-    if state.cancel.is_set():  # asked to stop after the search's last check: honour it
-        store.mark_cancelled(job.id, worker_id)
-        return
-    store.complete(job.id, worker_id, result)
-    log.info("job %s succeeded", job.id)
+        pipe.send(("error", f"{type(err).__name__}: {err}"[:MAX_ERROR_CHARS]))
+    finally:
+        pipe.close()
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux), and exit now if
+    `parent_pid` is already gone (it died before the request took effect)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent polling of `watch_parent` remains
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _cap_address_space(extra_bytes: int) -> None:
+    """Limit this process's address space to what it has now plus `extra_bytes` (RLIMIT_AS)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            size = int(statm.read().split()[0]) * resource.getpagesize()
+        _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        cap = size + extra_bytes
+        if hard != resource.RLIM_INFINITY:
+            cap = min(cap, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    except (OSError, ValueError):  # no /proc or not permitted: the worker's watch on RSS remains
+        pass
 
 
 def _beat_s(settings: Settings) -> float:
@@ -158,12 +300,28 @@ def _heartbeats(store: JobStore, job_id: str, worker_id: str, state: _Running, e
 
 def _one_torch_thread() -> None:
     # Each worker is one process of a pool on a shared machine, and the GNN's graphs are small:
-    # intra-op threads only contend (see tests/conftest.py).
+    # intra-op threads only contend (see tests/conftest.py). Imported here, once, so that every
+    # job process forked from the worker has torch and the planner loaded already.
     try:
         import torch
+
+        import tagplan.service.jobs.plan  # noqa: F401 (preloaded for the job processes)
     except ImportError:  # pragma: no cover - torch is a dependency; a worker still plans without it
         return
     torch.set_num_threads(1)
+
+
+def watch_parent(parent_pid: int, stop: threading.Event, every_s: float = 1.0) -> threading.Thread:
+    """A thread that sets `stop` once `parent_pid` is no longer this process's parent (it died)."""
+    def watch() -> None:
+        while not stop.wait(every_s):
+            if os.getppid() != parent_pid:
+                log.warning("parent process %d is gone: stopping", parent_pid)
+                stop.set()
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 class WorkerPool:
@@ -217,7 +375,7 @@ class WorkerPool:
                 proc.wait()
 
     def _spawn(self, slot: int) -> None:
-        env = {**os.environ, **self.settings.to_env()}
+        env = {**os.environ, **self.settings.to_env(), PARENT_ENV: str(os.getpid())}
         proc = subprocess.Popen([sys.executable, "-m", "tagplan.service.worker"], env=env)
         self._procs[slot], self._started_at[slot] = proc, time.monotonic()
         log.info("worker process %d started (slot %d)", proc.pid, slot)
@@ -246,7 +404,8 @@ class WorkerPool:
 
 
 def main() -> int:
-    """`python -m tagplan.service.worker`: one worker with the environment's settings until SIGTERM."""
+    """`python -m tagplan.service.worker`: one worker with the environment's settings until SIGTERM,
+    SIGINT or (under `WorkerPool`) the death of the process that started it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     stop = threading.Event()
 
@@ -256,6 +415,10 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    parent = os.environ.get(PARENT_ENV, "")
+    if parent.isdigit():
+        die_with_parent(int(parent), signal.SIGTERM)  # SIGTERM: the job is handed back on the way out
+        watch_parent(int(parent), stop)
     run_worker(Settings.from_env(), stop=stop)
     return 0
 

@@ -156,7 +156,9 @@ def test_a_plan_through_the_real_server_and_worker(live: Live) -> None:
         assert {"best", "timeline"} <= set(result.json())
         with client.stream("GET", f"/v1/jobs/{job_id}/events") as events:
             assert "event: done" in "".join(events.iter_text())
-        assert 'tagplan_jobs{status="succeeded"} 1' in client.get("/metrics").text
+        assert "tagplan_jobs" not in client.get("/metrics").text  # job counts: for admins only
+        admin = {"Authorization": f"Bearer {live.admin_key}"}
+        assert 'tagplan_jobs{status="succeeded"} 1' in client.get("/metrics", headers=admin).text
 
 
 def test_fifty_concurrent_http_submissions_give_fifty_results(live: Live) -> None:

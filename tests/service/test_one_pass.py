@@ -3,7 +3,8 @@ the model and the cluster are built once, in the worker and never in the API pro
 best plan's timeline is simulated once (by the planner; the service draws it from `PlanResult`).
 
 The worker runs in this process after the API answered, so every call is counted in the phase
-that made it. The builders are counted where every path must pass whatever a module imported:
+that made it (the job process the worker forks inherits the counting wrappers and appends its
+calls to the same file). The builders are counted where every path must pass whatever a module imported:
 the `gpt` family's builder in `FAMILIES` and `cluster_spec._from_presets` (both looked up at
 call time), `model_spec.build_model`, `cluster_spec.build_cluster` (which the worker calls
 through their modules) and `Simulator.run` with task times recorded.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,26 +29,33 @@ PLAN = {"model": "gpt?layers=2&hidden=64&heads=4&vocab=100", "cluster": "p3.8xla
 
 
 class Phases:
-    """Calls counted by (phase, what): `api` while the request is answered, `worker` while the job runs."""
+    """Calls counted by (phase, what): `api` while the request is answered, `worker` while the job runs
+    (in a file, so that calls in a forked job process count too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path) -> None:
         self.now = "api"
-        self.calls: Counter[tuple[str, str]] = Counter()
+        self.path = path
+
+    def add(self, what: str) -> None:
+        with self.path.open("a") as out:
+            out.write(f"{self.now}\t{what}\n")
 
     def counting(self, what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[(self.now, what)] += 1
+            self.add(what)
             return fn(*args, **kwargs)
 
         return counted
 
     def of(self, phase: str) -> dict[str, int]:
-        return {what: n for (p, what), n in self.calls.items() if p == phase}
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        calls = Counter(tuple(line.split("\t", 1)) for line in lines)
+        return {what: n for (p, what), n in calls.items() if p == phase}
 
 
 @pytest.fixture
-def phases(monkeypatch: pytest.MonkeyPatch) -> Phases:
-    counted = Phases()
+def phases(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Phases:
+    counted = Phases(tmp_path / "calls.tsv")
     monkeypatch.setitem(parametric.FAMILIES, "gpt", counted.counting("gpt graph built", parametric.FAMILIES["gpt"]))
     monkeypatch.setattr(model_spec, "build_model", counted.counting("build_model", model_spec.build_model))
     monkeypatch.setattr(cluster_spec, "build_cluster", counted.counting("build_cluster", cluster_spec.build_cluster))
@@ -57,7 +66,7 @@ def phases(monkeypatch: pytest.MonkeyPatch) -> Phases:
 
     def recorded_run(self: Simulator, plan: Any, *, record_tasks: bool = True) -> Any:
         if record_tasks:  # `simulate` (the search's) records no task times; a timeline needs them
-            counted.calls[(counted.now, "timeline simulated")] += 1
+            counted.add("timeline simulated")
         return run(self, plan, record_tasks=record_tasks)
 
     monkeypatch.setattr(Simulator, "run", recorded_run)

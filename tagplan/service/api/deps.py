@@ -60,6 +60,17 @@ def current_principal(services: ServicesDep,
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 
 
+def optional_principal(services: ServicesDep,
+                       bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+                       api_key: Annotated[str | None, Depends(_api_key)]) -> Principal | None:
+    """The tenant of the request's API key, or None without a valid one (never 401)."""
+    key = bearer.credentials if bearer is not None else api_key
+    return authenticate(services.engine, key) if key and len(key) <= MAX_KEY_CHARS else None
+
+
+MaybePrincipalDep = Annotated[Principal | None, Depends(optional_principal)]
+
+
 def admin_principal(principal: PrincipalDep) -> Principal:
     """The caller, who must hold an admin key (403 otherwise)."""
     if not principal.admin:

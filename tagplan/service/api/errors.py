@@ -1,4 +1,9 @@
-"""Error answers: every one is JSON `{"detail": "..."}`; bad input is always a 4xx, never a traceback."""
+"""Error answers: every one is JSON `{"detail": "..."}`; bad input is always a 4xx, never a traceback.
+
+A database that does not answer (down, restarting, locked past its timeout) is a 503 with
+`Retry-After`, not a 500: nothing was done, and the same request may be sent again. Messages
+quote at most `requests.MAX_SHOWN` characters of any value and `MAX_DETAIL_CHARS` in all.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,17 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as db_errors
 
 from tagplan.errors import SpecError
-from tagplan.service.requests import LimitError, describe, shown
+from tagplan.service.requests import LimitError, clipped, describe, shown
 
 log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5
+MAX_DETAIL_CHARS = 1000
+UNAVAILABLE = (db_errors.OperationalError, db_errors.InterfaceError, db_errors.TimeoutError,
+               db_errors.DisconnectionError)
 
 
 def install(app: FastAPI) -> None:
@@ -19,6 +30,8 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
     app.add_exception_handler(LimitError, _over_limit)  # type: ignore[arg-type]
     app.add_exception_handler(SpecError, _bad_spec)  # type: ignore[arg-type]
+    for error in UNAVAILABLE:
+        app.add_exception_handler(error, _unavailable)
     app.add_exception_handler(Exception, _bug)
 
 
@@ -31,11 +44,18 @@ async def _invalid_request(_: Request, err: RequestValidationError) -> JSONRespo
 
 
 async def _over_limit(_: Request, err: LimitError) -> JSONResponse:
-    return JSONResponse({"detail": str(err)}, status_code=int(getattr(err, "status", 422)))
+    return JSONResponse({"detail": clipped(str(err))[:MAX_DETAIL_CHARS]}, status_code=int(getattr(err, "status", 422)))
 
 
 async def _bad_spec(_: Request, err: SpecError) -> JSONResponse:
-    return JSONResponse({"detail": str(err)}, status_code=422)
+    return JSONResponse({"detail": clipped(str(err))[:MAX_DETAIL_CHARS]}, status_code=422)
+
+
+async def _unavailable(request: Request, err: Exception) -> JSONResponse:
+    log.warning("database unavailable on %s %s: %s", request.method, request.url.path, type(err).__name__)
+    return JSONResponse({"detail": f"the service's database is not answering ({type(err).__name__}); nothing "
+                                   f"was done: retry in {RETRY_AFTER_S} s"},
+                        status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _bug(request: Request, err: Exception) -> JSONResponse:

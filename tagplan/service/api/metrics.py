@@ -90,19 +90,23 @@ def job_durations(engine: sa.Engine) -> tuple[float, int]:
     return total, count
 
 
-def render(jobs: Mapping[str, int], requests: Mapping[tuple[str, int], int], durations: tuple[float, int]) -> str:
-    """The exposition text of the service's metrics."""
+def render(jobs: Mapping[str, int] | None, requests: Mapping[tuple[str, int], int],
+           durations: tuple[float, int] | None) -> str:
+    """The exposition text of the service's metrics (the job families only where `jobs` and
+    `durations` are given: an admin's view)."""
     answered = ((f'route="{_escape(route)}",code="{code}"', n) for (route, code), n in sorted(requests.items()))
-    lines = [*_family("tagplan_jobs", "gauge", "Jobs by status.",
-                      ((f'status="{s}"', jobs.get(s, 0)) for s in sorted({*map(str, JobStatus), *jobs}))),
-             *_family("tagplan_queue_depth", "gauge", "Jobs waiting for a worker.",
-                      [("", jobs.get(JobStatus.QUEUED, 0))]),
-             *_family("tagplan_http_requests_total", "counter", "HTTP requests answered, by route template and code.",
-                      answered)]
-    total, count = durations
-    lines += ["# HELP tagplan_job_duration_seconds Seconds from start to finish of finished jobs.",
-              "# TYPE tagplan_job_duration_seconds summary",
-              f"tagplan_job_duration_seconds_sum {total!r}", f"tagplan_job_duration_seconds_count {count}"]
+    lines = _family("tagplan_http_requests_total", "counter", "HTTP requests answered, by route template and code.",
+                    answered)
+    if jobs is not None:
+        lines += [*_family("tagplan_jobs", "gauge", "Jobs by status.",
+                           ((f'status="{s}"', jobs.get(s, 0)) for s in sorted({*map(str, JobStatus), *jobs}))),
+                  *_family("tagplan_queue_depth", "gauge", "Jobs waiting for a worker.",
+                           [("", jobs.get(JobStatus.QUEUED, 0))])]
+    if durations is not None:
+        total, count = durations
+        lines += ["# HELP tagplan_job_duration_seconds Seconds from start to finish of finished jobs.",
+                  "# TYPE tagplan_job_duration_seconds summary",
+                  f"tagplan_job_duration_seconds_sum {total!r}", f"tagplan_job_duration_seconds_count {count}"]
     return "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from tagplan.service.api import metrics as job_metrics
-from tagplan.service.api.deps import ServicesDep
+from tagplan.service.api.deps import MaybePrincipalDep, ServicesDep
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
@@ -34,8 +34,10 @@ def readyz(services: ServicesDep) -> JSONResponse:
 
 
 @router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
-def metrics(services: ServicesDep) -> PlainTextResponse:
-    """Jobs by status, queue depth, HTTP answers by route and code, and finished jobs' durations."""
-    text = job_metrics.render(services.store.counts(), services.requests.snapshot(),
-                              job_metrics.job_durations(services.engine))
+def metrics(services: ServicesDep, principal: MaybePrincipalDep) -> PlainTextResponse:
+    """HTTP answers by route and code; with an admin key also jobs by status, queue depth and
+    finished jobs' durations (how busy the tenants are is not for anyone to read)."""
+    admin = principal is not None and principal.admin
+    text = job_metrics.render(services.store.counts() if admin else None, services.requests.snapshot(),
+                              job_metrics.job_durations(services.engine) if admin else None)
     return PlainTextResponse(text, media_type=job_metrics.CONTENT_TYPE)

@@ -1,4 +1,8 @@
-"""Routes of the GNN registry: list the versions and their cards; activate one (admin only)."""
+"""Routes of the GNN registry: list the versions and their cards; activate one (admin only).
+
+Two levels: the service-wide registry (what every tenant's plans use; only an admin activates a
+version there) and each tenant's own (where its training runs register, activated only when a
+version improves the held-out error on the tenant's data; `requests.tenant_registry`)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Path
 from tagplan.errors import SpecError
 from tagplan.service.api.deps import AdminDep, PrincipalDep, ServicesDep
 from tagplan.service.api.schemas import Error, ModelsOut, ModelVersion
+from tagplan.service.requests import gnn_version, tenant_registry
 from tagplan.training.registry import PACKAGED_CHECKPOINT, Registry
 
 router = APIRouter(tags=["models"])
@@ -20,17 +25,25 @@ def registry(services: ServicesDep) -> Registry:
     return Registry(services.settings.home / "registry")
 
 
-def _listing(reg: Registry) -> ModelsOut:
+def _versions(reg: Registry) -> list[ModelVersion]:
     active = reg.active()
-    versions = [ModelVersion(version=v, active=v == active, card=reg.card(v)) for v in reg.versions()]
+    return [ModelVersion(version=v, active=v == active, card=reg.card(v)) for v in reg.versions()]
+
+
+def _listing(reg: Registry, tenant: Registry | None = None) -> ModelsOut:
+    active = reg.active()
     default = None if active or not PACKAGED_CHECKPOINT.exists() else f"packaged:{PACKAGED_CHECKPOINT.name}"
-    return ModelsOut(active=active, default=default, versions=versions)
+    return ModelsOut(active=active, default=default, versions=_versions(reg),
+                     tenant_active=tenant.active() if tenant is not None else None,
+                     tenant_versions=_versions(tenant) if tenant is not None else [],
+                     in_use=gnn_version(tenant if tenant is not None else reg))
 
 
 @router.get("/v1/models", response_model=ModelsOut, responses=_ERRORS, summary="GNN versions")
-def list_models(_: PrincipalDep, services: ServicesDep) -> ModelsOut:
-    """The registry's versions with their model cards, the active one, and the packaged fallback."""
-    return _listing(registry(services))
+def list_models(principal: PrincipalDep, services: ServicesDep) -> ModelsOut:
+    """The service's versions with their model cards and the active one, the packaged fallback, and
+    the caller's own versions (from its training runs) with the one its plans use."""
+    return _listing(registry(services), tenant_registry(services.settings, principal.tenant_id))
 
 
 @router.post("/v1/models/{version}/activate", response_model=ModelsOut,

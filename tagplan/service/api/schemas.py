@@ -94,9 +94,14 @@ class ModelVersion(BaseModel):
 class ModelsOut(BaseModel):
     """The GNN registry: its versions, the active one, and the fallback when none is active."""
 
-    active: str | None
+    active: str | None = Field(description="the service-wide active version (admins activate it)")
     default: str | None = Field(description="the packaged checkpoint used while no version is active")
     versions: list[ModelVersion]
+    tenant_active: str | None = Field(default=None, description="the caller's own active version, if any")
+    tenant_versions: list[ModelVersion] = Field(default_factory=list, description="versions the caller's "
+                                                "training runs registered")
+    in_use: str = Field(default="packaged", description="what the caller's plans use: tenant:vNNNN, vNNNN "
+                                                        "or packaged")
 
 
 class Error(BaseModel):

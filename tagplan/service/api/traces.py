@@ -18,12 +18,20 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from tagplan.datasets.traces.bundle import Fingerprint, Manifest, TraceRecord, now_iso, parse_record, write_bundle
+from tagplan.datasets.traces.bundle import (
+    Fingerprint,
+    IterationRecord,
+    Manifest,
+    TraceRecord,
+    now_iso,
+    parse_record,
+    write_bundle,
+)
 from tagplan.errors import SpecError, from_validation
 from tagplan.service.api.deps import ID_PATTERN, PrincipalDep, RateLimitDep, Services, ServicesDep
 from tagplan.service.api.schemas import Error, JobOut, TraceBundleIn, TraceCreated, TrainingRunRequest, job_out
 from tagplan.service.keys import Principal
-from tagplan.service.requests import CalibrationChoice, TrainRequest, calibration_of, traces_root
+from tagplan.service.requests import CalibrationChoice, TrainRequest, calibration_of, check_iteration, traces_root
 from tagplan.service.settings import Settings
 from tagplan.service.vocabulary import JobKind
 
@@ -61,10 +69,11 @@ async def upload_trace(request: Request, principal: PrincipalDep, services: Serv
     (`application/x-ndjson` or `text/plain`) with `?name=` and `?device=`; 201 with its id."""
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     body = await request.body()
+    settings = services.settings
     if media in JSON_TYPES:
-        manifest, records = _from_json(body)
+        manifest, records = _from_json(body, settings)
     elif media in LINES_TYPES:
-        manifest, records = _from_lines(_text(body), device, principal)
+        manifest, records = _from_lines(_text(body), device, principal, settings)
     else:
         raise HTTPException(415, f"Content-Type {media or '(none)'!r}: send application/json (a bundle "
                                  f"{{manifest, records}}) or one of {', '.join(LINES_TYPES)} (records.jsonl)")
@@ -92,7 +101,7 @@ def _text(body: bytes) -> str:
         raise SpecError(f"records.jsonl: not UTF-8 text (byte {err.start})") from None
 
 
-def _from_json(body: bytes) -> tuple[Manifest, list[TraceRecord]]:
+def _from_json(body: bytes, settings: Settings) -> tuple[Manifest, list[TraceRecord]]:
     try:
         bundle = TraceBundleIn.model_validate_json(body)
     except ValidationError as err:
@@ -102,12 +111,14 @@ def _from_json(body: bytes) -> tuple[Manifest, list[TraceRecord]]:
     except ValidationError as err:
         raise from_validation("manifest", err) from None
     _finite(manifest.model_dump(), "manifest")
-    records = [_record(json.dumps(r), f"records[{i}]") for i, r in enumerate(bundle.records)]
+    records = [_record(json.dumps(r), f"records[{i}]", settings) for i, r in enumerate(bundle.records)]
     return manifest, _nonempty(records)
 
 
-def _from_lines(text: str, device: str | None, principal: Principal) -> tuple[Manifest, list[TraceRecord]]:
-    records = [_record(line, f"line {n}") for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+def _from_lines(text: str, device: str | None, principal: Principal,
+                settings: Settings) -> tuple[Manifest, list[TraceRecord]]:
+    records = [_record(line, f"line {n}", settings) for n, line in enumerate(text.splitlines(), start=1)
+               if line.strip()]
     device_type = device or next((str(d) for r in records if (d := getattr(r, "device", None))), None)
     if device_type is None:
         raise SpecError("records.jsonl: no record names its device; give ?device=TYPE")
@@ -117,9 +128,13 @@ def _from_lines(text: str, device: str | None, principal: Principal) -> tuple[Ma
     return manifest, _nonempty(records)
 
 
-def _record(line: str, where: str) -> TraceRecord:
+def _record(line: str, where: str, settings: Settings) -> TraceRecord:
+    """One record, checked whole: an iteration record names its model and cluster inline or as a SPEC
+    that names no file, within the service's limits (`requests.check_iteration`)."""
     record = parse_record(line, where)
     _finite(record.model_dump(), where)
+    if isinstance(record, IterationRecord):
+        return check_iteration(record, settings, where)
     return record
 
 

@@ -26,17 +26,19 @@ class Cancelled(Exception):  # noqa: N818 (the name docs/SERVICE.md promises)
     """Raised by a job's progress callback when its worker was asked to stop it."""
 
 
-def run_job(kind: JobKind | str, request: dict[str, Any], settings: Settings, progress: Progress) -> dict[str, Any]:
-    """Run a job of `kind` and return its result JSON (strict: no NaN or infinities); SpecError
-    (LimitError over a limit) for a bad request, which a retry cannot fix."""
+def run_job(kind: JobKind | str, request: dict[str, Any], settings: Settings, progress: Progress, *,
+            tenant_id: int | None = None) -> dict[str, Any]:
+    """Run a job of `kind` for `tenant_id` and return its result JSON (strict: no NaN or infinities);
+    SpecError (LimitError over a limit) for a bad request, which a retry cannot fix. The tenant's
+    GNN registry is the one a plan uses and a training run registers into (`requests.tenant_registry`)."""
     if kind == JobKind.PLAN:
         from tagplan.service.jobs.plan import run_plan
 
-        return dict(finite(run_plan(request, settings, progress)))
+        return dict(finite(run_plan(request, settings, progress, tenant_id=tenant_id)))
     if kind == JobKind.TRAIN:
         from tagplan.service.jobs.train import run_train
 
-        return dict(finite(run_train(request, settings, progress)))
+        return dict(finite(run_train(request, settings, progress, tenant_id=tenant_id)))
     raise SpecError(f"job kind {str(kind)[:40]!r} is not accepted; accepted: {', '.join(JobKind)}")
 
 

@@ -37,16 +37,18 @@ from tagplan.service.requests import (
     WorkloadRequest,
     calibration_of,
     check_limits,
+    gnn_version,
     read_request,
-    registry_root,
+    tenant_registry,
 )
 from tagplan.service.settings import Settings
-from tagplan.training.registry import Registry, prior_factory
+from tagplan.training.registry import prior_factory
 
 
-def run_plan(data: Any, settings: Settings, progress: Progress) -> dict[str, Any]:
+def run_plan(data: Any, settings: Settings, progress: Progress, *, tenant_id: int | None = None) -> dict[str, Any]:
     """The planner's JSON for a stored plan request, plus `timeline`, `request` (every default
-    filled in) and `cluster` (the web view's stage map); SpecError for a bad request."""
+    filled in), `cluster` (the web view's stage map) and `gnn` (the GNN version the search used:
+    the tenant's active one, else the service's); SpecError for a bad request."""
     request = read_request(PlanRequest, data, "plan request")
     check_limits(request, settings)
     calibration = calibration_of(request.calibration, settings)
@@ -59,11 +61,13 @@ def run_plan(data: Any, settings: Settings, progress: Progress) -> dict[str, Any
         elapsed = (time.monotonic() - start) / problem.budget_s
         progress(min(0.99, max(done / max(total, 1), elapsed)), f"evaluations {done}/{total}")
 
-    factory = prior_factory(problem.scorer, Registry(registry_root(settings)), problem.cluster.num_devices)
+    registry = tenant_registry(settings, tenant_id)
+    factory = prior_factory(problem.scorer, registry, problem.cluster.num_devices,
+                            heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
     result = plan(problem, prior_factory=factory, progress=tick)
     progress(0.99, "writing the result")
     return {**result.to_json(), "timeline": result.timeline(), "request": echo(request, problem),
-            "cluster": cluster_summary(problem.cluster, dtype=problem.workload.dtype)}
+            "cluster": cluster_summary(problem.cluster, dtype=problem.workload.dtype), "gnn": gnn_version(registry)}
 
 
 def plan_problem(request: PlanRequest, settings: Settings, calibration: Calibration) -> PlanProblem:

@@ -1,7 +1,13 @@
 """A training job: a stored `TrainRequest` -> the GNN fine-tuned on uploaded traces -> its model card.
 
-Only bundles uploaded to this service (under `<home>/traces`) are read; the calibration is an
-inline object or a registry version, never a path (`requests.calibration_of`).
+Only bundles the tenant uploaded to this service (under `<home>/traces/<tenant id>`) are read, and
+every iteration record in them is checked again as on upload (`requests.check_bundle`: model and
+cluster inline or SPECs naming no file, within the limits); the calibration is an inline object or
+a registry version, never a path (`requests.calibration_of`).
+
+The new version is registered in the tenant's own registry (`requests.tenant_registry`) and
+becomes the tenant's active version only when it lowers the held-out error on the tenant's data;
+the service-wide version every other tenant uses changes only by an admin's activation.
 """
 
 from __future__ import annotations
@@ -13,26 +19,37 @@ from typing import Any
 
 from tagplan.errors import SpecError
 from tagplan.service.jobs import Progress
-from tagplan.service.requests import TrainRequest, calibration_of, read_request, registry_root, shown, traces_root
+from tagplan.service.requests import (
+    TrainRequest,
+    calibration_of,
+    check_bundle,
+    read_request,
+    shown,
+    tenant_registry,
+    traces_root,
+)
 from tagplan.service.settings import Settings
 
 
-def run_train(data: Any, settings: Settings, progress: Progress) -> dict[str, Any]:
-    """Fine-tune the active GNN on the request's bundles and register it; the model card as JSON."""
+def run_train(data: Any, settings: Settings, progress: Progress, *, tenant_id: int | None = None) -> dict[str, Any]:
+    """Fine-tune the tenant's GNN on the request's bundles and register it for the tenant; the model card."""
     from tagplan.datasets.traces.bundle import read_bundle
-    from tagplan.training.registry import Registry
     from tagplan.training.traces import finetune_on_traces  # torch: imported when a training job runs
 
     request = read_request(TrainRequest, data, "training request")
     root = traces_root(settings).resolve()
+    if tenant_id is not None:
+        root = root / str(int(tenant_id))
     for path in request.traces:
         if not Path(path).resolve().is_relative_to(root):
             raise SpecError(f"traces: {shown(path)} is not a trace bundle uploaded to this service")
     calibration = calibration_of(request.calibration, settings)
     progress(0.05, f"reading {len(request.traces)} trace bundles")
-    bundles = [read_bundle(p) for p in request.traces]
+    bundles = [check_bundle(read_bundle(p), settings, f"bundle {i}") for i, p in enumerate(request.traces)]
     progress(0.2, "fine-tuning the GNN on the measured iterations")
     out_dir = settings.home / "training" / uuid.uuid4().hex
-    card = finetune_on_traces(bundles, out_dir, registry=Registry(registry_root(settings)), calibration=calibration)
+    registry = tenant_registry(settings, tenant_id)
+    card = finetune_on_traces(bundles, out_dir, registry=registry, calibration=calibration)
     progress(1.0, "registered")
-    return dict(json.loads(json.dumps(card, default=str)))  # paths and dates as strings
+    scope = "service-wide" if tenant_id is None else f"tenant {tenant_id}"
+    return {**json.loads(json.dumps(card, default=str)), "registry": scope}  # paths and dates as strings

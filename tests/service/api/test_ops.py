@@ -18,7 +18,11 @@ def test_health_readiness_and_metrics(client: TestClient, keys: Any, api: Any, f
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").status_code == 200
     api.submit(client, keys.a)
-    text = client.get("/metrics").text
+    anonymous, tenant = client.get("/metrics").text, client.get("/metrics", headers=api.auth(keys.a)).text
+    for text in (anonymous, tenant):  # how busy the tenants are is for admins only
+        assert "tagplan_jobs" not in text and "tagplan_queue_depth" not in text and "duration" not in text
+        assert 'tagplan_http_requests_total{route="/v1/plans",code="202"}' in text
+    text = client.get("/metrics", headers=api.auth(keys.admin)).text
     assert '# TYPE tagplan_jobs gauge' in text
     assert 'tagplan_jobs{status="succeeded"}' in text and 'tagplan_jobs{status="queued"}' in text
     assert "tagplan_queue_depth " in text
