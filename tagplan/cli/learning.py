@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def add_learning_commands(sub: Subparsers) -> None:
 
     models = sub.add_parser("models", help="list or activate GNN versions in the registry")
     models.add_argument("action", choices=["list", "activate"])
-    models.add_argument("version", nargs="?")
+    models.add_argument("version", nargs="?", help="a registered version, or \"default\" for the shipped checkpoint")
     add_json_option(models, "{active, fallback, versions}")
     models.set_defaults(func=_models)
 
@@ -83,6 +84,28 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+class EpochProgress:
+    """Prints each epoch's losses with the elapsed time and an ETA (at most the remaining epochs;
+    training also stops early once validation has not improved for `patience` epochs)."""
+
+    def __init__(self, epochs: int, patience: int) -> None:
+        self.epochs, self.patience = epochs, patience
+        self.start = time.monotonic()
+        self.best, self.stale = float("inf"), 0
+
+    def epochs_left(self, epoch: int) -> int:
+        """Epochs that may still run after `epoch` (0-based): the rest, or fewer under early stopping."""
+        return max(min(self.epochs - epoch - 1, self.patience - self.stale), 0)
+
+    def __call__(self, epoch: int, train_loss: float, val_mse: float) -> None:
+        elapsed = time.monotonic() - self.start
+        per_epoch = elapsed / (epoch + 1)
+        self.best, self.stale = (val_mse, 0) if val_mse < self.best else (self.best, self.stale + 1)
+        left = self.epochs_left(epoch)
+        print(f"epoch {epoch + 1:3d}/{self.epochs}  train {train_loss:.4f}  val mse(log) {val_mse:.4f}  "
+              f"elapsed {elapsed:.0f} s  ETA <= {left * per_epoch:.0f} s", file=sys.stderr, flush=True)
+
+
 def _train_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     from tagplan.training.registry import Registry
     from tagplan.training.train import TrainConfig, train
@@ -92,9 +115,7 @@ def _train_synthetic(args: argparse.Namespace) -> dict[str, Any]:
         raise SpecError(f"--data {args.data}: no train/samples.jsonl; create it with `tagplan dataset generate`")
     config = TrainConfig(epochs=args.epochs, seed=args.seed, hidden=args.hidden,
                          **({"lr": args.lr} if args.lr is not None else {}))
-    path, card = train(data, Path(args.out), config,
-                       on_epoch=lambda e, t, v: print(f"epoch {e:3d}  train {t:.4f}  val mse(log) {v:.4f}",
-                                                      file=sys.stderr))
+    path, card = train(data, Path(args.out), config, on_epoch=EpochProgress(config.epochs, config.patience))
     Path(args.out, "card.json").write_text(json.dumps(card, indent=2, default=str))
     metrics = {split: {k: round(v, 4) for k, v in m.items()} for split, m in card["metrics"].items()}
     registry = Registry()

@@ -11,12 +11,14 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from tagplan.cli.options import (
     EXIT_INFEASIBLE,
     Subparsers,
     add_json_option,
     add_problem_options,
+    console,
     emit,
     load_calibration_option,
     load_problem,
@@ -37,7 +39,10 @@ def add_planning_commands(sub: Subparsers) -> None:
     _add_comm_mode(sim)
     sim.add_argument("--timeline", default=None, metavar="OUT.json", help="write a Chrome trace (open in Perfetto)")
     sim.add_argument("--plan-out", default=None, metavar="PLAN.json", help="write the simulated plan (for baselines)")
-    add_json_option(sim, "the Report")
+    sim.add_argument("--predictor", choices=["simulator", "gnn"], default="simulator",
+                     help="gnn: also the active GNN's prediction, when it was fine-tuned on measured iterations of "
+                          "this cluster's GPU types and beat the simulator on held-out records")
+    add_json_option(sim, "the Report (with --predictor gnn: {report, predicted_time_s, gnn})")
     sim.set_defaults(func=_simulate)
 
     cmd = sub.add_parser("plan", help="search the best plan: MCTS judged by the simulator, with baselines")
@@ -93,7 +98,30 @@ def _simulate(args: argparse.Namespace) -> int:
         Path(args.timeline).write_text(json.dumps(chrome_trace(result)))
     if args.plan_out:
         Path(args.plan_out).write_text(plan.model_dump_json(indent=2))
+    if args.predictor == "gnn":
+        return _with_correction(args, result.report, plan, (model, cluster, workload), sim.calibration)
     emit(result.report, args.json, lambda report: report_table(report, plan))
+    return 0
+
+
+def _with_correction(args: argparse.Namespace, report: Any, plan: Any, problem: tuple[Any, Any, Any],
+                     calibration: Any) -> int:
+    """`simulate --predictor gnn`: both predictions; SpecError when no learned correction applies."""
+    from tagplan.training.registry import Registry, correction
+
+    fix = correction(Registry(), *problem, calibration=calibration)
+    if fix is None:
+        raise SpecError("--predictor gnn: the active GNN version was not fine-tuned on measured iterations of "
+                        "this cluster's GPU types (or did not beat the simulator on them); see `tagplan models list`")
+    corrected = float(fix.predict_s([plan])[0])
+    if args.json:
+        emit({"report": report.model_dump(mode="json"), "gnn": fix.version,
+              "predicted_time_s": {"simulator": report.iteration_time_s, "corrected": corrected}}, True, str)
+    else:
+        from tagplan.cli.tables import report_table
+
+        console().print(report_table(report, plan))
+        print(f"corrected by GNN {fix.version}: {corrected:.4f} s (simulator {report.iteration_time_s:.4f} s)")
     return 0
 
 
@@ -110,7 +138,7 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
     """`search.planner.plan` with the prior `problem.scorer` asks for, and a progress bar if asked;
     with `exportable`, only plans that export format runs."""
     from tagplan.search.planner import plan
-    from tagplan.training.registry import Registry, prior_factory
+    from tagplan.training.registry import Registry, correction, prior_factory
 
     admissible = None
     if exportable is not None:
@@ -121,8 +149,9 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
 
     prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices,
                           heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
+    fix = correction(Registry(), problem.model, problem.cluster, problem.workload, calibration=problem.calibration)
     with _progress(problem.max_evaluations, enabled=show_progress) as tick:
-        return plan(problem, prior_factory=prior, progress=tick, admissible=admissible)
+        return plan(problem, prior_factory=prior, progress=tick, admissible=admissible, correction=fix)
 
 
 def _plan(args: argparse.Namespace) -> int:

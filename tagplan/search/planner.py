@@ -12,8 +12,10 @@ FLOPs over the sum of the devices' peaks; a plan that does not fit scores 1% of 
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from tagplan.cost.bounds import lower_bound_s, plan_value
 from tagplan.cost.report import Report
@@ -26,7 +28,7 @@ from tagplan.search.mcts import Prior, SearchStats, mcts, uniform_prior
 from tagplan.search.pareto import frontier
 from tagplan.search.problem import Objective, PlanProblem
 from tagplan.search.refine import refine_sharding
-from tagplan.search.result import Baseline, Candidate, PlanResult, SearchInfo
+from tagplan.search.result import Baseline, Candidate, PlanResult, Predictor, SearchInfo
 from tagplan.search.space import PlanSpace, PlanState
 
 DEFAULT_TIME_SLACK = 1.25  # memory / GPU objectives accept plans up to 25% slower than the fastest
@@ -34,6 +36,15 @@ BASELINE_BUDGET_SHARE = 0.5  # the baselines' grid may take up to this share of 
 MIN_SEARCH_S = 1.0  # the search runs at least this long after the baselines
 PriorFactory = Callable[[PlanSpace], Prior]
 Admissible = Callable[[Plan], str | None]
+RERANK_TOP_K = 16  # candidates the learned correction re-ranks (the simulator's fastest that fit)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """A learned correction of the simulator: predicted seconds of plans, from measured iterations."""
+
+    version: str
+    predict_s: Callable[[Sequence[Plan]], Sequence[float]]
 Progress = Callable[[int, int], None]
 
 
@@ -65,7 +76,7 @@ class SimulatorEvaluator:
 
 
 def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, progress: Progress | None = None,
-         admissible: Admissible | None = None) -> PlanResult:
+         admissible: Admissible | None = None, correction: Correction | None = None) -> PlanResult:
     """Search plans for `problem`; the best (with its simulation), the frontier and the baselines.
 
     `prior_factory(space)` builds the search prior (the GNN's; the caller resolves
@@ -73,7 +84,9 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
     Whatever guides the search, the returned plans are ranked by the simulator. `progress(done,
     total)` is called after each evaluation and may raise to stop the search. `admissible(plan)`
     returns None for a plan the caller can use, else why not (e.g. an exporter's refusal): only
-    admissible plans are returned as the best or on the frontier.
+    admissible plans are returned as the best or on the frontier. `correction` (the GNN fine-tuned
+    on measured iterations of this cluster's device types) re-ranks the simulator's fastest
+    `RERANK_TOP_K` candidates for the time objective: the best is the fastest by its prediction.
     """
     start = time.perf_counter()
     sim = Simulator(problem.model, problem.cluster, problem.workload, calibration=problem.calibration,
@@ -104,8 +117,12 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
         pool = kept
     best, chosen_notes = _choose(pool, problem.objective, problem.time_bound_s, judge)
     notes += chosen_notes
+    applied = False
+    if correction is not None and problem.objective is Objective.TIME and best.report.fits:
+        best, pool = _rerank(pool, correction)
+        applied = True
     refined, solves, hits = refine_sharding(sim, best.plan)
-    if refined is not None and (admissible is None or admissible(refined) is None):
+    if refined is not None and not applied and (admissible is None or admissible(refined) is None):
         better = judge.candidate(refined, "search+intra")
         if better.report.fits and better.report.iteration_time_s < best.report.iteration_time_s:
             best = better
@@ -116,7 +133,19 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                       intra_cache_hits=hits, baseline_evaluations=baseline_evaluations)
     return PlanResult(best=best, pareto=tuple(frontier(pool)), baselines=baselines, search=info,
                       objective=problem.objective, notes=tuple(notes), simulation=simulation,
-                      cluster_devices=problem.cluster.num_devices)
+                      cluster_devices=problem.cluster.num_devices,
+                      predictor=Predictor(problem.calibration.name, correction.version if correction else None,
+                                          applied))
+
+
+def _rerank(pool: list[Candidate], correction: Correction) -> tuple[Candidate, list[Candidate]]:
+    """The best of the simulator's top candidates by the correction's prediction, and the pool with
+    those candidates carrying their corrected times."""
+    top = sorted(pool, key=lambda c: c.report.iteration_time_s)[:RERANK_TOP_K]
+    times = correction.predict_s([c.plan for c in top])
+    corrected = {id(c): replace(c, corrected_time_s=float(t)) for c, t in zip(top, times, strict=True)}
+    best = min(corrected.values(), key=lambda c: c.corrected_time_s or math.inf)
+    return best, [corrected.get(id(c), c) for c in pool]
 
 
 def _exhaustive(space: PlanSpace, limit: int) -> Baseline:

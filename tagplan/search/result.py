@@ -19,6 +19,7 @@ class Candidate:
     plan: Plan
     report: Report
     source: str = "search"
+    corrected_time_s: float | None = None  # the learned correction's prediction, where it re-ranked this plan
 
     @property
     def objectives(self) -> tuple[float, float, float]:
@@ -28,7 +29,18 @@ class Candidate:
     def to_json(self) -> dict[str, Any]:
         """`{plan, report, source}` as plain JSON values."""
         return {"plan": self.plan.model_dump(mode="json"), "report": self.report.model_dump(mode="json"),
-                "source": self.source}
+                "source": self.source, "predicted_time_s": {"simulator": self.report.iteration_time_s,
+                                                            "corrected": self.corrected_time_s}}
+
+
+@dataclass(frozen=True)
+class Predictor:
+    """What predicted the times: the calibration, the GNN version whose correction re-ranked the
+    final candidates (None: none did), and whether it applied."""
+
+    calibration: str
+    gnn: str | None = None
+    correction_applied: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,7 @@ class PlanResult:
     search: SearchInfo
     simulation: Simulation
     cluster_devices: int
+    predictor: Predictor
     objective: Objective = Objective.TIME
     notes: tuple[str, ...] = field(default=())
 
@@ -88,6 +101,7 @@ class PlanResult:
             "baseline_reasons": {name: b.reason for name, b in self.baselines.items() if b.candidate is None},
             "baseline_configs": {name: b.config for name, b in self.baselines.items() if b.candidate is not None},
             "idle_devices": self.idle_devices,
+            "predictor": vars(self.predictor),
             "search": vars(self.search),
             "notes": list(self.notes),
         }

@@ -21,7 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tagplan.cost.calibration import Calibration
 from tagplan.errors import SpecError
+from tagplan.ir.cluster import Cluster
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.workload import Workload
+from tagplan.search.planner import Correction
 from tagplan.search.problem import Scorer
 
 PACKAGED_CHECKPOINT = Path(__file__).resolve().parents[1] / "gnn" / "checkpoints" / "default.pt"
@@ -112,8 +117,12 @@ class Registry:
         partial.replace(target_dir / "calibration.json")
 
     def activate(self, version: str) -> None:
-        """Make `version` the active one; SpecError if unknown."""
+        """Make `version` the active one ("default": none, so the shipped checkpoint); SpecError if unknown."""
         index = self._index()
+        if version == "default":
+            index["active"] = None
+            self._write(index)
+            return
         if version not in index["versions"]:
             raise SpecError(f"unknown model version {version!r}; registered: {index['versions'] or 'none'}")
         index["active"] = version
@@ -201,3 +210,28 @@ def _load_model(path: str, mtime_ns: int) -> Any:
     from tagplan.gnn.model import load_checkpoint
 
     return load_checkpoint(path)[0]
+
+
+def correction(registry: Registry, model: ModelGraph, cluster: Cluster, workload: Workload, *,
+               calibration: Calibration) -> Correction | None:
+    """The learned correction the planner re-ranks with, or None.
+
+    Only the active version qualifies, and only when it was fine-tuned on measured iterations of a
+    GPU type this cluster has (`measured_devices` in its card) and predicted the held-out records
+    better than the simulator did (`beats_simulator`).
+    """
+    version = registry.active()
+    if version is None:
+        return None
+    card = registry.card(version)
+    types = {d.spec.name for d in cluster.devices}
+    if not card.get("beats_simulator") or not types & set(card.get("measured_devices", [])):
+        return None
+    path = registry.checkpoint(version)
+    if path is None or not path.exists():
+        return None
+    from tagplan.gnn.scorer import GNNScorer
+
+    scorer = GNNScorer(_load_model(str(path), path.stat().st_mtime_ns))
+    return Correction(version, lambda plans: list(scorer.predicted_time_s(model, cluster, workload, plans,
+                                                                           calibration=calibration)))

@@ -61,6 +61,7 @@ class Measured:
     measured_s: float
     simulator_s: float
     lower_bound_s: float
+    device_types: tuple[str, ...] = ()  # the GPU types of the measured cluster
 
 
 def rebuild_record(record: IterationRecord, where: str) -> tuple[ModelGraph, Cluster, Plan]:
@@ -97,7 +98,8 @@ def measured_graphs(bundles: Sequence[Bundle], calibration: Calibration) -> list
             graph.y = torch.tensor([math.log(record.measured_s / bound)], dtype=torch.float)
             graph.group = torch.tensor([b * 100_000 + i], dtype=torch.long)
             simulated = Simulator(model, cluster, w, calibration=calibration).simulate(plan).iteration_time_s
-            out.append(Measured(graph, record.measured_s, simulated, bound))
+            types = tuple(sorted({d.spec.name for d in cluster.devices}))
+            out.append(Measured(graph, record.measured_s, simulated, bound, types))
     return out
 
 
@@ -182,6 +184,10 @@ def finetune_on_traces(bundles: Sequence[Bundle], out_dir: Path, *, registry: Re
         "metrics": {"held_out": {"mape_before": before, "mape_after": after, "simulator_mape": simulator},
                     **{k: v for k, v in base_card.get("metrics", {}).items() if k != "held_out"}},
         "improved": after < before,
+        # the planner re-ranks with this version only on clusters of these types, and only if it beat
+        # the simulator on the held-out records (`training.registry.correction`)
+        "measured_devices": sorted({t for m in items for t in m.device_types}),
+        "beats_simulator": after < simulator,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.pt"

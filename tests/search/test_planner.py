@@ -152,3 +152,23 @@ def test_time_objective_may_leave_slow_nodes_idle() -> None:
                    max_evaluations=150)
     assert result.idle_devices == [4, 5, 6, 7]
     assert result.to_json()["idle_devices"] == [4, 5, 6, 7]
+
+
+def test_a_learned_correction_reranks_the_final_candidates() -> None:
+    from tagplan.search.planner import Correction
+
+    args = (load_model("gpt?layers=6&hidden=512&heads=8&vocab=500", seq_len=256), load_cluster("p3.8xlarge:nodes=2"),
+            Workload(global_batch=16, seq_len=256))
+    plain = _plan(*args, max_evaluations=80)
+    assert plain.predictor.correction_applied is False and plain.best.corrected_time_s is None
+    family = (len(plain.best.plan.stages), plain.best.plan.stages[0].tp)
+
+    def penalise(plans):  # measurements say the simulator's favourite family runs 10x slower
+        return [p_time * (10.0 if (len(p.stages), p.stages[0].tp) == family else 1.0)
+                for p, p_time in zip(plans, [1.0] * len(plans), strict=True)]
+
+    corrected = plan(PlanProblem(*args, max_evaluations=80), correction=Correction("v0007", penalise))
+    assert corrected.predictor.correction_applied and corrected.predictor.gnn == "v0007"
+    assert (len(corrected.best.plan.stages), corrected.best.plan.stages[0].tp) != family
+    assert corrected.best.corrected_time_s == 1.0
+    assert corrected.to_json()["best"]["predicted_time_s"]["corrected"] == 1.0

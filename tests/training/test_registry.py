@@ -50,3 +50,39 @@ def test_a_tenant_registry_falls_back_to_the_global_one_and_never_changes_it(tmp
     assert shared.active() == g1 and shared.versions() == [g1]  # the global registry is untouched
     assert tenant.calibration_path() is None and tenant.active() == t1
     assert tenant.register(ckpt, {}, activate_if_first=False) == "v0002" and tenant.active() == t1
+
+
+def test_activate_default_returns_to_the_shipped_checkpoint(tmp_path) -> None:
+    from tagplan.training.registry import PACKAGED_CHECKPOINT, Registry
+
+    registry = Registry(tmp_path / "registry")
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(b"weights")
+    version = registry.register(checkpoint, {"metrics": {}}, activate=True)
+    assert registry.active() == version
+    registry.activate("default")
+    assert registry.active() is None
+    assert registry.checkpoint() == PACKAGED_CHECKPOINT
+
+
+def test_a_correction_applies_only_to_measured_device_types(tmp_path) -> None:
+    from tagplan.cost.calibration import DEFAULT_CALIBRATION
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.frontends.model_spec import load_model
+    from tagplan.ir.workload import Workload
+    from tagplan.training.registry import PACKAGED_CHECKPOINT, Registry, correction
+
+    registry = Registry(tmp_path / "registry")
+    card = {"metrics": {}, "measured_devices": ["V100-SXM2-16GB"], "beats_simulator": True}
+    version = registry.register(PACKAGED_CHECKPOINT, card, activate=True)
+    model = load_model("gpt?layers=2&hidden=64&heads=4&vocab=100", seq_len=32)
+    workload = Workload(global_batch=8, seq_len=32)
+    v100 = correction(registry, model, load_cluster("p3.8xlarge"), workload, calibration=DEFAULT_CALIBRATION)
+    assert v100 is not None and v100.version == version
+    from tagplan.cost.simulator import Simulator
+    from tagplan.search.space import PlanSpace, PlanState
+
+    space = PlanSpace(Simulator(model, load_cluster("p3.8xlarge"), workload))
+    plan = space.to_plan(space.complete(PlanState()))
+    assert v100.predict_s([plan])[0] > 0
+    assert correction(registry, model, load_cluster("dgx-a100-80gb"), workload, calibration=DEFAULT_CALIBRATION) is None
