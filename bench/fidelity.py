@@ -12,7 +12,8 @@ the other 8 are scored: MAPE and Kendall tau of predicted vs measured seconds, f
 and the planner's first choice: per (model, workload) group of the testbed plans, how much
 slower the plan each variant ranks first ran than the fastest measured one.
 (b) Published tables: the Megatron-Core H100 table (reference/validation.md) with the shipped
-defaults; the NeMo/Megatron-Bridge summary is screened for rows the cost model can score.
+defaults; the NeMo/Megatron-Bridge summary (bench/data/): every dense FP8/BF16 row on DGX H100/B200
+without context parallelism, as `fidelity_nemo.py` says.
 
 Run: `.venv/bin/python bench/fidelity.py` (about 2 minutes on 2 cores). Writes bench/results/fidelity.json.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fidelity_nemo import nemo
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.datasets.traces.bundle import read_bundle
@@ -34,7 +36,6 @@ from tagplan.training.iteration_fit import IterationCase, fit_parameters, predic
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / "tests" / "fixtures" / "traces" / "cpu-quick"
-NEMO = ROOT.parent / "shared" / "reference" / "measured" / "nemo_performance_summary.json"
 
 
 def testbed() -> dict[str, Any]:
@@ -118,21 +119,7 @@ def published() -> dict[str, Any]:
     errors = np.abs(np.array([float(r["error"]) for r in megatron]))
     return {"megatron_core_h100": {"rows": megatron, "median_abs_error": float(np.median(errors)),
                                    "worst_abs_error": float(errors.max())},
-            "nemo": _screen_nemo()}
-
-
-def _screen_nemo() -> dict[str, Any]:
-    """Which NeMo rows could be scored: a dense shape and a dtype the cost model has (bf16)."""
-    if not NEMO.is_file():
-        return {"rows": 0, "note": f"{NEMO} not found"}
-    rows = json.loads(NEMO.read_text())["rows"]
-    dense = [r for r in rows if "layers" in r["model"]]
-    bf16 = [r for r in rows if r["config"]["precision"] == "BF16"]
-    scoreable = [r for r in dense if r["config"]["precision"] == "BF16"]
-    return {"rows": len(rows), "dense_with_shape": len(dense), "bf16": len(bf16), "scoreable": len(scoreable),
-            "bf16_models": sorted({r["model"]["name"] for r in bf16}),
-            "note": "every row with a dense shape is FP8/MXFP8/NVFP4 (not modelled: fp8, issue 16); every BF16 "
-                    "row is an MoE model without a filled shape: no row is scored"}
+            "nemo": nemo()}
 
 
 def main() -> None:
@@ -147,7 +134,13 @@ def main() -> None:
         print(f"{r['model']:>6s} H100 bf16 published {r['published']:6.1f} predicted {r['predicted']:6.1f} "
               f"{r['error']:+.1%}")
     print(f"Megatron-Core H100: median |error| {m['median_abs_error']:.1%}, worst {m['worst_abs_error']:.1%}")
-    print(f"NeMo: {results['published']['nemo']['note']}")
+    n = results["published"]["nemo"]
+    for r in n["scored"]:
+        print(f"{r['model']:>16s} {r['gpu']} x{r['gpus']} {r['precision']} tp{r['tp']} pp{r['pp']} vp{r['vp']}: "
+              f"published {r['measured_tokens_s_gpu']:.0f} predicted {r['predicted_tokens_s_gpu']:.0f} tokens/s/GPU "
+              f"{r['error']:+.1%}")
+    print(f"NeMo: {len(n['scored'])} rows scored, median |error| {n['median_abs_error']:.1%}, worst "
+          f"{n['worst_abs_error']:.1%}; not scored: {n['skipped']}")
     out = Path(__file__).parent / "results" / "fidelity.json"
     out.write_text(json.dumps(results, indent=2, default=float) + "\n")
     print(f"wrote {out}")

@@ -167,8 +167,10 @@ class StageCoster:
             hit = min(specs, key=lambda s: s.peak_flops(self.workload.dtype))
             if len(specs) > 1:
                 bf16 = [s.peak_flops_bf16 for s in specs]
+                fp8 = [s.peak_flops_fp8 for s in specs]
                 hit = hit.model_copy(update={
                     "peak_flops_bf16": None if None in bf16 else min(b for b in bf16 if b is not None),
+                    "peak_flops_fp8": None if None in fp8 else min(b for b in fp8 if b is not None),
                     "peak_flops_fp16": min(s.peak_flops_fp16 for s in specs),
                     "peak_flops_fp32": min(s.peak_flops_fp32 for s in specs),
                     "mem_bytes": min(s.mem_bytes for s in specs),

@@ -39,7 +39,9 @@ from tagplan.ir.workload import DType
 FMT = "megatron"
 DECODER_FAMILIES = ("gpt", "llama", "moe")  # the families pretrain_gpt.py builds
 _EDGE_KINDS = ("embedding", "head")
-_DTYPE_FLAG = {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: []}
+# fp8 as costed: Transformer Engine's fp8 GEMMs (E4M3 forward, E5M2 gradients) with bf16 elsewhere
+_DTYPE_FLAG = {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: [],
+               DType.FP8: ["--bf16", "--fp8-format", "hybrid"]}
 
 
 def model_config_from_spec(spec: str | ModelSpec) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Units follow the IR: FLOP/s (datasheet TFLOP/s x 1e12, dense, no sparsity), bytes (GB x 1e9:
 datasheets use decimal gigabytes, so an "80 GB" A100 is 80e9 bytes here, not 80 GiB) and bytes/s
-(GB/s x 1e9). V100 and T4 have no BF16 (`peak_flops_bf16=None`; the IR then runs bf16 as fp16).
+(GB/s x 1e9). `peak_flops_fp8` is the dense fp8 tensor rate where the device has one (Hopper, Ada,
+Blackwell, MI300). V100 and T4 have no BF16 (`peak_flops_bf16=None`; the IR then runs bf16 as fp16).
 The RTX 4090's fp16 figure is 165 TFLOP/s with fp16 accumulate; with fp32 accumulate, which
 mixed-precision training uses, it is 82.6, so plans for it may be optimistic by up to 2x.
 MI250X figures are per GCD (one MI250X package is two devices to the software).
@@ -31,6 +32,7 @@ PCIE_GEN4_BPS = 24e9
 PCIE_GEN5_BPS = 48e9
 NVLINK_SM80_BPS = 20e9  # per link, unidirectional; also V100 (sm70)
 NVLINK_SM90_BPS = 20.6e9
+NVLINK_SM100_BPS = 50e9  # NVLink 5: 1.8 TB/s bidirectional over 18 links (datasheet; no NCCL-measured figure yet)
 # Peer traffic through a CPU host bridge (nvidia-smi PHB/NODE) is split into 64 B TLPs and costs
 # 20% more PCIe bandwidth (NCCL's INTEL_P2P_OVERHEAD), so it gets 5/6 of the host link.
 HOST_BRIDGE_FACTOR = 5 / 6
@@ -56,7 +58,8 @@ class DeviceLinks(NamedTuple):
     default_fabric: LinkKind = LinkKind.PCIE
 
 
-def _spec(name: str, bf16: float | None, fp16: float, fp32: float, mem_GB: float, bw_GBps: float) -> DeviceSpec:
+def _spec(name: str, bf16: float | None, fp16: float, fp32: float, mem_GB: float, bw_GBps: float,
+          fp8: float | None = None) -> DeviceSpec:
     return DeviceSpec(
         name=name,
         peak_flops_bf16=None if bf16 is None else bf16 * _TFLOPS,
@@ -64,13 +67,16 @@ def _spec(name: str, bf16: float | None, fp16: float, fp32: float, mem_GB: float
         peak_flops_fp32=fp32 * _TFLOPS,
         mem_bytes=int(mem_GB * _GB),
         mem_bandwidth_Bps=bw_GBps * _GB,
+        peak_flops_fp8=None if fp8 is None else fp8 * _TFLOPS,
     )
 
 
 _NVL, _NVS, _XGMI = LinkKind.NVLINK, LinkKind.NVSWITCH, LinkKind.XGMI
+_MI300_LINKS = DeviceLinks(PCIE_GEN5_BPS, xgmi_pair_Bps=64e9, default_fabric=_XGMI)
 
-# name: (bf16, fp16, fp32 TFLOP/s, memory GB, memory GB/s), links
-_TABLE: dict[str, tuple[tuple[float | None, float, float, float, float], DeviceLinks]] = {
+# name: (bf16, fp16, fp32 TFLOP/s, memory GB, memory GB/s[, fp8 TFLOP/s]), links; dense figures
+_Figures = tuple[float | None, float, float, float, float] | tuple[float | None, float, float, float, float, float]
+_TABLE: dict[str, tuple[_Figures, DeviceLinks]] = {
     "V100-SXM2-16GB": ((None, 125, 15.7, 16, 900), DeviceLinks(PCIE_GEN3_BPS, 6, default_fabric=_NVL)),
     "V100-SXM2-32GB": ((None, 125, 15.7, 32, 900), DeviceLinks(PCIE_GEN3_BPS, 6, default_fabric=_NVL)),
     "V100-PCIe-16GB": ((None, 112, 14, 16, 900), DeviceLinks(PCIE_GEN3_BPS)),
@@ -79,17 +85,29 @@ _TABLE: dict[str, tuple[tuple[float | None, float, float, float, float], DeviceL
     "A100-SXM-80GB": ((312, 312, 19.5, 80, 2039), DeviceLinks(PCIE_GEN4_BPS, 12, default_fabric=_NVS)),
     # NVLink bridges join pairs only; the default fabric stays PCIe.
     "A100-PCIe-80GB": ((312, 312, 19.5, 80, 1935), DeviceLinks(PCIE_GEN4_BPS, 12)),
-    "H100-SXM": ((989, 989, 67, 80, 3350), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM90_BPS, default_fabric=_NVS)),
-    "H100-PCIe": ((756, 756, 51, 80, 2000), DeviceLinks(PCIE_GEN5_BPS, 12, NVLINK_SM90_BPS)),
-    "H200-SXM": ((989, 989, 67, 141, 4800), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM90_BPS, default_fabric=_NVS)),
-    "L40S": ((362, 362, 91.6, 48, 864), DeviceLinks(PCIE_GEN4_BPS)),
-    "L4": ((121, 121, 30.3, 24, 300), DeviceLinks(PCIE_GEN4_BPS)),
+    "H100-SXM": ((989, 989, 67, 80, 3350, 1979), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM90_BPS, default_fabric=_NVS)),
+    "H100-PCIe": ((756, 756, 51, 80, 2000, 1513), DeviceLinks(PCIE_GEN5_BPS, 12, NVLINK_SM90_BPS)),
+    "H200-SXM": ((989, 989, 67, 141, 4800, 1979), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM90_BPS, default_fabric=_NVS)),
+    "L40S": ((362, 362, 91.6, 48, 864, 733), DeviceLinks(PCIE_GEN4_BPS)),
+    "L4": ((121, 121, 30.3, 24, 300, 242), DeviceLinks(PCIE_GEN4_BPS)),
     "T4": ((None, 65, 8.1, 16, 320), DeviceLinks(PCIE_GEN3_BPS)),
     "A10": ((125, 125, 31.2, 24, 600), DeviceLinks(PCIE_GEN4_BPS)),
-    "RTX4090": ((165, 165, 82.6, 24, 1008), DeviceLinks(PCIE_GEN4_BPS)),
+    "RTX4090": ((165, 165, 82.6, 24, 1008, 330), DeviceLinks(PCIE_GEN4_BPS)),
     # xGMI: one Infinity Fabric link per pair; MI300X ~128 GB/s bidirectional -> 64 GB/s one way.
     "MI250X": ((191.5, 191.5, 47.9, 64, 1600), DeviceLinks(PCIE_GEN4_BPS, xgmi_pair_Bps=50e9, default_fabric=_XGMI)),
-    "MI300X": ((1307, 1307, 163.4, 192, 5300), DeviceLinks(PCIE_GEN5_BPS, xgmi_pair_Bps=64e9, default_fabric=_XGMI)),
+    "MI300X": ((1307, 1307, 163.4, 192, 5300, 2615), _MI300_LINKS),
+    "MI325X": ((1307, 1307, 163.4, 256, 6000, 2615), _MI300_LINKS),
+    # Blackwell (per GPU; NVLink 5: 18 links of 50 GB/s each way). B200 as in DGX/HGX B200; GB200 as in NVL72.
+    "B200": ((2250, 2250, 75, 180, 7700, 4500), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM100_BPS, default_fabric=_NVS)),
+    "GB200": ((2500, 2500, 80, 186, 8000, 5000), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM100_BPS, default_fabric=_NVS)),
+    "GH200": ((989, 989, 67, 96, 4000, 1979), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM90_BPS, default_fabric=_NVS)),
+    "H20": ((148, 148, 44, 96, 4000, 296), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM90_BPS, default_fabric=_NVS)),
+    "L40": ((181, 181, 90.5, 48, 864, 362), DeviceLinks(PCIE_GEN4_BPS)),
+    "A40": ((149.7, 149.7, 37.4, 48, 696), DeviceLinks(PCIE_GEN4_BPS)),
+    "RTX-A6000": ((154.8, 154.8, 38.7, 48, 768), DeviceLinks(PCIE_GEN4_BPS)),
+    "RTX3090": ((71, 71, 35.6, 24, 936), DeviceLinks(PCIE_GEN4_BPS)),
+    "RTX2080Ti": ((None, 53.8, 13.4, 11, 616), DeviceLinks(PCIE_GEN3_BPS)),
+    "TitanRTX": ((None, 130.5, 16.3, 24, 672), DeviceLinks(PCIE_GEN3_BPS)),
 }
 
 CATALOG: dict[str, DeviceSpec] = {name: _spec(name, *figs) for name, (figs, _) in _TABLE.items()}
@@ -104,7 +122,10 @@ _ALIASES: dict[str, str] = {
     "a10080gbpcie": "A100-PCIe-80GB", "a100pcie80gb": "A100-PCIe-80GB",
     "h100": "H100-SXM", "h100sxm5": "H100-SXM", "h10080gbhbm3": "H100-SXM", "h100sxm580gb": "H100-SXM",
     "h200": "H200-SXM", "h200141gbhbm3e": "H200-SXM",
-    "rtx4090": "RTX4090", "4090": "RTX4090", "mi250": "MI250X", "mi300": "MI300X",
+    "rtx4090": "RTX4090", "4090": "RTX4090", "mi250": "MI250X", "mi300": "MI300X", "mi325": "MI325X",
+    "b200180gb": "B200", "dgxb200": "B200", "gb200nvl72": "GB200", "gh200480gb": "GH200", "h20": "H20",
+    "rtxa6000": "RTX-A6000", "a6000": "RTX-A6000", "3090": "RTX3090", "2080ti": "RTX2080Ti",
+    "titanrtx": "TitanRTX",
 }
 _VENDOR_PREFIX = re.compile(r"^(nvidia|tesla|geforce|amd|instinct|\s|-|_)+", re.IGNORECASE)
 

@@ -19,6 +19,7 @@ from tagplan.frontends.catalog import (
     NVLINK_LATENCY_S,
     NVLINK_SM80_BPS,
     NVLINK_SM90_BPS,
+    NVLINK_SM100_BPS,
     PCIE_GEN3_BPS,
     PCIE_GEN4_BPS,
     PCIE_HOST_LATENCY_S,
@@ -73,9 +74,9 @@ def nvlink_pairs(links: dict[tuple[int, int], int], rate_Bps: float) -> tuple[Pa
     )
 
 
-def _nvswitch(name: str, gpu: str, bw_Bps: float, nics: int, nic_gbps: float) -> Node:
+def _nvswitch(name: str, gpu: str, bw_Bps: float, nics: int, nic_gbps: float, gpus: int = 8) -> Node:
     return Node(
-        name=name, device=lookup_device(gpu), gpus=8, fabric=LinkKind.NVSWITCH,
+        name=name, device=lookup_device(gpu), gpus=gpus, fabric=LinkKind.NVSWITCH,
         fabric_bandwidth_Bps=bw_Bps, fabric_latency_s=NVLINK_LATENCY_S, nics=nics,
         nic_bandwidth_Bps=gbps_to_Bps(nic_gbps),
     )
@@ -94,6 +95,22 @@ def dgx_a100_80gb() -> Node:
 def dgx_h100() -> Node:
     """DGX H100: NVSwitch, 18 NVLinks x 20.6 GB/s per GPU, 8 x 400 Gb/s NDR compute NICs."""
     return _nvswitch("dgx-h100", "H100-SXM", 18 * NVLINK_SM90_BPS, 8, 400)
+
+
+def dgx_h200() -> Node:
+    """DGX H200: as `dgx_h100` with 141 GB H200 parts."""
+    return _nvswitch("dgx-h200", "H200-SXM", 18 * NVLINK_SM90_BPS, 8, 400)
+
+
+def dgx_b200() -> Node:
+    """DGX B200: NVSwitch, 18 NVLink-5 links x 50 GB/s per GPU (datasheet), 8 x 400 Gb/s compute NICs."""
+    return _nvswitch("dgx-b200", "B200", 18 * NVLINK_SM100_BPS, 8, 400)
+
+
+def gb200_nvl72() -> Node:
+    """GB200 NVL72: 72 Blackwell GPUs in one NVLink-5 switch domain (18 links x 50 GB/s per GPU),
+    modelled as one node; 72 x 400 Gb/s compute NICs to leave the rack."""
+    return _nvswitch("gb200-nvl72", "GB200", 18 * NVLINK_SM100_BPS, 72, 400, gpus=72)
 
 
 def p4d_24xlarge() -> Node:
@@ -154,6 +171,9 @@ _PRESETS: dict[str, tuple[Callable[[], Node], float]] = {
     "dgx-a100-40gb": (dgx_a100_40gb, IB_LATENCY_S),
     "dgx-a100-80gb": (dgx_a100_80gb, IB_LATENCY_S),
     "dgx-h100": (dgx_h100, IB_LATENCY_S),
+    "dgx-h200": (dgx_h200, IB_LATENCY_S),
+    "dgx-b200": (dgx_b200, IB_LATENCY_S),
+    "gb200-nvl72": (gb200_nvl72, IB_LATENCY_S),
     "p4d.24xlarge": (p4d_24xlarge, EFA_LATENCY_S),
     "p3.8xlarge": (p3_8xlarge, TCP_LATENCY_S),
     "p3.16xlarge": (p3_16xlarge, TCP_LATENCY_S),

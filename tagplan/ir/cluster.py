@@ -39,12 +39,16 @@ class DeviceSpec(Record):
     peak_flops_fp32: float = Field(gt=0, description="dense FLOP/s (non-tensor-core)")
     mem_bytes: int = Field(gt=0)
     mem_bandwidth_Bps: float = Field(gt=0)
+    peak_flops_fp8: float | None = Field(default=None, gt=0, description="dense FLOP/s of fp8 GEMMs; None where "
+                                         "unsupported")
 
     def peak_flops(self, dtype: DType) -> float:
-        """Peak dense FLOP/s in `dtype`; bf16 on a device without it runs as fp16."""
+        """Peak dense FLOP/s in `dtype`; bf16 on a device without it runs as fp16, fp8 as bf16."""
         if dtype is DType.FP32:
             return self.peak_flops_fp32
-        if dtype is DType.BF16 and self.peak_flops_bf16 is not None:
+        if dtype is DType.FP8 and self.peak_flops_fp8 is not None:
+            return self.peak_flops_fp8
+        if dtype in (DType.BF16, DType.FP8) and self.peak_flops_bf16 is not None:
             return self.peak_flops_bf16
         return self.peak_flops_fp16
 

@@ -17,11 +17,17 @@ class DType(StrEnum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP32 = "fp32"
+    FP8 = "fp8"  # as Transformer Engine runs it: fp8 GEMMs, bf16 activations and everything else
 
     @property
     def nbytes(self) -> int:
-        """Bytes per element."""
+        """Bytes per element of activations and weights (fp8 training keeps them in bf16)."""
         return 4 if self is DType.FP32 else 2
+
+    @property
+    def elementwise(self) -> DType:
+        """The dtype of everything but the GEMMs (fp8 runs those in bf16)."""
+        return DType.BF16 if self is DType.FP8 else self
 
 
 class Optimizer(StrEnum):
@@ -53,8 +59,8 @@ class Workload(Record):
 
     @property
     def weight_bytes_per_param(self) -> int:
-        """Bytes of one weight in the compute dtype."""
-        return self.dtype.nbytes
+        """Bytes of one weight in the compute dtype; fp8 adds Transformer Engine's 1-byte fp8 copy."""
+        return self.dtype.nbytes + (1 if self.dtype is DType.FP8 else 0)
 
     @property
     def grad_bytes_per_param(self) -> int:

@@ -18,7 +18,8 @@ from tagplan.ir import DType
 
 EXPECTED = ("V100-SXM2-16GB", "V100-SXM2-32GB", "V100-PCIe-16GB", "V100-PCIe-32GB", "A100-SXM-40GB",
             "A100-SXM-80GB", "A100-PCIe-80GB", "H100-SXM", "H100-PCIe", "H200-SXM", "L40S", "L4", "T4", "A10",
-            "RTX4090", "MI250X", "MI300X")
+            "RTX4090", "MI250X", "MI300X", "MI325X", "B200", "GB200", "GH200", "H20", "L40", "A40", "RTX-A6000",
+            "RTX3090", "RTX2080Ti", "TitanRTX")
 
 
 def test_catalog_holds_every_datasheet_device() -> None:
@@ -102,3 +103,27 @@ def test_custom_device_errors_name_the_field_path() -> None:
         device_value("Z9", "node_groups[0].gpu")
     with pytest.raises(SpecError, match=r"gpu: 7 is not accepted"):
         device_value(7, "gpu")
+
+
+def test_fp8_runs_gemms_at_the_fp8_peak_and_keeps_an_fp8_weight_copy() -> None:
+    """A hand calculation: one 8192 x 8192 x 8192 GEMM on an H100 at the ideal efficiency."""
+    from tagplan.cost.calibration import Calibration
+    from tagplan.cost.compute import op_time
+    from tagplan.ir.model import Op, OpKind
+    from tagplan.ir.plan import ShardStrategy
+    from tagplan.ir.workload import DType, Workload
+
+    h100 = CATALOG["H100-SXM"]
+    assert h100.peak_flops(DType.FP8) == 1979e12 and h100.peak_flops(DType.BF16) == 989e12
+    assert CATALOG["A100-SXM-80GB"].peak_flops(DType.FP8) == 312e12  # no fp8 tensor cores: bf16
+    flops = 2 * 8192**3
+    gemm = Op(name="mm", kind=OpKind.MATMUL, flops=flops, bytes_read=0, bytes_written=0)
+    ideal = Calibration(name="ideal", launch_overhead_s=0.0)
+    times = {d: op_time(gemm, samples=1, tp=1, strategy=ShardStrategy.REPLICATE, spec=h100, dtype=d,
+                        calibration=ideal).forward_s for d in (DType.FP8, DType.BF16)}
+    curve = ideal.curve("H100-SXM", OpKind.MATMUL)
+    assert curve is not None
+    assert times[DType.FP8] == pytest.approx(flops / (1979e12 * curve.at(flops)))
+    assert times[DType.BF16] / times[DType.FP8] == pytest.approx(1979 / 989)
+    assert Workload(dtype=DType.FP8).weight_bytes_per_param == 3  # bf16 weight + Transformer Engine's fp8 copy
+    assert DType.FP8.nbytes == 2  # activations stay bf16
