@@ -57,6 +57,19 @@ def add_export_commands(sub: Subparsers) -> None:
     add_json_option(ver, "the verification report")
     ver.set_defaults(func=_verify)
 
+    mea = sub.add_parser("measure", help="run a plan's torch program on local gloo processes (CPU) and append its "
+                                         "measured step time to a trace bundle as an iteration record")
+    mea.add_argument("--model", required=True, help="model SPEC (run as given: keep it small on CPU)")
+    mea.add_argument("--plan", required=True, help="a Plan JSON file")
+    mea.add_argument("--batch", type=positive_int, default=8, help="global batch in samples")
+    mea.add_argument("--seq", type=positive_int, required=True, help="tokens per sample")
+    mea.add_argument("--steps", type=positive_int, default=5, help="timed steps (their median is recorded)")
+    mea.add_argument("--warmup", type=int, default=2, help="steps run first and discarded")
+    mea.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value)
+    mea.add_argument("--out", required=True, metavar="BUNDLE", help="trace bundle (created, or appended to)")
+    add_json_option(mea, "the record written")
+    mea.set_defaults(func=_measure)
+
 
 def _export(args: argparse.Namespace) -> int:
     from tagplan.export import export
@@ -119,3 +132,46 @@ def _verify_text(out: dict[str, Any]) -> str:
     elif "error" in pvm:
         lines.append(f"  no prediction: {pvm['error']}")
     return "\n".join(lines)
+
+
+def _measure(args: argparse.Namespace) -> int:
+    from tagplan.datasets.traces.bundle import (
+        MANIFEST_FILE,
+        IterationRecord,
+        Manifest,
+        append_records,
+        now_iso,
+        write_bundle,
+    )
+    from tagplan.export.measure import measure
+    from tagplan.frontends.cpu import cpu_cluster
+    from tagplan.frontends.model_spec import parse_model_spec
+    from tagplan.frontends.plan_file import load_plan
+    from tagplan.ir.workload import DType, Workload
+    from tagplan.profiling.device import cpu_device_spec, fingerprint
+
+    spec = parse_model_spec(args.model)
+    plan = load_plan(args.plan)
+    optimizer = Optimizer(args.optimizer)
+    result = measure(spec, plan, seq_len=args.seq, global_batch=args.batch, steps=args.steps, warmup=args.warmup,
+                     optimizer=optimizer)
+    device = cpu_device_spec(cores=1)  # each rank runs one torch thread
+    local = plan.model_copy(update={"stages": tuple(s.model_copy(update={"devices": tuple(
+        plan.devices.index(d) for d in s.devices)}) for s in plan.stages)})  # ranks 0..N-1 in plan order
+    record = IterationRecord(model=spec.text, cluster=cpu_cluster(device, len(plan.devices)),
+                             workload=Workload(global_batch=args.batch, seq_len=args.seq, dtype=DType.FP32,
+                                               optimizer=optimizer),
+                             plan=local.model_dump(mode="json"), measured_s=result.median_s, repeats=result.steps,
+                             source=f"tagplan measure (gloo, {len(plan.devices)} processes; steps "
+                                    f"{result.min_s:.4g}-{result.max_s:.4g} s)")
+    out = Path(args.out)
+    if (out / MANIFEST_FILE).is_file():
+        total = append_records(out, [record])
+    else:
+        manifest = Manifest(created=now_iso(), source="tagplan measure", fingerprint=fingerprint("cpu"), device=device,
+                            notes="measured iterations of exported plans on local gloo processes")
+        write_bundle(out, manifest, [record])
+        total = 1
+    emit({"record": record.model_dump(mode="json"), "bundle": str(out), "records": total}, args.json,
+         lambda r: f"{r['bundle']}: {r['record']['measured_s']:.4f} s per iteration ({r['records']} records)")
+    return 0

@@ -121,3 +121,20 @@ def test_bad_input_is_refused_before_any_work(tmp_path: Path, capsys: pytest.Cap
     assert main(["verify", "--model", TINY, "--plan", str(plan), "--calibration", str(tmp_path / "none.json")]) == 2
     assert "none.json" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_measure_appends_a_real_iteration_record(tmp_path: Path) -> None:
+    from tagplan.datasets.traces.bundle import read_bundle
+
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"micro_batches": 2, "stages": [{"layers": [0, 3], "devices": [0, 1], "dp": 2, "tp": 1}, '
+                    '{"layers": [3, 6], "devices": [2], "dp": 1, "tp": 1}]}')
+    args = ["measure", "--model", "gpt?layers=4&hidden=64&heads=4&vocab=128", "--plan", str(plan), "--batch", "8",
+            "--seq", "32", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "bundle")]
+    assert main(args) == 0
+    assert main(args) == 0  # appended to the same bundle
+    records = list(read_bundle(tmp_path / "bundle").iterations())
+    assert len(records) == 2
+    assert all(r.measured_s > 0 and r.repeats == 2 for r in records)
+    assert records[0].plan["stages"][1]["devices"] == [2]  # three gloo ranks, in plan order
