@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from tagplan.cli.demo import DEMO_BATCH, DEMO_CLUSTER, DEMO_MAX_EVALUATIONS, DEMO_MODEL, DEMO_SEQ
@@ -58,8 +59,11 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     revoke.set_defaults(func=_revoke_key)
 
     submit = sub.add_parser("submit", help="submit a plan to a running service")
-    submit.add_argument("--model", required=True, help="model SPEC")
-    submit.add_argument("--cluster", required=True, help="cluster SPEC")
+    submit.add_argument("--model", required=True, help=(
+        "model SPEC; a graph file (.json/.yaml), a Hugging Face config.json or module.py:Name is read or "
+        "traced here and sent inline (the service reads no files)"))
+    submit.add_argument("--cluster", required=True, help=(
+        "cluster SPEC, or a cluster file (.yaml/.json) that is sent inline; topology dumps are not accepted"))
     submit.add_argument("--batch", type=int, default=DEFAULT_GLOBAL_BATCH)
     submit.add_argument("--seq", type=int, default=None)
     submit.add_argument("--max-evaluations", type=int, default=DEFAULT_MAX_EVALUATIONS)
@@ -285,11 +289,61 @@ def _create_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def inline_model(text: str, seq_len: int | None = None) -> str | dict[str, Any]:
+    """What `submit` sends for `--model`: the SPEC itself, unless it names a file or a Python module
+    (the service reads none): a tagplan graph file is sent as its contents; a Hugging Face config
+    file or a user module (`file.py:Name`, traced here, with `seq_len`) as the `ModelGraph` JSON."""
+    from tagplan.frontends.model_spec import ModelSpecKind, load_model, parse_model_spec
+    from tagplan.frontends.textfile import parse_structured, read_text
+
+    spec = parse_model_spec(text)
+    if not spec.names_file:
+        return text
+    if spec.kind is ModelSpecKind.FILE and Path(spec.name).is_file():
+        data = parse_structured(read_text(spec.name), spec.name)
+        if isinstance(data, dict) and "blocks" in data:  # a tagplan graph, as written by hand or by tagplan
+            return data
+    return dict(load_model(text, seq_len=seq_len).model_dump(mode="json"))
+
+
+def inline_cluster(text: str) -> str | dict[str, Any]:
+    """What `submit` sends for `--cluster`: the SPEC itself, or a cluster file's contents (a
+    YAML or JSON mapping). SpecError for a topology dump or a custom device file, which the
+    service does not take."""
+    from tagplan.frontends.cluster_spec import parse_cluster_spec
+    from tagplan.frontends.textfile import parse_structured, read_text
+
+    spec = parse_cluster_spec(text)
+    if not spec.names_file:
+        return text
+    path = Path(spec.path or "")
+    if spec.path is None or path.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise SpecError(f"submit: cluster {text[:200]!r}: the service takes preset SPECs and cluster files "
+                        "(.yaml/.json, sent inline) only, not topology dumps (nvidia-smi topo, NCCL XML) or "
+                        "custom device files; write a cluster file (docs/CLUSTER_FORMAT.md) with its node_groups")
+    if not path.is_file():
+        raise SpecError(f"submit: cluster file {str(path)[:200]!r} does not exist")
+    data = parse_structured(read_text(path), str(path))
+    if not isinstance(data, dict):
+        raise SpecError(f"submit: cluster file {str(path)[:200]!r}: expected a mapping with node_groups")
+    return {"name": path.stem, **data}
+
+
+def _named(field: str, read: Any, *args: Any) -> Any:
+    """`read(*args)`, its SpecError prefixed `submit: <field>:` like the request's own checks."""
+    try:
+        return read(*args)
+    except SpecError as err:
+        message = str(err).removeprefix("submit: ")
+        raise SpecError(f"submit: {field}: {message}") from None
+
+
 def _submit(args: argparse.Namespace) -> int:
     workload: dict[str, Any] = {"global_batch": args.batch}
     if args.seq:
         workload["seq_len"] = args.seq
-    request = _plan_request({"model": args.model, "cluster": args.cluster, "workload": workload,
+    request = _plan_request({"model": _named("model", inline_model, args.model, args.seq),
+                             "cluster": _named("cluster", inline_cluster, args.cluster), "workload": workload,
                              "max_evaluations": args.max_evaluations, "budget_s": args.budget_s})
     key = args.key
     if not key:

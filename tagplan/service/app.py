@@ -22,10 +22,10 @@ from tagplan import __version__
 from tagplan.service.api import errors, jobs, ops, registry, traces
 from tagplan.service.api.deps import Services
 from tagplan.service.api.limits import BodySizeLimit, RateLimiter
-from tagplan.service.api.metrics import CountRequests, RequestCounter
+from tagplan.service.api.metrics import CountRequests, JobMetrics, ServiceMetrics, job_durations
 from tagplan.service.api.schemas import SafeJSONResponse
 from tagplan.service.db import make_engine
-from tagplan.service.settings import Settings
+from tagplan.service.settings import Settings, get_settings
 from tagplan.service.store import JobStore
 
 WEB_DIR = Path(__file__).resolve().parent / "web"
@@ -38,11 +38,14 @@ _FALLBACK_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>tagp
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """The service's app on `settings` (default: from the environment); creates the tables if needed."""
-    settings = settings or Settings.from_env()
+    """The service's app on `settings` (default: `get_settings()`, the environment's); migrates the
+    database to the newest schema first (`db.migrate`)."""
+    settings = settings or get_settings()
     engine = make_engine(settings.database_url, timeout_s=settings.db_timeout_s)
-    services = Services(settings=settings, engine=engine, store=JobStore(engine, settings),
-                        limiter=RateLimiter(settings.rate_per_minute), requests=RequestCounter())
+    store = JobStore(engine, settings)
+    metrics = ServiceMetrics(JobMetrics(store.counts, lambda: job_durations(engine)))
+    services = Services(settings=settings, engine=engine, store=store, limiter=RateLimiter(settings.rate_per_minute),
+                        metrics=metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -58,7 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _add_web(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Outermost: it counts the 413s too.
-    app.add_middleware(CountRequests, counter=services.requests, routes=app.router.routes)
+    app.add_middleware(CountRequests, counter=services.metrics, routes=app.router.routes)
     return app
 
 

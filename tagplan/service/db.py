@@ -1,4 +1,4 @@
-"""The service's tables (SQLAlchemy 2.0 ORM) and `make_engine`.
+"""The service's tables (SQLAlchemy 2.0 ORM), `make_engine` and `migrate` (Alembic, `migrations/`).
 
 Portable on purpose: JSON is stored as text and timestamps as timezone-aware UTC datetimes
 (`UTCDateTime`), so one code path runs on SQLite (a laptop, the tests) and PostgreSQL (a shared
@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import fcntl
 import functools
 import logging
 import os
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import (
     Boolean,
+    Connection,
     DateTime,
     Dialect,
     Engine,
@@ -30,15 +36,19 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    inspect,
+    text,
 )
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DatabaseError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 log = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000  # a writer waits this long for another process's write lock
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+INITIAL_REVISION = "0001"  # the schema `create_all` made before migrations
+MIGRATION_LOCK_KEY = 0x7461_6770_6C61_6E  # PostgreSQL advisory lock id ("tagplan")
 
 
 def utcnow() -> dt.datetime:
@@ -141,8 +151,28 @@ class Trace(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class IdempotencyKey(Base):
+    """A tenant's `Idempotency-Key` and what its first request made: a retried POST with the same
+    key and body gets that job (or trace) back instead of a second one.
+
+    `route` and `body_sha256` (of the canonical request) tell a retry from a different request
+    reusing the key; exactly one of `job_id` and `trace_id` is set.
+    """
+
+    __tablename__ = "idempotency_keys"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    route: Mapped[str] = mapped_column(String(100))
+    body_sha256: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), nullable=True)
+    trace_id: Mapped[str | None] = mapped_column(ForeignKey("traces.id"), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 def make_engine(url: str, *, timeout_s: float = SQLITE_BUSY_TIMEOUT_MS / 1000) -> Engine:
-    """An engine for `url` with the tables created (SQLite: a 0600 file, WAL journal, any thread).
+    """An engine for `url` with the schema migrated to the newest revision (`migrate`; SQLite: a 0600
+    file, WAL journal, any thread).
 
     `timeout_s` bounds how long a statement waits for the database (SQLite: another process's
     write lock; PostgreSQL: connecting, and a pooled connection); past it the statement fails and
@@ -159,7 +189,7 @@ def make_engine(url: str, *, timeout_s: float = SQLITE_BUSY_TIMEOUT_MS / 1000) -
     engine = create_engine(parsed, **kwargs)
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", functools.partial(_sqlite_pragmas, busy_ms=round(timeout_s * 1000)))
-    _create_tables(engine)
+    migrate(engine)
     return engine
 
 
@@ -179,14 +209,63 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any, *, busy_ms: int) -> Non
     cursor.close()
 
 
-def _create_tables(engine: Engine, tries: int = 5) -> None:
-    # Several worker processes start at once: two CREATE TABLEs can race; the loser retries.
-    for attempt in range(tries):
-        try:
-            Base.metadata.create_all(engine)
-            return
-        except DatabaseError:
-            if attempt == tries - 1:
-                raise
-            log.info("creating the service tables raced another process; retrying")
-            time.sleep(0.2 * (attempt + 1))
+def migrate(engine: Engine, revision: str = "head") -> None:
+    """Bring the database's schema to `revision` with the Alembic migrations in `migrations/`.
+
+    Every process that opens the database calls it (`make_engine`: the API, each worker, the CLI),
+    so several start at once: the upgrade runs under a lock (PostgreSQL: an advisory lock held by
+    the migration's transaction; SQLite: `flock` on `<file>-migrate.lock`), and who gets it second
+    finds the schema current and does nothing. A database made by `create_all` before migrations
+    existed (tables, no `alembic_version`) is taken as the initial revision and upgraded from it.
+    """
+    if revision == "head" and schema_revision(engine) == head_revision():
+        return
+    with _migration_lock(engine), engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+        config = _alembic_config(conn)
+        if MigrationContext.configure(conn).get_current_revision() is None and inspect(conn).has_table("jobs"):
+            log.info("database made before migrations: taking it as revision %s", INITIAL_REVISION)
+            command.stamp(config, INITIAL_REVISION)
+        command.upgrade(config, revision)
+
+
+def schema_revision(engine: Engine) -> str | None:
+    """The database's Alembic revision (None: no schema, or one made before migrations)."""
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def head_revision() -> str:
+    """The newest revision in `migrations/versions/`: what `migrate` brings a database to."""
+    head = _scripts().get_current_head()
+    assert head is not None, f"no migrations in {MIGRATIONS_DIR}"
+    return head
+
+
+@functools.cache
+def _scripts() -> ScriptDirectory:
+    return ScriptDirectory(str(MIGRATIONS_DIR))
+
+
+def _alembic_config(conn: Connection) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes.update(connection=conn, target_metadata=Base.metadata)
+    return config
+
+
+@contextlib.contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    """Across processes on this machine, for a SQLite file; PostgreSQL locks in `migrate` itself."""
+    database = engine.url.database
+    if engine.dialect.name != "sqlite" or not database or database == ":memory:":
+        yield
+        return
+    path = Path(database).expanduser().with_name(Path(database).name + "-migrate.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -1,82 +1,128 @@
-"""Service settings, read once from the environment into a frozen dataclass.
+"""Service settings: `Settings` (pydantic-settings) from `TAGPLAN_*` variables, and `get_settings()`.
 
 Every limit has a `TAGPLAN_<FIELD>` variable (`TAGPLAN_MAX_EVALUATIONS`, `TAGPLAN_LEASE_S`, ...),
 so an operator or a test tunes the service without code; worker processes get the pool's
-settings back through `to_env()`.
+settings back through `to_env()`. `get_settings()` reads the environment once and caches it (what
+`create_app()` and `uvicorn --factory` use); a test sets variables, then `get_settings.cache_clear()`.
 """
 
 from __future__ import annotations
 
-import os
+import contextvars
+import functools
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from tagplan.errors import SpecError
 
 _PREFIX = "TAGPLAN_"
+_ENVIRON: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("tagplan_environ", default=None)
 
 
-@dataclass(frozen=True)
-class Settings:
+def default_home() -> Path:
+    """`~/.tagplan`: where the service keeps its state unless `TAGPLAN_HOME` says otherwise."""
+    return Path.home() / ".tagplan"
+
+
+class Settings(BaseSettings):
     """Where the service keeps its state and how much one tenant or job may ask for."""
 
-    database_url: str
-    home: Path
-    max_body_bytes: int = 2_000_000
-    max_layers: int = 4096
-    max_devices: int = 4096
-    max_evaluations: int = 5000
-    max_budget_s: float = 600.0
-    max_global_batch: int = 65_536
-    max_seq_len: int = 131_072
-    max_spec_chars: int = 1000
-    max_nesting: int = 32
-    rate_per_minute: int = 60
-    max_attempts: int = 3
-    lease_s: float = 30.0
-    heartbeat_s: float = 5.0
-    job_timeout_s: float = 1800.0
-    job_memory_bytes: int = 4 * 2**30
-    max_queued_per_tenant: int = 1000
-    max_running_per_tenant: int = 64
-    max_traces_per_tenant: int = 200
-    db_timeout_s: float = 30.0
+    model_config = SettingsConfigDict(env_prefix=_PREFIX, frozen=True, extra="ignore", case_sensitive=False)
 
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if isinstance(value, int | float) and not value > 0:
-                raise SpecError(f"{_PREFIX}{name.upper()}={value}: must be positive")
+    database_url: str = Field(default="", description="SQLAlchemy URL; default sqlite:///<home>/service.db")
+    home: Path = Field(default_factory=default_home)
+    max_body_bytes: int = Field(default=2_000_000, gt=0)
+    max_layers: int = Field(default=4096, gt=0)
+    max_devices: int = Field(default=4096, gt=0)
+    max_evaluations: int = Field(default=5000, gt=0)
+    max_budget_s: float = Field(default=600.0, gt=0)
+    max_global_batch: int = Field(default=65_536, gt=0)
+    max_seq_len: int = Field(default=131_072, gt=0)
+    max_spec_chars: int = Field(default=1000, gt=0)
+    max_nesting: int = Field(default=32, gt=0)
+    rate_per_minute: int = Field(default=60, gt=0)
+    max_attempts: int = Field(default=3, gt=0)
+    lease_s: float = Field(default=30.0, gt=0)
+    heartbeat_s: float = Field(default=5.0, gt=0)
+    job_timeout_s: float = Field(default=1800.0, gt=0)
+    job_memory_bytes: int = Field(default=4 * 2**30, gt=0)
+    max_queued_per_tenant: int = Field(default=1000, gt=0)
+    max_running_per_tenant: int = Field(default=64, gt=0)
+    max_traces_per_tenant: int = Field(default=200, gt=0)
+    db_timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("home")
+    @classmethod
+    def _expand(cls, home: Path) -> Path:
+        return home.expanduser()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_database(cls, data: Any) -> Any:
+        """The database defaults to a SQLite file in `home`."""
+        if isinstance(data, dict) and not data.get("database_url"):
+            home = Path(data.get("home") or default_home()).expanduser()
+            data = {**data, "database_url": f"sqlite:///{home / 'service.db'}"}
+        return data
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Keyword arguments, then the environment (`from_env`'s mapping when it gives one); no .env files."""
+        environ = _ENVIRON.get()
+        return init_settings, env_settings if environ is None else _MappingSource(settings_cls, environ)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Settings from `environ` (default `os.environ`), then `overrides` (field name -> value).
 
         `TAGPLAN_HOME` defaults to `~/.tagplan`; the database to `sqlite:///<home>/service.db`.
-        SpecError names a variable whose value is not a number.
+        SpecError names a variable whose value is not a number, or not positive.
         """
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for field in fields(cls):
-            raw = env.get(_PREFIX + field.name.upper())
-            if raw is not None and field.name not in ("database_url", "home"):
-                values[field.name] = _number(field.name, raw, type(field.default))
-        values.update(overrides)
-        home = Path(values.get("home") or env.get(_PREFIX + "HOME") or Path.home() / ".tagplan").expanduser()
-        values["home"] = home
-        values["database_url"] = (values.get("database_url") or env.get(_PREFIX + "DATABASE_URL")
-                                  or f"sqlite:///{home / 'service.db'}")
-        return cls(**values)
+        token = _ENVIRON.set(environ)
+        try:
+            return cls(**overrides)
+        except ValidationError as err:
+            raise SpecError("; ".join(_described(e) for e in err.errors())) from None
+        finally:
+            _ENVIRON.reset(token)
 
     def to_env(self) -> dict[str, str]:
         """These settings as `TAGPLAN_*` variables, for a worker process to read with `from_env`."""
-        return {_PREFIX + name.upper(): str(value) for name, value in asdict(self).items()}
+        return {_PREFIX + name.upper(): str(value) for name, value in self.model_dump().items()}
 
 
-def _number(name: str, raw: str, kind: type) -> int | float:
-    try:
-        return int(raw) if kind is int else float(raw)
-    except ValueError:
-        expected = "a whole number" if kind is int else "a number"
-        raise SpecError(f"{_PREFIX}{name.upper()}={raw!r}: expected {expected}") from None
+@functools.cache
+def get_settings() -> Settings:
+    """The settings of this process's environment, read once (tests: `get_settings.cache_clear()`)."""
+    return Settings.from_env()
+
+
+class _MappingSource(EnvSettingsSource):
+    """The environment source, reading a given mapping instead of `os.environ`."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {name.lower(): value for name, value in self._environ.items()}
+
+
+def _described(error: Any) -> str:
+    """`TAGPLAN_LEASE_S=0: must be positive`, `TAGPLAN_MAX_DEVICES='many': expected a whole number`."""
+    name = str(error["loc"][0]) if error.get("loc") else "?"
+    variable, value = _PREFIX + name.upper(), error.get("input")
+    if error.get("type") == "greater_than":
+        return f"{variable}={value}: must be positive"
+    kind = Settings.model_fields[name].annotation if name in Settings.model_fields else None
+    expected = {int: "a whole number", float: "a number", "int": "a whole number", "float": "a number"}.get(
+        kind, str(error.get("msg", "invalid")))
+    return f"{variable}={value!r}: expected {expected}"

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import builtins
 import datetime as dt
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, and_, case, func, insert, literal, or_, select, update
+from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, or_, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
 from tagplan.errors import SpecError
-from tagplan.service.db import Job, Trace, UTCDateTime, utcnow
+from tagplan.service.db import IdempotencyKey, Job, Trace, UTCDateTime, utcnow
 from tagplan.service.requests import LimitError
 from tagplan.service.settings import Settings
 from tagplan.service.vocabulary import TERMINAL, JobKind, JobStatus
@@ -32,6 +34,28 @@ CLAIM_CANDIDATES = 8
 
 class LeaseLost(Exception):  # noqa: N818 (the name docs/SERVICE.md promises)
     """The worker no longer owns the job (its lease expired and another worker claimed it)."""
+
+
+class IdempotencyConflictError(SpecError):
+    """An `Idempotency-Key` the tenant already used for a different request (another body or route)."""
+
+
+@dataclass(frozen=True)
+class Idempotency:
+    """A request's `Idempotency-Key`, the route it was sent to and the sha256 of its canonical body."""
+
+    key: str
+    route: str
+    body_sha256: str
+
+    @classmethod
+    def of(cls, key: str | None, route: str, body: Any) -> Idempotency | None:
+        """None without a key; `body` is bytes (hashed as sent) or JSON data (hashed with sorted keys,
+        so a retry that orders its keys differently is still the same request)."""
+        if key is None:
+            return None
+        raw = body if isinstance(body, bytes) else json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return cls(key=key, route=route, body_sha256=hashlib.sha256(raw).hexdigest())
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,13 @@ def _eta_s(status: JobStatus, progress: float, started_at: dt.datetime | None, n
     return elapsed_s * (1.0 - progress) / progress
 
 
+def _remember(conn: Connection, tenant_id: int, idempotency: Idempotency | None, **made: str) -> None:
+    """Store the key with what its request made (`job_id=` or `trace_id=`), in the caller's transaction."""
+    if idempotency is not None:
+        conn.execute(insert(IdempotencyKey).values(tenant_id=tenant_id, key=idempotency.key, route=idempotency.route,
+                                                   body_sha256=idempotency.body_sha256, created_at=utcnow(), **made))
+
+
 def _when(value: dt.datetime) -> ColumnElement[dt.datetime]:
     """A bound UTC time usable inside CASE (where no column lends it its type)."""
     return literal(value, type_=UTCDateTime())
@@ -99,8 +130,34 @@ class JobStore:
 
     def submit(self, tenant_id: int, kind: JobKind, request: dict[str, Any]) -> JobView:
         """Store a new `queued` job of `kind` and return it (SpecError for a kind that is not a JobKind)."""
+        return self.submit_once(tenant_id, kind, request, None)[0]
+
+    def submit_once(self, tenant_id: int, kind: JobKind, request: dict[str, Any],
+                    idempotency: Idempotency | None) -> tuple[JobView, bool]:
+        """(the job, whether it already existed): with `idempotency`, the job an earlier request with
+        the same key and body made, else a new one stored with the key in the same transaction.
+
+        IdempotencyConflictError when the key was used for a different request. Two racing requests with
+        one key make one job: the loser's INSERT of the key fails and it reads the winner's.
+        """
         if kind not in set(JobKind):
             raise SpecError(f"job kind {str(kind)[:40]!r} is not accepted; accepted: {', '.join(JobKind)}")
+        for _ in range(3):
+            if idempotency is not None:
+                earlier = self._earlier(tenant_id, idempotency)
+                if earlier is not None and earlier.job_id is not None:
+                    view = self._get(earlier.job_id, tenant_id)
+                    assert view is not None
+                    return view, True
+            try:
+                return self._insert_job(tenant_id, kind, request, idempotency), False
+            except IntegrityError:
+                if idempotency is None:
+                    raise
+        raise RuntimeError(f"Idempotency-Key {idempotency!r}: could not store or find its job")
+
+    def _insert_job(self, tenant_id: int, kind: JobKind, request: dict[str, Any],
+                    idempotency: Idempotency | None) -> JobView:
         job_id = uuid.uuid4().hex
         now = utcnow()
         with self.engine.begin() as conn:
@@ -115,6 +172,7 @@ class JobStore:
                 request=json.dumps(request),
                 progress=0.0, message="queued", attempts=0, max_attempts=self.settings.max_attempts,
                 cancel_requested=False, created_at=now))
+            _remember(conn, tenant_id, idempotency, job_id=job_id)
         view = self._get(job_id, tenant_id)
         assert view is not None
         return view
@@ -238,8 +296,10 @@ class JobStore:
 
     # -- traces --------------------------------------------------------------------------------
 
-    def add_trace(self, tenant_id: int, name: str, path: str, records: int) -> str:
-        """Record an uploaded trace bundle at `path`; returns its id."""
+    def add_trace(self, tenant_id: int, name: str, path: str, records: int,
+                  idempotency: Idempotency | None = None) -> str:
+        """Record an uploaded trace bundle at `path`; returns its id (IntegrityError when another
+        request stored `idempotency`'s key first: see `earlier_trace`)."""
         trace_id = uuid.uuid4().hex
         with self.engine.begin() as conn:
             stored = conn.execute(select(func.count()).select_from(Trace).where(Trace.tenant_id == tenant_id)).scalar()
@@ -249,7 +309,20 @@ class JobStore:
                                  limit="max_traces_per_tenant", status=429)
             conn.execute(insert(Trace).values(id=trace_id, tenant_id=tenant_id, name=name, path=path, records=records,
                                               created_at=utcnow()))
+            _remember(conn, tenant_id, idempotency, trace_id=trace_id)
         return trace_id
+
+    def earlier_trace(self, tenant_id: int, idempotency: Idempotency) -> tuple[str, int] | None:
+        """(id, records) of the trace an earlier upload with this key and body stored; None if none did.
+
+        IdempotencyConflictError when the key was used for a different request.
+        """
+        earlier = self._earlier(tenant_id, idempotency)
+        if earlier is None or earlier.trace_id is None:
+            return None
+        with self.engine.connect() as conn:
+            records = conn.execute(select(Trace.records).where(Trace.id == earlier.trace_id)).scalar_one()
+        return earlier.trace_id, int(records)
 
     def traces(self, tenant_id: int, ids: builtins.list[str]) -> builtins.list[str] | None:
         """The paths of the tenant's traces `ids`, in order; None if any is unknown or another tenant's."""
@@ -260,6 +333,23 @@ class JobStore:
         return [paths[i] for i in ids] if all(i in paths for i in ids) else None
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _earlier(self, tenant_id: int, idempotency: Idempotency) -> Any:
+        """The stored row of the tenant's key (None if new); IdempotencyConflictError if it was another request's."""
+        query = select(IdempotencyKey.route, IdempotencyKey.body_sha256, IdempotencyKey.job_id,
+                       IdempotencyKey.trace_id).where(IdempotencyKey.tenant_id == tenant_id,
+                                                      IdempotencyKey.key == idempotency.key)
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        if row is None:
+            return None
+        if (row.route, row.body_sha256) != (idempotency.route, idempotency.body_sha256):
+            made = f"job {row.job_id}" if row.job_id else f"trace {row.trace_id}"
+            what = "a different body" if row.route == idempotency.route else f"{row.route}"
+            raise IdempotencyConflictError(
+                f"Idempotency-Key {idempotency.key[:80]!r} was already used with {what} (it made {made}); "
+                "a retry must send the same request; use a new key for a new request")
+        return row
 
     def _get(self, job_id: str, tenant_id: int | None = None) -> JobView | None:
         query = select(*_VIEW_COLUMNS).where(Job.id == job_id)

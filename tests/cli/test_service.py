@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,9 +42,13 @@ def test_create_key_prints_a_key_that_authenticates(tmp_path: Path, monkeypatch:
 def test_submit_checks_the_request_with_the_service_s_model_before_sending(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("TAGPLAN_HOME", str(tmp_path))  # no key anywhere: the request is refused first
-    assert main(["submit", "--model", "/etc/passwd", "--cluster", "p3.8xlarge", "--url", "http://127.0.0.1:9"]) == 2
-    err = capsys.readouterr().err
-    assert "submit: model:" in err and "file path" in err
+    assert main(["submit", "--model", str(tmp_path / "missing.json"), "--cluster", "p3.8xlarge",
+                 "--url", "http://127.0.0.1:9"]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    topo = tmp_path / "topo.txt"
+    topo.write_text("GPU0 X\n")
+    assert main(["submit", "--model", "gpt3-125m", "--cluster", str(topo), "--url", "http://127.0.0.1:9"]) == 2
+    assert "not topology dumps" in capsys.readouterr().err
     assert main(["submit", "--model", "gpt3-125m", "--cluster", "p3.8xlarge:nodes=x", "--key", "tp_x",
                  "--url", "http://127.0.0.1:9"]) == 2
     assert "submit: cluster:" in capsys.readouterr().err
@@ -79,3 +86,103 @@ def test_serve_demo_plans_the_example_and_submit_reaches_it(tmp_path: Path) -> N
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
         serve.wait(timeout=30)
+
+
+USER_MODULE = """import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) + x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def make():
+    return Net(), (torch.empty(2, 16, 32),)
+"""
+CLUSTER_YAML = """node_groups:
+  - preset: p3.8xlarge
+    nodes: 1
+"""
+
+
+@pytest.fixture
+def live_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
+    """A real server (uvicorn on a loopback port, in a thread) on a fresh home: (url, key)."""
+    import uvicorn
+
+    from tagplan.service.app import create_app
+    from tagplan.service.db import make_engine
+    from tagplan.service.keys import create_key
+    from tagplan.service.settings import Settings
+
+    monkeypatch.setenv("TAGPLAN_HOME", str(tmp_path))
+    monkeypatch.delenv("TAGPLAN_DATABASE_URL", raising=False)
+    settings = Settings.from_env()
+    key = create_key(make_engine(settings.database_url), "acme")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", key
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def _stored_request(url: str, key: str, job_id: str) -> dict[str, object]:
+    from tagplan.service.db import make_engine
+    from tagplan.service.settings import Settings
+    from tagplan.service.store import JobStore
+
+    settings = Settings.from_env()
+    job = JobStore(make_engine(settings.database_url), settings)._get(job_id)
+    assert job is not None and job.status == "queued"
+    return job.request
+
+
+def test_submit_sends_local_files_inline(live_service: tuple[str, str], tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from tagplan.frontends.model_spec import load_model
+
+    url, key = live_service
+    graph = tmp_path / "mylm.json"
+    graph.write_text(load_model("gpt?layers=2&hidden=64&heads=4&vocab=100", seq_len=16).to_json())
+    cluster = tmp_path / "mixed.yaml"
+    cluster.write_text(CLUSTER_YAML)
+    module = tmp_path / "lm.py"
+    module.write_text(USER_MODULE)
+    submitted = []
+    for model in (str(graph), f"{module}:make"):
+        capsys.readouterr()
+        assert main(["submit", "--model", model, "--cluster", str(cluster), "--max-evaluations", "5",
+                     "--url", url, "--key", key]) == 0, capsys.readouterr().err
+        job = json.loads(capsys.readouterr().out)
+        assert job["status"] == "queued"
+        submitted.append(_stored_request(url, key, job["id"]))
+    from_file, traced = submitted
+    assert isinstance(from_file["model"], dict) and from_file["model"] == json.loads(graph.read_text())
+    assert from_file["cluster"] == {"name": "mixed", "node_groups": [{"preset": "p3.8xlarge", "nodes": 1}]}
+    assert isinstance(traced["model"], dict) and len(traced["model"]["layers"]) >= 3  # the traced graph

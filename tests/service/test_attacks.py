@@ -3,7 +3,6 @@ real worker processes and a real database: one test per hole, written as the att
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -197,7 +196,7 @@ def test_huge_workloads_are_refused_before_any_job(settings: Settings, tenants: 
 
 def _unbounded(settings: Settings, **limits: Any) -> Settings:
     """Settings that let a 1e9 global batch through to a worker (what the API refuses by default)."""
-    return dataclasses.replace(settings, max_global_batch=10**9, lease_s=6.0, heartbeat_s=2.0, **limits)
+    return settings.model_copy(update={"max_global_batch": 10**9, "lease_s": 6.0, "heartbeat_s": 2.0, **limits})
 
 
 @pytest.mark.slow
@@ -225,7 +224,7 @@ def test_a_global_batch_of_1e9_is_cancelled_within_2_s(settings: Settings, tenan
 def test_the_worker_caps_a_job_s_wall_clock_and_memory(settings: Settings, store: JobStore, workers: Any) -> None:
     tenant = ensure_tenant(store.engine, "mallory")
     request = {**TINY, "workload": {"global_batch": 10**9}}
-    timed = dataclasses.replace(_unbounded(settings), job_timeout_s=3.0)
+    timed = _unbounded(settings).model_copy(update={"job_timeout_s": 3.0})
     workers.start(timed)
     job = store.submit(tenant, JobKind.PLAN, request)
     deadline = time.monotonic() + 60
@@ -235,7 +234,7 @@ def test_the_worker_caps_a_job_s_wall_clock_and_memory(settings: Settings, store
     assert view is not None and view.status == JobStatus.FAILED and view.attempts == 1, workers.logs()
     assert view.error is not None and "TAGPLAN_JOB_TIMEOUT_S" in view.error
     workers.stop()
-    small = dataclasses.replace(_unbounded(settings), job_memory_bytes=64 * 2**20)  # below any job's needs
+    small = _unbounded(settings).model_copy(update={"job_memory_bytes": 64 * 2**20})  # below any job's needs
     workers.start(small)
     job = store.submit(tenant, JobKind.PLAN, request)
     deadline = time.monotonic() + 60
@@ -339,7 +338,7 @@ def test_stopping_serve_leaves_no_worker_process(tmp_path: Path, how: str) -> No
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_a_database_outage_answers_503_and_loses_nothing(settings: Settings, tenants: dict[str, str],
                                                          workers: Any) -> None:
-    quick = dataclasses.replace(settings, db_timeout_s=0.5)
+    quick = settings.model_copy(update={"db_timeout_s": 0.5})
     accepted: list[str] = []
     with Live(quick) as live:
         for seed in range(3):
@@ -405,7 +404,7 @@ def test_the_queue_takes_tenants_in_turn_and_caps_each(settings: Settings) -> No
     from tagplan.service.db import make_engine
     from tagplan.service.requests import LimitError
 
-    store = JobStore(make_engine(settings.database_url), dataclasses.replace(settings, max_queued_per_tenant=4))
+    store = JobStore(make_engine(settings.database_url), settings.model_copy(update={"max_queued_per_tenant": 4}))
     a, b = ensure_tenant(store.engine, "busy"), ensure_tenant(store.engine, "quiet")
     busy = [store.submit(a, JobKind.PLAN, {"n": i}).id for i in range(3)]
     quiet = store.submit(b, JobKind.PLAN, {"n": 0}).id

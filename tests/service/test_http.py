@@ -158,7 +158,7 @@ def test_a_plan_through_the_real_server_and_worker(live: Live) -> None:
             assert "event: done" in "".join(events.iter_text())
         assert "tagplan_jobs" not in client.get("/metrics").text  # job counts: for admins only
         admin = {"Authorization": f"Bearer {live.admin_key}"}
-        assert 'tagplan_jobs{status="succeeded"} 1' in client.get("/metrics", headers=admin).text
+        assert 'tagplan_jobs{status="succeeded"} 1.0' in client.get("/metrics", headers=admin).text
 
 
 def test_fifty_concurrent_http_submissions_give_fifty_results(live: Live) -> None:
@@ -183,6 +183,29 @@ def test_fifty_concurrent_http_submissions_give_fifty_results(live: Live) -> Non
             assert job["status"] == "succeeded" and job["attempts"] == 1, job
         listed = client.get("/v1/jobs", params={"limit": 100}).json()
         assert set(ids) <= {j["id"] for j in listed["jobs"]}
+
+
+def test_a_retried_post_creates_one_job(live: Live) -> None:
+    """A client that retries (here eight at once, racing) with one `Idempotency-Key` gets one job."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = uuid.uuid4().hex
+    body = {**TINY, "seed": 1234}
+
+    def submit(_: int) -> tuple[int, str]:
+        with httpx.Client(base_url=live.url, headers={**live.headers, "Idempotency-Key": key}, timeout=60) as client:
+            answer = client.post("/v1/plans", json=body)
+            return answer.status_code, str(answer.json().get("id"))
+
+    with httpx.Client(base_url=live.url, headers=live.headers, timeout=30) as client:
+        before = client.get("/v1/jobs").json()["total"]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            answers = list(pool.map(submit, range(8)))
+        assert {status for status, _ in answers} == {202} and len({job for _, job in answers}) == 1, answers
+        assert client.get("/v1/jobs").json()["total"] == before + 1
+        changed = client.post("/v1/plans", json={**body, "seed": 1235}, headers={"Idempotency-Key": key})
+        assert changed.status_code == 422 and key in changed.json()["detail"]
+        assert client.get("/v1/jobs").json()["total"] == before + 1
 
 
 def _fuzz(schema: Any, operation: Any, headers: dict[str, str]) -> str | None:

@@ -3,7 +3,6 @@ worker; size limits read off the parsed request, with nothing built."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -56,7 +55,7 @@ def limit_error(request: dict[str, Any], settings: Settings) -> LimitError:
 
 
 def test_limits_name_the_limit(settings: Settings) -> None:
-    small = dataclasses.replace(settings, max_budget_s=10.0, max_evaluations=50, max_layers=6, max_devices=8)
+    small = settings.model_copy(update={"max_budget_s": 10.0, "max_evaluations": 50, "max_layers": 6, "max_devices": 8})
     cases = {"max_budget_s": {**TINY_PLAN, "budget_s": 11},
              "max_evaluations": {**TINY_PLAN, "max_evaluations": 51},
              "max_layers": {**TINY_PLAN, "model": "gpt?layers=7&hidden=64&heads=4&vocab=100"},

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import Counter
@@ -27,7 +26,7 @@ def expire(store: JobStore) -> None:
 
 def short_lease(store: JobStore, lease_s: float = 0.2, **changes: int) -> JobStore:
     """Another store on the same database with a short lease (and other settings changed)."""
-    return JobStore(store.engine, dataclasses.replace(store.settings, lease_s=lease_s, **changes))
+    return JobStore(store.engine, store.settings.model_copy(update={"lease_s": lease_s, **changes}))
 
 
 def test_submit_claim_heartbeat_complete(store: JobStore) -> None:
@@ -282,3 +281,22 @@ def test_settings_from_env(tmp_path: Path) -> None:
         Settings.from_env(environ={**env, "TAGPLAN_MAX_DEVICES": "many"})
     with pytest.raises(SpecError, match="TAGPLAN_LEASE_S=0"):
         Settings.from_env(environ={**env, "TAGPLAN_LEASE_S": "0"})
+
+
+def test_get_settings_reads_the_environment_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tagplan.service.app import create_app
+    from tagplan.service.settings import get_settings
+
+    monkeypatch.setenv("TAGPLAN_HOME", str(tmp_path))
+    monkeypatch.delenv("TAGPLAN_DATABASE_URL", raising=False)
+    monkeypatch.setenv("TAGPLAN_MAX_LAYERS", "7")
+    get_settings.cache_clear()
+    try:
+        assert get_settings() is get_settings() and get_settings().max_layers == 7
+        app = create_app()  # what `uvicorn --factory` calls: the cached settings
+        assert app.state.services.settings is get_settings()
+        monkeypatch.setenv("TAGPLAN_MAX_LAYERS", "8")
+        assert get_settings().max_layers == 7  # cached until cleared
+        app.state.services.engine.dispose()
+    finally:
+        get_settings.cache_clear()

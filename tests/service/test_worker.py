@@ -4,7 +4,6 @@ twice under 50 concurrent submissions, fail cleanly on bad requests, stop when c
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -25,13 +24,13 @@ pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 TINY_PLAN = {"model": "gpt?layers=2&hidden=64&heads=4&vocab=100", "cluster": "p3.8xlarge",
              "workload": {"global_batch": 8, "seq_len": 16}, "max_evaluations": 20}
 LONG_PLAN = {"model": "gpt3-1.3b", "cluster": "p3.8xlarge:nodes=3+g4dn.12xlarge:nodes=1",
-             "workload": {"global_batch": 8}, "max_evaluations": 400, "budget_s": 120}
+             "workload": {"global_batch": 8}, "max_evaluations": 5000, "budget_s": 120}
 
 
 @pytest.fixture
 def fast_settings(settings: Settings) -> Settings:
     """A 2 s lease renewed every 0.25 s: a dead worker's job is taken over within seconds."""
-    return dataclasses.replace(settings, lease_s=2.0, heartbeat_s=0.25)
+    return settings.model_copy(update={"lease_s": 2.0, "heartbeat_s": 0.25})
 
 
 def test_worker_runs_a_plan(store: JobStore, workers: Any, wait_for: Any) -> None:

@@ -7,17 +7,25 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import sqlalchemy as sa
-from fastapi import Depends, HTTPException, Path, Request
+from fastapi import Depends, Header, HTTPException, Path, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from tagplan.service.api.limits import RateLimiter, retry_after
-from tagplan.service.api.metrics import RequestCounter
+from tagplan.service.api.metrics import ServiceMetrics
 from tagplan.service.keys import Principal, authenticate
 from tagplan.service.settings import Settings
 from tagplan.service.store import JobStore, JobView
 
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")  # uuid4 hex: jobs and traces
 MAX_KEY_CHARS = 512
+MAX_IDEMPOTENCY_KEY_CHARS = 200
+REPLAYED_HEADER = "Idempotent-Replayed"
+
+IdempotencyKeyHeader = Annotated[str | None, Header(
+    alias="Idempotency-Key", min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS, pattern=r"^[\x21-\x7e]+$",
+    description=("any 1-200 printable ASCII characters (a UUID, say), chosen by the client: a retry with the "
+                 "same key and body gets the first request's answer (same id) instead of a second one; the "
+                 "same key with a different body is a 422. Kept in the database, per tenant."))]
 
 
 @dataclass(frozen=True)
@@ -28,7 +36,7 @@ class Services:
     engine: sa.Engine
     store: JobStore
     limiter: RateLimiter
-    requests: RequestCounter
+    metrics: ServiceMetrics
 
 
 def get_services(request: Request) -> Services:

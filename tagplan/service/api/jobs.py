@@ -10,11 +10,19 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, HTTPException, Query, Response
-from fastapi.responses import StreamingResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from tagplan.errors import SpecError
-from tagplan.service.api.deps import JobDep, PrincipalDep, RateLimitDep, Services, ServicesDep
+from tagplan.service.api.deps import (
+    REPLAYED_HEADER,
+    IdempotencyKeyHeader,
+    JobDep,
+    PrincipalDep,
+    RateLimitDep,
+    Services,
+    ServicesDep,
+)
 from tagplan.service.api.schemas import Error, JobList, JobOut, SafeJSONResponse, job_out
 from tagplan.service.requests import (
     PLAN_EXAMPLE,
@@ -25,7 +33,7 @@ from tagplan.service.requests import (
     check_limits,
 )
 from tagplan.service.settings import Settings
-from tagplan.service.store import JobStore, JobView
+from tagplan.service.store import Idempotency, JobStore, JobView
 from tagplan.service.vocabulary import TERMINAL, JobKind, JobStatus
 
 log = logging.getLogger(__name__)
@@ -74,15 +82,23 @@ def validate(request: PlanRequest, settings: Settings) -> None:
              responses={**_ERRORS, 200: {"description": "`?wait=`: the job finished in time; its result"},
                         429: {"model": Error}}, summary="Submit a planning job (alias of POST /v1/plans)")
 async def submit_plan(body: PlanBody, principal: PrincipalDep, services: ServicesDep,
-                      wait: WaitQuery = None) -> Response:
-    """Validate the problem (a bad one is a 422, never a job) and queue it; 202 with the job."""
+                      wait: WaitQuery = None, idempotency_key: IdempotencyKeyHeader = None) -> Response:
+    """Validate the problem (a bad one is a 422, never a job) and queue it; 202 with the job.
+
+    With an `Idempotency-Key`, a retry of the same body gets the first request's job back
+    (header `Idempotent-Replayed: true`); the key with a different body is a 422.
+    """
     await run_in_threadpool(validate, body, services.settings)
-    job = await run_in_threadpool(services.store.submit, principal.tenant_id, JobKind.PLAN, body.to_request())
+    request = body.to_request()
+    once = Idempotency.of(idempotency_key, "POST /v1/plans", request)
+    job, replayed = await run_in_threadpool(services.store.submit_once, principal.tenant_id, JobKind.PLAN, request,
+                                            once)
+    headers = {REPLAYED_HEADER: "true"} if replayed else None
     if wait:
         job, result = await _wait(services.store, principal.tenant_id, job.id, min(wait, MAX_WAIT_S))
         if result is not None:
-            return SafeJSONResponse(result, status_code=200)
-    return SafeJSONResponse(_job_json(job), status_code=202)
+            return SafeJSONResponse(result, status_code=200, headers=headers)
+    return SafeJSONResponse(_job_json(job), status_code=202, headers=headers)
 
 
 async def _wait(store: JobStore, tenant_id: int, job_id: str, wait_s: float) -> tuple[JobView, dict[str, Any] | None]:
@@ -136,16 +152,17 @@ def job_result(job: JobDep, principal: PrincipalDep, services: ServicesDep) -> S
 
 
 @router.get("/v1/jobs/{job_id}/events", responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
-            response_class=StreamingResponse, summary="A job's progress as server-sent events")
-def job_events(job: JobDep, principal: PrincipalDep, services: ServicesDep) -> StreamingResponse:
-    """`event: progress` with the job JSON at every change, then one `event: done`, and the stream closes."""
-    return StreamingResponse(_events(services, principal.tenant_id, job.id), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            response_class=EventSourceResponse, summary="A job's progress as server-sent events")
+def job_events(job: JobDep, principal: PrincipalDep, services: ServicesDep) -> EventSourceResponse:
+    """`event: progress` with the job JSON at every change, then one `event: done`, and the stream
+    closes; a `: ping` comment every 15 s of quiet keeps proxies from closing it (sse-starlette)."""
+    return EventSourceResponse(_events(services, principal.tenant_id, job.id), ping=int(KEEPALIVE_S), sep="\n",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _events(services: Services, tenant_id: int, job_id: str) -> AsyncIterator[str]:
+async def _events(services: Services, tenant_id: int, job_id: str) -> AsyncIterator[ServerSentEvent]:
+    """The job's states as they change (polled every `EVENTS_POLL_S`), until it finished."""
     last: tuple[Any, ...] | None = None
-    quiet_since = time.monotonic()
     while True:
         job = await run_in_threadpool(services.store.get, tenant_id, job_id)
         if job is None:
@@ -153,16 +170,13 @@ async def _events(services: Services, tenant_id: int, job_id: str) -> AsyncItera
             return
         state = (job.status, job.progress, job.message, job.attempts)
         if state != last:
-            last, quiet_since = state, time.monotonic()
+            last = state
             yield _sse("progress", _job_json(job))
-        elif time.monotonic() - quiet_since > KEEPALIVE_S:
-            quiet_since = time.monotonic()
-            yield ": keep-alive\n\n"  # a comment: keeps proxies from closing a quiet stream
         if job.status in TERMINAL:
             yield _sse("done", _job_json(job))
             return
         await asyncio.sleep(EVENTS_POLL_S)
 
 
-def _sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+def _sse(event: str, data: dict[str, Any]) -> ServerSentEvent:
+    return ServerSentEvent(data=json.dumps(data, separators=(",", ":")), event=event, sep="\n")

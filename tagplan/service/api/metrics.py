@@ -1,53 +1,88 @@
-"""`/metrics` in the Prometheus text exposition format (0.0.4), written by hand.
+"""`/metrics` in the Prometheus text format, with `prometheus_client` on registries of the app's own.
 
-Job gauges come from the database (every worker and API process shares it); request counters
-are per API process, counted by an ASGI middleware under the route's template (`/v1/jobs/{id}`),
-so the label set stays bounded whatever paths clients send.
+`ServiceMetrics` holds two `CollectorRegistry`s per app (never the process-global one, so two apps
+in one process, as in the tests, count apart): `public` has the HTTP request counter, labelled
+by the route's template (`/v1/jobs/{job_id}`, counted by the `CountRequests` middleware) so the
+label set stays bounded whatever paths clients send; `admin` adds the job families (`JobMetrics`),
+read from the database at scrape time (every worker and API process shares it). Request counts
+are per API process.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import sqlalchemy as sa
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tagplan.service import db
 from tagplan.service.vocabulary import JobStatus
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 UNMATCHED = "unmatched"
 
 
-class RequestCounter:
-    """HTTP answers by (route template, status code); thread-safe."""
+class JobMetrics(Collector):
+    """Jobs by status, the queue's depth and finished jobs' durations, read when scraped."""
 
-    def __init__(self) -> None:
-        self._counts: Counter[tuple[str, int]] = Counter()
-        self._lock = threading.Lock()
+    def __init__(self, counts: Callable[[], Mapping[str, int]], durations: Callable[[], tuple[float, int]]) -> None:
+        self._counts, self._durations = counts, durations
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples (so registering reads no database)."""
+        yield GaugeMetricFamily("tagplan_jobs", "Jobs by status.", labels=["status"])
+        yield GaugeMetricFamily("tagplan_queue_depth", "Jobs waiting for a worker.")
+        yield SummaryMetricFamily("tagplan_job_duration_seconds", "Seconds from start to finish of finished jobs.")
+
+    def collect(self) -> Iterator[Metric]:
+        """`tagplan_jobs{status}` (every `JobStatus`), `tagplan_queue_depth`, `tagplan_job_duration_seconds`."""
+        counts = self._counts()
+        jobs = GaugeMetricFamily("tagplan_jobs", "Jobs by status.", labels=["status"])
+        for status in sorted({*map(str, JobStatus), *counts}):
+            jobs.add_metric([status], counts.get(status, 0))
+        yield jobs
+        yield GaugeMetricFamily("tagplan_queue_depth", "Jobs waiting for a worker.",
+                                value=counts.get(JobStatus.QUEUED, 0))
+        total_s, count = self._durations()
+        yield SummaryMetricFamily("tagplan_job_duration_seconds", "Seconds from start to finish of finished jobs.",
+                                  count_value=count, sum_value=total_s)
+
+
+class ServiceMetrics:
+    """One app's metrics: `public` (HTTP answers by route template and code) and `admin` (those and
+    `JobMetrics`); thread-safe (prometheus_client's counters are)."""
+
+    def __init__(self, jobs: JobMetrics | None = None) -> None:
+        self.public = CollectorRegistry(auto_describe=True)
+        self.admin = CollectorRegistry(auto_describe=True)
+        self._requests = Counter("tagplan_http_requests", "HTTP requests answered, by route template and code.",
+                                 ["route", "code"], registry=self.public)
+        self.admin.register(self._requests)
+        if jobs is not None:
+            self.admin.register(jobs)
 
     def add(self, route: str, code: int) -> None:
         """Count one answer."""
-        with self._lock:
-            self._counts[(route, code)] += 1
+        self._requests.labels(route=route, code=str(code)).inc()
 
-    def snapshot(self) -> dict[tuple[str, int], int]:
-        """A copy of the counts."""
-        with self._lock:
-            return dict(self._counts)
+    def exposition(self, *, admin: bool) -> bytes:
+        """The text format of `admin` (an admin key's view) or `public`."""
+        return generate_latest(self.admin if admin else self.public)
 
 
 class CountRequests:
-    """ASGI middleware feeding a `RequestCounter`; an exception counts as a 500 and propagates.
+    """ASGI middleware feeding a `ServiceMetrics`; an exception counts as a 500 and propagates.
 
     The route is the one the router put in the scope, else the first of `routes` that matches
     (plain Starlette routes such as /openapi.json leave none), else `unmatched`.
     """
 
-    def __init__(self, app: ASGIApp, counter: RequestCounter, routes: Sequence[BaseRoute] = ()) -> None:
+    def __init__(self, app: ASGIApp, counter: ServiceMetrics, routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
         self.counter = counter
         self.routes = routes
@@ -88,32 +123,3 @@ def job_durations(engine: sa.Engine) -> tuple[float, int]:
                 total += max(0.0, (finished - started).total_seconds())
                 count += 1
     return total, count
-
-
-def render(jobs: Mapping[str, int] | None, requests: Mapping[tuple[str, int], int],
-           durations: tuple[float, int] | None) -> str:
-    """The exposition text of the service's metrics (the job families only where `jobs` and
-    `durations` are given: an admin's view)."""
-    answered = ((f'route="{_escape(route)}",code="{code}"', n) for (route, code), n in sorted(requests.items()))
-    lines = _family("tagplan_http_requests_total", "counter", "HTTP requests answered, by route template and code.",
-                    answered)
-    if jobs is not None:
-        lines += [*_family("tagplan_jobs", "gauge", "Jobs by status.",
-                           ((f'status="{s}"', jobs.get(s, 0)) for s in sorted({*map(str, JobStatus), *jobs}))),
-                  *_family("tagplan_queue_depth", "gauge", "Jobs waiting for a worker.",
-                           [("", jobs.get(JobStatus.QUEUED, 0))])]
-    if durations is not None:
-        total, count = durations
-        lines += ["# HELP tagplan_job_duration_seconds Seconds from start to finish of finished jobs.",
-                  "# TYPE tagplan_job_duration_seconds summary",
-                  f"tagplan_job_duration_seconds_sum {total!r}", f"tagplan_job_duration_seconds_count {count}"]
-    return "\n".join(lines) + "\n"
-
-
-def _family(name: str, kind: str, help_text: str, samples: Iterable[tuple[str, int]]) -> list[str]:
-    rows = [f"{name}{{{labels}}} {value}" if labels else f"{name} {value}" for labels, value in samples]
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *rows]
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -38,6 +38,4 @@ def metrics(services: ServicesDep, principal: MaybePrincipalDep) -> PlainTextRes
     """HTTP answers by route and code; with an admin key also jobs by status, queue depth and
     finished jobs' durations (how busy the tenants are is not for anyone to read)."""
     admin = principal is not None and principal.admin
-    text = job_metrics.render(services.store.counts() if admin else None, services.requests.snapshot(),
-                              job_metrics.job_durations(services.engine) if admin else None)
-    return PlainTextResponse(text, media_type=job_metrics.CONTENT_TYPE)
+    return PlainTextResponse(services.metrics.exposition(admin=admin), media_type=job_metrics.CONTENT_TYPE)

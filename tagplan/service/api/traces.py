@@ -14,8 +14,9 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import ValidationError
+from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
 from tagplan.datasets.traces.bundle import (
@@ -28,11 +29,20 @@ from tagplan.datasets.traces.bundle import (
     write_bundle,
 )
 from tagplan.errors import SpecError, from_validation
-from tagplan.service.api.deps import ID_PATTERN, PrincipalDep, RateLimitDep, Services, ServicesDep
+from tagplan.service.api.deps import (
+    ID_PATTERN,
+    REPLAYED_HEADER,
+    IdempotencyKeyHeader,
+    PrincipalDep,
+    RateLimitDep,
+    Services,
+    ServicesDep,
+)
 from tagplan.service.api.schemas import Error, JobOut, TraceBundleIn, TraceCreated, TrainingRunRequest, job_out
 from tagplan.service.keys import Principal
 from tagplan.service.requests import CalibrationChoice, TrainRequest, calibration_of, check_iteration, traces_root
 from tagplan.service.settings import Settings
+from tagplan.service.store import Idempotency
 from tagplan.service.vocabulary import JobKind
 
 router = APIRouter(tags=["traces"])
@@ -63,13 +73,22 @@ _BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
 
 @router.post("/v1/traces", status_code=201, response_model=TraceCreated, responses=_ERRORS, openapi_extra=_BODY,
              dependencies=[RateLimitDep], summary="Upload a trace bundle")
-async def upload_trace(request: Request, principal: PrincipalDep, services: ServicesDep,
-                       name: NameQuery = None, device: DeviceQuery = None) -> TraceCreated:
+async def upload_trace(request: Request, response: Response, principal: PrincipalDep, services: ServicesDep,
+                       name: NameQuery = None, device: DeviceQuery = None,
+                       idempotency_key: IdempotencyKeyHeader = None) -> TraceCreated:
     """A `tagplan-traces/1` bundle as JSON `{manifest, records}`, or `records.jsonl` text
-    (`application/x-ndjson` or `text/plain`) with `?name=` and `?device=`; 201 with its id."""
+    (`application/x-ndjson` or `text/plain`) with `?name=` and `?device=`; 201 with its id.
+    With an `Idempotency-Key`, a retry of the same upload gets the first one's id back."""
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     body = await request.body()
     settings = services.settings
+    once = Idempotency.of(idempotency_key, "POST /v1/traces",
+                          json.dumps([media, name, device]).encode() + b"\n" + body)
+    if once is not None:
+        earlier = await run_in_threadpool(services.store.earlier_trace, principal.tenant_id, once)
+        if earlier is not None:
+            response.headers[REPLAYED_HEADER] = "true"
+            return TraceCreated(id=earlier[0], records=earlier[1])
     if media in JSON_TYPES:
         manifest, records = _from_json(body, settings)
     elif media in LINES_TYPES:
@@ -79,16 +98,23 @@ async def upload_trace(request: Request, principal: PrincipalDep, services: Serv
                                  f"{{manifest, records}}) or one of {', '.join(LINES_TYPES)} (records.jsonl)")
     label = _CONTROL.sub(" ", name or manifest.fingerprint.device_type)[:MAX_NAME_CHARS]  # fits `traces.name`
     root = traces_root(services.settings) / str(principal.tenant_id)
-    trace_id = await run_in_threadpool(_store, services, principal, root, label, manifest, records)
+    trace_id = await run_in_threadpool(_store, services, principal, root, label, manifest, records, once)
     return TraceCreated(id=trace_id, records=len(records))
 
 
 def _store(services: Services, principal: Principal, root: Path, label: str, manifest: Manifest,
-           records: list[TraceRecord]) -> str:
+           records: list[TraceRecord], once: Idempotency | None) -> str:
+    """Write the bundle and record it; a concurrent upload with the same key that won gives its id."""
     directory = root / uuid.uuid4().hex
     write_bundle(directory, manifest, records)
     try:
-        return str(services.store.add_trace(principal.tenant_id, label, str(directory), len(records)))
+        return str(services.store.add_trace(principal.tenant_id, label, str(directory), len(records), once))
+    except IntegrityError:
+        shutil.rmtree(directory, ignore_errors=True)
+        earlier = services.store.earlier_trace(principal.tenant_id, once) if once is not None else None
+        if earlier is None:
+            raise
+        return earlier[0]
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
@@ -162,8 +188,10 @@ def _calibration(value: CalibrationChoice, settings: Settings) -> CalibrationCho
 
 @router.post("/v1/training-runs", status_code=202, response_model=JobOut, dependencies=[RateLimitDep],
              responses={**_ERRORS, 404: {"model": Error}}, summary="Retrain the GNN on uploaded traces")
-def submit_training_run(body: TrainingRunRequest, principal: PrincipalDep, services: ServicesDep) -> JobOut:
-    """Queue a training run (a job of kind `train`) on the tenant's traces; 404 if one is not theirs."""
+def submit_training_run(body: TrainingRunRequest, principal: PrincipalDep, services: ServicesDep, response: Response,
+                        idempotency_key: IdempotencyKeyHeader = None) -> JobOut:
+    """Queue a training run (a job of kind `train`) on the tenant's traces; 404 if one is not theirs.
+    With an `Idempotency-Key`, a retry of the same body gets the first run's job back."""
     ids = list(dict.fromkeys(body.traces))
     unknown = [t for t in ids if not ID_PATTERN.fullmatch(t)]
     paths = None if unknown else services.store.traces(principal.tenant_id, ids)
@@ -171,4 +199,9 @@ def submit_training_run(body: TrainingRunRequest, principal: PrincipalDep, servi
         raise HTTPException(404, f"unknown trace id(s) for tenant {principal.tenant!r} among {ids[:10]}; "
                                  "upload traces with POST /v1/traces")
     request = TrainRequest(traces=paths, calibration=_calibration(body.calibration, services.settings))
-    return job_out(services.store.submit(principal.tenant_id, JobKind.TRAIN, request.model_dump(exclude_none=True)))
+    once = Idempotency.of(idempotency_key, "POST /v1/training-runs", body.model_dump(mode="json"))
+    job, replayed = services.store.submit_once(principal.tenant_id, JobKind.TRAIN,
+                                               request.model_dump(exclude_none=True), once)
+    if replayed:
+        response.headers[REPLAYED_HEADER] = "true"
+    return job_out(job)

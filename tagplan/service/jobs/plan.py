@@ -42,7 +42,7 @@ from tagplan.service.requests import (
     tenant_registry,
 )
 from tagplan.service.settings import Settings
-from tagplan.training.registry import prior_factory
+from tagplan.training.registry import correction, prior_factory
 
 
 def run_plan(data: Any, settings: Settings, progress: Progress, *, tenant_id: int | None = None) -> dict[str, Any]:
@@ -64,7 +64,8 @@ def run_plan(data: Any, settings: Settings, progress: Progress, *, tenant_id: in
     registry = tenant_registry(settings, tenant_id)
     factory = prior_factory(problem.scorer, registry, problem.cluster.num_devices,
                             heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
-    result = plan(problem, prior_factory=factory, progress=tick)
+    fix = correction(registry, problem.model, problem.cluster, problem.workload, calibration=problem.calibration)
+    result = plan(problem, prior_factory=factory, progress=tick, correction=fix)
     progress(0.99, "writing the result")
     return {**result.to_json(), "timeline": result.timeline(), "request": echo(request, problem),
             "cluster": cluster_summary(problem.cluster, dtype=problem.workload.dtype), "gnn": gnn_version(registry)}

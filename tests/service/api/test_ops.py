@@ -8,9 +8,10 @@ from typing import Any
 
 import sqlalchemy
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, generate_latest
 
 from tagplan.search.problem import Objective
-from tagplan.service.api.metrics import render
+from tagplan.service.api.metrics import JobMetrics, ServiceMetrics
 from tagplan.service.vocabulary import JobKind, JobStatus
 
 
@@ -21,22 +22,32 @@ def test_health_readiness_and_metrics(client: TestClient, keys: Any, api: Any, f
     anonymous, tenant = client.get("/metrics").text, client.get("/metrics", headers=api.auth(keys.a)).text
     for text in (anonymous, tenant):  # how busy the tenants are is for admins only
         assert "tagplan_jobs" not in text and "tagplan_queue_depth" not in text and "duration" not in text
-        assert 'tagplan_http_requests_total{route="/v1/plans",code="202"}' in text
+        assert 'tagplan_http_requests_total{code="202",route="/v1/plans"}' in text
     text = client.get("/metrics", headers=api.auth(keys.admin)).text
     assert '# TYPE tagplan_jobs gauge' in text
     assert 'tagplan_jobs{status="succeeded"}' in text and 'tagplan_jobs{status="queued"}' in text
     assert "tagplan_queue_depth " in text
-    assert 'tagplan_http_requests_total{route="/v1/plans",code="202"}' in text
-    assert 'tagplan_http_requests_total{route="/v1/jobs/{job_id}",code="200"}' in text
+    assert 'tagplan_http_requests_total{code="202",route="/v1/plans"}' in text
+    assert 'tagplan_http_requests_total{code="200",route="/v1/jobs/{job_id}"}' in text
     count = next(line for line in text.splitlines() if line.startswith("tagplan_job_duration_seconds_count"))
-    assert int(count.split()[1]) >= 1
+    assert float(count.split()[1]) >= 1
 
 
 def test_metrics_label_every_status_of_the_vocabulary() -> None:
-    text = render({"queued": 2}, {}, (0.0, 0))
+    registry = CollectorRegistry()
+    registry.register(JobMetrics(lambda: {"queued": 2}, lambda: (0.0, 0)))
+    text = generate_latest(registry).decode()
     for status in JobStatus:
         assert f'tagplan_jobs{{status="{status}"}}' in text
-    assert "tagplan_queue_depth 2" in text
+    assert "tagplan_queue_depth 2.0" in text
+
+
+def test_each_app_counts_in_a_registry_of_its_own() -> None:
+    first, second = ServiceMetrics(), ServiceMetrics()
+    first.add("/v1/plans", 202)
+    assert b'tagplan_http_requests_total{code="202",route="/v1/plans"} 1.0' in first.exposition(admin=False)
+    assert b"/v1/plans" not in second.exposition(admin=True)
+    assert b"tagplan_jobs" not in first.exposition(admin=True)  # no job source given
 
 
 def test_readiness_fails_without_a_database(client: TestClient, tmp_path: Path) -> None:
