@@ -8,6 +8,7 @@ from tagplan.cli.options import (
     Subparsers,
     add_cluster_options,
     add_dtype_option,
+    add_input_shape_option,
     add_json_option,
     emit,
     load_cluster_option,
@@ -20,10 +21,12 @@ def add_inspect_commands(sub: Subparsers) -> None:
     """Add `inspect model` and `inspect cluster` to the `tagplan` parser."""
     inspect = sub.add_parser("inspect", help="show a model or a cluster as tagplan sees it")
     kinds = inspect.add_subparsers(dest="what", required=True)
-    model = kinds.add_parser("model", help="a model SPEC: zoo name, FAMILY?k=v, hf:ConfigClass?k=v, or a file")
+    model = kinds.add_parser("model", help="a model SPEC: zoo name, FAMILY?k=v, hf:ConfigClass|Architecture?k=v, "
+                                           "a config.json, a graph file, or module.py:Name")
     model.add_argument("spec")
     model.add_argument("--batch", type=positive_int, default=1, help="samples (for flops_per_batch)")
     model.add_argument("--seq", type=positive_int, default=None, help="tokens per sample (default: the model's)")
+    add_input_shape_option(model)
     add_dtype_option(model)
     add_json_option(model, "the summary (`ir.summary.model_summary`)")
     model.set_defaults(func=_inspect_model)
@@ -40,7 +43,7 @@ def _inspect_model(args: argparse.Namespace) -> int:
     from tagplan.frontends.model_spec import load_model
     from tagplan.ir.summary import model_summary
 
-    graph = load_model(args.spec, seq_len=args.seq, dtype=DType(args.dtype))
+    graph = load_model(args.spec, seq_len=args.seq, dtype=DType(args.dtype), input_shape=args.input_shape)
     emit(model_summary(graph, batch=args.batch), args.json, model_table)
     return 0
 

@@ -117,6 +117,13 @@ def add_dtype_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=[d.value for d in DType], default=DType.BF16.value)
 
 
+def add_input_shape_option(parser: argparse.ArgumentParser) -> None:
+    """`--input-shape`: the example input of a user module (`path/file.py:Name`), e.g. 8x512:long."""
+    parser.add_argument("--input-shape", default=None, metavar="BxS[x...][:long]",
+                        help="user modules: trace on zeros of this shape instead of the module's example inputs "
+                             "(dtype float, or :long/:int/:bool)")
+
+
 def add_calibration_option(parser: argparse.ArgumentParser, default_help: str) -> None:
     """`--calibration`: a calibration file or a registry version with one pinned."""
     parser.add_argument("--calibration", default=None, metavar="CALIB.json|VERSION",
@@ -140,6 +147,7 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive_int, default=DEFAULT_GLOBAL_BATCH,
                         help=f"global batch in samples (default {DEFAULT_GLOBAL_BATCH})")
     parser.add_argument("--seq", type=positive_int, default=None, help="tokens per sample (default: the model's)")
+    add_input_shape_option(parser)
     add_dtype_option(parser)
     parser.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value)
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
@@ -150,7 +158,7 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
     from tagplan.frontends.model_spec import load_model
 
     dtype = DType(args.dtype)
-    model = load_model(args.model, seq_len=args.seq, dtype=dtype)
+    model = load_model(args.model, seq_len=args.seq, dtype=dtype, input_shape=getattr(args, "input_shape", None))
     workload = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
                         optimizer=Optimizer(args.optimizer))
     return model, load_cluster_option(args.cluster, args), workload

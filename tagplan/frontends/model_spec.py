@@ -3,7 +3,10 @@
     SPEC := ZOO_NAME                        gpt3-175b, llama2-7b, ... (`tagplan inspect model --list`)
           | FAMILY[?key=value&...]          gpt?layers=96&hidden=12288&heads=96&vocab=50257
           | hf:CONFIG_CLASS[?key=value&...] hf:LlamaConfig?num_hidden_layers=4
-          | PATH                            a .json/.yaml/.yml graph (docs/GRAPH_FORMAT.md), or any SPEC with '/'
+          | hf:ARCHITECTURE[?key=value&...] hf:MistralForCausalLM (any class transformers' auto mappings list)
+          | PATH/config.json | PATH/        a Hugging Face config.json, or a directory holding one (kind HF_FILE)
+          | PATH                            a .json/.yaml/.yml graph (docs/GRAPH_FORMAT.md), or any SPEC with '/';
+                                            a .json holding `model_type` and a directory are read as HF configs
           | MODULE:NAME                     path/to/file.py:Name or package.module:Name (an nn.Module class or
                                             a factory; see `frontends.user_module`)
 
@@ -33,6 +36,7 @@ DEFAULT_SEQ_LEN = 2048
 MAX_SPEC_CHARS = 2000
 _FAMILY_SEQ_LEN = {"bert": 512, "t5": 512}
 _GRAPH_SUFFIXES = (".json", ".yaml", ".yml")
+_HF_CONFIG_NAME = "config.json"
 _MODULE = re.compile(r"(?P<module>[^:?]+\.py|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attr>[A-Za-z_]\w*)")
 # Hugging Face config keys that count blocks (the service bounds them before anything is built).
 _HF_DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "num_decoder_layers", "encoder_layers",
@@ -46,6 +50,7 @@ class ModelSpecKind(StrEnum):
     FAMILY = "family"
     HF = "hf"
     FILE = "file"
+    HF_FILE = "hf_file"
     MODULE = "module"
 
 
@@ -72,8 +77,8 @@ class ModelSpec:
 
     @property
     def names_file(self) -> bool:
-        """True when building it reads a file or imports code (a graph file or a user module)."""
-        return self.kind in (ModelSpecKind.FILE, ModelSpecKind.MODULE)
+        """True when building it reads a file or imports code (a graph file, a config.json, a user module)."""
+        return self.kind in (ModelSpecKind.FILE, ModelSpecKind.HF_FILE, ModelSpecKind.MODULE)
 
     @property
     def default_seq_len(self) -> int | None:
@@ -100,6 +105,11 @@ def parse_model_spec(text: str) -> ModelSpec:
     module = _MODULE.fullmatch(spec)
     if module is not None:
         return ModelSpec(spec, ModelSpecKind.MODULE, module["module"], attr=module["attr"])
+    if spec.lower().endswith(".py"):
+        raise SpecError(f"model {spec!r}: a Python file needs the class or factory to build: add ':Name' "
+                        f"(e.g. {spec}:MyModel; see docs/MODELS.md)")
+    if spec.lower().endswith(_HF_CONFIG_NAME) or spec.endswith(("/", "\\")):
+        return ModelSpec(spec, ModelSpecKind.HF_FILE, spec)
     if spec.lower().endswith(_GRAPH_SUFFIXES) or "/" in spec or "\\" in spec:
         return ModelSpec(spec, ModelSpecKind.FILE, spec)
     family, _, query = spec.partition("?")
@@ -136,8 +146,17 @@ def _parse_hf(spec: str) -> ModelSpec:
                      blocks=sum(depths) if depths else None)
 
 
-def build_model(spec: ModelSpec, *, seq_len: int | None = None, dtype: DType = DType.BF16) -> ModelGraph:
+def build_model(
+    spec: ModelSpec,
+    *,
+    seq_len: int | None = None,
+    dtype: DType = DType.BF16,
+    input_shape: str | None = None,
+) -> ModelGraph:
     """The ModelGraph of a parsed SPEC at `seq_len` tokens per sample (None: the model's own).
+
+    `input_shape` (user modules only, e.g. "8x512:long"): the shape of the one example input, built
+    as zeros in place of the module's own example inputs (`frontends.user_module`).
 
     SpecError for a bad SPEC value, a missing file or a sequence length the model cannot take.
     """
@@ -150,17 +169,19 @@ def build_model(spec: ModelSpec, *, seq_len: int | None = None, dtype: DType = D
     if spec.kind is ModelSpecKind.MODULE:
         from tagplan.frontends.user_module import graph_from_user_module  # imports the user's code
 
-        return graph_from_user_module(spec.name, spec.attr, seq_len=seq_len, dtype=dtype)
-    if spec.kind is ModelSpecKind.FILE:
-        return _load_file(spec.name, seq_len)
+        return graph_from_user_module(spec.name, spec.attr, seq_len=seq_len, dtype=dtype, input_shape=input_shape)
+    if spec.kind in (ModelSpecKind.FILE, ModelSpecKind.HF_FILE):
+        return _load_file(spec.name, seq_len, dtype)
     if spec.kind is ModelSpecKind.ZOO:
         return build_zoo(spec.name, seq_len=seq_len, dtype=dtype)
     return _build_family(spec, seq_len, dtype)
 
 
-def load_model(text: str, *, seq_len: int | None = None, dtype: DType = DType.BF16) -> ModelGraph:
+def load_model(
+    text: str, *, seq_len: int | None = None, dtype: DType = DType.BF16, input_shape: str | None = None
+) -> ModelGraph:
     """`build_model(parse_model_spec(text), ...)`: the ModelGraph a SPEC string names."""
-    return build_model(parse_model_spec(text), seq_len=seq_len, dtype=dtype)
+    return build_model(parse_model_spec(text), seq_len=seq_len, dtype=dtype, input_shape=input_shape)
 
 
 def family_positions(spec: ModelSpec, seq_len: int) -> TransformerShape:
@@ -185,10 +206,21 @@ def _build_family(spec: ModelSpec, seq_len: int | None, dtype: DType) -> ModelGr
     return FAMILIES[spec.name](spec.text, shape, seq, dtype)
 
 
-def _load_file(path: str, seq_len: int | None) -> ModelGraph:
+def _load_hf_file(path: str, seq_len: int | None, dtype: DType) -> ModelGraph:
+    from tagplan.frontends.huggingface import graph_from_hf_file  # torch + transformers: import on demand
+
+    return graph_from_hf_file(path, seq_len=seq_len, dtype=dtype)
+
+
+def _load_file(path: str, seq_len: int | None, dtype: DType) -> ModelGraph:
+    if Path(path).is_dir():
+        return _load_hf_file(path, seq_len, dtype)
     if not Path(path).is_file():
         raise SpecError(f"model file {path!r} does not exist (a SPEC with '/' or a .json/.yaml suffix is a path)")
-    graph = graph_from_dict(parse_structured(read_text(path), path), path)
+    data = parse_structured(read_text(path), path)
+    if isinstance(data, dict) and "blocks" not in data and ("model_type" in data or "architectures" in data):
+        return _load_hf_file(path, seq_len, dtype)  # a Hugging Face config.json
+    graph = graph_from_dict(data, path)
     if seq_len is not None and seq_len != graph.seq_len:
         raise SpecError(f"{path}: the graph is fixed at seq_len={graph.seq_len}; got --seq {seq_len}")
     return graph

@@ -11,9 +11,15 @@ and the fabric is the slowest pair.
 
 The matrix does not name the GPU: pass `gpu`. Without it the type is inferred where the NVLink
 pattern is unambiguous (all NV18 -> H100-SXM, all NV12 -> A100-SXM-40GB, NV1/NV2 -> V100-SXM2-16GB,
-the smaller-memory parts, logged as a warning); otherwise SpecError asks for it. NIC columns
-(`NIC0`, or `mlx5_0` on older drivers) are counted as NICs of `nic_speed_Gbps` (default 100,
-as topo -m shows RDMA NICs only); with none, one 10 Gb/s host Ethernet NIC is assumed.
+the smaller-memory parts, logged as a warning); otherwise SpecError asks for it.
+
+NICs (`NIC0` columns, or `mlx5_0` on older drivers): only compute NICs count, told apart from
+storage and management NICs by the GPU affinity NCCL uses: a NIC is a compute NIC when it is the
+closest NIC of some GPU (ties all count) and that path is `PIX` or `PXB` (a PCIe switch shared
+with the GPU). A DGX A100 shows 10 NICs; its two storage NICs sit behind the host bridge, so 8
+count. Without any `PIX`/`PXB` NIC, each GPU's closest NICs count. `nics` overrides the count.
+Compute NICs run at `nic_speed_Gbps` (default 100, as topo -m shows RDMA NICs only); with no NIC
+column, one 10 Gb/s host Ethernet NIC is assumed.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _GPU = re.compile(r"GPU\d+$")
 _NV = re.compile(r"NV(\d+)$")
 _PATHS = ("PIX", "PXB", "PHB", "NODE", "SYS", "SOC")
+_CLOSENESS = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4, "SOC": 4}  # GPU-NIC paths, closest first
+_SWITCHED = 1  # PIX or PXB: the NIC shares a PCIe switch with the GPU
 _AFFINITY_WORDS = ("CPU", "NUMA", "GPU")  # first words of the trailing affinity columns
 Cell = tuple[str, int]  # (cell text, 1-based line number)
 
@@ -51,7 +59,7 @@ def _header(lines: list[str]) -> tuple[int, list[str]]:
 
 
 def _gpu_rows(lines: list[str], start: int, columns: list[str], gpus: int) -> list[list[Cell]]:
-    """The GPU-to-GPU cells of each GPU row, with their line numbers."""
+    """The cells of each GPU row (GPU columns, then NIC columns), with their line numbers."""
     rows: list[list[Cell]] = []
     for i in range(start, len(lines)):
         tokens = lines[i].split()
@@ -62,7 +70,7 @@ def _gpu_rows(lines: list[str], start: int, columns: list[str], gpus: int) -> li
         if len(tokens) < 1 + len(columns):
             raise SpecError(f"nvidia-smi topo -m: line {i + 1}: row {tokens[0]} has {len(tokens) - 1} "
                             f"cells; expected {len(columns)} ({' '.join(columns)})")
-        rows.append([(cell, i + 1) for cell in tokens[1 : 1 + gpus]])
+        rows.append([(cell, i + 1) for cell in tokens[1 : 1 + len(columns)]])
     if len(rows) != gpus:
         raise SpecError(f"nvidia-smi topo -m: found {len(rows)} GPU rows for {gpus} GPU columns")
     return rows
@@ -71,7 +79,7 @@ def _gpu_rows(lines: list[str], start: int, columns: list[str], gpus: int) -> li
 def _check(rows: list[list[Cell]]) -> None:
     """SpecError naming the line of the first cell that is not a known link or breaks symmetry."""
     for a, row in enumerate(rows):
-        for b, (cell, line) in enumerate(row):
+        for b, (cell, line) in enumerate(row[: len(rows)]):
             ok = cell == "X" if a == b else (cell in _PATHS or _NV.match(cell) is not None)
             if not ok:
                 raise SpecError(f"nvidia-smi topo -m: line {line}: GPU{a}-GPU{b} cell {cell!r} is not "
@@ -153,7 +161,30 @@ def parse_nvidia_topo(
     nv = {int(m.group(1)) for c in cells.values() if (m := _NV.match(c))}
     if len(set(cells.values())) == 1 and nv and min(nv) >= 12:
         links = {pair: (LinkKind.NVSWITCH, bw, lat) for pair, (_, bw, lat) in links.items()}
-    nic_columns = len(columns) - gpus
+    nic_columns = columns[gpus:]
+    compute = compute_nics(nic_columns, [[cell for cell, _ in row[gpus:]] for row in rows])
+    if nic_columns and len(compute) < len(nic_columns):
+        log.info("nvidia-smi topo -m: %d of %d NICs are compute NICs (%s); the others serve storage or "
+                 "management", len(compute), len(nic_columns), ", ".join(compute))
     speed_Gbps = nic_speed_Gbps if nic_speed_Gbps is not None else (100.0 if nic_columns else 10.0)
-    return node_from_links(name, device, gpus, links, nics if nics is not None else max(nic_columns, 1),
+    return node_from_links(name, device, gpus, links, nics if nics is not None else max(len(compute), 1),
                            gbps_to_Bps(speed_Gbps))
+
+
+def compute_nics(names: list[str], gpu_cells: list[list[str]]) -> list[str]:
+    """The NICs some GPU would use (module docstring), in column order.
+
+    `gpu_cells[g][n]` is the path from GPU g to NIC `names[n]`; SpecError for an unknown path.
+    """
+    closest: set[int] = set()
+    for g, cells in enumerate(gpu_cells):
+        ranks = []
+        for n, cell in enumerate(cells):
+            if cell not in _CLOSENESS:
+                raise SpecError(f"nvidia-smi topo -m: GPU{g}-{names[n]} cell {cell!r} is not accepted; "
+                                f"expected one of {', '.join(_PATHS)}")
+            ranks.append(_CLOSENESS[cell])
+        if ranks:
+            closest.update(n for n, r in enumerate(ranks) if r == min(ranks))
+    switched = {n for n in closest if any(_CLOSENESS[cells[n]] <= _SWITCHED for cells in gpu_cells)}
+    return [names[n] for n in sorted(switched or closest)]

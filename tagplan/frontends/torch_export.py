@@ -31,8 +31,12 @@ Layers: a node's layer key is the outermost module path in its `nn_module_stack`
 numeric index (`model.layers.3`, `encoder.block.5`, `0`). Nodes without a key between two nodes
 of one key join that layer; other runs of them form their own layers ("embed"/"pre" before the
 first block, "head"/"post" after the last, named after their modules with parameters in
-between). A model without indexed containers gets one layer per top-level child. Layers with
-neither FLOPs nor parameters merge into the next layer (the previous one at the end).
+between). A model without indexed containers gets one layer per top-level child. Light ops right
+after a block outside any indexed module (a residual add `x = x + block(x)` written in the parent's
+forward: no parameter or buffer read, no matmul, conv, attention or embedding) join that block.
+Layers with neither FLOPs nor parameters merge into the next layer (the previous one at the end).
+Dataflow that is not a chain (two towers, encoder-decoder, skip connections) is kept in
+`Layer.inputs`: a layer reading only the model inputs has `inputs == ()`.
 
 The work is done in `tagplan/frontends/tracing/`: `trace` (run and record the graph), `ops`
 (kinds and per-node figures), `layers` (grouping and naming) and `blocks` (hashing).
@@ -65,12 +69,15 @@ def graph_from_module(
     seq_len: int,
     dtype: DType = DType.BF16,
     batch: int | None = None,
+    split_independent: bool = False,
 ) -> ModelGraph:
     """Trace `module(*args, **kwargs)` (all on the meta device) into a ModelGraph.
 
     `batch` is the size of the inputs' batch dimension (default: dim 0 of the first tensor
     input); every figure is divided by it. `seq_len` is the tokens per sample the inputs carry.
     The module keeps its train/eval mode (dropout is costed only in training mode).
+    `split_independent` cuts a run of ops between blocks where its second part does not read the
+    first (two towers: the first's final norm, the second's input projection; `layers.split_runs`).
     Returns the graph with per-sample FLOPs and bytes in `dtype`. Raises SpecError when
     torch.export fails or the inputs carry no tensor.
     """
@@ -87,7 +94,8 @@ def graph_from_module(
             f"tensors: {_first_line(exc)}"
         ) from exc
     trace = trace_graph(gm, flops)
-    blocks, layers = build_blocks(trace, layer_groups(trace.ops), Scale(dtype, batch, seq_len))
+    groups = layer_groups(trace.ops, split_independent=split_independent)
+    blocks, layers = build_blocks(trace, groups, Scale(dtype, batch, seq_len))
     return ModelGraph(
         name=name, family=family, seq_len=seq_len, dtype=dtype, blocks=tuple(blocks), layers=tuple(layers)
     )

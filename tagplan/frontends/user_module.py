@@ -3,11 +3,22 @@
 `Name` is an `nn.Module` class (called with no arguments) or a factory (a callable with no
 required arguments). It is called under `torch.device("meta")`, so no weights are allocated.
 Example inputs come from, in order:
-1. the factory's return value, when it is a pair `(module, example_inputs)`;
-2. the module's `example_inputs()` method.
+1. `input_shape` (`--input-shape 8x512` on the CLI; `8x512:long` for token ids), zeros of that
+   shape as the one positional input;
+2. the factory's return value, when it is a pair `(module, example_inputs)`;
+3. the module's `example_inputs()` method.
 `example_inputs` is a tensor, a tuple of positional inputs, or a dict of keyword inputs; its
 batch dimension is dim 0 of the first tensor, and tokens per sample dim 1 (or `seq_len` when
 given). The graph is traced by `torch_export.graph_from_module`.
+
+Folding (`fold_stacks`): every outermost `nn.ModuleList`/`nn.Sequential` of more than
+`_TRACED` elements of one class with equal parameter shapes is cut to its first `_TRACED`
+elements for the trace. When the traced middle elements (all but the first and the last) hash
+equal, the middle block is replicated to the list's length, numbering continued; the first and
+last keep their own blocks (the last may absorb a trailing residual add). Otherwise, or when
+the cut model does not trace (a forward that indexes the list by a fixed range), the full model
+is traced. A 24-block model is traced as 4 blocks. Runs of ops between blocks are cut where
+their dataflow separates (`split_independent`), so two towers stay two towers in `Layer.inputs`.
 
 Only the CLI builds these: the service never imports user code (a client sends the graph).
 """
@@ -16,38 +27,176 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tagplan.errors import SpecError
-from tagplan.ir.model import ModelGraph
+from tagplan.frontends.hf_fold import extend, rebuild
+from tagplan.ir.model import Layer, ModelGraph
 from tagplan.ir.workload import DType
 
-
-def graph_from_user_module(module: str, attr: str, *, seq_len: int | None, dtype: DType) -> ModelGraph:
-    """Trace `module:attr` (a file path ending .py, or a dotted import path) into a ModelGraph."""
-    import torch
+if TYPE_CHECKING:
     from torch import nn
 
-    from tagplan.frontends.torch_export import graph_from_module
+log = logging.getLogger(__name__)
+
+_TRACED = 4  # elements kept per repeated list: first, two middle ones compared, last
+_SHAPE = re.compile(r"(?P<dims>\d+(?:[x,]\d+)*)(?::(?P<dtype>float|long|int|bool))?")
+
+
+def graph_from_user_module(
+    module: str,
+    attr: str,
+    *,
+    seq_len: int | None,
+    dtype: DType,
+    input_shape: str | None = None,
+    fold: bool = True,
+) -> ModelGraph:
+    """Trace `module:attr` (a file path ending .py, or a dotted import path) into a ModelGraph.
+
+    `input_shape` ("BxS[x...][:long]") overrides the module's own example inputs. SpecError for a
+    missing module or name, no example inputs, or a model torch.export cannot trace.
+    """
+    import torch
+    from torch import nn
 
     name = f"{module}:{attr}"
     target = getattr(_import(module), attr, None)
     if target is None or not callable(target):
         raise SpecError(f"model {name!r}: {module} has no class or factory named {attr!r}")
+    shaped = parse_input_shape(input_shape, name) if input_shape else None
     with torch.device("meta"):
         made = target()
         module_obj, inputs = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
         if not isinstance(module_obj, nn.Module):
             raise SpecError(f"model {name!r}: {attr}() returned {type(module_obj).__name__}; expected an nn.Module "
                             "or a pair (nn.Module, example_inputs)")
-        if inputs is None:
+        if shaped is not None:
+            inputs = torch.zeros(shaped[0], dtype=shaped[1])
+        elif inputs is None:
             inputs = _inputs_of(module_obj, name)
     args, kwargs = _as_call(inputs)
     seq = seq_len or _tokens_per_sample(args, kwargs, name)
-    return graph_from_module(module_obj, args, kwargs, name=name, seq_len=seq, dtype=dtype)
+    return fold_trace(module_obj, args, kwargs, name=name, seq_len=seq, dtype=dtype, fold=fold)
+
+
+def parse_input_shape(text: str, name: str = "model") -> tuple[tuple[int, ...], Any]:
+    """(dims, torch dtype) of `--input-shape` text such as `8x512`, `8,3,224,224` or `8x512:long`."""
+    import torch
+
+    m = _SHAPE.fullmatch(text.strip())
+    if m is None or any(int(d) == 0 for d in re.split("[x,]", m["dims"])):
+        raise SpecError(f"{name}: input shape {text!r} is not accepted; expected positive sizes such as 8x512 "
+                        "or 8x512:long (dtypes: float, long, int, bool)")
+    dtypes = {"float": torch.float32, "long": torch.long, "int": torch.int32, "bool": torch.bool}
+    return tuple(int(d) for d in re.split("[x,]", m["dims"])), dtypes[m["dtype"] or "float"]
+
+
+def fold_trace(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, name: str, seq_len: int, dtype: DType,
+    fold: bool = True,
+) -> ModelGraph:
+    """`graph_from_module` with repeated lists traced once (module docstring); the full trace as fallback."""
+    from tagplan.frontends.torch_export import graph_from_module
+
+    def trace() -> ModelGraph:
+        return graph_from_module(module, args, kwargs, name=name, seq_len=seq_len, dtype=dtype, split_independent=True)
+
+    lists = repeated_lists(module) if fold else {}
+    if lists:
+        try:
+            with _cut(module, lists):
+                graph = trace()
+            folded = _unfold(graph, lists)
+            if folded is not None:
+                return folded
+            log.info("%s: the traced blocks of %s differ; tracing the full model", name, ", ".join(lists))
+        except SpecError as exc:
+            log.info("%s: the model with cut lists does not trace (%s); tracing the full model", name, exc)
+    return trace()
+
+
+def repeated_lists(module: nn.Module) -> dict[str, int]:
+    """Path -> length of each outermost ModuleList/Sequential worth folding (module docstring)."""
+    from torch import nn
+
+    found: dict[str, int] = {}
+    for path, child in module.named_modules():
+        if any(path.startswith(p + ".") for p in found) or not isinstance(child, nn.ModuleList | nn.Sequential):
+            continue
+        items = list(child)
+        if len(items) > _TRACED and len({_signature(m) for m in items}) == 1:
+            found[path] = len(items)
+    return found
+
+
+def _signature(m: nn.Module) -> tuple[Any, ...]:
+    """Class and parameter/buffer shapes: elements with equal signatures may share a block."""
+    shapes = [(n, tuple(p.shape)) for n, p in (*m.named_parameters(), *m.named_buffers())]
+    return (type(m), tuple(shapes))
+
+
+@contextmanager
+def _cut(module: nn.Module, lists: dict[str, int]) -> Iterator[None]:
+    """Replace each list by its first `_TRACED` elements for the duration; restore after."""
+    from torch import nn
+
+    saved = []
+    for path in lists:
+        parent_path, _, attr = path.rpartition(".")
+        parent = module.get_submodule(parent_path) if parent_path else module
+        full = getattr(parent, attr)
+        saved.append((parent, attr, full))
+        items = list(full)[:_TRACED]
+        setattr(parent, attr, nn.Sequential(*items) if isinstance(full, nn.Sequential) else nn.ModuleList(items))
+    try:
+        yield
+    finally:
+        for parent, attr, full in saved:
+            setattr(parent, attr, full)
+
+
+def _unfold(graph: ModelGraph, lists: dict[str, int]) -> ModelGraph | None:
+    """Replicate each cut list's middle block to its full length; None if the middles differ."""
+    layers = list(graph.layers)
+    for path, depth in sorted(lists.items(), key=lambda kv: -_span_start(layers, kv[0])):
+        first = _span_start(layers, path)
+        if first < 0:
+            return None
+        last = first + _TRACED - 1
+        middle = {layers[i].block for i in range(first + 1, last)}
+        if len(middle) > 1:
+            return None
+        layers = extend(layers, first, last - 1, depth - 1)
+        end = first + depth - 1  # the traced last element, renamed to the list's last index
+        layers[end] = layers[end].model_copy(update={"name": _indexed(layers[end].name, depth - 1)})
+    return rebuild(graph, layers=tuple(layers))
+
+
+def _span_start(layers: list[Layer], path: str) -> int:
+    """Index of the layer for element 0 of the list at `path` (followed by elements 1.._TRACED-1), or -1."""
+    for i in range(len(layers) - _TRACED + 1):
+        if all(_names(layers[i + k].name, path, k) for k in range(_TRACED)):
+            return i
+    return -1
+
+
+def _names(layer_name: str, path: str, k: int) -> bool:
+    """Whether a (possibly shortened) layer name is element `k` of the list at `path`."""
+    full = f"{path}.{k}" if path else str(k)
+    return full == layer_name or full.endswith("." + layer_name)
+
+
+def _indexed(layer_name: str, index: int) -> str:
+    stem, _, _ = layer_name.rpartition(".")
+    return f"{stem}.{index}" if stem else str(index)
 
 
 def _import(module: str) -> ModuleType:
@@ -78,8 +227,8 @@ def _run(call: Any, module: str) -> Any:
 def _inputs_of(module: Any, name: str) -> Any:
     method = getattr(module, "example_inputs", None)
     if not callable(method):
-        raise SpecError(f"model {name!r}: no example inputs; return (module, example_inputs) from the factory or "
-                        "give the module an example_inputs() method")
+        raise SpecError(f"model {name!r}: no example inputs; return (module, example_inputs) from the factory, "
+                        "give the module an example_inputs() method, or pass --input-shape")
     return method()
 
 

@@ -58,7 +58,7 @@ def test_repeated_names_stay_unique() -> None:
         ("p3.8xlarge:2", {}, r"option '2' is not accepted"),
         ("p3.8xlarg:nodes=2", {}, r"unknown cluster preset 'p3.8xlarg'\. Did you mean 'p3.8xlarge'"),
         ("dgx-a100:nodes=2", {}, r"Did you mean .*'dgx-a100-80gb'"),
-        ("dgx-h100:gpu=B200", {}, r"dgx-h100:gpu: unknown GPU type 'B200'.*Known: A10, "),
+        ("dgx-h100:gpu=B900", {}, r"dgx-h100:gpu: unknown GPU type 'B900'.*Known: A10, "),
         ("g4dn.12xlarge:nic_speed_Gbps=0", {}, r"nic_speed_Gbps: 0\.0 is not accepted"),
         ("dgx-h100", {"network_latency_us": -3}, r"network_latency_us: -3"),
         ("nowhere/cluster.yaml", {}, r"'nowhere/cluster\.yaml': no such file"),

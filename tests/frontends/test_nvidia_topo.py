@@ -9,7 +9,7 @@ import pytest
 
 from tagplan.errors import SpecError
 from tagplan.frontends.catalog import lookup_device
-from tagplan.frontends.nvidia_topo import parse_nvidia_topo
+from tagplan.frontends.nvidia_topo import compute_nics, parse_nvidia_topo
 from tagplan.ir import Cluster, LinkKind, Node
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -120,3 +120,19 @@ def test_asymmetric_matrix_is_rejected() -> None:
 def test_not_a_topo_matrix() -> None:
     with pytest.raises(SpecError, match=r"no header line starting with GPU0"):
         parse_nvidia_topo("hello\nworld\n")
+
+
+def test_dgx_a100_storage_nics_are_not_compute_nics() -> None:
+    text = (FIXTURES / "topo_dgx_a100_storage.txt").read_text()  # 10 NICs: 8 compute, 2 storage (NIC4, NIC5)
+    node = parse_nvidia_topo(text, gpu=lookup_device("A100-SXM-80GB"), nic_speed_Gbps=200)
+    assert node.nics == 8
+    assert node.nics * node.nic_bandwidth_Bps / node.gpus == pytest.approx(25e9)  # 200 Gb/s per GPU
+    assert parse_nvidia_topo(text, gpu=lookup_device("A100-SXM-80GB"), nics=10).nics == 10  # the override
+
+
+def test_compute_nics_by_gpu_affinity() -> None:
+    names = ["NIC0", "NIC1", "NIC2"]
+    assert compute_nics(names, [["PIX", "SYS", "NODE"], ["SYS", "PXB", "NODE"]]) == ["NIC0", "NIC1"]
+    assert compute_nics(names, [["SYS", "NODE", "NODE"]]) == ["NIC1", "NIC2"]  # no switch: the closest ones
+    with pytest.raises(SpecError, match="GPU0-NIC0 cell 'NV4'"):
+        compute_nics(names, [["NV4", "SYS", "SYS"]])

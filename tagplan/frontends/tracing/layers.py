@@ -7,6 +7,7 @@ layers with neither FLOPs nor parameters) are in the module docstring of
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from tagplan.frontends.tracing.nodes import OpNode, Scale, Trace, first_tensor
 from tagplan.ir.model import OpKind
 
 _INDEXED = re.compile(r"(^|\.)\d+$")
+_HEAVY = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING})
 
 
 @dataclass
@@ -28,9 +30,41 @@ class Group:
     kind: str = "block"
 
 
-def layer_groups(ops: list[OpNode]) -> list[Group]:
-    """The layers of a traced op sequence, grouped, merged and named."""
-    return name_groups(merge_empty(group_ops(ops)))
+def layer_groups(ops: list[OpNode], *, split_independent: bool = False) -> list[Group]:
+    """The layers of a traced op sequence, grouped, merged and named (`split_runs` when asked)."""
+    groups = group_ops(ops)
+    if split_independent:
+        groups = [part for g in groups for part in split_runs(g)]
+    return name_groups(merge_empty(merge_light(groups)))
+
+
+def split_runs(g: Group) -> list[Group]:
+    """Cut an unkeyed run where nothing after the cut reads what came before it and both sides hold
+    parameters (the first tower's final norm and the second tower's input projection)."""
+    if g.key is not None:
+        return [g]
+    index = {op.node: i for i, op in enumerate(g.ops)}
+    earliest = [min((index[p] for p in map(_source, op.inputs) if p in index), default=i) for i, op in enumerate(g.ops)]
+    parts: list[Group] = []
+    start = 0
+    for cut in range(1, len(g.ops)):
+        later_reads = min(earliest[cut:])
+        if later_reads >= cut and _owns(g.ops[start:cut]) and _owns(g.ops[cut:]):
+            parts.append(Group(None, g.ops[start:cut]))
+            start = cut
+    parts.append(Group(None, g.ops[start:]))
+    return parts
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The node a getitem chain selects from."""
+    while node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _owns(ops: list[OpNode]) -> bool:
+    return any(op.owned for op in ops)
 
 
 def layer_key(stack: tuple[str, ...], indexed: bool) -> str | None:
@@ -55,6 +89,34 @@ def group_ops(ops: list[OpNode]) -> list[Group]:
         else:
             groups.append(Group(op.key, [op]))
     return groups
+
+
+def merge_light(groups: list[Group]) -> list[Group]:
+    """Give a block the light ops that follow it outside any indexed module (`x = x + block(x)`).
+
+    The leading run of an unkeyed group right after a keyed one, up to its first op that is not
+    light (see `_light`), joins the keyed layer when it computes anything (a residual add, a
+    scale); the rest stays a layer of its own.
+    """
+    out: list[Group] = []
+    for g in groups:
+        key = out[-1].key if out else None
+        if g.key is None and key is not None:
+            n = next((i for i, op in enumerate(g.ops) if not _light(op, key)), len(g.ops))
+            if any(op.flops > 0 for op in g.ops[:n]):
+                out[-1].ops.extend(g.ops[:n])
+                if n < len(g.ops):
+                    out.append(Group(None, g.ops[n:]))
+                continue
+        out.append(g)
+    return out
+
+
+def _light(op: OpNode, key: str) -> bool:
+    """Run by a module enclosing the block `key` (not by a sibling such as a final norm), reading no
+    parameter or buffer, and not a matmul, conv, attention or embedding."""
+    enclosing = op.path == "" or key.startswith(op.path + ".")
+    return enclosing and not op.owned and op.kind not in _HEAVY and not any(a.op == "get_attr" for a in op.inputs)
 
 
 def merge_empty(groups: list[Group]) -> list[Group]:
