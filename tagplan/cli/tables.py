@@ -6,13 +6,13 @@ themselves; nothing here computes a figure, it only formats one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from rich.table import Table
 
 from tagplan.cost.report import Report
 from tagplan.ir.plan import Plan
+from tagplan.ir.summary import device_ranges
 from tagplan.search.result import Candidate, PlanResult
 
 
@@ -77,22 +77,11 @@ def report_table(report: Report, plan: Plan) -> Table:
         table.add_column(col, justify="right")
     for s, stage in zip(report.stages, plan.stages, strict=True):
         devs = stage.devices
-        table.add_row(str(s.index), f"[{s.layers[0]}, {s.layers[1]})", f"{devs[0]}..{devs[-1]}", f"{s.dp} x {s.tp}",
+        table.add_row(str(s.index), f"[{s.layers[0]}, {s.layers[1]})", device_ranges(devs), f"{s.dp} x {s.tp}",
                       f"{s.forward_s * 1e3:.2f} ms", f"{s.backward_s * 1e3:.2f} ms", f"{s.tp_comm_s * 1e3:.2f} ms",
                       f"{s.dp_sync_s * 1e3:.2f} ms", f"{s.p2p_s * 1e3:.3f} ms", str(s.in_flight), str(stage.zero),
                       "yes" if stage.recompute else "no")
     return table
-
-
-def device_ranges(devices: Sequence[int]) -> str:
-    """Device ids as ranges in their order: "0-7, 16-23"; a single id alone."""
-    runs: list[list[int]] = []
-    for d in devices:
-        if runs and d == runs[-1][1] + 1:
-            runs[-1][1] = d
-        else:
-            runs.append([d, d])
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def plan_result_table(result: PlanResult) -> Table:

@@ -11,6 +11,7 @@ from typing import Any
 
 from tagplan.cost.pipeline import Phase
 from tagplan.cost.simulator import Simulation
+from tagplan.ir.summary import device_ranges
 
 _US = 1e6
 
@@ -19,8 +20,7 @@ def chrome_trace(sim: Simulation) -> dict[str, Any]:
     """The simulation as a Chrome trace document: `{"traceEvents": [...], "displayTimeUnit": "ms"}`."""
     events: list[dict[str, Any]] = []
     for lane, devices in enumerate(sim.lanes):
-        span = f"{devices[0]}-{devices[-1]}" if len(devices) > 1 else f"{devices[0]}"
-        name = f"lane {lane}: devices {span}"
+        name = f"lane {lane}: devices {device_ranges(devices)}"
         events.append({"name": "process_name", "ph": "M", "pid": lane, "args": {"name": name}})
         events.append({"name": "thread_name", "ph": "M", "pid": lane, "tid": 0, "args": {"name": "compute"}})
         events.append({"name": "thread_name", "ph": "M", "pid": lane, "tid": 1, "args": {"name": "sync"}})

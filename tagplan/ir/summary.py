@@ -5,6 +5,7 @@ No rendering here: `tagplan.cli.tables` draws these dicts for people, the servic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from tagplan.ir.cluster import Cluster
@@ -61,3 +62,14 @@ def cluster_summary(cluster: Cluster, *, dtype: DType = DType.BF16) -> dict[str,
             "devices": devices, "nodes": nodes, "links": links,
             "network": {"latency_s": cluster.network.latency_s,
                         "oversubscription": cluster.network.oversubscription}}
+
+
+def device_ranges(devices: Sequence[int]) -> str:
+    """Device ids as ranges in their order: "0-7, 16-23"; a single id alone."""
+    runs: list[list[int]] = []
+    for d in devices:
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)

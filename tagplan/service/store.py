@@ -14,11 +14,13 @@ import builtins
 import datetime as dt
 import hashlib
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, or_, select, update
+from sqlalchemy import Connection, Engine, and_, case, cast, func, insert, literal, or_, select, update
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -75,6 +77,7 @@ class JobView:
     finished_at: dt.datetime | None
     eta_s: float | None
     request: dict[str, Any]
+    iteration_time_s: float | None = None  # a succeeded plan's predicted iteration time; set by `list` only
 
     def to_json(self) -> dict[str, Any]:
         """The `Job` JSON of the API: `{id, kind, status, progress, message, error, attempts,
@@ -92,12 +95,51 @@ _VIEW_COLUMNS = (Job.id, Job.tenant_id, Job.kind, Job.status, Job.progress, Job.
                  Job.created_at, Job.started_at, Job.finished_at, Job.request)
 
 
-def _view(row: Any, now: dt.datetime) -> JobView:
+def _view(row: Any, now: dt.datetime, iteration_time_s: float | None = None) -> JobView:
     status = JobStatus(row.status)
     return JobView(id=row.id, tenant_id=row.tenant_id, kind=JobKind(row.kind), status=status, progress=row.progress,
                    message=row.message, error=row.error, attempts=row.attempts, created_at=row.created_at,
                    started_at=row.started_at, finished_at=row.finished_at,
-                   eta_s=_eta_s(status, row.progress, row.started_at, now), request=json.loads(row.request))
+                   eta_s=_eta_s(status, row.progress, row.started_at, now), request=json.loads(row.request),
+                   iteration_time_s=iteration_time_s)
+
+
+_ITERATION_TIME_PATH = ("best", "report", "iteration_time_s")
+
+
+def _iteration_time_column(dialect: str) -> ColumnElement[Any] | None:
+    """`result.best.report.iteration_time_s` of a succeeded plan, read inside the database (the result,
+    with its timeline, never leaves it); None on a backend without a JSON path function."""
+    succeeded_plan = and_(Job.status == JobStatus.SUCCEEDED.value, Job.kind == JobKind.PLAN.value)
+    if dialect == "sqlite":
+        value: ColumnElement[Any] = func.json_extract(Job.result, "$." + ".".join(_ITERATION_TIME_PATH))
+        return case((and_(succeeded_plan, func.json_valid(Job.result) == 1), value), else_=None)
+    if dialect == "postgresql":
+        value = func.jsonb_extract_path_text(cast(Job.result, JSONB), *_ITERATION_TIME_PATH)
+        return case((succeeded_plan, value), else_=None)
+    return None
+
+
+def _seconds(value: Any) -> float | None:
+    """A finite, non-negative number of seconds, or None (whatever the JSON held)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def _iteration_time_of(result_text: str | None) -> float | None:
+    """The same path read in Python (backends without JSON functions)."""
+    try:
+        value: Any = json.loads(result_text) if result_text else None
+        for key in _ITERATION_TIME_PATH:
+            value = value.get(key) if isinstance(value, dict) else None
+    except ValueError:
+        return None
+    return _seconds(value)
 
 
 def _eta_s(status: JobStatus, progress: float, started_at: dt.datetime | None, now: dt.datetime) -> float | None:
@@ -182,14 +224,22 @@ class JobStore:
         return self._get(job_id, tenant_id)
 
     def list(self, tenant_id: int, offset: int, limit: int) -> tuple[list[JobView], int]:
-        """The tenant's jobs, newest first, from `offset` (at most `limit`), and how many it has."""
+        """The tenant's jobs, newest first, from `offset` (at most `limit`), and how many it has.
+
+        Each succeeded plan carries its predicted `iteration_time_s`, read out of the stored result
+        by the database's JSON functions (SQLite, PostgreSQL), so the page never loads whole results.
+        """
         now = utcnow()
-        query = (select(*_VIEW_COLUMNS).where(Job.tenant_id == tenant_id)
+        extract = _iteration_time_column(self.engine.dialect.name)
+        summary = extract if extract is not None else case(
+            (and_(Job.status == JobStatus.SUCCEEDED.value, Job.kind == JobKind.PLAN.value), Job.result), else_=None)
+        query = (select(*_VIEW_COLUMNS, summary.label("summary")).where(Job.tenant_id == tenant_id)
                  .order_by(Job.created_at.desc(), Job.id.desc()).offset(max(0, offset)).limit(max(0, limit)))
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
             total = conn.execute(select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id)).scalar_one()
-        return [_view(r, now) for r in rows], int(total)
+        read = _seconds if extract is not None else _iteration_time_of
+        return [_view(r, now, read(r.summary)) for r in rows], int(total)
 
     def cancel(self, tenant_id: int, job_id: str) -> JobView | None:
         """Cancel: a queued job at once, a running one at its worker's next heartbeat; None if unknown.

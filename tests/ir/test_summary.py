@@ -41,3 +41,12 @@ def test_summaries_import_no_rendering_library() -> None:
     code = "import sys, tagplan.ir.summary; print('rich' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_device_ranges_print_runs_in_plan_order() -> None:
+    from tagplan.ir.summary import device_ranges
+
+    assert device_ranges(range(24, 32)) == "24-31"
+    assert device_ranges([0, 1, 2, 3, 8, 9, 10, 11]) == "0-3, 8-11"
+    assert device_ranges([5]) == "5"
+    assert device_ranges([28, 27]) == "28, 27"  # never "28..27"

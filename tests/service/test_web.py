@@ -8,8 +8,10 @@ its assets run everywhere (and fail, not skip, if the service cannot be imported
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -182,11 +184,11 @@ class _DomIndex(HTMLParser):
                 if t == tag and (cls is None or cls in a.get("class", "").split())]
 
 
-def test_job_page_renders_in_chromium(service: Service, tmp_path: Path) -> None:
+def _dump_dom(url: str, tmp_path: Path) -> str:
+    """The DOM of `url` after headless Chromium ran its scripts (skips without Chromium)."""
     chromium = _chromium()
     if chromium is None:
         pytest.skip(CHROMIUM_MISSING)
-    url = f"{service.url}/?key={urllib.parse.quote(service.key)}#/jobs/{service.job_id}"
     cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
            "--disable-dev-shm-usage", "--window-size=1280,800", f"--user-data-dir={tmp_path / 'profile'}",
@@ -196,6 +198,63 @@ def test_job_page_renders_in_chromium(service: Service, tmp_path: Path) -> None:
     dom = done.stdout
     assert done.returncode == 0 and "<html" in dom, f"chromium failed ({done.returncode}): {done.stderr[-2000:]}"
     (tmp_path / "dom.html").write_text(dom)
+    return dom
+
+
+def _device_runs(ids: list[int]) -> str:
+    """What the page prints for a stage's devices: runs of +1 steps in plan order ("0-3, 8-11")."""
+    runs: list[list[int]] = []
+    for d in dict.fromkeys(ids):
+        if runs and d == runs[-1][-1] + 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _cells(dom: str, job_id: str) -> dict[str, str]:
+    """The text of the classed cells of the job list's row of `job_id`."""
+    row = re.search(rf'<tr data-job="{job_id}">(.*?)</tr>', dom, re.S)
+    assert row, f"no row for job {job_id} in the job list"
+    return {cls: html.unescape(re.sub(r"<[^>]+>", "", text)).strip()
+            for cls, text in re.findall(r'<td class="([\w ]+)">(.*?)</td>', row.group(1), re.S)}
+
+
+DEVICE_CASES = [(list(range(24, 32)), "24-31"), ([0, 1, 2, 3, 8, 9, 10, 11], "0-3, 8-11"), ([5], "5"),
+                ([28, 27], "28, 27"), ([28, 29, 30, 31, 24, 25, 26, 27], "28-31, 24-27"), ([], "")]
+
+
+def test_device_runs_in_plan_order() -> None:
+    """`deviceRuns` of app.js (under Node, where installed) and the reference above agree."""
+    assert [_device_runs(ids) for ids, _ in DEVICE_CASES] == [text for _, text in DEVICE_CASES]
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node not installed")
+    app_js = Path(__file__).resolve().parents[2] / "tagplan" / "service" / "web" / "app.js"
+    script = (f"const p = require({json.dumps(str(app_js))}); "
+              f"console.log(JSON.stringify({json.dumps([ids for ids, _ in DEVICE_CASES])}.map(p.deviceRuns)));")
+    done = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [text for _, text in DEVICE_CASES]
+
+
+def test_job_list_shows_model_cluster_objective_and_time_in_chromium(service: Service, tmp_path: Path) -> None:
+    dom = _dump_dom(f"{service.url}/?key={urllib.parse.quote(service.key)}#/", tmp_path)
+    for column in ("model", "cluster", "objective", "iteration"):
+        assert re.search(rf"<th [^>]*>{column}</th>", dom), column
+    cells = _cells(dom, service.job_id)
+    assert cells["model"] == MODEL, cells
+    assert (cells["cluster"], cells["objective"]) == (CLUSTER, "time"), cells
+    seconds = service.result["best"]["report"]["iteration_time_s"]
+    assert re.fullmatch(r"[\d.]+ (µs|ms|s|min)", cells["iteration num"]), cells
+    unit = {"µs": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
+    number, suffix = cells["iteration num"].split()
+    assert float(number) * unit[suffix] == pytest.approx(seconds, rel=0.01), (cells, seconds)
+
+
+def test_job_page_renders_in_chromium(service: Service, tmp_path: Path) -> None:
+    url = f"{service.url}/?key={urllib.parse.quote(service.key)}#/jobs/{service.job_id}"
+    dom = _dump_dom(url, tmp_path)
     index = _DomIndex()
     index.feed(dom)
     index.close()
@@ -232,3 +291,16 @@ def test_job_page_renders_in_chromium(service: Service, tmp_path: Path) -> None:
     names = set(result["baselines"]) | set(result.get("baseline_reasons", {}))
     assert {r["data-baseline"] for r in rows} == names
     assert len(index.tags("baselines", "tr", "chosen")) == 1
+
+    # stage legend: each stage's devices as runs in plan order ("24-31", "0-3, 8-11"), never backwards
+    legend = {int(a["data-stage"]): a["data-devices"] for a in index.tags("stage-legend", "li")}
+    assert legend == {s: _device_runs(stage["devices"]) for s, stage in enumerate(best["stages"])}
+    for s, stage in enumerate(best["stages"]):
+        assert f"devices {_device_runs(stage['devices'])}</li>" in dom, (s, stage["devices"])
+    assert not re.search(r"devices \d+\.\.\d+", dom)
+
+    # downloads: the whole result and the plan alone; the job followed over its event stream
+    buttons = {a.get("id") for a in index.tags("downloads", "button")}
+    assert {"download", "download-plan"} <= buttons, buttons
+    assert ">Download plan JSON</button>" in dom
+    assert re.search(r'<div id="job-head"[^>]*data-live="events"', dom), "the job page did not use the event stream"

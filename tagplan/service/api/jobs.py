@@ -23,7 +23,7 @@ from tagplan.service.api.deps import (
     Services,
     ServicesDep,
 )
-from tagplan.service.api.schemas import Error, JobList, JobOut, SafeJSONResponse, job_out
+from tagplan.service.api.schemas import Error, JobList, JobOut, SafeJSONResponse, job_list_item, job_out
 from tagplan.service.requests import (
     PLAN_EXAMPLE,
     TINY_PLAN_EXAMPLE,
@@ -119,9 +119,10 @@ async def _wait(store: JobStore, tenant_id: int, job_id: str, wait_s: float) -> 
 def list_jobs(principal: PrincipalDep, services: ServicesDep,
               offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
               limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 20) -> JobList:
-    """One page of the tenant's jobs, newest first, with the total."""
+    """One page of the tenant's jobs, newest first, with the total; each with its model, cluster,
+    objective and (a succeeded plan) predicted `iteration_time_s`."""
     jobs, total = services.store.list(principal.tenant_id, offset, limit)
-    return JobList(jobs=[job_out(j) for j in jobs], total=total, offset=offset, limit=limit)
+    return JobList(jobs=[job_list_item(j) for j in jobs], total=total, offset=offset, limit=limit)
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobOut, responses=_ERRORS, summary="A job")

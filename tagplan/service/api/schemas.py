@@ -46,10 +46,48 @@ def job_out(job: JobView) -> JobOut:
     return JobOut.model_validate(job.to_json())
 
 
+MAX_LABEL_CHARS = 120
+
+
+class JobListItem(JobOut):
+    """A job in the list: the `Job` fields plus what it plans (read from its stored request) and, once a
+    plan succeeded, its predicted iteration time."""
+
+    model: str | None = Field(default=None, description="the model SPEC, or the inline graph's name or \"inline\"")
+    cluster: str | None = Field(default=None, description="the cluster SPEC, or the inline cluster's name or "
+                                                          "\"inline\"")
+    objective: str | None = Field(default=None, description="what `best` means (a plan's default: time)")
+    iteration_time_s: float | None = Field(default=None, description=(
+        "a succeeded plan's predicted iteration time, seconds (`result.best.report.iteration_time_s`)"))
+
+
+def _label(value: Any) -> str | None:
+    """A SPEC string as given, an inline object's `name` (else "inline"), shortened for a table cell."""
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, dict):
+        name = value.get("name")
+        text = name if isinstance(name, str) and name.strip() else "inline"
+    else:
+        return None
+    return text if len(text) <= MAX_LABEL_CHARS else text[:MAX_LABEL_CHARS - 1] + "…"
+
+
+def job_list_item(job: JobView) -> JobListItem:
+    """A stored job as the job list shows it (nothing but the stored row is read)."""
+    request = job.request if isinstance(job.request, dict) else {}
+    objective = request.get("objective")
+    if job.kind is JobKind.PLAN and objective is None:
+        objective = "time"
+    return JobListItem.model_validate({
+        **job.to_json(), "model": _label(request.get("model")), "cluster": _label(request.get("cluster")),
+        "objective": objective if isinstance(objective, str) else None, "iteration_time_s": job.iteration_time_s})
+
+
 class JobList(BaseModel):
     """One page of a tenant's jobs, newest first."""
 
-    jobs: list[JobOut]
+    jobs: list[JobListItem]
     total: int
     offset: int
     limit: int

@@ -66,18 +66,30 @@
       pad(d.getHours()) + ":" + pad(d.getMinutes()) + ":" + pad(d.getSeconds());
   }
 
-  /** [0,1,2,3,8,10,11] -> "0–3, 8, 10–11". */
-  function fmtRanges(ids) {
-    const sorted = Array.from(new Set(ids)).sort((a, b) => a - b);
+  /** Device ids as runs in the order given (plan order): [24..31] -> "24-31", [0,1,2,3,8,9,10,11] ->
+   * "0-3, 8-11", [5] -> "5", [28, 27] -> "28, 27". A run only ever climbs by one, so a reversed or
+   * interleaved group never prints as a backwards range; repeated ids are shown once. */
+  function deviceRuns(ids) {
+    const seen = new Set();
+    const list = [];
+    (ids || []).forEach((d) => {
+      const key = String(d);
+      if (!seen.has(key)) { seen.add(key); list.push(d); }
+    });
     const out = [];
     let i = 0;
-    while (i < sorted.length) {
+    while (i < list.length) {
       let j = i;
-      while (j + 1 < sorted.length && sorted[j + 1] === sorted[j] + 1) j++;
-      out.push(j > i ? sorted[i] + "–" + sorted[j] : String(sorted[i]));
+      while (j + 1 < list.length && isNum(list[j]) && list[j + 1] === list[j] + 1) j++;
+      out.push(j > i ? list[i] + "-" + list[j] : String(list[i]));
       i = j + 1;
     }
     return out.join(", ");
+  }
+
+  /** A set of device ids in ascending runs: [0,1,2,3,8,10,11] -> "0-3, 8, 10-11". */
+  function fmtRanges(ids) {
+    return deviceRuns(Array.from(new Set(ids || [])).sort((a, b) => a - b));
   }
 
   function truncate(text, n) {
@@ -308,7 +320,7 @@
     groups.forEach((g) => {
       const type = types.get(g.stages[0]) || "";
       nodes.push({
-        name: (g.stages.length === 1 ? "stage " : "stages ") + g.stages.join(", ") + ": devices " + fmtRanges(g.devices),
+        name: (g.stages.length === 1 ? "stage " : "stages ") + g.stages.join(", ") + ": devices " + deviceRuns(g.devices),
         type: type,
         devices: g.devices.slice().sort((a, b) => a - b).map((id, k) => ({ id: id, type: type, local: k })),
       });
@@ -613,9 +625,10 @@
       }
     });
 
-    const legend = stages.map((st, s) => '<li data-stage="' + s + '"><span class="swatch" style="background:' +
+    const legend = stages.map((st, s) => '<li data-stage="' + s + '" data-devices="' + esc(deviceRuns(st.devices || [])) +
+      '"><span class="swatch" style="background:' +
       stageColor(s) + '"></span><strong>Stage ' + s + "</strong> · layers [" + esc(st.layers[0]) + ", " +
-      esc(st.layers[1]) + ") · " + esc(stageShape(st)) + " · devices " + esc(fmtRanges(st.devices || [])) +
+      esc(st.layers[1]) + ") · " + esc(stageShape(st)) + " · devices " + esc(deviceRuns(st.devices || [])) +
       "</li>").join("");
     const note = layout.source === "stages"
       ? '<p class="hint">The result does not describe the cluster\'s nodes: devices are grouped by stage.</p>'
@@ -896,19 +909,30 @@
       '<span class="small">' + fmtPct(p) + "</span>";
   }
 
+  /** "–" for a missing list field (an older service, a training job). */
+  function cell(value) {
+    return value === null || value === undefined || value === "" ? "–" : String(value);
+  }
+
   function renderJobsTable(data) {
     const jobs = (data && data.jobs) || [];
     if (!jobs.length) return '<p class="hint" data-testid="jobs-empty">No jobs yet. Submit a plan above.</p>';
     const rows = jobs.map((j) => '<tr data-job="' + esc(j.id) + '"><td><a href="#/jobs/' + encodeURIComponent(j.id) +
       '"><code>' + esc(String(j.id).slice(0, 12)) + "</code></a></td><td>" + esc(j.kind) + "</td><td>" +
-      statusBadge(j.status) + "</td><td>" + progressCell(j) + '</td><td class="msg">' +
+      statusBadge(j.status) + '</td><td class="model"><code title="' + esc(cell(j.model)) + '">' +
+      esc(truncate(cell(j.model), 40)) + '</code></td><td class="cluster"><code title="' + esc(cell(j.cluster)) + '">' +
+      esc(truncate(cell(j.cluster), 32)) + '</code></td><td class="objective">' + esc(cell(j.objective)) +
+      '</td><td class="iteration num">' + (isNum(j.iteration_time_s) ? esc(fmtSeconds(j.iteration_time_s)) : "–") +
+      "</td><td>" + progressCell(j) + '</td><td class="msg">' +
       esc(j.error || j.message || "") + "</td><td>" + esc(fmtDate(j.created_at)) + "</td><td>" +
       esc(j.finished_at ? fmtDate(j.finished_at) : (isNum(j.eta_s) ? "eta " + fmtSeconds(j.eta_s) : "–")) +
       "</td></tr>").join("");
     const total = isNum(data.total) ? data.total : jobs.length;
     const offset = data.offset || 0;
     return '<div class="table-wrap"><table class="jobs" data-testid="jobs"><thead><tr><th scope="col">job</th>' +
-      '<th scope="col">kind</th><th scope="col">status</th><th scope="col">progress</th><th scope="col">message</th>' +
+      '<th scope="col">kind</th><th scope="col">status</th><th scope="col">model</th><th scope="col">cluster</th>' +
+      '<th scope="col">objective</th><th scope="col" title="predicted iteration time of the chosen plan">iteration</th>' +
+      '<th scope="col">progress</th><th scope="col">message</th>' +
       '<th scope="col">created</th><th scope="col">finished / eta</th></tr></thead><tbody>' + rows +
       '</tbody></table></div><p class="small">Jobs ' + (offset + 1) + "–" + (offset + jobs.length) + " of " +
       total + "</p>";
@@ -959,6 +983,29 @@
     return body;
   }
 
+  /** Complete server-sent events at the front of `text`: {events: [{event, data}], rest} where `rest` is
+   * the unfinished tail to prepend to the next chunk. Comments (`: ping`) and empty blocks are skipped. */
+  function parseSse(text) {
+    const blocks = String(text).replace(/\r\n?/g, "\n").split("\n\n");
+    const rest = blocks.pop();
+    const events = [];
+    blocks.forEach((block) => {
+      let event = "message";
+      const data = [];
+      block.split("\n").forEach((line) => {
+        if (!line || line[0] === ":") return;
+        const i = line.indexOf(":");
+        const field = i < 0 ? line : line.slice(0, i);
+        let value = i < 0 ? "" : line.slice(i + 1);
+        if (value[0] === " ") value = value.slice(1);
+        if (field === "event") event = value;
+        else if (field === "data") data.push(value);
+      });
+      if (data.length) events.push({ event: event, data: data.join("\n") });
+    });
+    return { events: events, rest: rest };
+  }
+
   /** `#/jobs/abc?x=1` -> {page: "job", id: "abc"}; anything else -> {page: "jobs"}. */
   function parseRoute(hash) {
     const path = String(hash || "").replace(/^#/, "").split("?")[0];
@@ -968,10 +1015,10 @@
   }
 
   const pure = {
-    esc, fmtSeconds, fmtBytes, fmtNum, fmtPct, fmtRanges, niceTicks, stageColor, textOn, describePlan,
+    esc, fmtSeconds, fmtBytes, fmtNum, fmtPct, fmtRanges, deviceRuns, niceTicks, stageColor, textOn, describePlan,
     deviceRoles, layoutFromSpec, layoutFromClusterFile, layoutFromSummary, layoutFromStages, clusterLayout,
     renderSummary, renderBaselines, renderStageMap, renderTimeline, renderPareto, renderResult,
-    renderJobsTable, renderJobHeader, formatDetail, planRequest, parseRoute, requestLine,
+    renderJobsTable, renderJobHeader, formatDetail, planRequest, parseRoute, requestLine, parseSse,
   };
 
   if (typeof module !== "undefined" && module.exports) module.exports = pure;
@@ -1039,15 +1086,75 @@
   const $ = (sel, el) => (el || document).querySelector(sel);
   let generation = 0; // bumps on every navigation; stale async work checks it and stops
   let timer = null;
+  let stream = null; // the AbortController of the job page's event stream
 
   function schedule(fn) {
     if (timer) clearTimeout(timer);
     timer = setTimeout(fn, POLL_MS);
   }
 
+  /** Stop the polling timer and the event stream (on every navigation). */
   function stopPolling() {
     if (timer) clearTimeout(timer);
     timer = null;
+    if (stream) stream.abort();
+    stream = null;
+  }
+
+  /** Follow `GET /v1/jobs/{id}/events` with fetch and a stream reader (it sends the key as a header,
+   * which EventSource cannot), calling `onJob(job)` for every `progress` and the `done` event.
+   * Resolves true once the job finished (or the page moved on), false when the stream could not be
+   * used or broke off early: the caller then polls. */
+  async function streamJob(id, gen, onJob) {
+    if (!root.fetch || !root.TextDecoder || !root.AbortController) return false;
+    const ctl = new AbortController();
+    if (stream) stream.abort();
+    stream = ctl;
+    try {
+      const headers = { Accept: "text/event-stream" };
+      const key = getKey();
+      if (key) headers.Authorization = "Bearer " + key;
+      const resp = await fetch("/v1/jobs/" + encodeURIComponent(id) + "/events",
+        { headers: headers, signal: ctl.signal, cache: "no-store" });
+      if (!resp.ok || !resp.body || !resp.body.getReader) return false;
+      const reader = resp.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = "";
+      for (;;) {
+        if (gen !== generation) return true;
+        const chunk = await reader.read();
+        if (chunk.done) return false; // closed without `done`: poll for the rest
+        buffer += decoder.decode(chunk.value, { stream: true });
+        const parsed = parseSse(buffer);
+        buffer = parsed.rest;
+        for (const ev of parsed.events) {
+          if (gen !== generation) return true;
+          if (ev.event !== "progress" && ev.event !== "done") continue;
+          let job;
+          try { job = JSON.parse(ev.data); } catch (e) { continue; }
+          if (!job || !job.status || job.status === "unknown") return false;
+          await onJob(job);
+          if (ev.event === "done") return true;
+        }
+      }
+    } catch (err) {
+      return gen !== generation || ctl.signal.aborted;
+    } finally {
+      if (stream === ctl) stream = null;
+      ctl.abort(); // the server's side of a finished or abandoned stream ends too
+    }
+  }
+
+  /** Save `data` as pretty JSON under `filename`. */
+  function downloadJson(data, filename) {
+    const blob = new Blob([JSON.stringify(data, null, 2)], { type: "application/json" });
+    const a = document.createElement("a");
+    a.href = URL.createObjectURL(blob);
+    a.download = filename;
+    document.body.appendChild(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(a.href), 1000);
   }
 
   function flash(message, kind) {
@@ -1148,8 +1255,51 @@
     main.innerHTML = '<p><a href="#/">← All jobs</a></p><div id="job-head" aria-live="polite"><p class="hint">Loading…</p>' +
       '</div><div id="job-body"></div>';
     let resultShown = false;
+    const live = (how) => { const head = $("#job-head"); if (head) head.dataset.live = how; };
+
+    const showResult = async () => {
+      resultShown = true;
+      const body = $("#job-body");
+      body.innerHTML = '<p class="hint">Loading the result…</p>';
+      try {
+        const result = await api("/v1/jobs/" + encodeURIComponent(id) + "/result");
+        if (gen !== generation) return;
+        const line = requestLine(result && result.request);
+        const plan = result && result.best && result.best.plan;
+        body.innerHTML = (line ? '<p class="request-line" data-testid="request">' + esc(line) + "</p>" : "") +
+          renderResult(result) + '<p class="row downloads" data-testid="downloads">' +
+          '<button type="button" class="secondary" id="download">Download result JSON</button>' +
+          (plan ? '<button type="button" class="secondary" id="download-plan" data-testid="download-plan">' +
+            "Download plan JSON</button>" : "") + "</p>";
+        $("#download").addEventListener("click", () => downloadJson(result, "tagplan-" + id + ".json"));
+        const planButton = $("#download-plan");
+        if (planButton) planButton.addEventListener("click", () => downloadJson(plan, "tagplan-plan-" + id + ".json"));
+      } catch (err) {
+        if (gen !== generation) return;
+        body.innerHTML = '<p class="error" data-testid="result-error">' + esc(err.message) + "</p>";
+      }
+    };
+
+    /** Draw the job's state (from the stream or a poll); the result once it succeeded. */
+    const show = async (job) => {
+      if (gen !== generation) return;
+      $("#job-head").innerHTML = renderJobHeader(job); // its data-live (events or polling) stays
+      const cancel = $('#job-head [data-action="cancel"]');
+      if (cancel) {
+        cancel.addEventListener("click", async () => {
+          cancel.disabled = true;
+          try {
+            const after = await api("/v1/jobs/" + encodeURIComponent(id), { method: "DELETE" });
+            if (after && after.status) await show(after);
+          } catch (err) { handleError(err, "Cancel"); }
+        });
+      }
+      if (job.status === "succeeded" && !resultShown) await showResult();
+    };
+
     const poll = async () => {
       if (gen !== generation) return;
+      live("polling");
       let job;
       try {
         job = await api("/v1/jobs/" + encodeURIComponent(id));
@@ -1161,48 +1311,13 @@
         return;
       }
       if (gen !== generation) return;
-      $("#job-head").innerHTML = renderJobHeader(job);
-      const cancel = $('#job-head [data-action="cancel"]');
-      if (cancel) {
-        cancel.addEventListener("click", async () => {
-          cancel.disabled = true;
-          try { await api("/v1/jobs/" + encodeURIComponent(id), { method: "DELETE" }); } catch (err) { handleError(err, "Cancel"); }
-          poll();
-        });
-      }
-      if (job.status === "queued" || job.status === "running") {
-        schedule(poll);
-        return;
-      }
-      stopPolling();
-      if (job.status === "succeeded" && !resultShown) {
-        resultShown = true;
-        const body = $("#job-body");
-        body.innerHTML = '<p class="hint">Loading the result…</p>';
-        try {
-          const result = await api("/v1/jobs/" + encodeURIComponent(id) + "/result");
-          if (gen !== generation) return;
-          const line = requestLine(result && result.request);
-          body.innerHTML = (line ? '<p class="request-line" data-testid="request">' + esc(line) + "</p>" : "") +
-            renderResult(result) +
-            '<p><button type="button" class="secondary" id="download">Download result JSON</button></p>';
-          $("#download").addEventListener("click", () => {
-            const blob = new Blob([JSON.stringify(result, null, 2)], { type: "application/json" });
-            const a = document.createElement("a");
-            a.href = URL.createObjectURL(blob);
-            a.download = "tagplan-" + id + ".json";
-            document.body.appendChild(a);
-            a.click();
-            a.remove();
-            setTimeout(() => URL.revokeObjectURL(a.href), 1000);
-          });
-        } catch (err) {
-          if (gen !== generation) return;
-          body.innerHTML = '<p class="error" data-testid="result-error">' + esc(err.message) + "</p>";
-        }
-      }
+      await show(job);
+      if (gen === generation && (job.status === "queued" || job.status === "running")) schedule(poll);
     };
-    poll();
+
+    live("events");
+    const followed = await streamJob(id, gen, show);
+    if (!followed && gen === generation) poll(); // no stream (or it broke off): poll every POLL_MS
   }
 
   // ---------------------------------------------------------------- routing and start

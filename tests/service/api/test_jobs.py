@@ -199,3 +199,22 @@ def test_limits_are_422_naming_the_limit(make_settings: Any, keys: Any, api: Any
                          headers=api.auth(keys.a))
         assert hf.status_code == 422 and "6" in hf.json()["detail"]
         assert client.get("/v1/jobs", headers=api.auth(keys.a)).json()["total"] == 0
+
+
+def test_the_job_list_shows_model_cluster_objective_and_predicted_time(client: TestClient, keys: Any, api: Any,
+                                                                        finished: dict[str, Any]) -> None:
+    inline = api.submit(client, keys.a, {**api.TINY, "objective": "memory",
+                                         "cluster": {"name": "lab", "node_groups": [{"preset": "p3.8xlarge"}]}})
+    page = client.get("/v1/jobs", headers=api.auth(keys.a)).json()
+    rows = {j["id"]: j for j in page["jobs"]}
+    done, queued = rows[finished["id"]], rows[inline["id"]]
+    result = client.get(f"/v1/jobs/{finished['id']}/result", headers=api.auth(keys.a)).json()
+    assert done["model"] == api.TINY["model"] and done["cluster"] == api.TINY["cluster"]
+    assert done["objective"] == "time"  # the default when the request names none
+    assert done["iteration_time_s"] == pytest.approx(result["best"]["report"]["iteration_time_s"])
+    assert (queued["cluster"], queued["objective"], queued["iteration_time_s"]) == ("lab", "memory", None)
+    # the list adds fields; every field of the job JSON is still there, with the same values
+    single = client.get(f"/v1/jobs/{finished['id']}", headers=api.auth(keys.a)).json()
+    assert {k: done[k] for k in single if k != "eta_s"} == {k: v for k, v in single.items() if k != "eta_s"}
+    assert set(single) == {"id", "kind", "status", "progress", "message", "error", "attempts", "created_at",
+                           "started_at", "finished_at", "eta_s"}
