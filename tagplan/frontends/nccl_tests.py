@@ -105,8 +105,9 @@ def _row(tokens: list[str], line: int) -> NcclTestRow:
 def _collective(text: str, source: str) -> str:
     if m := _STARTING.search(text):
         return m.group(1)
-    stem = Path(source).name.lower()
-    return next((c for c in COLLECTIVES if c in stem), "unknown")
+    stem = re.sub(r"[_\-. ]", "", Path(source).name.lower())  # all_reduce, all-reduce, allreduce alike
+    by_length = sorted(COLLECTIVES, key=len, reverse=True)  # "allreduce" before "reduce"
+    return next((c for c in by_length if c.replace("_", "") in stem), "unknown")
 
 
 def parse_nccl_tests(text: str, *, source: str = "nccl-tests log") -> NcclTestResult:

@@ -309,10 +309,19 @@ def _split_sizes(records: list[CollectiveRecord]) -> tuple[list[CollectiveRecord
     return fit, held
 
 
+def _share_bytes(r: CollectiveRecord) -> float:
+    """The bytes one GPU's link share carries: the bus bytes, over the ranks per host for a collective
+    across nodes (NCCL runs one ring per NIC, so a host's ranks share its NICs and the bus bandwidth
+    nccl-tests reports is theirs together). The fitted bandwidth is then per GPU, the figure
+    `frontends.nccl_tests.apply_nccl_tests` gives the same log, and `calibrated_cluster` applies."""
+    per_host = max(r.ranks // r.nodes, 1) if r.nodes > 1 else 1
+    return _BUS[r.collective](r.ranks) * r.bytes / per_host
+
+
 def _fit_link(records: list[CollectiveRecord]) -> LinkFit:
-    """Non-negative least squares of t = steps * alpha + bus_bytes * (1 / bw), each row scaled by 1 / t."""
+    """Non-negative least squares of t = steps * alpha + share_bytes * (1 / bw), each row scaled by 1 / t."""
     steps = np.array([_STEPS[r.collective](r.ranks) for r in records], dtype=float)
-    bus = np.array([_BUS[r.collective](r.ranks) * r.bytes for r in records])
+    bus = np.array([_share_bytes(r) for r in records])
     t = np.array([r.time_s for r in records])
     a = np.column_stack([steps, bus]) / t[:, None]
     b = np.ones(len(t))
@@ -332,7 +341,7 @@ def _fit_link(records: list[CollectiveRecord]) -> LinkFit:
 
 
 def _link_time(fit: LinkFit, r: CollectiveRecord) -> float:
-    return _STEPS[r.collective](r.ranks) * fit.latency_s + _BUS[r.collective](r.ranks) * r.bytes / fit.bandwidth_Bps
+    return _STEPS[r.collective](r.ranks) * fit.latency_s + _share_bytes(r) / fit.bandwidth_Bps
 
 
 def _mape(pred: Sequence[float], true: Sequence[float]) -> float:

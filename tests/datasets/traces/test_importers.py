@@ -293,7 +293,7 @@ def test_iterations_errors_name_file_line_and_field(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"bad\.jsonl:3: measured_s: .*greater than 0"):
         import_iterations(_bad_jsonl(tmp_path, json.dumps(record)))
     record = json.loads(ITERATIONS_JSONL.read_text().splitlines()[0])
-    record["workload"]["dtype"] = "fp8"
+    record["workload"]["dtype"] = "fp4"
     with pytest.raises(SpecError, match=r"bad\.jsonl:3: workload\.dtype: .*'bf16'"):
         import_iterations(_bad_jsonl(tmp_path, json.dumps(record)))
     with pytest.raises(SpecError, match=r"bad\.jsonl:3: unknown field\(s\) measured_ms"):
