@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from tagplan.cli.demo import DEMO_BATCH, DEMO_CLUSTER, DEMO_MAX_EVALUATIONS, DEMO_MODEL, DEMO_SEQ
+from tagplan.cli.options import add_cluster_options, cluster_options
 from tagplan.errors import SpecError
+from tagplan.frontends.cluster_spec import ClusterOptions
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_EVALUATIONS
 
 LOCAL_KEY_FILE = "local.key"
@@ -64,6 +66,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
         "traced here and sent inline (the service reads no files)"))
     submit.add_argument("--cluster", required=True, help=(
         "cluster SPEC, or a cluster file (.yaml/.json) that is sent inline; topology dumps are not accepted"))
+    add_cluster_options(submit)
     submit.add_argument("--batch", type=int, default=DEFAULT_GLOBAL_BATCH)
     submit.add_argument("--seq", type=int, default=None)
     submit.add_argument("--max-evaluations", type=int, default=DEFAULT_MAX_EVALUATIONS)
@@ -306,27 +309,25 @@ def inline_model(text: str, seq_len: int | None = None) -> str | dict[str, Any]:
     return dict(load_model(text, seq_len=seq_len).model_dump(mode="json"))
 
 
-def inline_cluster(text: str) -> str | dict[str, Any]:
-    """What `submit` sends for `--cluster`: the SPEC itself, or a cluster file's contents (a
-    YAML or JSON mapping). SpecError for a topology dump or a custom device file, which the
-    service does not take."""
-    from tagplan.frontends.cluster_spec import parse_cluster_spec
+def inline_cluster(text: str, options: ClusterOptions | None = None) -> str | dict[str, Any]:
+    """What `submit` sends for `--cluster`: the SPEC itself when it names no file and no cluster option
+    is given; a cluster file's own mapping; otherwise (a topology dump, a custom device, `--nodes`,
+    `--nccl-tests` ...) the cluster built here, as a cluster document (`cluster_file.cluster_data`)."""
+    from tagplan.frontends.cluster_file import cluster_data
+    from tagplan.frontends.cluster_spec import ClusterOptions, load_cluster, parse_cluster_spec
     from tagplan.frontends.textfile import parse_structured, read_text
 
     spec = parse_cluster_spec(text)
-    if not spec.names_file:
+    plain = options is None or options == ClusterOptions()
+    if not spec.names_file and plain:
         return text
     path = Path(spec.path or "")
-    if spec.path is None or path.suffix.lower() not in (".yaml", ".yml", ".json"):
-        raise SpecError(f"submit: cluster {text[:200]!r}: the service takes preset SPECs and cluster files "
-                        "(.yaml/.json, sent inline) only, not topology dumps (nvidia-smi topo, NCCL XML) or "
-                        "custom device files; write a cluster file (docs/CLUSTER_FORMAT.md) with its node_groups")
-    if not path.is_file():
-        raise SpecError(f"submit: cluster file {str(path)[:200]!r} does not exist")
-    data = parse_structured(read_text(path), str(path))
-    if not isinstance(data, dict):
-        raise SpecError(f"submit: cluster file {str(path)[:200]!r}: expected a mapping with node_groups")
-    return {"name": path.stem, **data}
+    if plain and spec.path is not None and path.suffix.lower() in (".yaml", ".yml", ".json") and path.is_file():
+        data = parse_structured(read_text(path), str(path))
+        if not isinstance(data, dict):
+            raise SpecError(f"submit: cluster file {str(path)[:200]!r}: expected a mapping with node_groups")
+        return {"name": path.stem, **data}
+    return cluster_data(load_cluster(text, options))
 
 
 def _named(field: str, read: Any, *args: Any) -> Any:
@@ -343,7 +344,8 @@ def _submit(args: argparse.Namespace) -> int:
     if args.seq:
         workload["seq_len"] = args.seq
     request = _plan_request({"model": _named("model", inline_model, args.model, args.seq),
-                             "cluster": _named("cluster", inline_cluster, args.cluster), "workload": workload,
+                             "cluster": _named("cluster", inline_cluster, args.cluster, cluster_options(args)),
+                             "workload": workload,
                              "max_evaluations": args.max_evaluations, "budget_s": args.budget_s})
     key = args.key
     if not key:

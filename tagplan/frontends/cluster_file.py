@@ -189,3 +189,24 @@ def parse_cluster_data(data: Any, *, default_name: str = "cluster") -> Cluster:
 def load_cluster_file(path: str | Path) -> Cluster:
     """The cluster described by the YAML/JSON file at `path`; SpecError on any bad input."""
     return parse_cluster_data(read_data(path), default_name=Path(path).stem)
+
+
+def cluster_data(cluster: Cluster) -> dict[str, Any]:
+    """`cluster` as a cluster document (`parse_cluster_data` reads it back to the same nodes and network):
+    one `gpu` group per run of equal nodes, the device as its full figures. Explicit per-pair links
+    (NVLink meshes from a topology dump) become the node's uniform fabric figure, the slowest pair's."""
+    groups: list[dict[str, Any]] = []
+    for node in cluster.nodes:
+        fabric_Bps = min([node.fabric_bandwidth_Bps, *(p.bandwidth_Bps for p in node.pair_links)])
+        group = {"name": node.name.rsplit("-", 1)[0], "gpu": node.device.model_dump(mode="json"),
+                 "gpus_per_node": node.gpus, "fabric": node.fabric.value, "fabric_bandwidth_GBps": fabric_Bps / 1e9,
+                 "fabric_latency_us": node.fabric_latency_s * 1e6, "nics": max(node.nics, 1),
+                 "nic_speed_Gbps": node.nic_bandwidth_Bps * 8 / 1e9, "nodes": 1}
+        if groups and {k: v for k, v in groups[-1].items() if k != "nodes"} == {k: v for k, v in group.items()
+                                                                                  if k != "nodes"}:
+            groups[-1]["nodes"] += 1
+        else:
+            groups.append(group)
+    return {"name": cluster.name, "node_groups": groups,
+            "network": {"latency_us": cluster.network.latency_s * 1e6,
+                        "oversubscription": cluster.network.oversubscription}}

@@ -48,7 +48,7 @@ def test_submit_checks_the_request_with_the_service_s_model_before_sending(
     topo = tmp_path / "topo.txt"
     topo.write_text("GPU0 X\n")
     assert main(["submit", "--model", "gpt3-125m", "--cluster", str(topo), "--url", "http://127.0.0.1:9"]) == 2
-    assert "not topology dumps" in capsys.readouterr().err
+    assert "submit: cluster:" in capsys.readouterr().err  # a topology dump is read here, and this one is bad
     assert main(["submit", "--model", "gpt3-125m", "--cluster", "p3.8xlarge:nodes=x", "--key", "tp_x",
                  "--url", "http://127.0.0.1:9"]) == 2
     assert "submit: cluster:" in capsys.readouterr().err
@@ -186,3 +186,19 @@ def test_submit_sends_local_files_inline(live_service: tuple[str, str], tmp_path
     assert isinstance(from_file["model"], dict) and from_file["model"] == json.loads(graph.read_text())
     assert from_file["cluster"] == {"name": "mixed", "node_groups": [{"preset": "p3.8xlarge", "nodes": 1}]}
     assert isinstance(traced["model"], dict) and len(traced["model"]["layers"]) >= 3  # the traced graph
+
+
+def test_submit_builds_topology_dumps_and_cluster_options_locally() -> None:
+    from tagplan.cli.service import inline_cluster
+    from tagplan.frontends.cluster_file import parse_cluster_data
+    from tagplan.frontends.cluster_spec import ClusterOptions, load_cluster
+
+    topo = str(Path(__file__).parents[1] / "frontends" / "fixtures" / "topo_dgx_a100.txt")
+    options = ClusterOptions(gpu="A100-SXM-80GB", nodes=2, nic_speed_Gbps=200)
+    sent = inline_cluster(topo, options)
+    assert isinstance(sent, dict)  # the service reads no file: the cluster goes inline
+    local, remote = load_cluster(topo, options), parse_cluster_data(sent)
+    assert remote.num_devices == local.num_devices == 16
+    assert remote.link(0, 8) == local.link(0, 8) and remote.link(0, 1) == local.link(0, 1)
+    assert inline_cluster("p3.8xlarge:nodes=2") == "p3.8xlarge:nodes=2"  # a plain SPEC goes as it is
+    assert parse_cluster_data(inline_cluster("p3.8xlarge", ClusterOptions(nodes=3))).num_devices == 12
