@@ -63,3 +63,18 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
     shown = _json(capsys)
     assert shown["model"]["name"] == TINY and shown["cluster"]["num_devices"] == 4
     assert shown["plan"]["best"]["report"]["fits"]
+
+
+def test_plan_and_simulate_with_a_topology_file_and_an_nccl_tests_log(capsys: pytest.CaptureFixture[str]) -> None:
+    fixtures = Path(__file__).parents[1] / "frontends" / "fixtures"
+    cluster = ["--cluster", str(fixtures / "topo_dgx_a100.txt"), "--gpu", "A100-SXM-80GB", "--nodes", "2",
+               "--nic-gbps", "200"]
+    base = ["--model", TINY, "--seq", "64", "--batch", "16", *cluster, "--json"]
+    assert main(["plan", *base, "--max-evaluations", "20"]) == 0
+    planned = _json(capsys)
+    assert len(planned["best"]["plan"]["stages"][0]["devices"]) >= 1
+    assert main(["simulate", *base, "--plan", "dp"]) == 0
+    catalog = _json(capsys)["iteration_time_s"]
+    assert main(["simulate", *base, "--plan", "dp", "--nccl-tests", str(fixtures / "nccl_tests_2nodes.log")]) == 0
+    measured = _json(capsys)["iteration_time_s"]
+    assert measured != catalog  # the measured inter-node bandwidth replaced the datasheet figure
