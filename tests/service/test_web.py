@@ -303,4 +303,7 @@ def test_job_page_renders_in_chromium(service: Service, tmp_path: Path) -> None:
     buttons = {a.get("id") for a in index.tags("downloads", "button")}
     assert {"download", "download-plan"} <= buttons, buttons
     assert ">Download plan JSON</button>" in dom
-    assert re.search(r'<div id="job-head"[^>]*data-live="events"', dom), "the job page did not use the event stream"
+    # a finished job is drawn from one GET; a queued or running one is followed over the event stream
+    assert re.search(r'<div id="job-head"[^>]*data-live="done"', dom), "the finished job was not drawn at once"
+    app_js = (Path(__file__).resolve().parents[2] / "tagplan" / "service" / "web" / "app.js").read_text()
+    assert 'live("events");\n    const followed = await streamJob(id, gen, show);' in app_js

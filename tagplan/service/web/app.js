@@ -1315,6 +1315,21 @@
       if (gen === generation && (job.status === "queued" || job.status === "running")) schedule(poll);
     };
 
+    // One GET first: a finished job is drawn at once, with no stream left open; a queued or running
+    // one is then followed over the event stream (polling only if the stream cannot be used).
+    let first;
+    try {
+      first = await api("/v1/jobs/" + encodeURIComponent(id));
+    } catch (err) {
+      poll();
+      return;
+    }
+    if (gen !== generation) return;
+    if (first.status !== "queued" && first.status !== "running") {
+      live("done");
+      await show(first);
+      return;
+    }
     live("events");
     const followed = await streamJob(id, gen, show);
     if (!followed && gen === generation) poll(); // no stream (or it broke off): poll every POLL_MS
