@@ -43,6 +43,7 @@ bench: $(STAMP_RUN)
 	$(BIN)/python bench/validate_megatron.py
 	$(BIN)/python bench/planner.py
 	$(BIN)/python bench/gnn.py
+	$(BIN)/python bench/fidelity.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
