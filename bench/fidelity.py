@@ -36,6 +36,7 @@ from tagplan.training.iteration_fit import IterationCase, fit_parameters, predic
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / "tests" / "fixtures" / "traces" / "cpu-quick"
+TESTBED = ROOT / "bench" / "data" / "testbed"
 
 
 def testbed() -> dict[str, Any]:
@@ -63,6 +64,27 @@ def testbed() -> dict[str, Any]:
                                  "first_choice_regret": _regret(cases, calibration),
                                  "parameters": _parameters(calibration)}
     out["gnn"] = "not measured: no GNN checkpoint trained on this machine's data in the bench (see docs/FIDELITY.md)"
+    return out
+
+
+def local_testbed() -> dict[str, Any] | None:
+    """Part (a'): the testbed of `bench/testbed.py` (one- and two-process plans on gloo), calibrated on
+    a third of its plans (iterations) on top of the op and link fit of `cpu-quick` (same machine)."""
+    if not (TESTBED / "manifest.json").is_file():
+        return None
+    cases = rebuild_cases(read_bundle(TESTBED).iterations())
+    train = [c for i, c in enumerate(cases) if i % 3 == 0]
+    test = [c for i, c in enumerate(cases) if i % 3]
+    ops = fit_calibration([read_bundle(BUNDLE)], iterations=False).calibration
+    variants = {"defaults": DEFAULT_CALIBRATION, "ops": ops,
+                "iterations": fit_parameters(train, DEFAULT_CALIBRATION)[0],
+                "ops+iterations": fit_parameters(train, ops)[0]}
+    truth = np.array([c.measured_s for c in test])
+    out: dict[str, Any] = {"records": len(cases), "calibrated_on": len(train), "scored": len(test), "variants": {}}
+    for name, calibration in variants.items():
+        s = score(predict_s(test, calibration), truth)
+        out["variants"][name] = {"mape": s.mape, "kendall_tau": s.kendall_tau,
+                                 "first_choice_regret": _regret(cases, calibration)}
     return out
 
 
@@ -123,12 +145,17 @@ def published() -> dict[str, Any]:
 
 
 def main() -> None:
-    results = {"testbed": testbed(), "published": published()}
+    results = {"testbed": testbed(), "local_testbed": local_testbed(), "published": published()}
     for name, v in results["testbed"]["variants"].items():
         tau = v["kendall_tau"]
         regret = max(v["first_choice_regret"].values(), default=0.0)
         print(f"{name:>18s}  MAPE {v['mape']:7.1%}  tau {'-' if tau is None else f'{tau:.2f}':>5s}  "
               f"worst first-choice regret {regret:.1%}")
+    local = results["local_testbed"]
+    for name, v in (local or {}).get("variants", {}).items():
+        regret = max(v["first_choice_regret"].values(), default=0.0)
+        print(f"testbed {name:>14s}  MAPE {v['mape']:7.1%}  tau {v['kendall_tau']:.2f}  worst first-choice regret "
+              f"{regret:.1%}")
     m = results["published"]["megatron_core_h100"]
     for r in m["rows"]:
         print(f"{r['model']:>6s} H100 bf16 published {r['published']:6.1f} predicted {r['predicted']:6.1f} "

@@ -40,7 +40,7 @@ def plans(layers: int) -> list[Plan]:
     half = layers // 2
     out += [Plan(micro_batches=m, stages=(Stage(layers=(0, half), devices=(0,), recompute=r),
                                           Stage(layers=(half, layers), devices=(1,), recompute=r)))
-            for m, r in ((2, False), (4, False), (4, True))]
+            for m, r in ((2, False), (4, False), (4, True), (8, False))]
     return out
 
 
