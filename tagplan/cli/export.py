@@ -26,7 +26,7 @@ from tagplan.cli.options import (
     positive_int,
 )
 from tagplan.errors import SpecError
-from tagplan.ir.workload import DType, Optimizer
+from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, DType, Optimizer
 
 
 def add_export_commands(sub: Subparsers) -> None:
@@ -38,7 +38,7 @@ def add_export_commands(sub: Subparsers) -> None:
     add_cluster_options(exp)
     exp.add_argument("--plan", required=True, help="a Plan JSON file")
     exp.add_argument("--format", choices=["torch", "megatron", "deepspeed"], default="torch", dest="fmt")
-    exp.add_argument("--batch", type=positive_int, default=8, help="global batch in samples")
+    exp.add_argument("--batch", type=positive_int, default=DEFAULT_GLOBAL_BATCH, help="global batch in samples")
     exp.add_argument("--seq", type=positive_int, default=None, help="tokens per sample (default: the model's)")
     add_dtype_option(exp)
     exp.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value,
@@ -61,7 +61,7 @@ def add_export_commands(sub: Subparsers) -> None:
                                          "measured step time to a trace bundle as an iteration record")
     mea.add_argument("--model", required=True, help="model SPEC (run as given: keep it small on CPU)")
     mea.add_argument("--plan", required=True, help="a Plan JSON file")
-    mea.add_argument("--batch", type=positive_int, default=8, help="global batch in samples")
+    mea.add_argument("--batch", type=positive_int, default=DEFAULT_GLOBAL_BATCH, help="global batch in samples")
     mea.add_argument("--seq", type=positive_int, required=True, help="tokens per sample")
     mea.add_argument("--steps", type=positive_int, default=5, help="timed steps (their median is recorded)")
     mea.add_argument("--warmup", type=int, default=2, help="steps run first and discarded")

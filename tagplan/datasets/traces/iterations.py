@@ -62,15 +62,23 @@ def _from_json_lines(source: Path, text: str) -> list[IterationRecord]:
     return records
 
 
-def _from_csv(source: Path, text: str) -> list[IterationRecord]:
-    reader = csv.reader(io.StringIO(text))
-    header = [h.strip() for h in next(reader, [])]
-    missing = [c for c in REQUIRED if c not in header]
-    unknown = [c for c in header if c not in (*REQUIRED, *OPTIONAL)]
+def csv_header(source: Path, first_row: list[str], required: tuple[str, ...] | list[str],
+               optional: tuple[str, ...] | list[str]) -> list[str]:
+    """The stripped header of a CSV table; SpecError naming the file, its line 1, the missing or
+    unknown columns, what the header has and what is accepted."""
+    header = [h.strip() for h in first_row]
+    missing = [c for c in required if c not in header]
+    unknown = [c for c in header if c not in (*required, *optional)]
     if missing or unknown:
         problem = f"missing column(s) {', '.join(missing)}" if missing else f"unknown column(s) {', '.join(unknown)}"
         raise SpecError(f"{source}:1: {problem}; the header has {', '.join(header) or 'nothing'}; expected "
-                        f"{', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)}")
+                        f"{', '.join(required)} and optionally {', '.join(optional)}")
+    return header
+
+
+def _from_csv(source: Path, text: str) -> list[IterationRecord]:
+    reader = csv.reader(io.StringIO(text))
+    header = csv_header(source, next(reader, []), REQUIRED, OPTIONAL)
     records, end = [], reader.line_num
     for row in reader:
         start, end = end + 1, reader.line_num

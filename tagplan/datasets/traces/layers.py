@@ -36,6 +36,7 @@ from tagplan.ir.model import ModelGraph
 from tagplan.ir.workload import DType
 
 from .bundle import LayerRecord
+from .iterations import csv_header
 
 REQUIRED = ("layer", "micro_batch", "seq_len", "forward_s", "backward_s")
 OPTIONAL = ("device", "tp", "dtype", "activation_bytes", "peak_bytes", "repeats", "source")
@@ -100,12 +101,7 @@ def _json_rows(source: Path, text: str) -> list[tuple[str, dict[str, Any]]]:
 
 def _csv_rows(source: Path, text: str) -> list[tuple[str, dict[str, Any]]]:
     reader = csv.reader(io.StringIO(text))
-    header = [h.strip() for h in next(reader, [])]
-    missing = [c for c in REQUIRED if c not in header]
-    unknown = [c for c in header if c not in (*REQUIRED, *OPTIONAL)]
-    if missing or unknown:
-        problem = f"missing column(s) {', '.join(missing)}" if missing else f"unknown column(s) {', '.join(unknown)}"
-        raise SpecError(f"{source}:1: {problem}; expected {', '.join(REQUIRED)} and optionally {', '.join(OPTIONAL)}")
+    header = csv_header(source, next(reader, []), REQUIRED, OPTIONAL)
     rows = []
     for number, row in enumerate(reader, start=2):
         if any(cell.strip() for cell in row):
