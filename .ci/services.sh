@@ -2,6 +2,7 @@
 # Sourced by .ci/run: install and start what the service tests use beyond Python packages.
 # - PostgreSQL (Debian's packages) on 127.0.0.1:55432 -> TAGPLAN_TEST_DATABASE_URL
 # - Chromium (Debian's packages) for the web view's headless smoke test
+# - Node.js (Debian's nodejs) to run app.js's pure functions in a unit test
 # Each step is best effort: when a package cannot be installed, the tests that need it skip with
 # a reason saying so, and the rest of the suite still runs.
 
@@ -38,5 +39,10 @@ install_chromium() {
   command -v chromium >/dev/null 2>&1 || apt_install chromium || echo "CI: chromium unavailable; the browser test skips"
 }
 
+install_node() {
+  command -v node >/dev/null 2>&1 || apt_install nodejs || echo "CI: node unavailable; app.js's deviceRuns unit check skips"
+}
+
 start_postgres
 install_chromium
+install_node

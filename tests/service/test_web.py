@@ -229,7 +229,8 @@ def test_device_runs_in_plan_order() -> None:
     assert [_device_runs(ids) for ids, _ in DEVICE_CASES] == [text for _, text in DEVICE_CASES]
     node = shutil.which("node")
     if node is None:
-        pytest.skip("node not installed")
+        pytest.skip("Node.js not installed (apt-get install nodejs; .ci/services.sh does): app.js cannot run "
+                    "outside a browser; the Chromium job-page test checks the same runs on the rendered page")
     app_js = Path(__file__).resolve().parents[2] / "tagplan" / "service" / "web" / "app.js"
     script = (f"const p = require({json.dumps(str(app_js))}); "
               f"console.log(JSON.stringify({json.dumps([ids for ids, _ in DEVICE_CASES])}.map(p.deviceRuns)));")
