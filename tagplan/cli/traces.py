@@ -7,8 +7,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tagplan.cli.options import Subparsers, add_json_option, emit
+from tagplan.cli.options import Subparsers, add_json_option, emit, positive_int
 from tagplan.errors import SpecError
+from tagplan.ir.workload import DType
+
+IMPORT_FORMATS = ("auto", "generic", "metis", "galvatron", "kineto", "nccl-tests", "iterations")
+"""`traces import --format` choices: auto detects each file's kind; generic is the layer table."""
 
 
 def add_trace_commands(sub: Subparsers) -> None:
@@ -34,12 +38,19 @@ def add_trace_commands(sub: Subparsers) -> None:
     traces = sub.add_parser("traces", help="import traces machines already print; show a bundle")
     what = traces.add_subparsers(dest="what", required=True)
     imp = what.add_parser("import", help="Kineto/torch.profiler JSON, nccl-tests logs, iteration records, "
-                          "layer tables")
+                          "layer tables, Metis and Galvatron profiles")
     imp.add_argument("files", nargs="+")
     imp.add_argument("--device", required=True, help="device type the traces were measured on (catalog name)")
-    imp.add_argument("--model", default=None, help="for layer tables: the model SPEC whose blocks the rows are")
+    imp.add_argument("--format", default="auto", choices=IMPORT_FORMATS,
+                     help="what the files are (default: told by content; generic = a layer table)")
+    imp.add_argument("--model", default=None, help="for layer tables, Metis and Galvatron profiles: the model SPEC "
+                     "whose blocks their layers are")
+    imp.add_argument("--seq", type=positive_int, default=None,
+                     help="for Metis profiles: the sequence length they were measured at (the files do not say)")
+    imp.add_argument("--dtype", default=None, choices=[d.value for d in DType],
+                     help="for Metis and Galvatron profiles whose file does not state the precision (default bf16)")
     imp.add_argument("--out", required=True, help="bundle directory (created, or appended to)")
-    add_json_option(imp, "{bundle, op_records, collective_records, iteration_records}")
+    add_json_option(imp, "{bundle, op_records, collective_records, iteration_records, layer_records}")
     imp.set_defaults(func=_traces_import)
     show = what.add_parser("show", help="what a bundle holds")
     show.add_argument("bundle")
@@ -133,7 +144,8 @@ def _traces_import(args: argparse.Namespace) -> int:
 
     out = import_to_bundle([Path(f) for f in args.files], Path(args.out), device=args.device,
                            source="tagplan traces import " + " ".join(args.files),
-                           warn=lambda line: print(f"warning: {line}", file=sys.stderr), model=args.model)
+                           warn=lambda line: print(f"warning: {line}", file=sys.stderr), model=args.model,
+                           kind=None if args.format == "auto" else args.format, seq_len=args.seq, dtype=args.dtype)
     _emit_counts(str(out), read_bundle(out), args.json)
     return 0
 

@@ -2,7 +2,10 @@
 
 `import_file` tells the kind of a file by its content: a Kineto trace is JSON with `traceEvents`,
 an nccl-tests log has the `# size count type` column header or `#` header lines with `nThread`
-or `Rank N`, iteration records are JSON lines or CSV mentioning `measured_s`. `import_to_bundle`
+or `Rank N`, a Metis profile has `layer_compute_total_ms` or Metis's file name, a Galvatron profile has keys such as
+`layertype_0_bsz8_seq2048` or `tp_activation_per_bsz_dict`, a layer table has `forward_s`,
+`backward_s` and `micro_batch`, iteration records are JSON lines or CSV mentioning `measured_s`.
+A Galvatron memory profile goes with its computation profile (`galvatron.pair_profiles`). `import_to_bundle`
 imports every file first and writes only when all of them are valid, so one bad file leaves the
 bundle as it was; an existing bundle is appended to, never rewritten without its records.
 """
@@ -33,13 +36,17 @@ from .bundle import (
     read_bundle,
     write_bundle,
 )
+from .galvatron import import_galvatron, looks_like_galvatron, pair_profiles
 from .iterations import import_iterations
 from .kineto import import_kineto
 from .layers import import_layer_table, looks_like_layer_table
+from .metis import import_metis, looks_like_metis, metis_device
 from .nccl import import_nccl_tests
 
-ImportKind = Literal["kineto", "nccl-tests", "iterations", "layers"]
+ImportKind = Literal["kineto", "nccl-tests", "iterations", "layers", "metis", "galvatron"]
 KINDS: tuple[str, ...] = get_args(ImportKind)
+KIND_ALIASES = {"generic": "layers"}
+"""Other names of kinds: `generic` is the generic layer table (`layers`)."""
 ImportedRecord = OpRecord | CollectiveRecord | IterationRecord | LayerRecord
 
 _HEAD_BYTES = 1 << 20  # enough to see a Kineto header or an nccl-tests column header
@@ -55,6 +62,10 @@ def detect_kind(path: str | os.PathLike[str]) -> ImportKind:
         return "kineto"
     if _NCCL.search(head):
         return "nccl-tests"
+    if (looks_like_metis(head) or metis_device(source)) and source.suffix.lower() == ".json":
+        return "metis"
+    if looks_like_galvatron(head) and source.suffix.lower() == ".json":
+        return "galvatron"
     if looks_like_layer_table(head) and source.suffix.lower() in _ITERATION_SUFFIXES:
         return "layers"
     if "measured_s" in head and source.suffix.lower() in _ITERATION_SUFFIXES:
@@ -63,24 +74,32 @@ def detect_kind(path: str | os.PathLike[str]) -> ImportKind:
         return "kineto"  # JSON that is not iterations: let the Kineto reader say what is wrong with it
     raise SpecError(f"{source}: cannot tell what this file is; accepted: a Kineto trace (JSON with traceEvents), "
                     "an nccl-tests log ('# size count type' header or '#  Rank N ... on HOST' lines), iteration "
-                    f"records (.jsonl or .csv with a measured_s field); or pass kind= one of {', '.join(KINDS)}")
+                    "records (.jsonl or .csv with a measured_s field), a layer table (forward_s, backward_s, "
+                    "micro_batch), a Metis profile (layer_compute_total_ms) or a Galvatron profile "
+                    f"(layertype_0_bsz8_seq2048 keys); or pass kind= one of {', '.join(KINDS)}")
 
 
 def import_file(path: str | os.PathLike[str], *, device: str | None = None, kind: str | None = None,
-                model: str | None = None) -> tuple[str, list[ImportedRecord]]:
+                model: str | None = None, seq_len: int | None = None, dtype: str | None = None,
+                memory: str | os.PathLike[str] | None = None,
+                warn: Callable[[str], None] | None = None) -> tuple[str, list[ImportedRecord]]:
     """(kind, records) of one file; `kind` is detected unless given; `device` names the measured device.
 
     Kineto traces and nccl-tests logs measure a device, so they need `device`; iteration records
-    name their cluster themselves. SpecError naming the file for anything it cannot import.
+    name their cluster themselves. Layer tables and Metis and Galvatron profiles need `model`, the
+    SPEC whose blocks their layers are; Metis profiles also `seq_len`; `dtype` is the precision of
+    profiles that do not state theirs; `memory` is the Galvatron memory profile that goes with a
+    computation profile. SpecError naming the file for anything it cannot import.
     """
-    if kind is None:
-        kind = detect_kind(path)
-    elif kind not in KINDS:
-        raise unknown("import kind", kind, KINDS)
+    kind = resolve_kind(path, kind)
     if kind == "iterations":
         return kind, list(import_iterations(path))
     if kind == "layers":
         return kind, list(import_layer_table(path, model=model, device=device))
+    if kind == "metis":
+        return kind, list(import_metis(path, model=model, device=device, seq_len=seq_len, dtype=dtype, warn=warn))
+    if kind == "galvatron":
+        return kind, list(import_galvatron(path, memory=memory, model=model, device=device, dtype=dtype, warn=warn))
     if not device:
         raise SpecError(f"{path}: a {kind} file measures one device type; pass device= (its catalog name, "
                         "or a name for a device outside the catalog)")
@@ -89,9 +108,22 @@ def import_file(path: str | os.PathLike[str], *, device: str | None = None, kind
     return kind, list(import_nccl_tests(path, device=device))
 
 
+def resolve_kind(path: str | os.PathLike[str], kind: str | None) -> str:
+    """`kind` (an alias resolved), or the detected kind of the file when None; SpecError for an unknown kind."""
+    if kind is None:
+        return detect_kind(path)
+    kind = KIND_ALIASES.get(kind, kind)
+    if kind not in KINDS:
+        raise unknown("import kind", kind, (*KINDS, *KIND_ALIASES))
+    return kind
+
+
 def measured_device(path: str | os.PathLike[str], kind: str) -> str | None:
     """The device a file says it measured, where it says so: a Kineto trace's `deviceProperties` name
-    (or "cpu" when it holds no GPU kernels), an nccl-tests log's `[0x..] NAME` rank lines; else None."""
+    (or "cpu" when it holds no GPU kernels), an nccl-tests log's `[0x..] NAME` rank lines, a Metis
+    file name's `DeviceType.NAME`; else None."""
+    if kind == "metis":
+        return metis_device(path)
     head = _head(Path(path))
     if kind == "nccl-tests":
         found = re.search(r"^#\s*Rank\s+\d+.*\[0x[0-9a-fA-F]+\]\s+(.+?)\s*$", head, re.MULTILINE)
@@ -124,21 +156,29 @@ def device_disagrees(measured: str, device: str) -> bool:
 
 
 def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], *, device: str,
-                     source: str, warn: Callable[[str], None] | None = None, model: str | None = None) -> Path:
+                     source: str, warn: Callable[[str], None] | None = None, model: str | None = None,
+                     kind: str | None = None, seq_len: int | None = None, dtype: str | None = None) -> Path:
     """Import `paths` into the bundle at `out_dir` (created, or appended to); returns its directory.
 
-    Everything is read and validated before anything is written. A new bundle's fingerprint names
-    `device` only: the host doing the import is not the one that was measured. SpecError if a file
-    cannot be imported or holds no records, or if the existing bundle measured another device.
+    Everything is read and validated before anything is written. `kind` applies to every file
+    (detected per file when None); `model`, `seq_len` and `dtype` as `import_file` takes them.
+    Galvatron memory profiles are imported with their computation profiles. A new bundle's
+    fingerprint names `device` only: the host doing the import is not the one that was measured.
+    SpecError if a file cannot be imported or holds no records, or if the existing bundle measured
+    another device.
     """
     if not paths:
-        raise SpecError("import: no files given; expected Kineto traces, nccl-tests logs or iteration records")
+        raise SpecError("import: no files given; expected Kineto traces, nccl-tests logs, iteration records, layer "
+                        "tables, or Metis or Galvatron profiles")
+    kinds = {Path(p): resolve_kind(p, kind) for p in paths}
+    memories = dict(pair_profiles([p for p, k in kinds.items() if k == "galvatron"]))
     records: list[ImportedRecord] = []
-    for path in paths:
-        kind, found = import_file(path, device=device, model=model)
+    for path in (p for p, k in kinds.items() if k != "galvatron" or p in memories):
+        _, found = import_file(path, device=device, kind=kinds[path], model=model, seq_len=seq_len, dtype=dtype,
+                               memory=memories.get(path), warn=warn)
         if not found:
-            raise SpecError(f"{path}: no records found in this {kind} file; nothing to import")
-        measured = measured_device(path, kind)
+            raise SpecError(f"{path}: no records found in this {kinds[path]} file; nothing to import")
+        measured = measured_device(path, kinds[path])
         if warn is not None and measured is not None and device_disagrees(measured, device):
             warn(f"{path}: the file says it measured {measured!r}, but it is imported as {device!r}")
         records.extend(found)
