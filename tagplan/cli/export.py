@@ -49,7 +49,9 @@ def add_export_commands(sub: Subparsers) -> None:
 
     ver = sub.add_parser("verify", help="run the exported plan on CPU (gloo) on a scaled-down model and check it "
                                         "against a one-process reference")
-    ver.add_argument("--model", required=True, help="model SPEC (scaled down, same family and layer count)")
+    ver.add_argument("--model", required=True, help="model SPEC: a family or zoo name and hf: SPECs run scaled down "
+                                                    "(same class and layer count); a user's nn.Sequential runs as "
+                                                    "its factory builds it")
     ver.add_argument("--plan", required=True, help="a Plan JSON file")
     ver.add_argument("--procs", type=positive_int, default=None, help="local processes (default: the plan's devices)")
     add_calibration_option(ver, "the one pinned beside the active GNN version, else the shipped defaults; "

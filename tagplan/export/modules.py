@@ -15,17 +15,24 @@ Parameter counts equal the analytic graph's exactly (tests pin it). Every layer 
 itself from its own generator, seeded by `(seed, layer index)`, so a program that builds only
 its pipeline stage's layers holds the same numbers as a single process that builds them all.
 All parameters are random (biases and norm gains included): a bias added twice shows up.
-A user's own module (`module.path:factory`) is not supported yet.
+Hugging Face SPECs (family `hf`) run as the transformers class itself and a user's own
+`nn.Sequential` (family `module`) as itself: `build_layer`, `op_paths`, `set_recompute` and
+`tied_param_names` hand them to `tagplan.export.hf_modules` and `tagplan.export.user_modules`.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional
 
+from tagplan.export import hf_modules, user_modules
 from tagplan.export.shapes import ModelConfig, model_config
-from tagplan.frontends.model_spec import ModelSpec
+from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
 
 INIT_STD = 0.02
 
@@ -187,14 +194,57 @@ def tp_ops(config: ModelConfig, index: int) -> dict[str, str]:
     return {name: name for name in ("attn.q", "attn.k", "attn.v", "attn.o", *mlp)}
 
 
+def op_paths(config: ModelConfig, index: int, ops: Iterable[str]) -> dict[str, str]:
+    """Op name -> module path inside layer `index` for the `ops` a stage's strategies name: the
+    analytic names of `tp_ops` for gpt and llama, the traced op's own module for family `hf`."""
+    if config.family == "hf":
+        return {op: hf_modules.op_module_path(op, index, config.num_layers) for op in ops}
+    if config.family == "module":
+        return {op: user_modules.op_module_path(op) for op in ops}
+    return tp_ops(config, index)
+
+
+def tied_param_names(config: ModelConfig) -> tuple[str, str] | None:
+    """(embedding table, tied head weight) as parameter names of a stage (`layers.{index}.path`);
+    None when the head is not tied."""
+    if not config.tied:
+        return None
+    if config.family == "hf":
+        return hf_modules.tied_names(hf_config_object(config), config.model_type)
+    return "layers.0.wte.weight", f"layers.{config.num_layers - 1}.lm_head.weight"
+
+
+def set_recompute(layer: nn.Module, on: bool) -> None:
+    """Checkpoint a transformer block's forward (embedding and head are kept)."""
+    if isinstance(layer, Block | hf_modules.HFBlock | user_modules.ModuleLayer):
+        layer.recompute = on
+
+
+def hf_config_object(config: ModelConfig) -> Any:
+    """The transformers config of a family `hf` ModelConfig."""
+    return _hf_config(config.hf_spec)
+
+
+@functools.cache
+def _hf_config(spec: str) -> Any:
+    return hf_modules.hf_config_of(parse_model_spec(spec))[0]
+
+
 def build_layer(config: ModelConfig, index: int, *, seed: int) -> nn.Module:
     """Layer `index` of the layer list (0: embedding, last: head), initialized from its own generator.
 
     A tied head gets its own copy of the embedding table, initialized identically: the caller
     either shares it (`build_model`) or keeps the copies equal by summing their gradients.
+    Family `hf`: the transformers class's own modules (`hf_modules.build_hf_layer`).
     """
     if not 0 <= index < config.num_layers:
         raise IndexError(f"layer {index} is not in [0, {config.num_layers})")
+    if config.family == "hf":
+        return hf_modules.build_hf_layer(hf_config_object(config), config.model_type, index, seed=seed,
+                                         generator=layer_generator)
+    if config.family == "module":
+        return user_modules.build_module_layer(parse_model_spec(config.model_spec), index, seed=seed,
+                                               generator=layer_generator)
     if index == 0:
         layer: nn.Module = Embedding(config)
     elif index == config.num_layers - 1:
@@ -229,6 +279,24 @@ class LanguageModel(nn.Module):
         return x
 
 
-def build_model(spec: str | ModelSpec, *, seq_len: int, seed: int = 0) -> LanguageModel:
-    """The whole model `spec` names, as one module, at `seq_len` tokens."""
-    return LanguageModel(model_config(spec, seq_len=seq_len), seed=seed)
+Reference = LanguageModel | hf_modules.HFReference | user_modules.ModuleReference
+"""A whole model in one process (tokens -> logits), parameters initialised as the program's layers."""
+
+
+def build_model(spec: str | ModelSpec, *, seq_len: int, seed: int = 0) -> Reference:
+    """The whole model `spec` names, as one module, at `seq_len` tokens (family `hf`: the transformers
+    class itself, `hf_modules.HFReference`; a user's module: `user_modules.ModuleReference`)."""
+    config = model_config(spec, seq_len=seq_len)
+    if config.family == "hf":
+        return hf_modules.HFReference(hf_config_object(config), config.model_type, seed=seed,
+                                      generator=layer_generator)
+    if config.family == "module":
+        return user_modules.ModuleReference(parse_model_spec(config.model_spec), seed=seed, generator=layer_generator)
+    return LanguageModel(config, seed=seed)
+
+
+def grads_by_layer(model: Reference) -> dict[str, torch.Tensor]:
+    """Gradient by layer-list parameter name (`layers.{index}.path`) after a backward."""
+    if isinstance(model, hf_modules.HFReference | user_modules.ModuleReference):
+        return model.layer_grads()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tagplan.export.modules import Block, build_layer, tp_ops
+from tagplan.export.modules import Block, build_layer, op_paths, set_recompute, tied_param_names
 from tagplan.export.shapes import ModelConfig
 
 SEQUENCE = Shard(1)  # activations (batch, seq, hidden) split along the sequence
@@ -118,7 +118,7 @@ def layer_styles(layer: nn.Module, index: int, config: ModelConfig, strategies: 
     stream between layers is split along the sequence: norms run on their part (SequenceParallel),
     attention and MLP gather it first, and the embedding hands back this rank's part."""
     styles: dict[str, ParallelStyle | None] = {}
-    for op, path in tp_ops(config, index).items():
+    for op, path in op_paths(config, index, strategies).items():
         strategy = strategies.get(op, "replicate")
         if isinstance(layer.get_submodule(path), nn.Embedding):
             styles[path] = embedding_style(strategy)
@@ -141,7 +141,7 @@ def apply_tp(part: StageModule, config: ModelConfig, stage: dict[str, Any], mesh
         index, strategies = int(key), stage["strategies"].get(key, {})
         styles = layer_styles(layer, index, config, strategies, sp=sp)
         if track:
-            for op, path in tp_ops(config, index).items():
+            for op, path in op_paths(config, index, strategies).items():
                 label = f"layers.{index}.{path} ({strategies.get(op, 'replicate')})"
                 layer.get_submodule(path).register_forward_pre_hook(
                     lambda *_, label=label: CURRENT_OP.__setitem__(0, label))
@@ -177,8 +177,7 @@ def build_parts(cfg: dict[str, Any], config: ModelConfig, rank: Rank, *, track: 
         if cfg["mesh"]["tp"] > 1:
             apply_tp(part, config, stage, rank.mesh["tp"], sp=cfg["sequence_parallel"], track=track)
         for layer in part.layers.values():
-            if isinstance(layer, Block):
-                layer.recompute = bool(stage["recompute"])
+            set_recompute(layer, bool(stage["recompute"]))
         if cfg["mesh"]["dp"] > 1:
             apply_dp(part, stage["zero"], rank.mesh["dp"])
         parts[i] = part
@@ -207,9 +206,9 @@ def sync_tied(parts: dict[int, StageModule], config: ModelConfig, group: dist.Pr
     A gradient is first laid out like its parameter (an embedding's may come back replicated
     while its table is split), so that the two copies' local pieces match element for element.
     """
-    if not config.tied:
+    names = tied_param_names(config)
+    if names is None:
         return
-    names = ("layers.0.wte.weight", f"layers.{config.num_layers - 1}.lm_head.weight")
     params = [p for part in parts.values() for name, p in part.named_parameters() if name in names]
     with torch.no_grad():
         for p in params:

@@ -12,9 +12,14 @@ torch.distributed.pipelining refuses. Per rank:
   (`runtime_layout.transfers`); the receiver broadcasts them over its tp group, which takes its
   part of the sequence under sequence parallelism. Gradients go back the same way;
 - the loss of a replica is its samples' summed token cross-entropy over `global_batch * seq_len`,
-  so replica gradients are summed (all-reduce over the stage's dp group): one step is the mean
-  over the global batch whatever the shares. The tied embedding and head sum their gradients.
-ZeRO stages run as plain data parallelism here (same gradients; no state sharding).
+  so replica gradients are summed over the stage's dp group: one step is the mean over the global
+  batch whatever the shares. The tied embedding and head sum their gradients. Under fp16 the last
+  stage's backward starts from the loss times the runner's `loss_scale` (`runtime_optim.LossScaler`);
+- ZeRO (`zero_shards`, stages with dp > 1 and zero >= 1): each dp rank steps a contiguous slice of
+  the stage's flattened parameters and keeps optimizer state for it only (`runtime_optim.ZeroShard`).
+  ZeRO 1 all-reduces gradients here and slices them; ZeRO 2 and 3 leave them to the shard's
+  reduce-scatter (except the tied table's, summed here with its copy). Weights stay whole on every
+  replica between steps, ZeRO 3 included (no parameter sharding on this runtime).
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import functional
 
-from tagplan.export.modules import Block, build_layer
+from tagplan.export.modules import build_layer, set_recompute, tied_param_names
 from tagplan.export.runtime_layout import Action, StageLayout, Transfer, transfers
+from tagplan.export.runtime_optim import ZeroShard
 from tagplan.export.runtime_parallel import StageModule, apply_tp
 from tagplan.export.shapes import ModelConfig
 
@@ -78,8 +84,7 @@ def build_stage(cfg: dict[str, Any], config: ModelConfig, lay: StageLayout, grou
     if lay.tp > 1:
         apply_tp(part, config, stage, groups.tp_mesh[lay.index], sp=cfg["sequence_parallel"], track=track)
     for layer in part.layers.values():
-        if isinstance(layer, Block):
-            layer.recompute = bool(stage["recompute"])
+        set_recompute(layer, bool(stage["recompute"]))
     return part
 
 
@@ -100,6 +105,8 @@ class PipelineRunner:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.mailbox: dict[int, torch.Tensor] = {}
         self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.loss_scale = 1.0  # the last stage's backward starts from loss * loss_scale (fp16)
+        self.scattered: dict[int, set[str]] = {}  # per stage, gradients a ZeRO shard reduce-scatters later
 
     def _sp(self, s: int, edge: int) -> bool:
         """Whether stage s's input (edge 0) or output (edge 1) is split along the sequence on its tp ranks."""
@@ -195,7 +202,7 @@ class PipelineRunner:
         _, t = lay.place(self.rank) or (0, 0)
         out = self.outputs.pop((s, m))
         if s == len(self.layouts) - 1:
-            out.backward()
+            (out * self.loss_scale if self.loss_scale != 1.0 else out).backward()
         else:
             grad = self._recv(s, m, 1)
             out.backward(grad.chunk(lay.tp, dim=1)[t].contiguous() if self._sp(s, 1) else grad)
@@ -206,8 +213,8 @@ class PipelineRunner:
             self._send(s - 1, m, 1, full)
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float | None:
-        """Run the program, sum gradients over replicas and tied copies; the global-batch mean loss
-        on last-stage ranks, else None."""
+        """Run the program, sum gradients over replicas (but those in `scattered`) and tied copies;
+        the global-batch mean loss (unscaled) on last-stage ranks, else None."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for kind, s, m in self.program:
             if kind == "F":
@@ -219,7 +226,7 @@ class PipelineRunner:
         for work, _ in self.sends:
             work.wait()
         self.sends.clear()
-        sum_replicas(self.parts, self.groups)
+        sum_replicas(self.parts, self.groups, skip=self.scattered)
         sum_tied(self.parts, self.layouts, self.groups, self.config, self.rank)
         last = len(self.layouts) - 1
         if last not in self.parts:
@@ -237,13 +244,16 @@ def _laid_out(p: torch.nn.Parameter) -> torch.Tensor | None:
     return g
 
 
-def sum_replicas(parts: dict[int, StageModule], groups: Groups) -> None:
-    """Sum every gradient over its stage's replicas (their losses are already over the global batch)."""
+def sum_replicas(parts: dict[int, StageModule], groups: Groups, *, skip: dict[int, set[str]] | None = None) -> None:
+    """Sum every gradient over its stage's replicas (their losses are already over the global batch),
+    but those `skip` names for the stage (a ZeRO shard reduce-scatters them)."""
     for s, part in parts.items():
         group = groups.dp.get(s)
         if group is None:
             continue
-        for p in part.parameters():
+        for name, p in part.named_parameters():
+            if skip and name in skip.get(s, ()):
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             g = _laid_out(p)
@@ -254,9 +264,10 @@ def sum_replicas(parts: dict[int, StageModule], groups: Groups) -> None:
 def sum_tied(parts: dict[int, StageModule], layouts: list[StageLayout], groups: Groups, config: ModelConfig,
              rank: int) -> None:
     """Give the embedding table and the tied head's copy the sum of their two gradients."""
-    if not config.tied:
+    tied = tied_param_names(config)
+    if tied is None:
         return
-    names = [(0, "layers.0.wte.weight"), (len(layouts) - 1, f"layers.{config.num_layers - 1}.lm_head.weight")]
+    names = [(0, tied[0]), (len(layouts) - 1, tied[1])]
     held = [(s, p) for s, name in names if s in parts for n, p in parts[s].named_parameters() if n == name]
     if not held:
         return
@@ -279,3 +290,21 @@ def sum_tied(parts: dict[int, StageModule], layouts: list[StageLayout], groups: 
                 p.grad = distribute_tensor(total, p.device_mesh, p.placements, src_data_rank=None)
             else:
                 p.grad = total.clone()
+
+
+def zero_shards(cfg: dict[str, Any], parts: dict[int, StageModule], groups: Groups, config: ModelConfig,
+                runner: PipelineRunner) -> list[ZeroShard]:
+    """A ZeRO shard for each of this rank's stages with dp > 1 and zero >= 1; the runner leaves the
+    gradients of ZeRO >= 2 stages (but the tied table's) to the shard's reduce-scatter."""
+    tied = tied_param_names(config)
+    ends = [(0, tied[0]), (len(cfg["stages"]) - 1, tied[1])] if tied is not None else []
+    shards = []
+    for s, part in sorted(parts.items()):
+        zero = int(cfg["stages"][s]["zero"])
+        if zero < 1 or s not in groups.dp:
+            continue
+        whole = {name for i, name in ends if i == s}
+        shards.append(ZeroShard(part, zero, groups.dp[s], whole=whole))
+        if zero >= 2:
+            runner.scattered[s] = {name for name, _ in part.named_parameters()} - whole
+    return shards

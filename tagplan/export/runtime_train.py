@@ -9,15 +9,22 @@ at start every rank checks that it sits on the node and GPU type the plan says, 
 the mismatch otherwise. Two runtimes, chosen at export (`runtime` in plan.json):
 - `mesh`: every stage has the same (dp, tp) and even batch shares: one ("pp", "dp", "tp") mesh,
   `torch.distributed.pipelining` with the plan's schedule, FSDP2/replicate data parallelism
-  (`tagplan.export.runtime_parallel`); one stage runs its micro-batches in a plain loop;
+  (`tagplan.export.runtime_parallel`; ZeRO 1/2/3 are FSDP2's sharding of weights, gradients and
+  optimizer state); one stage runs its micro-batches in a plain loop;
 - `pipeline`: anything else (`tagplan.export.runtime_pipeline`): per-stage meshes, activations
-  re-split between stages of different dp or tp, whole-sample shares per replica.
+  re-split between stages of different dp or tp, whole-sample shares per replica; ZeRO 1 and 2
+  shard optimizer state (and, for 2, reduce-scatter gradients) over each stage's dp group, ZeRO 3
+  runs as 2 (weights stay whole between steps; `tagplan.export.runtime_optim`).
 Compute runs in the plan's dtype (bf16/fp16 autocast over fp32 master weights) with the costed
-optimizer; `--verify` runs fp32.
+optimizer (`runtime_optim.TrainOptimizer`); `--verify` runs fp32. fp16 adds dynamic loss scaling
+(GradScaler's rule) whose overflow check is agreed by all ranks: an overflowing step is skipped
+everywhere and the scale halved.
 
-Every step prints one JSON line per rank: step, rank, stages, seconds, loss (last stage only).
-`--verify DIR` also saves, after the first backward, the loss and every parameter's full
-gradient (`DTensor.full_tensor()`) keyed by its name in the single-process model.
+Every step prints one JSON line per rank: step, rank, stages, seconds, loss (last stage only),
+and under fp16 the loss scale it ran with and whether it was skipped. `--verify DIR` also saves,
+after the first backward, the loss and every parameter's full (unscaled) gradient
+(`DTensor.full_tensor()`) keyed by its name in the single-process model, and after the last step
+every parameter (`params_*.pt`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,8 +50,9 @@ from torch.nn import functional
 
 from tagplan.export.node_launch import startup_problems
 from tagplan.export.runtime_layout import programs, stage_layouts
+from tagplan.export.runtime_optim import TrainOptimizer, full_params, train_optimizer
 from tagplan.export.runtime_parallel import CURRENT_OP, Rank, StageModule, build_parts, sync_tied, tie_group
-from tagplan.export.runtime_pipeline import PipelineRunner, build_stage, make_groups
+from tagplan.export.runtime_pipeline import PipelineRunner, build_stage, make_groups, zero_shards
 from tagplan.export.shapes import ModelConfig, model_config
 from tagplan.ir.plan import Plan
 
@@ -53,6 +61,15 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 # FSDP2 warns that a module returns a view; nothing here modifies module outputs in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 StepFn = Callable[[torch.Tensor, torch.Tensor], "float | None"]
+
+
+class Save(Protocol):
+    """A runtime's verify dump: step 0's gradients and loss, or (`params`) the weights after the last step."""
+
+    def __call__(self, out: Path, loss: float | None, *, params: bool = False) -> None: ...
+
+
+Built = tuple[dict[int, StageModule], StepFn, Save, TrainOptimizer]
 
 
 def synthetic_batch(vocab: int, global_batch: int, seq_len: int, *, step: int, seed: int) -> tuple[
@@ -68,15 +85,6 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer the plan was costed with (its state in fp32, beside the fp32 master weights)."""
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3)
-    if name in ("sgd", "sgd_momentum"):
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if name == "sgd_momentum" else 0.0)
-    return torch.optim.Adam(params, lr=1e-3)
-
-
 class Runner:
     """The mesh runtime: one step's forward and backward over all micro-batches; the mean loss or None."""
 
@@ -84,6 +92,7 @@ class Runner:
         self.parts, self.micro = parts, cfg["micro_batches"]
         self.num_stages = len(cfg["stages"])
         self.schedule: Any = None
+        self.loss_scale = 1.0  # the backward runs on loss * loss_scale (fp16); reported losses are unscaled
         if cfg["mesh"]["pp"] > 1:
             group = rank.mesh["pp"].get_group()
             stages: list[Any] = []
@@ -92,10 +101,13 @@ class Runner:
                 stages.append(PipelineStage(part, i, self.num_stages, rank.device, input_args=example_in,
                                             output_args=example_out, group=group))
             if cfg["schedule"] == "interleaved_1f1b":
-                self.schedule = ScheduleInterleaved1F1B(stages, self.micro, loss_fn=loss_fn)
+                self.schedule = ScheduleInterleaved1F1B(stages, self.micro, loss_fn=self._scaled_loss)
             else:
                 cls = ScheduleGPipe if cfg["schedule"] == "gpipe" else Schedule1F1B
-                self.schedule = cls(stages[0], self.micro, loss_fn=loss_fn)
+                self.schedule = cls(stages[0], self.micro, loss_fn=self._scaled_loss)
+
+    def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits, labels) * self.loss_scale
 
     def _example_io(self, cfg: dict[str, Any], config: ModelConfig, index: int, device: torch.device) -> tuple[
             torch.Tensor, torch.Tensor]:
@@ -109,14 +121,15 @@ class Runner:
         return first if index == 0 else hidden, last if index == self.num_stages - 1 else hidden
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float | None:
-        """Forward and backward of this rank's share of one batch; gradients end averaged."""
+        """Forward and backward of this rank's share of one batch; gradients end averaged (and
+        multiplied by `loss_scale`); the unscaled mean loss on the last stage."""
         if self.schedule is None:
             return self._local(tokens, labels)
         first, last = 0 in self.parts, self.num_stages - 1 in self.parts
         losses: list[torch.Tensor] = []
         args = (tokens,) if first else ()
         self.schedule.step(*args, target=labels if last else None, losses=losses if last else None)
-        return float(torch.stack(losses).mean()) if last else None
+        return float(torch.stack(losses).mean()) / self.loss_scale if last else None
 
     def _local(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
         losses = []
@@ -126,7 +139,7 @@ class Runner:
                     part.set_requires_gradient_sync(m == self.micro - 1)
                 x = part(x)
             loss = loss_fn(x, y)
-            (loss / self.micro).backward()
+            (loss * (self.loss_scale / self.micro)).backward()
             losses.append(loss.detach())
         return float(torch.stack(losses).mean())
 
@@ -176,36 +189,38 @@ def setup(cfg: dict[str, Any], timeout_s: float) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
-def mesh_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool) -> tuple[
-        dict[int, StageModule], StepFn, Callable[[Path, float | None], None]]:
-    """The mesh runtime's parts, step and gradient dump."""
+def mesh_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool) -> Built:
+    """The mesh runtime's parts, step, verify dump and optimizer (ZeRO is FSDP2's, `runtime_parallel.apply_dp`)."""
     shape = (cfg["mesh"]["pp"], cfg["mesh"]["dp"], cfg["mesh"]["tp"])
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
     rank = Rank(mesh, mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank(), device)
     parts = build_parts(cfg, config, rank, track=track)
     group = tie_group(cfg, config, rank)
     runner = Runner(cfg, config, parts, rank)
+    optimizer = train_optimizer(cfg, parts, device)
     per_replica = cfg["global_batch"] // cfg["mesh"]["dp"]
 
     def step(tokens: torch.Tensor, labels: torch.Tensor) -> float | None:
         rows = slice(rank.dp * per_replica, (rank.dp + 1) * per_replica)
+        runner.loss_scale = optimizer.loss_scale()
         loss = runner.step(tokens[rows].to(device), labels[rows].to(device))
         sync_tied(parts, config, group)
+        optimizer.prepare()
         return dp_mean(loss, rank)
 
-    def save(out: Path, loss: float | None) -> None:
-        grads = full_grads(parts)
+    def save(out: Path, loss: float | None, *, params: bool = False) -> None:
+        tensors = full_params(parts) if params else full_grads(parts)
         if rank.dp == 0 and rank.tp == 0:
-            torch.save(grads, out / f"grads_pp{rank.pp}.pt")
+            torch.save(tensors, out / f"{'params' if params else 'grads'}_pp{rank.pp}.pt")
             if loss is not None:
                 (out / "loss.json").write_text(json.dumps({"loss": loss}))
 
-    return parts, step, save
+    return parts, step, save, optimizer
 
 
-def pipeline_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool) -> tuple[
-        dict[int, StageModule], StepFn, Callable[[Path, float | None], None]]:
-    """The pipeline runtime's parts, step and gradient dump (`tagplan.export.runtime_pipeline`)."""
+def pipeline_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool) -> Built:
+    """The pipeline runtime's parts, step, verify dump and optimizer (`tagplan.export.runtime_pipeline`;
+    ZeRO shards: `runtime_optim.ZeroShard`)."""
     plan = Plan.model_validate(cfg["plan"])
     rank = dist.get_rank()
     rank_of = {row["device"]: r for r, row in enumerate(cfg["ranks"])}
@@ -215,30 +230,38 @@ def pipeline_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.dev
     parts = {lay.index: build_stage(cfg, config, lay, groups, device, track=track) for lay in mine}
     program = programs(plan)[plan.stages[mine[0].index].devices] if mine else []
     runner = PipelineRunner(cfg, config, rank, device, layouts, program, groups, parts)
+    optimizer = train_optimizer(cfg, parts, device, shards=zero_shards(cfg, parts, groups, config, runner))
 
-    def save(out: Path, loss: float | None) -> None:
+    def step(tokens: torch.Tensor, labels: torch.Tensor) -> float | None:
+        runner.loss_scale = optimizer.loss_scale()
+        loss = runner.step(tokens, labels)
+        optimizer.prepare()
+        return loss
+
+    def save(out: Path, loss: float | None, *, params: bool = False) -> None:
+        if not params:
+            optimizer.gather_grads()  # ZeRO stages hold only their slice
         for lay in mine:
-            grads = full_grads({lay.index: parts[lay.index]})
+            one = {lay.index: parts[lay.index]}
+            tensors = full_params(one) if params else full_grads(one)
             if lay.place(rank) == (0, 0):
-                torch.save(grads, out / f"grads_stage{lay.index}.pt")
+                torch.save(tensors, out / f"{'params' if params else 'grads'}_stage{lay.index}.pt")
                 if loss is not None and lay.index == len(layouts) - 1:
                     (out / "loss.json").write_text(json.dumps({"loss": loss}))
 
-    return parts, runner.step, save
+    return parts, step, save, optimizer
 
 
 def train(cfg: dict[str, Any], device: torch.device, *, steps: int, verify: Path | None) -> None:
     """`steps` training steps with the costed optimizer, one JSON line per step; with `verify`,
-    dump step 0's gradients."""
+    dump step 0's gradients and, after the last step, the parameters."""
     config = model_config(cfg["model"], seq_len=cfg["seq_len"])
     torch.manual_seed(cfg["seed"])
     build = pipeline_runtime if cfg["runtime"] == "pipeline" else mesh_runtime
-    parts, step_fn, save = build(cfg, config, device, track=verify is not None)
+    parts, step_fn, save, optimizer = build(cfg, config, device, track=verify is not None)
     compute = None if verify is not None else COMPUTE_DTYPES[cfg.get("dtype", "fp32")]
     for part in parts.values():
         part.compute_dtype = compute
-    params = [p for part in parts.values() for p in part.parameters()]
-    optimizer = make_optimizer(cfg.get("optimizer", "adam"), params)
     for step in range(steps):
         tokens, labels = synthetic_batch(config.vocab, cfg["global_batch"], cfg["seq_len"], step=step,
                                          seed=cfg["seed"])
@@ -251,8 +274,11 @@ def train(cfg: dict[str, Any], device: torch.device, *, steps: int, verify: Path
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        line = {"step": step, "rank": dist.get_rank(), "stages": sorted(parts), "time_s": seconds, "loss": loss}
+        line = {"step": step, "rank": dist.get_rank(), "stages": sorted(parts), "time_s": seconds, "loss": loss,
+                **optimizer.report()}
         print(json.dumps(line), flush=True)
+    if verify is not None:
+        save(verify, None, params=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,11 +31,15 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
 - `heads` and `kv_heads` divisible by each stage's `tp`; a tied table split alike in embedding
   and head;
 - ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), 1 and 2 -> FSDP2 `fully_shard` with
-  `reshard_after_forward=False`, 3 -> `reshard_after_forward=True` (mesh runtime; the pipeline
-  runtime sums gradients over replicas without sharding state); ZeRO with `dp == 1` shards over
-  nothing and runs as plain training;
+  `reshard_after_forward=False`, 3 -> `reshard_after_forward=True` (mesh runtime); the pipeline
+  runtime shards the optimizer state and fp32 master slice over each stage's dp group (ZeRO 1:
+  all-reduce then keep the slice; 2 and 3: reduce-scatter; weights stay whole between steps,
+  `runtime_optim`); ZeRO with `dp == 1` shards over nothing and runs as plain training;
 - `recompute` checkpoints every transformer block of the stage (embedding and head are kept).
-Families: gpt and llama (`tagplan.export.modules`); a user's own module is not supported yet.
+Models: the gpt and llama families (`tagplan.export.modules`); Hugging Face SPECs as the
+transformers class itself (`tagplan.export.hf_modules`: Llama-style decoders and GPT-2, GPT-2 at
+tp 1); a user's own `nn.Sequential` language model as itself (`tagplan.export.user_modules`; a
+`file.py` is copied beside the program).
 """
 
 from __future__ import annotations
@@ -48,11 +52,14 @@ from typing import Any
 from tagplan.cost.sharding import shard_block
 from tagplan.errors import SpecError
 from tagplan.export.checks import ExportError
+from tagplan.export.hf_modules import GPT2_TYPES
 from tagplan.export.modules import tp_ops
 from tagplan.export.node_launch import launch_scripts, rank_table
 from tagplan.export.runtime_train import PROGRAM_FORMAT
 from tagplan.export.shapes import ModelConfig, model_config, parsed
-from tagplan.frontends.model_spec import ModelSpec, build_model
+from tagplan.export.user_modules import check_layers
+from tagplan.frontends.hf_config import config_path
+from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, build_model, parse_model_spec
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph, OpKind
 from tagplan.ir.plan import Plan, Schedule, ShardStrategy, Stage, check_whole_samples
@@ -78,7 +85,11 @@ def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | No
     `config` (the torch model's shape, which the graph does not record) adds the check that
     `tp` divides the attention heads.
     """
-    problems = _model_problems(plan, model)
+    found = config or _spec_config(model)
+    if isinstance(found, str):
+        raise ExportError(f"the plan cannot be exported to a torch program:\n  - {found}")
+    config = found
+    problems = _model_problems(plan, model, config)
     if not problems:
         for i, stage in enumerate(plan.stages):
             problems += _stage_problems(i, stage, model, config)
@@ -88,9 +99,38 @@ def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | No
         raise ExportError("the plan cannot be exported to a torch program:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _model_problems(plan: Plan, model: ModelGraph) -> list[str]:
-    if model.family not in ("gpt", "llama"):
-        return [f"model {model.name!r} is of family {model.family!r}; the exporter builds gpt and llama models"]
+def _spec_config(model: ModelGraph) -> ModelConfig | str | None:
+    """The ModelConfig of a Hugging Face or user-module graph, read from its name (its SPEC), or why the
+    program cannot build that model; None for other graphs (their family decides)."""
+    try:
+        spec = parse_model_spec(model.name)
+    except SpecError:
+        return None
+    if spec.kind not in (ModelSpecKind.HF, ModelSpecKind.HF_FILE, ModelSpecKind.MODULE):
+        return None
+    try:
+        return model_config(spec, seq_len=model.seq_len)
+    except SpecError as err:
+        return str(err)
+
+
+def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -> list[str]:
+    hf = config is not None and config.family == "hf"
+    if config is not None and config.family == "module":
+        try:
+            check_layers(parse_model_spec(config.model_spec), [layer.name for layer in model.layers])
+        except SpecError as err:
+            return [str(err)]
+    elif not hf and model.family not in ("gpt", "llama"):
+        return [f"model {model.name!r} is of family {model.family!r}; the exporter builds gpt and llama models "
+                "and Hugging Face classes (hf:...)"]
+    if hf and config is not None and len(model.layers) != config.num_layers:
+        return [f"model {model.name!r}: the traced graph has {len(model.layers)} layers but the transformers class "
+                f"has {config.num_layers} (embedding, {config.layers} decoder layers, head); the program cannot "
+                "map the plan's stages onto it"]
+    if hf and config is not None and config.model_type in GPT2_TYPES and max(s.tp for s in plan.stages) > 1:
+        return [f"model {model.name!r}: GPT-2's matmuls are transformers Conv1D modules, which the program does not "
+                "split: tensor parallelism needs tp = 1 on every stage"]
     end = plan.stages[-1].layers[1]
     if plan.stages[0].layers[0] != 0 or end != len(model.layers):
         return [f"the plan covers layers [{plan.stages[0].layers[0]}, {end}) but the model has "
@@ -196,6 +236,14 @@ def strategies_for(model: ModelGraph, stage: Stage, layer: int) -> dict[str, Sha
     return shard_block(model.block_of(layer), stage.sharding).strategies
 
 
+def split_ops(config: ModelConfig, model: ModelGraph, layer: int) -> list[str]:
+    """The ops of `layer` whose tensor-parallel strategy the program applies: the analytic names of
+    `modules.tp_ops` for gpt and llama, every traced matmul and embedding for family `hf`."""
+    if config.family in ("hf", "module"):
+        return [op.name for op in model.block_of(layer).ops if op.kind in (OpKind.MATMUL, OpKind.EMBEDDING)]
+    return list(tp_ops(config, layer))
+
+
 def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: ModelConfig, *, seq_len: int,
                    global_batch: int, steps: int, seed: int, table: list[dict[str, Any]],
                    dtype: DType = DType.FP32, optimizer: Optimizer = Optimizer.ADAM) -> dict[str, Any]:
@@ -206,7 +254,7 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
         strategies = {}
         for j in range(*stage.layers):
             resolved = strategies_for(model, stage, j)
-            strategies[str(j)] = {op: resolved[op].value for op in tp_ops(config, j) if op in resolved}
+            strategies[str(j)] = {op: resolved[op].value for op in split_ops(config, model, j) if op in resolved}
         stages.append({"layers": list(stage.layers), "pp_rank": ranks[i], "devices": list(stage.devices),
                        "dp": stage.dp, "tp": stage.tp, "recompute": stage.recompute,
                        "zero": stage.zero if stage.dp > 1 else 0, "strategies": strategies})
@@ -234,6 +282,25 @@ def check_batch(plan: Plan, model: ModelGraph, *, seq_len: int, global_batch: in
                                   "are 'sequence' (sequence parallel), so the sequence must be a multiple of tp")
 
 
+def _carry_user_file(spec: ModelSpec, out_dir: Path) -> str | None:
+    """For a `file.py:factory` or config.json SPEC, copy the file beside the program and return the
+    SPEC naming the copy (the program runs in its folder); None for every other SPEC (a
+    `package.module:factory` must be importable on every node)."""
+    if spec.kind is ModelSpecKind.HF_FILE:
+        source = config_path(spec.name)
+        target = out_dir / "config.json"
+        if source.resolve() != target.resolve():
+            shutil.copyfile(source, target)
+        return "config.json"
+    if spec.kind is not ModelSpecKind.MODULE or not spec.name.endswith(".py"):
+        return None
+    source = Path(spec.name)
+    target = out_dir / source.name
+    if source.resolve() != target.resolve():
+        shutil.copyfile(source, target)
+    return f"{source.name}:{spec.attr}"
+
+
 def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, seq_len: int, global_batch: int,
                         steps: int = 3, seed: int = 0, cluster: Cluster | None = None, dtype: DType = DType.FP32,
                         optimizer: Optimizer = Optimizer.ADAM) -> Path:
@@ -257,9 +324,10 @@ def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, 
     check_expressible(plan, model, config=config)
     check_batch(plan, model, seq_len=seq_len, global_batch=global_batch)
     table = rank_table(plan, cluster)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = _carry_user_file(spec, out_dir) or text
     cfg = program_config(text, plan, model, config, seq_len=seq_len, global_batch=global_batch, steps=steps,
                          seed=seed, table=table, dtype=dtype, optimizer=optimizer)
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for old in out_dir.glob("launch_node*.sh"):
         old.unlink()

@@ -31,7 +31,8 @@ import torch
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.cost.simulator import Simulator
 from tagplan.export.checks import ExportError
-from tagplan.export.modules import LanguageModel
+from tagplan.export.modules import build_model as build_torch_model
+from tagplan.export.modules import grads_by_layer
 from tagplan.export.runtime_launch import RankRun, launch
 from tagplan.export.runtime_train import loss_fn, synthetic_batch
 from tagplan.export.shapes import ModelConfig, model_config, parsed, scaled_down
@@ -122,15 +123,15 @@ def reference(model_spec: str, *, seq_len: int, global_batch: int, micro_batches
               seed: int = SEED) -> tuple[float, dict[str, torch.Tensor]]:
     """(mean loss, gradient by parameter name) of one step of the plain model: the token mean over
     the global batch, accumulated over the plan's micro-batches."""
-    model = LanguageModel(model_config(model_spec, seq_len=seq_len), seed=seed)
-    tokens, labels = synthetic_batch(model.config.vocab, global_batch, seq_len, step=0, seed=seed)
+    model = build_torch_model(model_spec, seq_len=seq_len, seed=seed)
+    tokens, labels = synthetic_batch(model_config(model_spec, seq_len=seq_len).vocab, global_batch, seq_len, step=0,
+                                     seed=seed)
     losses = []
     for x, y in zip(tokens.chunk(micro_batches), labels.chunk(micro_batches), strict=True):
         loss = loss_fn(model(x), y)
         (loss * len(x) / global_batch).backward()
         losses.append(loss.item() * len(x) / global_batch)
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return math.fsum(losses), grads
+    return math.fsum(losses), grads_by_layer(model)
 
 
 def _compare(dump: Path, runs: list[RankRun], ref_loss: float, ref: dict[str, torch.Tensor], *, atol: float,

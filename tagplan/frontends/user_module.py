@@ -64,6 +64,18 @@ def graph_from_user_module(
     `input_shape` ("BxS[x...][:long]") overrides the module's own example inputs. SpecError for a
     missing module or name, no example inputs, or a model torch.export cannot trace.
     """
+    name = f"{module}:{attr}"
+    module_obj, inputs = instantiate(module, attr, input_shape=input_shape)
+    args, kwargs = _as_call(inputs)
+    seq = seq_len or _tokens_per_sample(args, kwargs, name)
+    return fold_trace(module_obj, args, kwargs, name=name, seq_len=seq, dtype=dtype, fold=fold)
+
+
+def instantiate(module: str, attr: str, *, input_shape: str | None = None, device: str = "meta") -> tuple[
+        nn.Module, Any]:
+    """(the user's module built on `device` (default `meta`: no memory), its example inputs), as
+    `graph_from_user_module` reads them (module docstring). SpecError for a missing module or
+    name, or no example inputs."""
     import torch
     from torch import nn
 
@@ -72,7 +84,7 @@ def graph_from_user_module(
     if target is None or not callable(target):
         raise SpecError(f"model {name!r}: {module} has no class or factory named {attr!r}")
     shaped = parse_input_shape(input_shape, name) if input_shape else None
-    with torch.device("meta"):
+    with torch.device(device):
         made = target()
         module_obj, inputs = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
         if not isinstance(module_obj, nn.Module):
@@ -82,9 +94,7 @@ def graph_from_user_module(
             inputs = torch.zeros(shaped[0], dtype=shaped[1])
         elif inputs is None:
             inputs = _inputs_of(module_obj, name)
-    args, kwargs = _as_call(inputs)
-    seq = seq_len or _tokens_per_sample(args, kwargs, name)
-    return fold_trace(module_obj, args, kwargs, name=name, seq_len=seq, dtype=dtype, fold=fold)
+    return module_obj, inputs
 
 
 def parse_input_shape(text: str, name: str = "model") -> tuple[tuple[int, ...], Any]:

@@ -215,3 +215,11 @@ def test_hugging_face_llama_config_on_the_pipeline_runtime_matches() -> None:
             "&num_key_value_heads=2&vocab_size=1000")
     _passes(spec, Plan(micro_batches=2, stages=(_stage((0, 2), (0, 1), dp=2, batch_samples=(1, 1)),
                                                 _stage((2, 4), (2,)))))
+
+
+@pytest.mark.slow
+def test_zero2_slices_over_tp2_pieces_on_the_pipeline_runtime_match(gpt_spec: str) -> None:
+    """Uneven replicas of a tp=2 stage, ZeRO 2: gradients reduce-scattered into each dp rank's slice
+    (the tied table's summed first), gathered back for the dump (`runtime_optim.ZeroShard`)."""
+    _passes(gpt_spec, Plan(micro_batches=2, stages=(
+        _stage(ONE_STAGE, (0, 1, 2, 3), dp=2, tp=2, zero=2, batch_samples=(3, 1)),)))
