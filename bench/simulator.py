@@ -3,12 +3,14 @@
 
 The search calls the simulator thousands of times with one `Simulator` (shared memo tables), so
 the figure that matters is a warm call on a new plan of an already-costed shape; the cold first
-call is reported too. Prints a table and writes bench/results/simulator.json.
+call is reported too. Prints a table and writes bench/results/simulator.json, with the machine's
+1-minute load average before and after (timings on a shared machine are only as good as its idleness).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -40,6 +42,7 @@ def main() -> None:
              ("tp4 pp8 dp32 m32", plan_for(len(model.layers), 1024, 4, 8, 32, 0)),
              ("tp8 pp64 dp2 m256", plan_for(len(model.layers), 1024, 8, 64, 256, 1))]
     rows = []
+    load_before = os.getloadavg()[0]
     print(f"{'plan':18s} {'cold ms':>9s} {'warm median ms':>15s} {'warm min ms':>12s}")
     for name, plan in cases:
         start = time.perf_counter()
@@ -53,10 +56,13 @@ def main() -> None:
         median = statistics.median(warm)
         rows.append({"plan": name, "cold_ms": cold, "warm_median_ms": median, "warm_min_ms": min(warm)})
         print(f"{name:18s} {cold:9.2f} {statistics.median(warm):15.2f} {min(warm):12.2f}")
+    load = [load_before, os.getloadavg()[0]]
+    print(f"load average (1 min) before, after: {load[0]:.2f}, {load[1]:.2f} on {os.cpu_count()} cores")
     out = Path(__file__).parent / "results" / "simulator.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": "gpt3-175b (96 layers)", "devices": 1024, "micro_batches": "64 (pp64: 256)",
-                               "target_median_ms": 20, "rows": rows}, indent=2))
+                               "target_median_ms": 20, "load_average_1m": load, "cpus": os.cpu_count(), "rows": rows},
+                              indent=2))
     print(f"wrote {out}")
 
 

@@ -67,6 +67,9 @@ class Simulator:
         self.coster = StageCoster(model, cluster, workload, calibration, self.comm, fold=fold)
         self._dp_sync_memo: dict[tuple[tuple[int, ...], int, int, float], tuple[float, float]] = {}
         self._model_flops = sum(model_flops(model.block_of(i)) for i in range(len(model.layers)))
+        # per device id, for the O(devices) sums of every report
+        self._peak_flops = tuple(d.spec.peak_flops(workload.dtype) for d in cluster.devices)
+        self._mem_bytes = tuple(d.spec.mem_bytes for d in cluster.devices)
 
     def simulate(self, plan: Plan) -> Report:
         """The Report of one iteration of `plan`."""
@@ -75,8 +78,8 @@ class Simulator:
     def run(self, plan: Plan, *, record_tasks: bool = True) -> Simulation:
         """Simulate `plan`; SpecError for a plan that does not apply to this model or cluster.
 
-        `record_tasks=False` skips the per-task records a timeline needs (about half the time of
-        the pipeline simulation).
+        `record_tasks=False` skips the per-task records a timeline needs (most of the time of the
+        pipeline simulation, which then takes a few ms even for deep pipelines).
         """
         _check(plan, self.model, self.cluster, self.workload)
         if not self.coster.fold:
@@ -87,7 +90,8 @@ class Simulator:
         timings = [self._timing(plan, i, c) for i, c in enumerate(costs)]
         pipe = simulate_pipeline(timings, plan.micro_batches, plan.schedule, lanes=len(lanes),
                                  record_tasks=record_tasks)
-        tails = [self._lane_tail(plan, costs, pipe, lane) for lane in range(len(lanes))]
+        tails = [self._lane_tail(plan, costs, pipe, lane, list(range(lane, len(plan.stages), len(lanes))))
+                 for lane in range(len(lanes))]
         report = self._report(plan, costs, pipe, _exposed_p2p_s(timings, plan.micro_batches), lanes, tails)
         return Simulation(report, pipe, tuple(devs for devs, _ in lanes), tuple(tails))
 
@@ -180,10 +184,9 @@ class Simulator:
                          + self.calibration.overhead_s("p2p_overhead_s", device))
         return StageTiming(forward_s=fwd, backward_s=bwd, send_forward_s=cost.p2p_s, send_backward_s=send_back)
 
-    def _lane_tail(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult,
-                   lane: int) -> tuple[float, float, float]:
-        """(last task end, exposed gradient sync, optimizer step) of one lane, in seconds."""
-        members = [i for i in range(len(plan.stages)) if i % len(pipe.lane_end_s) == lane]
+    def _lane_tail(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult, lane: int,
+                   members: list[int]) -> tuple[float, float, float]:
+        """(last task end, exposed gradient sync, optimizer step) of one lane (stages `members`), in seconds."""
         gather = sum(costs[i].dp_sync_s[1] for i in members)
         layers = max(sum(plan.stages[i].num_layers for i in members), 1)
         # the overlap window is compute only, so more bandwidth can never lengthen the iteration
@@ -231,12 +234,13 @@ class Simulator:
         breakdown = self._breakdown(plan, costs, lanes[critical][1], p2p_s, tails[critical], iteration)
         parts = self._memory(plan, costs, pipe)
         devices = tuple(sorted(parts))
-        totals = tuple(_total(parts[d]) for d in devices)
-        ratio = {d: t / self.cluster.devices[d].spec.mem_bytes for d, t in zip(devices, totals, strict=True)}
+        same: dict[tuple[int, ...], float] = {}  # devices holding the very same parts share their total
+        totals = tuple(_shared_total(parts[d], same) for d in devices)
+        ratio = {d: t / self._mem_bytes[d] for d, t in zip(devices, totals, strict=True)}
         worst = max(devices, key=ratio.__getitem__)
         stage_worst = [max(s.devices, key=ratio.__getitem__) for s in plan.stages]
         flops = 3.0 * self.workload.global_batch * self._model_flops
-        peak = sum(self.cluster.devices[d].spec.peak_flops(self.workload.dtype) for d in devices)
+        peak = sum(self._peak_flops[d] for d in devices)
         return Report(
             iteration_time_s=iteration, throughput_samples_s=self.workload.global_batch / iteration,
             tokens_per_s=self.workload.global_batch * self.model.seq_len / iteration,
@@ -367,6 +371,15 @@ def _lanes(plan: Plan) -> list[tuple[tuple[int, ...], list[int]]]:
     for i, stage in enumerate(plan.stages):
         order.setdefault(stage.devices, []).append(i)
     return list(order.items())
+
+
+def _shared_total(mems: list[DeviceMemory], memo: dict[tuple[int, ...], float]) -> float:
+    """`_total(mems)`, computed once per distinct list of part objects (keyed by identity, as they stay alive)."""
+    key = tuple(map(id, mems))
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = _total(mems)
+    return hit
 
 
 def _total(mems: list[DeviceMemory]) -> float:

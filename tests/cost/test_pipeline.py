@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +14,8 @@ from tagplan.cost.pipeline import (
     Phase,
     PipelineResult,
     StageTiming,
+    _compiled_schedule,
+    _simulate,
     lane_order,
     simulate_orders,
     simulate_pipeline,
@@ -192,6 +196,88 @@ def test_without_records_the_numbers_are_the_same() -> None:
     assert bare.stage_last_backward_s == full.stage_last_backward_s
     assert len(full.tasks) == 2 * 3 * 6
     check_semantics(stages, full)
+
+
+# --- level-by-level evaluation ------------------------------------------------------------------
+
+
+def heterogeneous(num_stages: int, seed: int) -> list[StageTiming]:
+    """Random per-stage times and p2p lags, with some exact zeros and repeats so that ties occur."""
+    rng = random.Random(seed)
+
+    def seconds(high: float) -> float:
+        return rng.choice([0.0, 0.25 * high, rng.uniform(0.0, high), rng.uniform(0.0, high)])
+
+    return [StageTiming(seconds(2.0) + 0.1, seconds(4.0) + 0.1, seconds(0.5), seconds(0.5)) for _ in range(num_stages)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    ("schedule", "num_stages", "lanes", "M", "vectorized"),
+    [
+        (GPIPE, 32, 32, 64, True),  # 4,096 tasks in 190 levels
+        (ONE_F_ONE_B, 32, 32, 64, True),
+        (ONE_F_ONE_B, 48, 48, 40, True),
+        (INTERLEAVED, 64, 32, 64, True),  # 8,192 tasks in 318 levels
+        (INTERLEAVED, 96, 32, 32, True),  # v = 3 chunks per lane
+        (INTERLEAVED, 48, 16, 48, False),  # 4,608 tasks but only 14.5 a level: the event loop is faster
+        (ONE_F_ONE_B, 4, 4, 6, False),  # small: both runs take the event loop
+    ],
+)
+def test_level_by_level_evaluation_equals_the_event_loop(
+    schedule: Schedule, num_stages: int, lanes: int, M: int, vectorized: bool, seed: int
+) -> None:
+    stages = heterogeneous(num_stages, seed)
+    compiled = _compiled_schedule(num_stages, M, schedule, lanes)
+    assert (compiled.levels is not None) == vectorized, "the cases must exercise both sides of the switch"
+    reference = _simulate(replace(compiled, levels=None), stages, record_tasks=True)  # the per-task event loop
+    fast = simulate_pipeline(stages, M, schedule, lanes=lanes)
+    # the same additions and maxima in the same order: equal to the bit, task by task
+    assert [(t.start_s, t.end_s) for t in fast.tasks] == [(t.start_s, t.end_s) for t in reference.tasks]
+    assert fast == reference
+    assert fast.makespan_s > 0 and fast.busy_s == reference.busy_s
+    bare = simulate_pipeline(stages, M, schedule, lanes=lanes, record_tasks=False)
+    assert bare.tasks == ()
+    assert (bare.makespan_s, bare.lane_end_s, bare.busy_s) == (fast.makespan_s, fast.lane_end_s, fast.busy_s)
+    assert bare.stage_last_backward_s == fast.stage_last_backward_s
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_stages", "lanes", "M"),
+    [(GPIPE, 32, 32, 64), (ONE_F_ONE_B, 48, 48, 40), (INTERLEAVED, 96, 32, 32)],
+)
+def test_levels_keep_every_edge_and_order_it(schedule: Schedule, num_stages: int, lanes: int, M: int) -> None:
+    """Whatever the times: each task reads its lane predecessor and its dependency, from earlier levels."""
+    compiled = _compiled_schedule(num_stages, M, schedule, lanes)
+    lv = compiled.levels
+    assert lv is not None
+    n = 2 * num_stages * M
+    assert sorted(lv.task.tolist()) == list(range(n))
+    position = {int(t): p for p, t in enumerate(lv.task)} | {-1: n}
+    level = [0] * (n + 1)
+    level[n] = -1  # "none" comes before everything
+    covered = 0
+    for depth, (positions, prev, dep) in enumerate(lv.steps):
+        assert positions.start == covered
+        covered = positions.stop
+        assert prev.tolist() == lv.prev[positions].tolist() and dep.tolist() == lv.dep[positions].tolist()
+        level[positions] = [depth] * (positions.stop - positions.start)
+    assert covered == n
+    for order in compiled.orders:
+        for before, tid in zip((-1, *order), order, strict=False):
+            assert lv.prev[position[tid]] == position[before]
+            assert lv.dep[position[tid]] == position[compiled.deps[tid]]
+            assert lv.kind[position[tid]] == tid // M
+            assert level[lv.prev[position[tid]]] < level[position[tid]] > level[lv.dep[position[tid]]]
+    assert lv.lane_last.tolist() == [position[order[-1]] for order in compiled.orders]
+    assert lv.last_backward.tolist() == [position[t] for t in compiled.last_backward]
+
+
+def test_custom_orders_of_a_deep_schedule_match_it() -> None:
+    stages = heterogeneous(32, 3)
+    orders = lane_order(32, 64, ONE_F_ONE_B, 32)
+    assert _compiled_schedule(32, 64, ONE_F_ONE_B, 32).levels is not None
+    assert simulate_orders(stages, 64, orders) == simulate_pipeline(stages, 64, ONE_F_ONE_B)
 
 
 # --- errors -----------------------------------------------------------------------------------
