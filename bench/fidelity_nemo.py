@@ -2,12 +2,12 @@
 the team's reference/measured/): predicted against measured tokens/s per GPU.
 
 Scored: dense rows with a model shape, precision FP8 or BF16, no context parallelism, on DGX H100 or
-DGX B200 (8-GPU NVSwitch nodes). Each row becomes the plan Megatron-Core runs: tp x pp x dp with
-`vp` interleaved chunks (1F1B otherwise), layers split evenly (embedding first, head last), micro-batch
-size and global batch as published, FSDP as ZeRO-3, distributed optimizer (ZeRO-1) otherwise, no
-recompute (the recipes' recompute settings are not published). Not scored, with the reason: MXFP8 /
-NVFP4 / FP8-CS variants, context parallelism, GB200/GB300 NVL72 racks (a multi-rack NVLink domain the
-cluster presets do not describe), models without a shape.
+DGX B200 (8-GPU NVSwitch nodes) or GB200 NVL72 racks (72 GPUs in one NVLink domain). Each row becomes
+the plan Megatron-Core runs: tp x pp x dp with `vp` interleaved chunks (1F1B otherwise), layers split
+evenly (embedding first, head last), micro-batch size and global batch as published, FSDP as ZeRO-3,
+distributed optimizer (ZeRO-1) otherwise, no recompute (the recipes' recompute settings are not
+published). Not scored, with the reason: MXFP8 / NVFP4 / FP8-CS variants, context parallelism, GB300 (no
+B300 in the catalog), models without a shape.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from tagplan.ir.plan import Plan, Schedule, Stage
 from tagplan.ir.workload import DType, Workload
 
 DATA = Path(__file__).parent / "data" / "nemo_performance_summary.json"
-SYSTEMS = {"H100-SXM-80GB": "dgx-h100", "B200": "dgx-b200"}
+SYSTEMS = {"H100-SXM-80GB": ("dgx-h100", 8), "B200": ("dgx-b200", 8), "GB200": ("gb200-nvl72", 72)}
+"""Published GPU -> (cluster preset, GPUs per preset node): DGX H100/B200 nodes of 8, GB200 NVL72 racks of
+72 GPUs in one NVLink domain (a run on 256 GPUs takes 4 racks, the plan's devices the first 256)."""
 PRECISIONS = {"FP8": DType.FP8, "BF16": DType.BF16}
 
 
@@ -69,7 +71,8 @@ def score_row(row: dict[str, Any]) -> dict[str, Any]:
             f"&ffn={m['ffn_hidden']}&vocab={m['vocab']}")
     model = load_model(spec, seq_len=m["seq"], dtype=dtype)
     gpus = row["cluster"]["gpus_used"]
-    cluster = load_cluster(f"{SYSTEMS[row['cluster']['nodes'][0]['gpu']]}:nodes={max(gpus // 8, 1)}")
+    preset, per_node = SYSTEMS[row["cluster"]["nodes"][0]["gpu"]]
+    cluster = load_cluster(f"{preset}:nodes={-(-gpus // per_node)}")
     workload = Workload(global_batch=c["global_batch"], seq_len=m["seq"], dtype=dtype)
     report = Simulator(model, cluster, workload).simulate(_plan(row, len(model.layers)))
     predicted = c["global_batch"] * m["seq"] / report.iteration_time_s / gpus
