@@ -27,6 +27,7 @@ from tagplan.cli.options import (
 )
 from tagplan.cost.comm import CommMode
 from tagplan.errors import SpecError
+from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS, Objective, PlanProblem, Scorer
 from tagplan.search.result import PlanResult
 
@@ -134,9 +135,11 @@ def plan_problem(args: argparse.Namespace) -> PlanProblem:
                        comm_mode=CommMode(args.comm_mode), exhaustive_limit=args.exhaustive_limit)
 
 
-def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None = None) -> PlanResult:
+def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None = None,
+           spec: ModelSpec | None = None) -> PlanResult:
     """`search.planner.plan` with the prior `problem.scorer` asks for, and a progress bar if asked;
-    with `exportable`, only plans that export format runs."""
+    with `exportable`, only plans that export format runs (`spec`: the model's SPEC, which lets the
+    torch check build Hugging Face classes and user modules)."""
     from tagplan.search.planner import plan
     from tagplan.training.registry import Registry, correction, prior_factory
 
@@ -145,7 +148,7 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
         from tagplan.export.capability import exportable as can_export
 
         batch = problem.workload.global_batch
-        admissible = lambda p: can_export(p, exportable, problem.model, global_batch=batch)  # noqa: E731
+        admissible = lambda p: can_export(p, exportable, problem.model, global_batch=batch, spec=spec)  # noqa: E731
 
     prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices,
                           heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
@@ -158,7 +161,7 @@ def _plan(args: argparse.Namespace) -> int:
     from tagplan.cli.tables import plan_result_table
 
     result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty(),
-                    exportable=args.exportable)
+                    exportable=args.exportable, spec=parse_model_spec(args.model) if args.exportable else None)
     feasible = result.best.report.fits
     if args.out and (feasible or args.allow_infeasible):
         Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))

@@ -14,6 +14,7 @@ from typing import Literal
 
 from tagplan.errors import SpecError
 from tagplan.export import deepspeed, megatron
+from tagplan.frontends.model_spec import ModelSpec
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_whole_samples
 
@@ -21,11 +22,14 @@ Target = Literal["torch", "megatron", "deepspeed"]
 TARGETS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
 
 
-def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_batch: int | None = None) -> str | None:
+def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_batch: int | None = None,
+               spec: ModelSpec | None = None) -> str | None:
     """None when format `fmt` can run `plan`, else the reason (naming the stage and the field).
 
     Without `model` only what the plan alone decides is checked; `global_batch` adds the
     whole-sample rule (every replica a whole number of samples, at least one, per micro-batch).
+    `spec` (the model's SPEC) lets the torch check build Hugging Face classes and user modules
+    (`torch_program.torch_config`); without it only the gpt and llama families pass.
     ValueError for an unknown format.
     """
     if fmt not in TARGETS:
@@ -44,9 +48,10 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
                 deepspeed.deepspeed_config(model, plan, global_batch=global_batch or _batch(plan),
                                            seq_len=model.seq_len)
         elif model is not None:
-            from tagplan.export.torch_program import check_expressible  # imports torch
+            from tagplan.export.torch_program import check_expressible, torch_config  # imports torch
 
-            check_expressible(plan, model)
+            config = torch_config(spec, seq_len=model.seq_len) if spec is not None else None
+            check_expressible(plan, model, config=config)
     except (SpecError, ValueError) as err:
         return str(err)
     return None

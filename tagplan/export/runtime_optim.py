@@ -9,7 +9,7 @@ then `step()` updates the weights (or skips) and `zero_grad()` clears the gradie
   fp32 beside the fp32 weights; bf16/fp16 compute runs under autocast over those weights
   (`runtime_parallel.StageModule`). Each of them updates an element from that element's gradient and
   state only, so stepping contiguous slices of the flattened parameters is the same update.
-- ZeRO on the pipeline runtime (`ZeroShard`: a stage with dp > 1 and zero >= 1). The stage's
+- ZeRO 1/2 on the pipeline runtime (`ZeroShard`: a stage with dp > 1 and zero 1 or 2). The stage's
   parameters on this rank (its tensor-parallel pieces, the same shapes on every replica) are
   flattened in one order; dp rank k of the stage owns the k-th of dp equal contiguous slices (the
   last padded with zeros). Only that slice has an fp32 master copy and optimizer state here. After
@@ -18,11 +18,13 @@ then `step()` updates the weights (or skips) and `zero_grad()` clears the gradie
   (the tied table's gradient, which must be whole to be summed with its tied copy, is all-reduced
   first and enters the reduce-scatter from dp rank 0 only). Either way the whole-gradient buffers are
   freed once the slice is taken. After the optimizer step the updated slices are all-gathered within
-  the dp group and written into the weights. The weights themselves stay whole on every replica
-  (autocast computes from them): ZeRO 3 runs as ZeRO 2 on this runtime, no parameter sharding
-  between steps (the mesh runtime shards weights with FSDP2, `runtime_parallel.apply_dp`).
-  Gradients come in already weighted (each replica's loss is over the global batch), so uneven
-  replicas keep their weighting.
+  the dp group and written into the weights, which stay whole on every replica.
+- ZeRO 3 on the pipeline runtime: the stage is FSDP2-sharded (`runtime_pipeline.shard_stage`), so
+  its parameters are DTensor shards (1/dp of the weights per dp rank between steps) with sharded
+  gradients, summed over the replicas by FSDP2's reduce-scatter; no `ZeroShard` here: the optimizer
+  steps those shards directly, its state sharded with them (as on the mesh runtime,
+  `runtime_parallel.apply_dp`). Either way gradients come in already weighted (each replica's loss
+  is over the global batch), so uneven replicas keep their weighting.
 - fp16 (`LossScaler`): dynamic loss scaling by torch.amp.GradScaler's rule (start at 2**16, halve
   on an overflow and skip the step, double after 2000 steps without one). The runtime multiplies
   the loss by the scale before the backward; `prepare` unscales every gradient the optimizer steps
@@ -211,11 +213,12 @@ class ZeroShard:
 
 @dataclass
 class TrainOptimizer:
-    """This rank's optimizer step: the costed optimizer over its whole parameters (stages without
-    ZeRO here) and its ZeRO master slices, with an optional fp16 loss scaler.
+    """This rank's optimizer step: the costed optimizer over its parameters not in a ZeRO shard
+    (whole, or a ZeRO-3 stage's FSDP2 DTensor shards, stepped as they are) and its ZeRO 1/2 master
+    slices, with an optional fp16 loss scaler (which unscales DTensor gradients' local pieces).
 
     `params`: every parameter of the rank's stages (to clear their gradients); `plain`: those the
-    optimizer steps whole. The runtime multiplies its loss by `loss_scale()` before the backward.
+    optimizer steps directly. The runtime multiplies its loss by `loss_scale()` before the backward.
     """
 
     name: str
@@ -255,7 +258,8 @@ class TrainOptimizer:
         self.found_inf = self.scaler.unscale_(grads, self.device)
 
     def gather_grads(self) -> None:
-        """Whole gradients back on the ZeRO stages' parameters (verify dump; collective)."""
+        """Whole gradients back on the ZeRO 1/2 stages' parameters (verify dump; collective). A ZeRO-3
+        stage's gradients stay sharded DTensors (`full_tensor()` gathers them)."""
         for shard in self.shards:
             shard.gather_grads()
 

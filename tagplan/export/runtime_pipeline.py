@@ -4,7 +4,8 @@ Imported by the exported program (`runtime_train.py`) for plans one ("pp", "dp",
 cannot hold: stages of different dp or tp, uneven whole-sample batch shares, schedules
 torch.distributed.pipelining refuses. Per rank:
 - groups: every stage's tensor-parallel group per replica and data-parallel group per tp rank
-  (`dist.new_group`, created by every rank in one order), a tp `DeviceMesh` on each;
+  (`dist.new_group`, created by every rank in one order), a tp `DeviceMesh` on each, and on a
+  ZeRO-3 stage's dp group a dp mesh (with tp > 1, the two axes of one (dp, tp) mesh);
 - layers: built as one process would (`modules.build_layer`), split over the stage's tp mesh
   (`runtime_parallel.apply_tp`), blocks checkpointed on `recompute` stages;
 - a step: the device group's program (`runtime_layout.programs`) of forwards and backwards. Between
@@ -15,11 +16,16 @@ torch.distributed.pipelining refuses. Per rank:
   so replica gradients are summed over the stage's dp group: one step is the mean over the global
   batch whatever the shares. The tied embedding and head sum their gradients. Under fp16 the last
   stage's backward starts from the loss times the runner's `loss_scale` (`runtime_optim.LossScaler`);
-- ZeRO (`zero_shards`, stages with dp > 1 and zero >= 1): each dp rank steps a contiguous slice of
-  the stage's flattened parameters and keeps optimizer state for it only (`runtime_optim.ZeroShard`).
-  ZeRO 1 all-reduces gradients here and slices them; ZeRO 2 and 3 leave them to the shard's
-  reduce-scatter (except the tied table's, summed here with its copy). Weights stay whole on every
-  replica between steps, ZeRO 3 included (no parameter sharding on this runtime).
+- ZeRO 1 and 2 (`zero_shards`, stages with dp > 1): each dp rank steps a contiguous slice of the
+  stage's flattened parameters and keeps optimizer state for it only (`runtime_optim.ZeroShard`).
+  ZeRO 1 all-reduces gradients here and slices them; ZeRO 2 leaves them to the shard's
+  reduce-scatter (except the tied table's, summed here with its copy). Weights stay whole;
+- ZeRO 3 (`shard_stage`, stages with dp > 1): FSDP2 `fully_shard(reshard_after_forward=True)` on
+  each layer and on the stage, over the stage's dp mesh (1-D, or the "dp" axis of a (dp, tp) mesh
+  whose "tp" axis the layers are split over), so each dp rank holds 1/dp of the stage's weights
+  between steps (and its gradients and optimizer state as DTensor shards, stepped directly). Its
+  reduce-scatter sums (divide factor 1), after every micro-batch's backward; the tied table's
+  gradient is gathered whole, summed with its copy and sharded back (`sum_tied`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import functional
 
@@ -48,12 +55,16 @@ class Groups:
     tp: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     tp_mesh: dict[int, DeviceMesh] = field(default_factory=dict)
     dp: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    dp_mesh: dict[int, DeviceMesh] = field(default_factory=dict)  # ZeRO-3 stages: FSDP2's mesh
     tie: dist.ProcessGroup | None = None
 
 
-def make_groups(layouts: list[StageLayout], rank: int, *, tied: bool, device_type: str) -> Groups:
-    """Every stage's tp and dp groups (every rank creates all of them, in one order) and the tie
-    group (ranks of the first and the last stage) when the head is tied to a separate stage."""
+def make_groups(layouts: list[StageLayout], rank: int, *, tied: bool, device_type: str,
+                sharded: frozenset[int] = frozenset()) -> Groups:
+    """Every stage's tp and dp groups (every rank creates all of them, in one order), a tp mesh on
+    each of this rank's tp groups, for the `sharded` (ZeRO-3) stages with dp > 1 a dp mesh (the
+    "dp" axis of a (dp, tp) mesh when tp > 1), and the tie group (ranks of the first and the last
+    stage) when the head is tied to a separate stage."""
     out = Groups()
     for lay in layouts:
         for r in range(lay.dp if lay.tp > 1 else 0):
@@ -61,13 +72,13 @@ def make_groups(layouts: list[StageLayout], rank: int, *, tied: bool, device_typ
             group = dist.new_group(ranks)
             if rank in ranks:
                 out.tp[lay.index] = group
-                out.tp_mesh[lay.index] = DeviceMesh.from_group(group, device_type, mesh=ranks,
-                                                               mesh_dim_names=("tp",))
         for t in range(lay.tp if lay.dp > 1 else 0):
             ranks = list(lay.dp_ranks(t))
             group = dist.new_group(ranks)
             if rank in ranks:
                 out.dp[lay.index] = group
+        if lay.place(rank) is not None:
+            _stage_meshes(out, lay, rank, device_type, sharded=lay.index in sharded)
     if tied and len(layouts) > 1:
         ranks = sorted(set(layouts[0].ranks) | set(layouts[-1].ranks))
         group = dist.new_group(ranks)
@@ -75,9 +86,28 @@ def make_groups(layouts: list[StageLayout], rank: int, *, tied: bool, device_typ
     return out
 
 
+def _stage_meshes(out: Groups, lay: StageLayout, rank: int, device_type: str, *, sharded: bool) -> None:
+    """This rank's tp mesh for stage `lay` and, when it is sharded (ZeRO 3, dp > 1), its dp mesh."""
+    s = lay.index
+    r, t = lay.place(rank) or (0, 0)
+    fsdp = sharded and s in out.dp
+    if fsdp and s in out.tp:
+        grid = torch.tensor(lay.ranks).view(lay.dp, lay.tp)
+        mesh = DeviceMesh.from_group([out.dp[s], out.tp[s]], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
+        out.dp_mesh[s], out.tp_mesh[s] = mesh["dp"], mesh["tp"]
+        return
+    if s in out.tp:
+        out.tp_mesh[s] = DeviceMesh.from_group(out.tp[s], device_type, mesh=list(lay.replica_ranks(r)),
+                                               mesh_dim_names=("tp",))
+    if fsdp:
+        out.dp_mesh[s] = DeviceMesh.from_group(out.dp[s], device_type, mesh=list(lay.dp_ranks(t)),
+                                               mesh_dim_names=("dp",))
+
+
 def build_stage(cfg: dict[str, Any], config: ModelConfig, lay: StageLayout, groups: Groups, device: torch.device, *,
                 track: bool) -> StageModule:
-    """Stage `lay.index`'s layers, split over its tp mesh, blocks checkpointed when it recomputes."""
+    """Stage `lay.index`'s layers, split over its tp mesh, blocks checkpointed when it recomputes,
+    FSDP2-sharded over its dp mesh when it is a ZeRO-3 stage (`shard_stage`)."""
     stage = cfg["stages"][lay.index]
     start, end = stage["layers"]
     part = StageModule({j: build_layer(config, j, seed=cfg["seed"]) for j in range(start, end)}).to(device)
@@ -85,7 +115,27 @@ def build_stage(cfg: dict[str, Any], config: ModelConfig, lay: StageLayout, grou
         apply_tp(part, config, stage, groups.tp_mesh[lay.index], sp=cfg["sequence_parallel"], track=track)
     for layer in part.layers.values():
         set_recompute(layer, bool(stage["recompute"]))
+    if lay.index in groups.dp_mesh:
+        shard_stage(part, groups.dp_mesh[lay.index])
     return part
+
+
+def shard_stage(part: StageModule, mesh: DeviceMesh) -> None:
+    """ZeRO 3: FSDP2 on each layer and on the stage over the dp mesh, weights resharded after the
+    forward and the backward; gradients reduce-scattered as a sum (the losses are already over the
+    global batch), in fp32 SUM collectives (gloo has no premultiplied sum)."""
+    for layer in part.layers.values():
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(part, mesh=mesh, reshard_after_forward=True)
+    for module in part.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def is_sharded(part: StageModule) -> bool:
+    """Whether the stage's weights are FSDP2-sharded (ZeRO 3 on dp > 1)."""
+    return isinstance(part, FSDPModule)
 
 
 class PipelineRunner:
@@ -236,6 +286,11 @@ class PipelineRunner:
         return float(total.item())
 
 
+def sharded_stages(cfg: dict[str, Any]) -> frozenset[int]:
+    """The ZeRO-3 stages (plan.json gives zero 0 where dp == 1): FSDP2 shards their weights."""
+    return frozenset(i for i, st in enumerate(cfg["stages"]) if int(st["zero"]) >= 3)
+
+
 def _laid_out(p: torch.nn.Parameter) -> torch.Tensor | None:
     """p's gradient in p's own layout (an embedding's may come back replicated while its table is split)."""
     g = p.grad
@@ -246,10 +301,11 @@ def _laid_out(p: torch.nn.Parameter) -> torch.Tensor | None:
 
 def sum_replicas(parts: dict[int, StageModule], groups: Groups, *, skip: dict[int, set[str]] | None = None) -> None:
     """Sum every gradient over its stage's replicas (their losses are already over the global batch),
-    but those `skip` names for the stage (a ZeRO shard reduce-scatters them)."""
+    but those `skip` names for the stage (a ZeRO shard reduce-scatters them) and those of ZeRO-3
+    stages (FSDP2 summed them)."""
     for s, part in parts.items():
         group = groups.dp.get(s)
-        if group is None:
+        if group is None or is_sharded(part):  # FSDP2 reduce-scattered them in the backward
             continue
         for name, p in part.named_parameters():
             if skip and name in skip.get(s, ()):
@@ -263,7 +319,8 @@ def sum_replicas(parts: dict[int, StageModule], groups: Groups, *, skip: dict[in
 
 def sum_tied(parts: dict[int, StageModule], layouts: list[StageLayout], groups: Groups, config: ModelConfig,
              rank: int) -> None:
-    """Give the embedding table and the tied head's copy the sum of their two gradients."""
+    """Give the embedding table and the tied head's copy the sum of their two gradients (a copy in
+    a ZeRO-3 stage is gathered whole over its dp x tp ranks, a collective there, and sharded back)."""
     tied = tied_param_names(config)
     if tied is None:
         return
@@ -294,14 +351,15 @@ def sum_tied(parts: dict[int, StageModule], layouts: list[StageLayout], groups: 
 
 def zero_shards(cfg: dict[str, Any], parts: dict[int, StageModule], groups: Groups, config: ModelConfig,
                 runner: PipelineRunner) -> list[ZeroShard]:
-    """A ZeRO shard for each of this rank's stages with dp > 1 and zero >= 1; the runner leaves the
-    gradients of ZeRO >= 2 stages (but the tied table's) to the shard's reduce-scatter."""
+    """A ZeRO shard for each of this rank's stages with dp > 1 and zero 1 or 2 (ZeRO-3 stages are
+    FSDP2-sharded, `shard_stage`); the runner leaves the gradients of ZeRO-2 stages (but the tied
+    table's) to the shard's reduce-scatter."""
     tied = tied_param_names(config)
     ends = [(0, tied[0]), (len(cfg["stages"]) - 1, tied[1])] if tied is not None else []
     shards = []
     for s, part in sorted(parts.items()):
         zero = int(cfg["stages"][s]["zero"])
-        if zero < 1 or s not in groups.dp:
+        if zero < 1 or s not in groups.dp or is_sharded(part):
             continue
         whole = {name for i, name in ends if i == s}
         shards.append(ZeroShard(part, zero, groups.dp[s], whole=whole))

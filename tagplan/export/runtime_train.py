@@ -13,15 +13,17 @@ the mismatch otherwise. Two runtimes, chosen at export (`runtime` in plan.json):
   optimizer state); one stage runs its micro-batches in a plain loop;
 - `pipeline`: anything else (`tagplan.export.runtime_pipeline`): per-stage meshes, activations
   re-split between stages of different dp or tp, whole-sample shares per replica; ZeRO 1 and 2
-  shard optimizer state (and, for 2, reduce-scatter gradients) over each stage's dp group, ZeRO 3
-  runs as 2 (weights stay whole between steps; `tagplan.export.runtime_optim`).
+  shard optimizer state (and, for 2, reduce-scatter gradients) over each stage's dp group
+  (`tagplan.export.runtime_optim`), ZeRO 3 shards the weights too (FSDP2 over the stage's dp mesh,
+  gradients summed over its replicas).
 Compute runs in the plan's dtype (bf16/fp16 autocast over fp32 master weights) with the costed
 optimizer (`runtime_optim.TrainOptimizer`); `--verify` runs fp32. fp16 adds dynamic loss scaling
 (GradScaler's rule) whose overflow check is agreed by all ranks: an overflowing step is skipped
 everywhere and the scale halved.
 
 Every step prints one JSON line per rank: step, rank, stages, seconds, loss (last stage only),
-and under fp16 the loss scale it ran with and whether it was skipped. `--verify DIR` also saves,
+the parameter elements the rank holds between steps (`param_elements`; a shard's under ZeRO 3), and
+under fp16 the loss scale it ran with and whether it was skipped. `--verify DIR` also saves,
 after the first backward, the loss and every parameter's full (unscaled) gradient
 (`DTensor.full_tensor()`) keyed by its name in the single-process model, and after the last step
 every parameter (`params_*.pt`).
@@ -52,7 +54,7 @@ from tagplan.export.node_launch import startup_problems
 from tagplan.export.runtime_layout import programs, stage_layouts
 from tagplan.export.runtime_optim import TrainOptimizer, full_params, train_optimizer
 from tagplan.export.runtime_parallel import CURRENT_OP, Rank, StageModule, build_parts, sync_tied, tie_group
-from tagplan.export.runtime_pipeline import PipelineRunner, build_stage, make_groups, zero_shards
+from tagplan.export.runtime_pipeline import PipelineRunner, build_stage, make_groups, sharded_stages, zero_shards
 from tagplan.export.shapes import ModelConfig, model_config
 from tagplan.ir.plan import Plan
 
@@ -156,6 +158,12 @@ def full_grads(parts: dict[int, StageModule]) -> dict[str, torch.Tensor]:
     return out
 
 
+def local_elements(parts: dict[int, StageModule]) -> int:
+    """How many parameter elements this rank holds between steps (a sharded DTensor's local piece)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for part in parts.values()
+               for p in part.parameters())
+
+
 def dp_mean(value: float | None, rank: Rank) -> float | None:
     """The loss averaged over the stage's replicas (all ranks of a dp group must call it)."""
     if value is None or rank.mesh["dp"].size() == 1:
@@ -220,12 +228,12 @@ def mesh_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device,
 
 def pipeline_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool) -> Built:
     """The pipeline runtime's parts, step, verify dump and optimizer (`tagplan.export.runtime_pipeline`;
-    ZeRO shards: `runtime_optim.ZeroShard`)."""
+    ZeRO 1/2 shards: `runtime_optim.ZeroShard`; ZeRO 3: FSDP2, `runtime_pipeline.shard_stage`)."""
     plan = Plan.model_validate(cfg["plan"])
     rank = dist.get_rank()
     rank_of = {row["device"]: r for r, row in enumerate(cfg["ranks"])}
     layouts = stage_layouts(plan, rank_of, cfg["global_batch"] // plan.micro_batches)
-    groups = make_groups(layouts, rank, tied=config.tied, device_type=device.type)
+    groups = make_groups(layouts, rank, tied=config.tied, device_type=device.type, sharded=sharded_stages(cfg))
     mine = [lay for lay in layouts if lay.place(rank) is not None]
     parts = {lay.index: build_stage(cfg, config, lay, groups, device, track=track) for lay in mine}
     program = programs(plan)[plan.stages[mine[0].index].devices] if mine else []
@@ -240,7 +248,7 @@ def pipeline_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.dev
 
     def save(out: Path, loss: float | None, *, params: bool = False) -> None:
         if not params:
-            optimizer.gather_grads()  # ZeRO stages hold only their slice
+            optimizer.gather_grads()  # ZeRO 1/2 stages hold only their slice (ZeRO 3's: full_tensor)
         for lay in mine:
             one = {lay.index: parts[lay.index]}
             tensors = full_params(one) if params else full_grads(one)
@@ -275,7 +283,7 @@ def train(cfg: dict[str, Any], device: torch.device, *, steps: int, verify: Path
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         line = {"step": step, "rank": dist.get_rank(), "stages": sorted(parts), "time_s": seconds, "loss": loss,
-                **optimizer.report()}
+                "param_elements": local_elements(parts), **optimizer.report()}
         print(json.dumps(line), flush=True)
     if verify is not None:
         save(verify, None, params=True)

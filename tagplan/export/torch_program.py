@@ -32,9 +32,12 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
   and head;
 - ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), 1 and 2 -> FSDP2 `fully_shard` with
   `reshard_after_forward=False`, 3 -> `reshard_after_forward=True` (mesh runtime); the pipeline
-  runtime shards the optimizer state and fp32 master slice over each stage's dp group (ZeRO 1:
-  all-reduce then keep the slice; 2 and 3: reduce-scatter; weights stay whole between steps,
-  `runtime_optim`); ZeRO with `dp == 1` shards over nothing and runs as plain training;
+  runtime shards the optimizer state and fp32 master slice over each stage's dp group for ZeRO 1
+  (all-reduce then keep the slice) and 2 (reduce-scatter), weights whole between steps
+  (`runtime_optim`), and ZeRO 3 with FSDP2 over the stage's dp mesh (the "dp" axis of a (dp, tp)
+  mesh under tp): 1/dp of the weights per dp rank between steps, gradients summed over the
+  replicas (`runtime_pipeline.shard_stage`); ZeRO with `dp == 1` shards over nothing and runs as
+  plain training;
 - `recompute` checkpoints every transformer block of the stage (embedding and head are kept).
 Models: the gpt and llama families (`tagplan.export.modules`); Hugging Face SPECs as the
 transformers class itself (`tagplan.export.hf_modules`: Llama-style decoders and GPT-2, GPT-2 at
@@ -82,13 +85,11 @@ def pipeline_ranks(plan: Plan) -> list[int]:
 def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | None = None) -> None:
     """Raise ExportError listing every feature of `plan` on `model` the program cannot express.
 
-    `config` (the torch model's shape, which the graph does not record) adds the check that
-    `tp` divides the attention heads.
+    `config` (the torch model's shape, which the graph does not record; `torch_config` reads it
+    from the SPEC) adds the check that `tp` divides the attention heads, and is what lets a Hugging
+    Face class or a user's module run: without it only the gpt and llama families are accepted (a
+    graph's name is never read as a SPEC).
     """
-    found = config or _spec_config(model)
-    if isinstance(found, str):
-        raise ExportError(f"the plan cannot be exported to a torch program:\n  - {found}")
-    config = found
     problems = _model_problems(plan, model, config)
     if not problems:
         for i, stage in enumerate(plan.stages):
@@ -99,19 +100,13 @@ def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | No
         raise ExportError("the plan cannot be exported to a torch program:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _spec_config(model: ModelGraph) -> ModelConfig | str | None:
-    """The ModelConfig of a Hugging Face or user-module graph, read from its name (its SPEC), or why the
-    program cannot build that model; None for other graphs (their family decides)."""
+def torch_config(spec: ModelSpec, *, seq_len: int) -> ModelConfig:
+    """The ModelConfig the program builds `spec` with; ExportError naming why it cannot (a Hugging
+    Face model type it does not run, a user's module that is not an nn.Sequential of its layers)."""
     try:
-        spec = parse_model_spec(model.name)
-    except SpecError:
-        return None
-    if spec.kind not in (ModelSpecKind.HF, ModelSpecKind.HF_FILE, ModelSpecKind.MODULE):
-        return None
-    try:
-        return model_config(spec, seq_len=model.seq_len)
+        return model_config(spec, seq_len=seq_len)
     except SpecError as err:
-        return str(err)
+        raise ExportError(f"the plan cannot be exported to a torch program:\n  - {err}") from None
 
 
 def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -> list[str]:

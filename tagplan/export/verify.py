@@ -36,7 +36,7 @@ from tagplan.export.modules import grads_by_layer
 from tagplan.export.runtime_launch import RankRun, launch
 from tagplan.export.runtime_train import loss_fn, synthetic_batch
 from tagplan.export.shapes import ModelConfig, model_config, parsed, scaled_down
-from tagplan.export.torch_program import check_expressible, write_torch_program
+from tagplan.export.torch_program import check_expressible, torch_config, write_torch_program
 from tagplan.frontends.cpu import build_cpu_cluster
 from tagplan.frontends.model_spec import ModelSpec, build_model, load_model
 from tagplan.ir.cluster import DeviceSpec
@@ -76,7 +76,7 @@ def verify(model_spec: str | ModelSpec, plan: Plan, *, procs: int | None = None,
     defaults to 2 samples per replica and micro-batch. `keep_dir` keeps the program and its logs.
     """
     spec = parsed(model_spec)
-    check_expressible(plan, build_model(spec), config=model_config(spec, seq_len=seq_len))
+    check_expressible(plan, build_model(spec), config=torch_config(spec, seq_len=seq_len))
     world = len(plan.devices)
     if procs is not None and world > procs:
         raise ExportError(f"the plan runs on {world} devices; verify may start at most procs={procs} processes")

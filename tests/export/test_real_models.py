@@ -12,14 +12,15 @@ import pytest
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from tagplan.export.capability import exportable
 from tagplan.export.checks import ExportError
 from tagplan.export.modules import build_layer, build_model, grads_by_layer, tied_param_names
 from tagplan.export.runtime_launch import launch
 from tagplan.export.runtime_parallel import layer_styles
 from tagplan.export.shapes import model_config, scaled_down
-from tagplan.export.torch_program import check_expressible, write_torch_program
+from tagplan.export.torch_program import check_expressible, torch_config, write_torch_program
 from tagplan.export.verify import verify
-from tagplan.frontends.model_spec import load_model
+from tagplan.frontends.model_spec import load_model, parse_model_spec
 from tagplan.ir.plan import Plan, Stage
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_lm.py"
@@ -92,18 +93,35 @@ def test_program_config_carries_the_traced_strategies_of_an_hf_plan(tmp_path: Pa
     assert cfg["model"] == LLAMA
 
 
+def _checked(plan: Plan, spec: str) -> None:
+    check_expressible(plan, load_model(spec, seq_len=16), config=torch_config(parse_model_spec(spec), seq_len=16))
+
+
 def test_refusals_name_the_reason() -> None:
     two = Plan(stages=(Stage(layers=(0, 4), devices=(0, 1), tp=2),))
     with pytest.raises(ExportError, match="GPT-2's matmuls are transformers Conv1D"):
-        check_expressible(two, load_model(GPT2, seq_len=16))
+        _checked(two, GPT2)
     one = Plan(stages=(Stage(layers=(0, 4), devices=(0,)),))
     with pytest.raises(ExportError, match="share a parameter"):
-        check_expressible(one, load_model(f"{FIXTURE}:tied", seq_len=16))
+        _checked(one, f"{FIXTURE}:tied")
     with pytest.raises(ExportError, match=r"an nn.Sequential of its layers .*; Towers is not"):
-        check_expressible(Plan(stages=(Stage(layers=(0, 2), devices=(0,)),)), load_model(f"{FIXTURE}:towers",
-                                                                                          seq_len=16))
+        _checked(Plan(stages=(Stage(layers=(0, 2), devices=(0,)),)), f"{FIXTURE}:towers")
     with pytest.raises(ExportError, match="model types llama, mistral"):
-        check_expressible(one, load_model("hf:BertConfig?num_hidden_layers=2", seq_len=16))
+        _checked(one, "hf:BertConfig?num_hidden_layers=2")
+
+
+def test_a_graph_is_never_read_as_a_spec_and_the_planner_check_takes_one(tmp_path: Path) -> None:
+    canary = tmp_path / "canary.py"
+    canary.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\ndef f():\n    raise SystemExit\n")
+    graph = load_model(f"{FIXTURE}:tiny", seq_len=16).model_copy(update={"name": f"{canary}:f"})
+    plan = Plan(stages=(Stage(layers=(0, 5), devices=(0,)),))
+    assert "family 'custom'" in (exportable(plan, "torch", graph) or "")
+    assert not (tmp_path / "ran").exists()  # the name was not imported
+    assert exportable(plan, "torch", load_model(f"{FIXTURE}:tiny", seq_len=16),
+                      spec=parse_model_spec(f"{FIXTURE}:tiny")) is None
+    two = Plan(stages=(Stage(layers=(0, 4), devices=(0, 1), tp=2),))
+    reason = exportable(two, "torch", load_model(GPT2, seq_len=16), spec=parse_model_spec(GPT2))
+    assert reason is not None and "Conv1D" in reason
 
 
 def test_a_user_file_travels_with_the_program(tmp_path: Path) -> None:

@@ -149,3 +149,60 @@ def test_an_overflow_on_the_mesh_runtime_halves_the_scale_on_every_rank(gpt_spec
     assert json.loads((tmp_path / "mesh" / "plan.json").read_text())["runtime"] == "mesh"
     assert [[(line["loss_scale"], line["skipped"]) for line in r.lines] for r in runs] == [
         [(1024.0, True), (512.0, False)]] * 2
+
+
+@pytest.mark.slow
+def test_zero3_shards_the_weights_between_steps_and_steps_as_the_unsharded_run(gpt_spec: str,
+                                                                                tmp_path: Path) -> None:
+    spec = scaled_down(gpt_spec, seq_len=SEQ)
+    runs, _ = _run(spec, _two_stages(3), tmp_path / "verify", steps=2)
+    _grads_match(spec, _two_stages(3), runs, tmp_path / "verify" / "dump")  # FSDP2's summed shards, gathered
+    # FSDP2 reduce-scatters after each micro-batch, so the sums round in another order than the
+    # unsharded run's; Adam would turn that noise on the key bias (whose gradient is exactly zero)
+    # into lr-sized steps, so the weights are compared under SGD with momentum (its state sharded too)
+    sgd = {"optimizer": "sgd_momentum"}
+    runs, sharded = _run(spec, _two_stages(3), tmp_path / "zero3", steps=2, extra=sgd)
+    unsharded_runs, unsharded = _run(spec, _two_stages(0), tmp_path / "zero0", steps=2, extra=sgd)
+    _assert_close(_params(sharded), _params(unsharded))
+    params = _params(sharded)  # the tied table (stage 0, sharded) and the head's copy took the same steps
+    torch.testing.assert_close(params["layers.0.wte.weight"], params["layers.3.lm_head.weight"])
+    whole = {r.rank: r.lines[-1]["param_elements"] for r in unsharded_runs}
+    held = {r.rank: [line["param_elements"] for line in r.lines] for r in runs}
+    stage0 = whole[0]
+    assert whole[1] == stage0 and held[2] == [whole[2]] * 2  # stage 1 (dp 1) stays whole
+    for rank in (0, 1):  # each dp rank of stage 0 holds about half of its weights, after every step
+        assert all(abs(n / stage0 - 0.5) < 0.05 for n in held[rank]), (held, stage0)
+    assert held[0][-1] + held[1][-1] == stage0
+
+
+@pytest.mark.slow
+def test_zero3_over_a_dp_by_tp_mesh_equals_the_unsharded_step(gpt_spec: str, tmp_path: Path) -> None:
+    spec = scaled_down(gpt_spec, seq_len=SEQ)
+
+    def plan(zero: int) -> Plan:  # uneven shares: the pipeline runtime; FSDP2 on the "dp" axis of (dp, tp)
+        return Plan(micro_batches=2, stages=(_stage((0, 4), (0, 1, 2, 3), dp=2, tp=2, zero=zero,
+                                                    batch_samples=(3, 1)),))
+
+    runs, _ = _run(spec, plan(3), tmp_path / "verify", steps=1)
+    _grads_match(spec, plan(3), runs, tmp_path / "verify" / "dump")
+    sgd = {"optimizer": "sgd_momentum"}  # see the test above
+    sharded_runs, sharded = _run(spec, plan(3), tmp_path / "zero3", steps=2, extra=sgd)
+    unsharded_runs, unsharded = _run(spec, plan(0), tmp_path / "zero0", steps=2, extra=sgd)
+    _assert_close(_params(sharded), _params(unsharded))
+    whole = {r.rank: r.lines[-1]["param_elements"] for r in unsharded_runs}  # this rank's tp pieces
+    held = {r.rank: r.lines[-1]["param_elements"] for r in sharded_runs}
+    assert all(abs(held[r] / whole[r] - 0.5) < 0.05 for r in range(4)), (held, whole)
+
+
+@pytest.mark.slow
+def test_fp16_on_a_zero3_stage_unscales_its_sharded_gradients_and_skips_an_overflow(gpt_spec: str,
+                                                                                    tmp_path: Path) -> None:
+    spec = scaled_down(gpt_spec, seq_len=SEQ)
+    plan = _two_stages(zero=3)
+    runs, one_step = _run(spec, plan, tmp_path / "fp16", steps=1, dtype=DType.FP16)
+    _grads_match(spec, plan, runs, one_step)
+    runs, skipped = _run(spec, plan, tmp_path / "overflow", steps=2, dtype=DType.FP16,
+                         extra={"inject_inf": {"rank": 1, "step": 1}})  # rank 1: a ZeRO-3 rank
+    assert [[(line["loss_scale"], line["skipped"]) for line in r.lines] for r in runs] == [
+        [(2.0**16, False), (2.0**16, True)]] * 3
+    _assert_close(_params(skipped), _params(one_step))
