@@ -11,17 +11,23 @@
   the other nodes idle.
 
 Every plan gives each replica whole samples. A configuration's memory only grows with its
-micro-batch size, so the walk up the sizes stops at the first that does not fit. The planner
-evaluates these first and keeps them in its pool, so it never returns a plan slower than any of them.
+micro-batch size, so the walk up the sizes stops at the first that does not fit; a configuration
+whose model state alone (weights, gradients and optimizer state after ZeRO, plus the framework's
+fixed overhead) exceeds a device's memory fits at no size, and is skipped without simulating any
+(`certainly_too_big`: exactly what the simulator counts before any activation, so the grid picks
+the same plan as without the check). The planner evaluates these first and keeps them in its pool,
+so it never returns a plan slower than any of them.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+from tagplan.cost.memory import FRAMEWORK_OVERHEAD_BYTES, model_state_bytes
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.plan import Plan, Schedule, Stage
 from tagplan.search.result import Baseline, Candidate
@@ -82,6 +88,21 @@ def fastest_type_nodes(sim: Simulator) -> tuple[int, ...]:
     return tuple(i for i, n in enumerate(sim.cluster.nodes) if n.device.name == best)
 
 
+def certainly_too_big(sim: Simulator, plan: Plan) -> bool:
+    """Whether `plan` cannot fit whatever its activations: on some device, the model state of the
+    stages it holds (weights, gradients, optimizer state after ZeRO) plus the framework overhead
+    exceed its memory. These are the terms of the simulator's memory that do not depend on the
+    micro-batch size, so a configuration too big at one size is too big at every size."""
+    state_bytes: dict[int, float] = {}
+    for stage in plan.stages:
+        per_device = sum(model_state_bytes(sim.coster.local_params(stage), sim.workload, zero=stage.zero,
+                                           dp=stage.dp))
+        for d in stage.devices:
+            state_bytes[d] = state_bytes.get(d, 0.0) + per_device
+    devices = sim.cluster.devices
+    return any(b + FRAMEWORK_OVERHEAD_BYTES > devices[d].spec.mem_bytes for d, b in state_bytes.items())
+
+
 def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
                   deadline: float | None = None, complete: bool = False) -> Baseline:
     """The fastest uniform Megatron configuration on `nodes` (module docstring)."""
@@ -97,7 +118,7 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
         for tp in tps:
             for pp in divisors(len(devices) // tp):
                 for series in _configurations(sim, devices, tp, pp, order_name):
-                    found = _walk(series, judge, "megatron_grid", complete=complete)
+                    found = _walk(sim, series, judge, "megatron_grid", complete=complete)
                     if found is not None and (best is None or _faster(found[0], best[0])):
                         best = found
                 if deadline is not None and time.perf_counter() > deadline:
@@ -105,14 +126,19 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
     return _grid_result(best, "no uniform configuration fits in memory or gives every replica a whole sample")
 
 
-def _walk(series: list[tuple[GridPoint, Plan]], judge: Judge, source: str, *,
+def _walk(sim: Simulator, series: Iterable[tuple[GridPoint, Plan]], judge: Judge, source: str, *,
           complete: bool) -> tuple[Candidate, str] | None:
     """The fastest configuration of a series ordered by micro-batch size: up the sizes until one does
     not fit (memory only grows with the size) or, unless `complete`, is slower than the one before
-    (past the optimum: a larger micro-batch trades kernel efficiency for pipeline bubble)."""
+    (past the optimum: a larger micro-batch trades kernel efficiency for pipeline bubble). None,
+    without simulating, for a series whose model state alone does not fit."""
+    points = iter(series)
+    first = next(points, None)
+    if first is None or certainly_too_big(sim, first[1]):
+        return None
     best: tuple[Candidate, str] | None = None
     previous = math.inf
-    for point, plan in series:
+    for point, plan in chain([first], points):
         cand = judge(plan, source)
         if not cand.report.fits or (not complete and cand.report.iteration_time_s > previous):
             break
@@ -133,8 +159,9 @@ def _grid_result(best: tuple[Candidate, str] | None, reason: str) -> Baseline:
 
 
 def _configurations(sim: Simulator, devices: tuple[int, ...], tp: int, pp: int,
-                    order: str) -> Iterator[list[tuple[GridPoint, Plan]]]:
-    """Per memory option (recompute, ZeRO), its (point, plan) series in ascending micro-batch size."""
+                    order: str) -> Iterator[Iterator[tuple[GridPoint, Plan]]]:
+    """Per memory option (recompute, ZeRO), its (point, plan) series in ascending micro-batch size
+    (each plan built when the walk gets to it)."""
     layers = len(sim.model.layers)
     blocks = layers - 2 if layers > 2 else layers
     batch = sim.workload.global_batch
@@ -147,9 +174,9 @@ def _configurations(sim: Simulator, devices: tuple[int, ...], tp: int, pp: int,
         for zero in ((0, 1) if dp > 1 else (0,)):
             stages = tuple(Stage(layers=(bounds[s], bounds[s + 1]), devices=devices[s * per_stage:(s + 1) * per_stage],
                                  dp=dp, tp=tp, zero=zero, recompute=recompute) for s in range(pp))
-            yield [(GridPoint(tp, pp, dp, size, recompute, zero, order),
+            yield ((GridPoint(tp, pp, dp, size, recompute, zero, order),
                     Plan(micro_batches=batch // (dp * size), schedule=Schedule.ONE_F_ONE_B, stages=stages))
-                   for size in divisors(batch // dp)]
+                   for size in divisors(batch // dp))
 
 
 def _even_bounds(layers: int, pp: int) -> list[int]:
@@ -177,7 +204,7 @@ def data_parallel_best(sim: Simulator, judge: Judge, nodes: Sequence[int], *, co
             series = [(GridPoint(1, 1, n, size, recompute, zero, "cluster order"),
                        Plan(micro_batches=batch // (n * size), schedule=Schedule.ONE_F_ONE_B, stages=(stage,)))
                       for size in divisors(batch // n)]
-            found = _walk(series, judge, "data_parallel", complete=complete)
+            found = _walk(sim, series, judge, "data_parallel", complete=complete)
             if found is not None and (best is None or _faster(found[0], best[0])):
                 best = found
     if best is None:

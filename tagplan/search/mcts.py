@@ -22,6 +22,7 @@ One simulation:
    a terminal one is used as is. Values go through a transposition table keyed by the terminal
    state: an equal plan reached along another path is evaluated once, and a repeat is a cache hit.
 4. BACKUP the value v along the path: N += 1, W += v, M = max(M, v).
+5. POLISH (with `local`): one step of hill climbing, below.
 
 Choices:
 
@@ -48,6 +49,14 @@ Choices:
   every remaining considered action is exhausted, the root falls back to PUCT with widening.
 - Randomness: only the Gumbel noise, from `random.Random(seed)`; with PUCT alone the search is fully
   deterministic and the seed has no effect. Children live in insertion-ordered dicts.
+- Local search (`local`, optional): after each simulation, one step of hill climbing from the best
+  terminal of each region (`search.polish.Climber`): it proposes a terminal one decision away from
+  a climb's current one, valued through the same transposition table and counted against the same
+  budget. The tree never sees those values (they are not backed up), so the simulations run as
+  without it, and what the climber proposes depends only on the values it saw: with PUCT at the
+  root the evaluations form one sequence whatever `max_evaluations`, which a budget only cuts, so
+  a larger budget never finds a worse best terminal. (The Gumbel root's halving is sized by the
+  budget, so below `GUMBEL_DEFAULT_BELOW` evaluations that does not hold.)
 - Budgets, checked between simulations (the first simulation always runs): `evaluations >=
   max_evaluations`, `time.perf_counter()` past `max_wall_s`, the root exhausted, or `4 *
   max_evaluations` consecutive simulations without a new evaluation ("stalled"; every simulation
@@ -63,6 +72,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
+
+from tagplan.search.polish import Climber, Neighbourhood
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +147,8 @@ class SearchStats:
     """Seconds the search took (time.perf_counter)."""
     stopped_by: str
     """"evaluations", "wall_clock", "exhausted" (whole tree searched) or "stalled" (no new terminal)."""
+    local_evaluations: int = 0
+    """Of `evaluations`, those the interleaved local search (`local`) asked for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +251,7 @@ def mcts(
     gumbel_root: bool | None = None,
     gumbel_considered: int = 8,
     progress: Callable[[int, int], None] | None = None,
+    local: Neighbourhood[S] | None = None,
 ) -> SearchResult[S]:
     """Search the decision process from `root` for the terminal state of highest evaluator value.
 
@@ -257,6 +271,9 @@ def mcts(
         gumbel_considered: m, the number of root actions the halving considers (mctx's default 16
             is for Go's 362 moves; planning steps have a handful of candidates).
         progress: called as `progress(evaluations, max_evaluations)` after each new evaluation.
+        local: the terminals' neighbourhood; when given, each simulation is followed by one step of
+            hill climbing from the regions' best terminals (`search.polish`), whose evaluations
+            count against the same budget.
 
     Returns the best terminal state and its value, every terminal evaluated in first-evaluation
     order, and the search statistics (see the module docstring for the algorithm).
@@ -266,7 +283,8 @@ def mcts(
     config = _Config(
         max_evaluations, max_wall_s, c_puct, widening_c, widening_alpha, q_max_weight, gumbel, gumbel_considered
     )
-    return _Search(env, prior, evaluator, config, random.Random(seed), progress, root).run()
+    climber = Climber(local) if local is not None else None
+    return _Search(env, prior, evaluator, config, random.Random(seed), progress, root, climber).run()
 
 
 def _check_arguments(
@@ -317,9 +335,10 @@ class _Search(Generic[S, A]):
         rng: random.Random,
         progress: Callable[[int, int], None] | None,
         root: S,
+        climber: Climber[S] | None = None,
     ) -> None:
         self.env, self.prior, self.evaluator, self.config = env, prior, evaluator, config
-        self.rng, self.progress = rng, progress
+        self.rng, self.progress, self.climber = rng, progress, climber
         self.root: _Node[S, A] = _Node(root, env.is_terminal(root), prior=1.0)
         self.table: dict[S, float] = {}
         self.evaluated: list[tuple[S, float]] = []
@@ -327,6 +346,7 @@ class _Search(Generic[S, A]):
         self.halving: _Halving | None = None
         self.cache_hits = 0
         self.simulations = 0
+        self.local_evaluations = 0
 
     def run(self) -> SearchResult[S]:
         """Simulate until a budget is spent or the tree is exhausted."""
@@ -334,6 +354,8 @@ class _Search(Generic[S, A]):
         stalled = 0
         while True:
             new = self._simulate()
+            if self.climber is not None and not self._stop_reason(time.perf_counter() - start, 0):
+                new = self._polish(self.climber) or new
             stalled = 0 if new else stalled + 1
             stopped_by = self._stop_reason(time.perf_counter() - start, stalled)
             if stopped_by:
@@ -343,7 +365,12 @@ class _Search(Generic[S, A]):
             if value > best_value:
                 best_state, best_value = state, value
         stats = SearchStats(
-            len(self.evaluated), self.cache_hits, self.simulations, time.perf_counter() - start, stopped_by
+            len(self.evaluated),
+            self.cache_hits,
+            self.simulations,
+            time.perf_counter() - start,
+            stopped_by,
+            self.local_evaluations,
         )
         return SearchResult(best_state, best_value, tuple(self.evaluated), stats)
 
@@ -359,6 +386,15 @@ class _Search(Generic[S, A]):
         if stalled >= STALL_FACTOR * config.max_evaluations:
             return "stalled"
         return ""
+
+    def _polish(self, climber: Climber[S]) -> bool:
+        """One step of the interleaved hill climbing: value the terminal it proposes; True if it did."""
+        state = climber.propose(self.table.get)
+        if state is None:
+            return False
+        self.local_evaluations += 1
+        climber.report(state, self._value(state))
+        return True
 
     def _simulate(self) -> bool:
         """One select -> expand -> evaluate -> backup; True when it evaluated a new terminal."""
@@ -508,6 +544,13 @@ class _Search(Generic[S, A]):
         if cached is not None:
             self.cache_hits += 1
             return cached, False
+        value = self._value(terminal)
+        if self.climber is not None:
+            self.climber.observe(terminal, value)
+        return value, True
+
+    def _value(self, terminal: S) -> float:
+        """The evaluator's value of a terminal not valued yet, recorded in the table."""
         value = float(self.evaluator(terminal))
         if not math.isfinite(value):
             raise ValueError(f"evaluator returned {value} for {_short(terminal)}; values must be finite")
@@ -515,7 +558,7 @@ class _Search(Generic[S, A]):
         self.evaluated.append((terminal, value))
         if self.progress is not None:
             self.progress(len(self.evaluated), self.config.max_evaluations)
-        return value, True
+        return value
 
     def _complete(self, state: S) -> S:
         """The default policy's terminal from `state`, checked to be terminal."""

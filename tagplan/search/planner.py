@@ -1,10 +1,17 @@
 """The planner: MCTS over the decision process, judged by the simulator, with baselines.
 
-`plan(problem)` searches with an injected prior (uniform by default; the GNN provides another)
-and the simulator as evaluator, then refines the best plan's tensor-parallel stages with the
-intra-stage solver, and reports the Pareto frontier of everything it simulated, the baselines
-and, where the space is small enough, the exhaustive optimum. The best plan is simulated once
-more with its task times recorded, so callers draw its timeline without simulating again.
+`plan(problem)` runs the baselines, then searches with an injected prior (uniform by default; the
+GNN provides another) and the simulator as evaluator, MCTS interleaved with hill climbing from the
+best plan of each region (`search.polish`); it refines the tensor-parallel stages of the best plans
+(for the time objective, every plan that was the fastest so far) with the intra-stage solver, and
+reports the Pareto frontier of everything it simulated, the baselines and, where the space is
+small enough, the exhaustive optimum. The best plan is simulated once more with its task times
+recorded, so callers draw its timeline without simulating again.
+
+Anytime: the baselines do not depend on the evaluation budget, and the search evaluates a sequence
+of plans that does not either (with PUCT at the root, i.e. from `mcts.GUMBEL_DEFAULT_BELOW`
+evaluations up), cut at the budget; so, wall-clock limits aside, more evaluations never give a
+slower plan.
 
 The value the search maximises is scale-free: T_lb / T, where T_lb is the iteration's model
 FLOPs over the sum of the devices' peaks; a plan that does not fit scores 1% of that.
@@ -101,7 +108,7 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
         prior = prior_factory(space) if prior_factory is not None else uniform_prior
         remaining_s = max(problem.budget_s - (time.perf_counter() - start), MIN_SEARCH_S)
         found = mcts(space, PlanState(), prior=prior, evaluator=judge, max_evaluations=problem.max_evaluations,
-                     max_wall_s=remaining_s, seed=problem.seed, progress=progress)
+                     max_wall_s=remaining_s, seed=problem.seed, progress=progress, local=space)
         for state, _ in found.evaluated:
             judge.candidate(space.to_plan(state))
         stats = found.stats
@@ -121,21 +128,38 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
     if correction is not None and problem.objective is Objective.TIME and best.report.fits:
         best, pool = _rerank(pool, correction)
         applied = True
-    refined, solves, hits = refine_sharding(sim, best.plan)
-    if refined is not None and not applied and (admissible is None or admissible(refined) is None):
-        better = judge.candidate(refined, "search+intra")
-        if better.report.fits and better.report.iteration_time_s < best.report.iteration_time_s:
-            best = better
-            pool.append(better)
+    solves = hits = 0
+    if not applied:
+        # the time objective refines every plan that was the fastest so far (a set that only grows with
+        # the budget, so more evaluations never lose a refinement); the others refine their choice
+        starts = _incumbents(pool) if problem.objective is Objective.TIME else [best]
+        for incumbent in starts if best.report.fits else [best]:
+            refined, more_solves, more_hits = refine_sharding(sim, incumbent.plan)
+            solves, hits = solves + more_solves, hits + more_hits
+            if refined is not None and (admissible is None or admissible(refined) is None):
+                better = judge.candidate(refined, "search+intra")
+                if better.report.fits and better.report.iteration_time_s < best.report.iteration_time_s:
+                    best = better
+                    pool.append(better)
     simulation = sim.run(best.plan)  # the best plan's task times, for its timeline
     info = SearchInfo(wall_s=time.perf_counter() - start, evaluations=stats.evaluations, cache_hits=stats.cache_hits,
                       simulations=stats.simulations, stopped_by=stats.stopped_by, intra_solves=solves,
-                      intra_cache_hits=hits, baseline_evaluations=baseline_evaluations)
+                      intra_cache_hits=hits, baseline_evaluations=baseline_evaluations,
+                      local_evaluations=stats.local_evaluations)
     return PlanResult(best=best, pareto=tuple(frontier(pool)), baselines=baselines, search=info,
                       objective=problem.objective, notes=tuple(notes), simulation=simulation,
                       cluster_devices=problem.cluster.num_devices,
                       predictor=Predictor(problem.calibration.name, correction.version if correction else None,
                                           applied))
+
+
+def _incumbents(pool: list[Candidate]) -> list[Candidate]:
+    """The candidates, in the order they were simulated, that were faster than every one before them."""
+    out: list[Candidate] = []
+    for cand in pool:
+        if not out or cand.report.iteration_time_s < out[-1].report.iteration_time_s:
+            out.append(cand)
+    return out
 
 
 def _rerank(pool: list[Candidate], correction: Correction) -> tuple[Candidate, list[Candidate]]:

@@ -65,6 +65,7 @@ class SearchInfo:
     intra_solves: int = 0
     intra_cache_hits: int = 0
     baseline_evaluations: int = 0  # plans the baselines simulated before the search
+    local_evaluations: int = 0  # of `evaluations`, those the hill climbing interleaved with MCTS asked for
 
 
 @dataclass(frozen=True)

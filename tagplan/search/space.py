@@ -7,6 +7,9 @@ its group) -> each layer boundary, among candidates near the compute-balanced sp
 stages' real speeds -> batch split across unequal replicas (even or by speed) -> micro-batches ->
 recomputation and ZeRO.
 
+Local structure (`neighbours`, `region`, for `search.polish`): the plans one decision away from a
+plan, the later decisions kept where still legal; regions are the pipeline's shape (node set, depth).
+
 Every action is legal by construction, so every terminal state is a valid Plan that can run:
 every data-parallel replica gets a whole number of samples of every micro-batch, at least one
 (`Stage.batch_samples` where the split is uneven); depths, groups and TP degrees that would leave
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
@@ -63,6 +67,9 @@ class PlanSpace:
         self.frugal = frugal
         self._subsets: dict[tuple[int, ...], tuple[Cluster, tuple[int, ...]]] = {}
         self._partitions: dict[tuple[tuple[int, ...], int], list[Partition]] = {}
+        self._depths: dict[tuple[int, ...], list[int]] = {}
+        self._shares: dict[tuple[tuple[int, ...], int, int, bool], tuple[int, ...] | None] = {}
+        self._degrees: dict[tuple[int, ...], list[int]] = {}
         self.layers = len(sim.model.layers)
         self.max_stages = min(max_stages, self.layers, sim.cluster.num_devices)
         self.radius = boundary_radius
@@ -111,10 +118,13 @@ class PlanSpace:
         return feasible
 
     def _stage_counts(self, nodes: tuple[int, ...]) -> list[int]:
-        """Pipeline depths on `nodes` with at least one partition that gives every replica a sample."""
-        cluster, _ = self.subset(nodes)
-        return [s for s in stage_counts(cluster, min(self.max_stages, cluster.num_devices))
-                if self._feasible_partitions(nodes, s)]
+        """Pipeline depths on `nodes` with at least one partition that gives every replica a sample (memoised)."""
+        hit = self._depths.get(nodes)
+        if hit is None:
+            cluster, _ = self.subset(nodes)
+            hit = self._depths[nodes] = [s for s in stage_counts(cluster, min(self.max_stages, cluster.num_devices))
+                                         if self._feasible_partitions(nodes, s)]
+        return hit
 
     def _feasible_partitions(self, nodes: tuple[int, ...], stages: int) -> list[Partition]:
         """Partitions of `nodes` into `stages` groups (whole-cluster device ids) in which every group can
@@ -134,7 +144,10 @@ class PlanSpace:
 
     def _tps(self, group: tuple[int, ...], batch: int) -> list[int]:
         """TP degrees for `group` that leave at most `batch` data-parallel replicas (each needs a sample)."""
-        return [t for t in tp_options(self.sim.cluster, group) if len(group) // t <= batch]
+        degrees = self._degrees.get(group)
+        if degrees is None:
+            degrees = self._degrees[group] = tp_options(self.sim.cluster, group)
+        return [t for t in degrees if len(group) // t <= batch]
 
     def _chunk_candidates(self, state: PlanState) -> list[int]:
         """1 (plain 1F1B), and 2 chunks per device when every stage has 2+ layers and M fills the pipe."""
@@ -192,6 +205,92 @@ class PlanSpace:
                 raise RuntimeError(f"dead end in the decision process at {state}")
             state = self.step(state, self._default(state, options))
         return state
+
+    def decisions(self, state: PlanState) -> list[Action]:
+        """The actions that lead from the root to the terminal `state`, in the order `actions` asks them."""
+        head = [Action("nodes", state.nodes), Action("stages", state.stages), Action("groups", state.groups)]
+        tail = [Action("balanced_shares", state.balanced_shares), Action("micro_batches", state.micro_batches),
+                Action("chunks", state.chunks), Action("memory", state.memory)]
+        return [*head, *(Action("tps", t) for t in state.tps), *(Action("bounds", b) for b in state.bounds), *tail]
+
+    def region(self, state: PlanState) -> tuple[object, ...]:
+        """The pipeline's shape (node set, depth): plans of one shape are one local-search basin."""
+        return (state.nodes, state.stages)
+
+    def neighbours(self, state: PlanState) -> Iterator[PlanState]:
+        """Terminal states whose plans are one decision away from the terminal `state`'s plan, later
+        decisions first (`search.polish`'s neighbourhood).
+
+        A neighbour takes another legal value for one decision (a node set, a depth, a partition, a
+        stage's TP degree, a layer boundary, the batch split, the micro-batches, the chunks, the
+        memory options) and keeps every later decision where it is still legal, else takes the legal
+        value nearest to it, else the default policy's. A decision that does not change the plan (the
+        batch split when every replica gets one sample anyway, ZeRO without data parallelism) is no
+        step: the neighbours of every such encoding of the same plan follow. One state per distinct
+        plan, never `state`'s plan; generated lazily, so a climb that moves early pays for few.
+        """
+        own = self.plan_key(state)
+        seen, encodings = {own}, []
+        for move in self._one_decision_away(state):
+            key = self.plan_key(move)
+            if key == own:
+                encodings.append(move)
+            elif key not in seen:
+                seen.add(key)
+                yield move
+        for encoding in encodings:
+            for move in self._one_decision_away(encoding):
+                key = self.plan_key(move)
+                if key not in seen:
+                    seen.add(key)
+                    yield move
+
+    def plan_key(self, state: PlanState) -> tuple[object, ...]:
+        """What `to_plan(state)` is made of, without building it: equal keys, equal plans."""
+        assert state.groups is not None and state.micro_batches is not None and state.memory is not None
+        recompute, zero = state.memory
+        micro = self.sim.workload.global_batch // state.micro_batches
+        meshes = tuple((group, tp, self._samples(group, tp, micro, by_speed=bool(state.balanced_shares))
+                        if len(group) > tp else None, zero if len(group) > tp else 0)
+                       for group, tp in zip(state.groups, state.tps, strict=True))
+        return (meshes, state.bounds, state.micro_batches, state.chunks or 1, recompute)
+
+    def _one_decision_away(self, state: PlanState) -> Iterator[PlanState]:
+        """The terminals that differ from `state` in one decision (the later ones kept or repaired),
+        later decisions first; lazily."""
+        path = self.decisions(state)
+        prefixes = [PlanState()]
+        for taken in path[:-1]:
+            prefixes.append(self.step(prefixes[-1], taken))
+        for prefix, taken in reversed(list(zip(prefixes, path, strict=True))):
+            for other in self.actions(prefix):
+                if other != taken:
+                    yield self._follow(self.step(prefix, other), path)
+
+    def _follow(self, state: PlanState, path: list[Action]) -> PlanState:
+        """`state` completed by keeping `path`'s decisions: each the same value if legal, else the
+        nearest legal number, else the default policy's choice."""
+        wanted: dict[tuple[str, int], object] = {}
+        seen: dict[str, int] = {}
+        for action in path:
+            seen[action.field] = seen.get(action.field, -1) + 1
+            wanted[(action.field, seen[action.field])] = action.value
+        while not self.is_terminal(state):
+            options = self.actions(state)
+            name = options[0].field
+            index = len(getattr(state, name)) if name in ("tps", "bounds") else 0
+            state = self.step(state, self._nearest(state, options, wanted.get((name, index))))
+        return state
+
+    def _nearest(self, state: PlanState, options: list[Action], value: object) -> Action:
+        """The option equal to `value`, else the numerically nearest (ties: the most natural), else the default."""
+        for option in options:
+            if option.value == value:
+                return option
+        if isinstance(value, int) and not isinstance(value, bool):
+            target = value
+            return min(options, key=lambda o: abs(o.value - target) if isinstance(o.value, int) else math.inf)
+        return self._default(state, options)
 
     def _default(self, state: PlanState, options: list[Action]) -> Action:
         if state.groups is not None and len(state.tps) < len(state.groups):
@@ -285,22 +384,25 @@ class PlanSpace:
 
     def _samples(self, group: tuple[int, ...], tp: int, micro: int, *, by_speed: bool) -> tuple[int, ...] | None:
         """Whole samples per replica of a `micro`-sample micro-batch: in proportion to the replicas'
-        speeds (`by_speed`), else as even as whole samples allow; None when the even split is exact."""
+        speeds (`by_speed`), else as even as whole samples allow; None when that is the exact even
+        split (so a by-speed split that comes out even is the same plan as the even one). Memoised."""
+        key = (group, tp, micro, by_speed)
+        if key not in self._shares:
+            self._shares[key] = self._split(group, tp, micro, by_speed=by_speed)
+        return self._shares[key]
+
+    def _split(self, group: tuple[int, ...], tp: int, micro: int, *, by_speed: bool) -> tuple[int, ...] | None:
         dp = len(group) // tp
-        if by_speed:
-            weights = [self._speed(group[r * tp:(r + 1) * tp]) for r in range(dp)]
-        elif micro % dp == 0:
-            return None
-        else:
-            weights = [1.0] * dp
-        return apportion(micro, weights)
+        even = apportion(micro, [1.0] * dp)
+        shares = apportion(micro, [self._speed(group[r * tp:(r + 1) * tp]) for r in range(dp)]) if by_speed else even
+        return None if shares == even and micro % dp == 0 else shares
 
 
 def apportion(total: int, weights: list[float]) -> tuple[int, ...]:
     """`total` whole units over `len(weights)` parts, at least 1 each, in proportion to the weights
     (largest remainder). Needs total >= len(weights)."""
-    spare = total - len(weights)
-    exact = [spare * w / sum(weights) for w in weights]
+    spare, weight = total - len(weights), sum(weights)
+    exact = [spare * w / weight for w in weights]
     counts = [int(x) for x in exact]
     order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
     for i in order[: spare - sum(counts)]:

@@ -172,3 +172,19 @@ def test_a_learned_correction_reranks_the_final_candidates() -> None:
     assert (len(corrected.best.plan.stages), corrected.best.plan.stages[0].tp) != family
     assert corrected.best.corrected_time_s == 1.0
     assert corrected.to_json()["best"]["predicted_time_s"]["corrected"] == 1.0
+
+
+@pytest.mark.parametrize(("model", "cluster", "batch", "seq"), [
+    ("gpt?layers=4&hidden=1024&heads=16&vocab=500", "dgx-h100+dgx-a100-80gb", 16, 1024),
+    ("llama?layers=6&hidden=1024&heads=16&vocab=500", "rtx4090x4:nodes=2+g4dn.12xlarge", 32, 512),
+])
+def test_more_evaluations_never_give_a_slower_plan(model: str, cluster: str, batch: int, seq: int) -> None:
+    args = (load_model(model, seq_len=seq), load_cluster(cluster), Workload(global_batch=batch, seq_len=seq))
+    times = []
+    for evaluations in (50, 100, 200, 400):
+        result = _plan(*args, max_evaluations=evaluations, budget_s=600)
+        assert result.search.stopped_by in ("evaluations", "exhausted")
+        assert result.search.local_evaluations > 0  # hill climbing shared the budget
+        times.append(result.best.report.iteration_time_s)
+    assert times == sorted(times, reverse=True)
+    assert times[-1] < times[0]  # and the budget bought something

@@ -1,0 +1,86 @@
+"""The practitioner baselines: skipping configurations too big to fit changes nothing but the work."""
+
+from __future__ import annotations
+
+import pytest
+
+from tagplan.cost.simulator import Simulator
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir import Workload
+from tagplan.ir.plan import Plan
+from tagplan.search import baselines
+from tagplan.search.baselines import _configurations, certainly_too_big, fastest_type_nodes, run_baselines
+from tagplan.search.planner import SimulatorEvaluator
+from tagplan.search.result import Baseline, Candidate
+from tagplan.search.space import PlanSpace, divisors
+
+# (model, cluster, global batch, sequence): each has configurations whose model state alone overflows
+CASES = [
+    ("gpt3-13b", "dgx-a100-40gb:nodes=2", 64, 1024),
+    ("gpt3-2.7b", "p3.8xlarge:nodes=2+g4dn.12xlarge", 48, 512),
+    ("gpt3-6.7b", "dgx-a100-80gb+p3.16xlarge", 32, 1024),
+]
+
+
+def simulator(model: str, cluster: str, batch: int, seq: int) -> Simulator:
+    return Simulator(load_model(model, seq_len=seq), load_cluster(cluster), Workload(global_batch=batch, seq_len=seq))
+
+
+def grid_plans(sim: Simulator) -> list[Plan]:
+    """Every uniform configuration the grid walks, both node orders, every micro-batch size."""
+    nodes = tuple(range(len(sim.cluster.nodes)))
+    plans = []
+    for order in (nodes, tuple(reversed(nodes))):
+        devices = tuple(d for n in order for d in sim.cluster.node_devices(n))
+        for tp in (1, 2, 4):
+            for pp in divisors(len(devices) // tp):
+                for series in _configurations(sim, devices, tp, pp, "order"):
+                    plans += [plan for _, plan in series]
+    return plans
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_configuration_certainly_too_big_never_fits(case: tuple[str, str, int, int]) -> None:
+    sim = simulator(*case)
+    plans = grid_plans(sim)
+    flagged = [p for p in plans if certainly_too_big(sim, p)]
+    assert flagged and len(flagged) < len(plans)  # the check has work to do, and lets plans through
+    for plan in flagged[:: max(len(flagged) // 60, 1)]:
+        assert not sim.simulate(plan).fits
+
+
+def results(case: tuple[str, str, int, int], *, check: bool, complete: bool,
+            monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Baseline], int]:
+    """The baselines (and the plans simulated) with the model-state check on or off."""
+    sim = simulator(*case)
+    judge = SimulatorEvaluator(PlanSpace(sim))
+    with monkeypatch.context() as patch:
+        if not check:
+            patch.setattr(baselines, "certainly_too_big", lambda sim, plan: False)
+        found = run_baselines(sim, judge.candidate, complete=complete)
+    return found, len(judge.candidates)
+
+
+def _time(candidate: Candidate | None) -> float | None:
+    return candidate.report.iteration_time_s if candidate is not None else None
+
+
+@pytest.mark.parametrize("complete", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_skipping_what_cannot_fit_picks_the_same_plans_with_fewer_simulations(
+        case: tuple[str, str, int, int], complete: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    checked, fewer = results(case, check=True, complete=complete, monkeypatch=monkeypatch)
+    plain, more = results(case, check=False, complete=complete, monkeypatch=monkeypatch)
+    assert fewer < more
+    assert checked.keys() == plain.keys()
+    for name, baseline in checked.items():
+        assert baseline.config == plain[name].config and baseline.reason == plain[name].reason
+        assert _time(baseline.candidate) == _time(plain[name].candidate)
+        if baseline.candidate is not None:
+            assert baseline.candidate.plan == plain[name].candidate.plan  # type: ignore[union-attr]
+
+
+def test_the_fastest_type_is_the_highest_peak() -> None:
+    sim = simulator(*CASES[2])
+    assert fastest_type_nodes(sim) == (0,)  # the A100 node, not the V100 one
