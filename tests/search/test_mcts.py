@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections import Counter
@@ -11,34 +10,11 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import pytest
+from search_toys import Digits, Digits_
 
 from tagplan.search.mcts import SearchResult, mcts, normalise_prior, uniform_prior
 
-Digits_ = tuple[int, ...]
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Digits:
-    """Choose d1..dk in 0..base-1, one per step; the default policy fills the rest with zeros."""
-
-    base: int
-    length: int
-
-    def actions(self, state: Digits_) -> list[int]:
-        return [] if len(state) >= self.length else list(range(self.base))
-
-    def step(self, state: Digits_, action: int) -> Digits_:
-        return (*state, action)
-
-    def is_terminal(self, state: Digits_) -> bool:
-        return len(state) >= self.length
-
-    def complete(self, state: Digits_) -> Digits_:
-        return state + (0,) * (self.length - len(state))
-
-    def leaves(self) -> list[Digits_]:
-        return list(itertools.product(range(self.base), repeat=self.length))
 
 
 @dataclass(frozen=True)

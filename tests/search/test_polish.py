@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
+from search_toys import Digits, Digits_
 
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
@@ -17,28 +17,6 @@ from tagplan.search.mcts import SearchResult, mcts
 from tagplan.search.planner import SimulatorEvaluator
 from tagplan.search.polish import Climber
 from tagplan.search.space import PlanSpace, PlanState
-
-Digits_ = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Digits:
-    """Choose d1..dk in 0..base-1, one per step; the default policy fills the rest with zeros."""
-
-    base: int
-    length: int
-
-    def actions(self, state: Digits_) -> list[int]:
-        return [] if len(state) >= self.length else list(range(self.base))
-
-    def step(self, state: Digits_, action: int) -> Digits_:
-        return (*state, action)
-
-    def is_terminal(self, state: Digits_) -> bool:
-        return len(state) >= self.length
-
-    def complete(self, state: Digits_) -> Digits_:
-        return state + (0,) * (self.length - len(state))
 
 
 def closeness(target: Digits_) -> Callable[[Digits_], float]:

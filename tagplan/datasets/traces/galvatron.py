@@ -42,7 +42,6 @@ Conventions, stated in each record's `source`:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -50,13 +49,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tagplan.errors import SpecError
-from tagplan.frontends.textfile import read_text
 from tagplan.ir.model import Block
 from tagplan.ir.workload import DType
 
 from .bundle import LayerRecord
 from .planner_profiles import (
     MIB,
+    json_object,
     model_at,
     ms_to_s,
     non_negative_number,
@@ -172,14 +171,8 @@ def import_galvatron(path: str | os.PathLike[str], *, memory: str | os.PathLike[
 
 
 def _json_object(source: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(read_text(source))
-    except json.JSONDecodeError as err:
-        raise SpecError(f"{source}: not JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: a Galvatron profile is a JSON object of keys such as layertype_0_bsz8_seq2048 "
-                        f"or layertype_0; got a {type(data).__name__}")
-    return data
+    return json_object(source, "a Galvatron profile is a JSON object of keys such as "
+                               "layertype_0_bsz8_seq2048 or layertype_0")
 
 
 def _role(source: Path, data: dict[str, Any]) -> Role:

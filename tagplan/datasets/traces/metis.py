@@ -41,7 +41,6 @@ Conventions, stated in each record's `source`:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -50,11 +49,18 @@ from pathlib import Path
 from typing import Any
 
 from tagplan.errors import SpecError
-from tagplan.frontends.textfile import read_text
 from tagplan.ir.model import ModelGraph
 
 from .bundle import LayerRecord
-from .planner_profiles import MIB, model_at, ms_to_s, params_plausible, positive_number, resolve_dtype
+from .planner_profiles import (
+    MIB,
+    json_object,
+    model_at,
+    ms_to_s,
+    params_plausible,
+    positive_number,
+    resolve_dtype,
+)
 
 FILE_NAME = re.compile(r"DeviceType\.(\w+?)_tp(\d+)_bs(\d+)")
 NAME_FORM = "DeviceType.{device}_tp{tp}_bs{bs}.json"
@@ -140,14 +146,7 @@ def map_layers(source: Path, graph: ModelGraph, count: int, spec: str) -> list[s
 
 
 def _json_object(source: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(read_text(source))
-    except json.JSONDecodeError as err:
-        raise SpecError(f"{source}: not JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: a Metis profile is a JSON object with execution_time, execution_memory and "
-                        f"model; got a {type(data).__name__}")
-    return data
+    return json_object(source, "a Metis profile is a JSON object with execution_time, execution_memory and model")
 
 
 def _section(source: Path, data: dict[str, Any], name: str, required: bool, field: str = "") -> dict[str, Any]:

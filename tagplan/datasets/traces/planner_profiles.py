@@ -6,12 +6,15 @@ bytes. A megabyte here is 2**20 bytes: both planners divide torch's byte counter
 
 from __future__ import annotations
 
+import json
 import math
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from tagplan.errors import SpecError
 from tagplan.frontends.model_spec import load_model
+from tagplan.frontends.textfile import read_text
 from tagplan.ir.model import Block, ModelGraph
 from tagplan.ir.workload import DType
 
@@ -93,3 +96,15 @@ def non_negative_number(value: Any, where: str, field: str, unit: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise SpecError(f"{where}: {field} {value!r} is not a number of {unit} at or above zero")
     return float(value)
+
+
+def json_object(source: Path, accepted: str) -> dict[str, Any]:
+    """The JSON object in `source`; SpecError naming the file when it is not JSON or not an object
+    (`accepted`: what a profile of this kind holds, for the message)."""
+    try:
+        data = json.loads(read_text(source))
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{source}: not JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: {accepted}; got a {type(data).__name__}")
+    return data
