@@ -207,19 +207,3 @@ def test_readme_tour_plan_shrunk_matches() -> None:
     """The tour's shape (tensor parallelism on the first stage, data parallelism after it) on 4 processes."""
     plan = Plan(micro_batches=2, stages=(_stage((0, 8), (0, 1), tp=2), _stage((8, 26), (2, 3), dp=2)))
     _passes("gpt3-1.3b", plan)
-
-
-@pytest.mark.slow
-def test_hugging_face_llama_config_on_the_pipeline_runtime_matches() -> None:
-    spec = ("hf:LlamaConfig?num_hidden_layers=2&hidden_size=256&intermediate_size=512&num_attention_heads=4"
-            "&num_key_value_heads=2&vocab_size=1000")
-    _passes(spec, Plan(micro_batches=2, stages=(_stage((0, 2), (0, 1), dp=2, batch_samples=(1, 1)),
-                                                _stage((2, 4), (2,)))))
-
-
-@pytest.mark.slow
-def test_zero2_slices_over_tp2_pieces_on_the_pipeline_runtime_match(gpt_spec: str) -> None:
-    """Uneven replicas of a tp=2 stage, ZeRO 2: gradients reduce-scattered into each dp rank's slice
-    (the tied table's summed first), gathered back for the dump (`runtime_optim.ZeroShard`)."""
-    _passes(gpt_spec, Plan(micro_batches=2, stages=(
-        _stage(ONE_STAGE, (0, 1, 2, 3), dp=2, tp=2, zero=2, batch_samples=(3, 1)),)))
