@@ -372,3 +372,21 @@ def test_one_f_one_b_bounds_activations(stages: list[StageTiming], M: int) -> No
     assert simulate_pipeline(stages, M + S, ONE_F_ONE_B, record_tasks=False).max_in_flight == tuple(
         min(S - s, M + S) for s in range(S)
     )
+
+
+def test_the_schedule_cache_keeps_what_its_task_budget_holds_and_drops_the_least_recent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections import OrderedDict
+
+    from tagplan.cost import pipeline
+
+    monkeypatch.setattr(pipeline, "_schedule_cache", OrderedDict())
+    monkeypatch.setattr(pipeline, "_SCHEDULE_CACHE_TASKS", 2 * 64)  # two schedules of 2 x 4 x 8 tasks
+    a = _compiled_schedule(4, 8, ONE_F_ONE_B, 4)
+    b = _compiled_schedule(4, 8, GPIPE, 4)
+    assert _compiled_schedule(4, 8, ONE_F_ONE_B, 4) is a  # a hit, and now the most recent
+    _compiled_schedule(2, 16, GPIPE, 2)  # 64 more tasks: the least recent (b) goes
+    assert _compiled_schedule(4, 8, ONE_F_ONE_B, 4) is a
+    again = _compiled_schedule(4, 8, GPIPE, 4)
+    assert again is not b and again.orders == b.orders  # compiled anew, the same schedule
+    assert sum(2 * s * m for s, m, _, _ in pipeline._schedule_cache) <= 2 * 64
