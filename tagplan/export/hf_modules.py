@@ -26,7 +26,8 @@ its own copy of the embedding table initialised alike; the program keeps the cop
 
 Only model types whose base `forward` is exactly the sequence above are accepted
 (`DECODER_TYPES`, `GPT2_TYPES`); `verify` checks each against the class's own `forward`. GPT-2's
-`Conv1D` is not an `nn.Linear`, so its matmuls run whole (tp = 1).
+`Conv1D` is not an `nn.Linear`, so its matmuls run whole (tp = 1); Qwen3's per-head q/k norms share
+one weight across heads, so it runs at tp = 1 too (`HEAD_NORM_TYPES`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types laid out as `model.{embed_tokens, layers, rotary_emb, norm}` + `lm_head` whose base
 forward is embed -> (rotary, causal mask) -> layers -> norm (checked by `verify`)."""
 GPT2_TYPES = ("gpt2",)
+HEAD_NORM_TYPES = ("qwen3",)
+"""Model types whose attention normalises q and k per head with one weight shared by every head: split
+over tp ranks, that weight's gradient would need a sum over the tp group the program does not do."""
 INIT_STD = 0.02
 
 

@@ -55,7 +55,7 @@ from typing import Any
 from tagplan.cost.sharding import shard_block
 from tagplan.errors import SpecError
 from tagplan.export.checks import ExportError
-from tagplan.export.hf_modules import GPT2_TYPES
+from tagplan.export.hf_modules import GPT2_TYPES, HEAD_NORM_TYPES
 from tagplan.export.modules import tp_ops
 from tagplan.export.node_launch import launch_scripts, rank_table
 from tagplan.export.runtime_train import PROGRAM_FORMAT
@@ -126,6 +126,10 @@ def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -
     if hf and config is not None and config.model_type in GPT2_TYPES and max(s.tp for s in plan.stages) > 1:
         return [f"model {model.name!r}: GPT-2's matmuls are transformers Conv1D modules, which the program does not "
                 "split: tensor parallelism needs tp = 1 on every stage"]
+    if hf and config is not None and config.model_type in HEAD_NORM_TYPES and max(s.tp for s in plan.stages) > 1:
+        return [f"model {model.name!r}: {config.model_type} normalises q and k per head with one weight shared by "
+                "every head, whose gradient the program does not sum over a tensor-parallel group: tensor "
+                "parallelism needs tp = 1 on every stage"]
     end = plan.stages[-1].layers[1]
     if plan.stages[0].layers[0] != 0 or end != len(model.layers):
         return [f"the plan covers layers [{plan.stages[0].layers[0]}, {end}) but the model has "

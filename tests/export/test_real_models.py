@@ -108,6 +108,11 @@ def test_refusals_name_the_reason() -> None:
         _checked(Plan(stages=(Stage(layers=(0, 2), devices=(0,)),)), f"{FIXTURE}:towers")
     with pytest.raises(ExportError, match="model types llama, mistral"):
         _checked(one, "hf:BertConfig?num_hidden_layers=2")
+    qwen3 = ("hf:Qwen3Config?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&num_key_value_heads=2"
+             "&head_dim=16&intermediate_size=128&vocab_size=128")
+    with pytest.raises(ExportError, match="qwen3 normalises q and k per head"):  # verify showed k_norm's gradient off
+        _checked(two, qwen3)
+    _checked(one, qwen3)  # tp 1 runs (verified on the pipeline runtime)
 
 
 def test_a_graph_is_never_read_as_a_spec_and_the_planner_check_takes_one(tmp_path: Path) -> None:
