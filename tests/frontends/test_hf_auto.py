@@ -10,8 +10,6 @@ from tagplan.frontends.huggingface import graph_from_hf, graph_from_hf_file
 from tagplan.frontends.model_spec import ModelSpecKind, load_model, parse_model_spec
 from tagplan.ir.model import OpKind
 
-transformers = pytest.importorskip("transformers")
-
 HF = Path(__file__).parent / "fixtures" / "hf"
 SEQ = 256
 # Published parameter counts (model cards / safetensors totals). Falcon-7B is 6.92B on its card

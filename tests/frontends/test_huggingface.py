@@ -4,12 +4,11 @@ import functools
 
 import pytest
 import torch
+import transformers
 
 from tagplan.errors import SpecError
 from tagplan.frontends.huggingface import graph_from_hf, list_hf_configs
 from tagplan.ir.model import ModelGraph, OpKind, PartitionDim
-
-transformers = pytest.importorskip("transformers")
 
 SEQ = 16
 GPT2 = {"n_layer": "2", "n_embd": "64", "n_head": "4", "vocab_size": "100", "n_positions": "64"}

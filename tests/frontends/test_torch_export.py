@@ -2,14 +2,13 @@
 
 import pytest
 import torch
+import transformers  # a run dependency (pyproject): its absence is a broken install, not a skip
 from torch import nn
 
 from tagplan.errors import SpecError
 from tagplan.frontends.torch_export import graph_from_module
 from tagplan.ir.model import ModelGraph, OpKind, PartitionDim
 from tagplan.ir.workload import DType
-
-transformers = pytest.importorskip("transformers")
 
 SEQ = 16
 
