@@ -221,26 +221,21 @@ def test_a_global_batch_of_1e9_is_cancelled_within_2_s(settings: Settings, tenan
 
 @pytest.mark.slow
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_the_worker_caps_a_job_s_wall_clock_and_memory(settings: Settings, store: JobStore, workers: Any) -> None:
+def test_the_worker_caps_a_job_s_wall_clock_and_memory(settings: Settings, store: JobStore, workers: Any,
+                                                        wait_for: Any) -> None:
     tenant = ensure_tenant(store.engine, "mallory")
     request = {**TINY, "workload": {"global_batch": 10**9}}
     timed = _unbounded(settings).model_copy(update={"job_timeout_s": 3.0})
     workers.start(timed)
     job = store.submit(tenant, JobKind.PLAN, request)
-    deadline = time.monotonic() + 60
-    while (view := store.get(tenant, job.id)) is not None and view.status not in TERMINAL:
-        assert time.monotonic() < deadline, workers.logs()
-        time.sleep(0.1)
+    view = wait_for(store, tenant, job.id, timeout_s=60)
     assert view is not None and view.status == JobStatus.FAILED and view.attempts == 1, workers.logs()
     assert view.error is not None and "TAGPLAN_JOB_TIMEOUT_S" in view.error
     workers.stop()
     small = _unbounded(settings).model_copy(update={"job_memory_bytes": 64 * 2**20})  # below any job's needs
     workers.start(small)
     job = store.submit(tenant, JobKind.PLAN, request)
-    deadline = time.monotonic() + 60
-    while (view := store.get(tenant, job.id)) is not None and view.status not in TERMINAL:
-        assert time.monotonic() < deadline, workers.logs()
-        time.sleep(0.1)
+    view = wait_for(store, tenant, job.id, timeout_s=60)
     assert view is not None and view.status == JobStatus.FAILED, workers.logs()
     assert view.error is not None and "TAGPLAN_JOB_MEMORY_BYTES" in view.error
 
