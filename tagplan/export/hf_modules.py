@@ -230,13 +230,28 @@ def tied_names(config: Any, model_type: str) -> tuple[str, str] | None:
     return f"layers.0.{table}.weight", f"layers.{depth(config, model_type) + 1}.lm_head.weight"
 
 
+_SKELETONS: dict[int, tuple[Any, nn.Module, set[int]]] = {}
+"""id(config) -> (config, its meta skeleton, the layer indices taken from it); configs are unhashable."""
+
+
+def _skeleton_for(config: Any, index: int) -> nn.Module:
+    """One meta skeleton per config for the layers a process builds (their modules are disjoint, so
+    each materialises its own part): building a 32-layer model's stage builds the whole class once,
+    not once per layer. A layer asked for again gets a fresh skeleton (its modules are taken)."""
+    held = _SKELETONS.get(id(config))
+    if held is None or held[0] is not config or index in held[2]:
+        held = _SKELETONS[id(config)] = (config, skeleton(config), set())
+    held[2].add(index)
+    return held[1]
+
+
 def build_hf_layer(config: Any, model_type: str, index: int, *, seed: int,
                    generator: Callable[[int, int], torch.Generator]) -> nn.Module:
     """Layer `index` alone, materialised on the CPU and initialised from `generator(seed, index)`.
 
     A tied head gets its own table, drawn as the embedding's first draw (`generator(seed, 0)`).
     """
-    model = skeleton(config)
+    model = _skeleton_for(config, index)
     n = depth(config, model_type)
     tied = tied_names(config, model_type) is not None and index == n + 1
     if tied:
