@@ -150,6 +150,9 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
     add_input_shape_option(parser)
     add_dtype_option(parser)
     parser.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value)
+    parser.add_argument("--grad-reduce-dtype", choices=[d.value for d in DType], default=None,
+                        help="dtype gradients cross the data-parallel group in (default: the training dtype; fp32 "
+                             "as DeepSpeed's fp32_allreduce or Megatron's --accumulate-allreduce-grads-in-fp32)")
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
 
 
@@ -159,6 +162,7 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
 
     dtype = DType(args.dtype)
     model = load_model(args.model, seq_len=args.seq, dtype=dtype, input_shape=getattr(args, "input_shape", None))
+    reduce = getattr(args, "grad_reduce_dtype", None)
     workload = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
-                        optimizer=Optimizer(args.optimizer))
+                        optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None)
     return model, load_cluster_option(args.cluster, args), workload

@@ -1,11 +1,23 @@
 """Compute time of ops and blocks on one device: roofline with calibrated efficiency.
 
-    t_op = max(flops / (peak * efficiency(kind, flops)), bytes / (mem_bw * bw_fraction)) + launch
+    t_op = max(flops / (peak * sustained * efficiency(kind, flops)), bytes / (mem_bw * bw_fraction)) + launch
+
+`sustained` is the device's `sustained_peak_fraction`: where a power cap lowers the clock under a
+continuous load (T4), every tensor-core kernel of the training loop runs at the lowered clock.
 
 FLOPs and bytes are those of the op on one device of its tensor-parallel group for one
 micro-batch of `samples` samples. The backward of a matmul is two GEMMs of the forward's size
 (2x FLOPs); fused attention's backward does `attention_backward_factor` x the forward FLOPs;
 memory-bound ops move about twice the bytes backward. Recomputation replays the forward.
+
+Attention on a device without a fused kernel (`DeviceSpec.fused_attention` False: NVIDIA before
+sm80, where FlashAttention-2 does not run) materialises its score matrix: the forward writes the
+scores, softmax reads and writes them, dropout reads and writes them, and the value GEMM reads the
+probabilities (6 passes over heads x s x s_kv elements); the backward makes 9 (the probability
+gradient written, dropout and softmax backward reading probabilities, gradients and writing, both
+GEMMs reading the score gradient, the value gradient reading the probabilities). These passes run
+at the memory-bound kernels' bandwidth on top of the fused model's time: the score traffic is what
+fusion removes.
 """
 
 from __future__ import annotations
@@ -22,6 +34,10 @@ from tagplan.ir.plan import ShardStrategy
 from tagplan.ir.workload import DType
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
+UNFUSED_SCORE_PASSES_FORWARD = 6
+UNFUSED_SCORE_PASSES_BACKWARD = 9
+UNFUSED_KERNELS_FORWARD = 3  # scale/mask/softmax, dropout, and the second batched GEMM
+UNFUSED_KERNELS_BACKWARD = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +61,7 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
     curve = calibration.curve(spec.name, op.kind)
     if curve is not None:  # GEMMs in the compute dtype; attention and the rest in bf16 under fp8
         peak = spec.peak_flops(dtype if op.kind in _GEMM_KINDS else dtype.elementwise)
-        compute_s = flops / (peak * curve.at(flops)) if flops else 0.0
+        compute_s = flops / (peak * spec.sustained_peak_fraction * curve.at(flops)) if flops else 0.0
     else:  # pointwise work runs on the vector units
         compute_s = flops / spec.peak_flops_fp32
     memory_s = nbytes / (spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, op.kind))
@@ -54,7 +70,13 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
     if op.kind in _GEMM_KINDS:
         return OpTime(body + launch, 2.0 * body + 2.0 * launch)
     if op.kind is OpKind.ATTENTION:
-        return OpTime(body + launch, calibration.attention_backward_factor * body + launch)
+        forward, backward = body + launch, calibration.attention_backward_factor * body + launch
+        if not spec.fused_attention and op.score_elements:
+            pass_s = (op.score_elements * samples / split * dtype.elementwise.nbytes
+                      / (spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, OpKind.SOFTMAX)))
+            forward += UNFUSED_SCORE_PASSES_FORWARD * pass_s + UNFUSED_KERNELS_FORWARD * launch
+            backward += UNFUSED_SCORE_PASSES_BACKWARD * pass_s + UNFUSED_KERNELS_BACKWARD * launch
+        return OpTime(forward, backward)
     return OpTime(body + launch, 2.0 * body + launch)
 
 

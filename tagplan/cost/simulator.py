@@ -147,7 +147,7 @@ class Simulator:
         return hit
 
     def _dp_sync_uncached(self, stage: Stage, params: float) -> tuple[float, float]:
-        grad_bytes = params * self.workload.grad_bytes_per_param
+        grad_bytes = params * self.workload.grad_reduce_bytes_per_param
         weight_bytes = params * self.workload.weight_bytes_per_param
         reduce = gather = 0.0
         for j in range(stage.tp):  # the tp groups' syncs run at once; the slowest paces the stage
@@ -167,7 +167,7 @@ class Simulator:
             group = tuple(stage.devices[r * stage.tp + j] for r in range(stage.dp))
             weights = params * self.workload.weight_bytes_per_param
             gather = max(gather, self.comm.collective(Collective.ALL_GATHER, group, weights).time_s)
-            grads = params * self.workload.grad_bytes_per_param
+            grads = params * self.workload.grad_reduce_bytes_per_param
             scatter = max(scatter, self.comm.collective(Collective.REDUCE_SCATTER, group, grads).time_s)
         return gather, gather + scatter
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from tagplan.ir.model import Block, Op, OpKind, PartitionDim
+from tagplan.ir.model import HASH_EXCLUDED, Block, Op, OpKind, PartitionDim
 
 _TOKEN_DIMS = (PartitionDim.BATCH, PartitionDim.SEQUENCE)
 
@@ -70,6 +70,7 @@ class BlockBuilder:
         return self._add(Op(
             name=name, kind=OpKind.ATTENTION, flops=flops, bytes_read=q_bytes + kv_bytes,
             bytes_written=q_bytes, saved_bytes=saved, output_shape=(1, s, heads * head_dim),
+            score_elements=float(s * skv * heads),
             partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs,
         ))
 
@@ -149,7 +150,7 @@ class BlockBuilder:
         t = self.seq_len if output_tokens is None else output_tokens
         digest = hashlib.sha256(f"{self.kind}|{output_width}|{t}".encode())
         for op in self.ops:
-            digest.update(op.model_dump_json().encode())
+            digest.update(op.model_dump_json(exclude=HASH_EXCLUDED).encode())
         return Block(
             hash=digest.hexdigest()[:16], kind=self.kind, ops=tuple(self.ops), params=self.params,
             output_bytes=float(t * output_width * self.nbytes),

@@ -58,6 +58,17 @@ class DeviceLinks(NamedTuple):
     default_fabric: LinkKind = LinkKind.PCIE
 
 
+SUSTAINED_PEAK_FRACTION: dict[str, float] = {
+    # A continuous 4096^3 fp16 cuBLAS GEMM runs at ~24 TFLOP/s on a T4 because its 70 W cap lowers
+    # the clock (NVIDIA developer forum, "About GPU peak performance", 2023). The shipped GEMM curve
+    # gives 0.728 of peak at that size, so the capped clock leaves (24 / 65) / 0.728 = 0.51 of it.
+    "T4": 0.51,
+}
+"""Devices whose power cap holds the clock below the boost clock the datasheet peak assumes, under a
+continuous load such as a training loop (the cap acts on the board's average power, so every
+kernel of the loop runs at the lowered clock); on the others no cap binds (fraction 1)."""
+
+
 def _spec(name: str, bf16: float | None, fp16: float, fp32: float, mem_GB: float, bw_GBps: float,
           fp8: float | None = None) -> DeviceSpec:
     return DeviceSpec(
@@ -68,6 +79,8 @@ def _spec(name: str, bf16: float | None, fp16: float, fp32: float, mem_GB: float
         mem_bytes=int(mem_GB * _GB),
         mem_bandwidth_Bps=bw_GBps * _GB,
         peak_flops_fp8=None if fp8 is None else fp8 * _TFLOPS,
+        sustained_peak_fraction=SUSTAINED_PEAK_FRACTION.get(name, 1.0),
+        fused_attention=bf16 is not None,  # bf16 and FlashAttention-2 both need sm80+ (AMD's CDNA has both)
     )
 
 

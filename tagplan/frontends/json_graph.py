@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tagplan.errors import SpecError, from_validation
-from tagplan.ir.model import Block, Layer, ModelGraph, Op
+from tagplan.ir.model import HASH_EXCLUDED, Block, Layer, ModelGraph, Op
 from tagplan.ir.workload import DType
 
 FORMAT = "tagplan-graph/1"
@@ -69,7 +69,7 @@ def _block(name: str, spec: Any, dtype: DType, source: str) -> Block:
     output_bytes = spec.get("output_bytes", ops[-1].bytes_written)
     digest = hashlib.sha256(f"{kind}|{params}|{output_bytes}".encode())
     for op in ops:
-        digest.update(op.model_dump_json().encode())
+        digest.update(op.model_dump_json(exclude=HASH_EXCLUDED).encode())
     return Block(hash=digest.hexdigest()[:16], kind=kind, ops=tuple(ops), params=params, output_bytes=output_bytes)
 
 

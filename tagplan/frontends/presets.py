@@ -20,10 +20,8 @@ from tagplan.frontends.catalog import (
     NVLINK_SM80_BPS,
     NVLINK_SM90_BPS,
     NVLINK_SM100_BPS,
-    PCIE_GEN3_BPS,
     PCIE_GEN4_BPS,
     PCIE_HOST_LATENCY_S,
-    PCIE_LATENCY_S,
     SMP_BPS,
     SMP_LATENCY_S,
     lookup_device,
@@ -144,11 +142,17 @@ def p3_16xlarge() -> Node:
     )
 
 
+G4DN_GPU_TO_GPU_BPS = gbps_to_Bps(50)
+"""What one g4dn.12xlarge T4 reaches another at: 50 Gb/s, as AMP (Li et al., NeurIPS 2022, section 5)
+describes the instances it measured on, half the PCIe Gen3 x16 rate: the VM gives the GPUs no
+peer-to-peer path, so NCCL stages their traffic through host memory."""
+
+
 def g4dn_12xlarge() -> Node:
-    """AWS g4dn.12xlarge: 4 x T4 on PCIe Gen3 x16 (12 GB/s); 50 Gb/s Ethernet."""
+    """AWS g4dn.12xlarge: 4 x T4 on PCIe Gen3 x16, staged through host memory (50 Gb/s); 50 Gb/s Ethernet."""
     return Node(
-        name="g4dn.12xlarge", device=lookup_device("T4"), gpus=4, fabric=LinkKind.PCIE,
-        fabric_bandwidth_Bps=PCIE_GEN3_BPS, fabric_latency_s=PCIE_LATENCY_S, nics=1,
+        name="g4dn.12xlarge", device=lookup_device("T4"), gpus=4, fabric=LinkKind.PCIE_HOST,
+        fabric_bandwidth_Bps=G4DN_GPU_TO_GPU_BPS, fabric_latency_s=PCIE_HOST_LATENCY_S, nics=1,
         nic_bandwidth_Bps=gbps_to_Bps(50),
     )
 

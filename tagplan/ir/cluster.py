@@ -41,6 +41,13 @@ class DeviceSpec(Record):
     mem_bandwidth_Bps: float = Field(gt=0)
     peak_flops_fp8: float | None = Field(default=None, gt=0, description="dense FLOP/s of fp8 GEMMs; None where "
                                          "unsupported")
+    sustained_peak_fraction: float = Field(
+        default=1.0, gt=0, le=1, description="clock a continuous training load sustains over the boost clock the "
+        "datasheet peak assumes, where the board's power cap binds (T4); scales all tensor-core work; 1 where "
+        "none binds")
+    fused_attention: bool = Field(default=True, description="a fused attention kernel (FlashAttention-2, cuDNN) runs "
+                                  "here; False on NVIDIA GPUs before sm80 (V100, T4), where attention materialises "
+                                  "its score matrix")
 
     def peak_flops(self, dtype: DType) -> float:
         """Peak dense FLOP/s in `dtype`; bf16 on a device without it runs as fp16, fp8 as bf16."""

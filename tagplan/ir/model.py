@@ -45,6 +45,11 @@ class PartitionDim(StrEnum):
     EXPERTS = "experts"
 
 
+HASH_EXCLUDED: set[str] = {"score_elements"}
+"""Op fields that block hashes leave out: derived from shapes the hash already covers (so adding them kept
+every earlier hash, and the layer profiles that name blocks by hash, valid)."""
+
+
 class Op(Record):
     """One operator of a block. Byte and FLOP figures are forward, per sample."""
 
@@ -55,6 +60,9 @@ class Op(Record):
     bytes_written: float = Field(ge=0, description="bytes written per sample")
     param_bytes: float = Field(default=0, ge=0, description="bytes of parameters this op owns")
     saved_bytes: float = Field(default=0, ge=0, description="activation bytes kept for backward")
+    score_elements: float = Field(default=0, ge=0, description="attention only: score-matrix elements per sample "
+                                  "(heads x queries x keys), which a kernel without fused attention writes to memory; "
+                                  "derived from the shapes, so block hashes leave it out")
     output_shape: tuple[int, ...] = ()
     partition_dims: tuple[PartitionDim, ...] = ()
     inputs: tuple[str, ...] = Field(default=(), description="names of producer ops in the block")

@@ -56,6 +56,9 @@ class Workload(Record):
     seq_len: int = Field(default=2048, gt=0, description="tokens per sample")
     dtype: DType = DType.BF16
     optimizer: Optimizer = Optimizer.ADAM
+    grad_reduce_dtype: DType | None = Field(
+        default=None, description="dtype gradients cross the data-parallel group in: None = the compute dtype; fp32 as "
+        "DeepSpeed's fp32_allreduce or Megatron's --accumulate-allreduce-grads-in-fp32 (twice the bytes at 16 bits)")
 
     @property
     def weight_bytes_per_param(self) -> int:
@@ -66,6 +69,11 @@ class Workload(Record):
     def grad_bytes_per_param(self) -> int:
         """Bytes of one gradient (kept in the compute dtype)."""
         return self.dtype.nbytes
+
+    @property
+    def grad_reduce_bytes_per_param(self) -> int:
+        """Bytes per parameter that the data-parallel gradient reduction moves."""
+        return self.grad_bytes_per_param if self.grad_reduce_dtype is None else self.grad_reduce_dtype.nbytes
 
     @property
     def optimizer_bytes_per_param(self) -> int:

@@ -263,7 +263,8 @@ def cuda_device_spec(index: int = 0) -> DeviceSpec:
         bandwidth = measure_memory_bandwidth_Bps(device="cuda", nbytes=1 << 30)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "cuda"
     return DeviceSpec(name=slug, peak_flops_bf16=tensor if props.major >= 8 else None, peak_flops_fp16=tensor,
-                      peak_flops_fp32=fp32, mem_bytes=int(props.total_memory), mem_bandwidth_Bps=bandwidth)
+                      peak_flops_fp32=fp32, mem_bytes=int(props.total_memory), mem_bandwidth_Bps=bandwidth,
+                      fused_attention=props.major >= 8)
 
 
 def device_type(device: Literal["cpu", "cuda"]) -> str:

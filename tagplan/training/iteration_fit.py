@@ -43,6 +43,10 @@ PRIOR = 1e-3
 HUBER_DELTA = 0.1
 """log-error beyond which a record's weight falls as 1/|error| (robust to a few bad measurements)."""
 SCALE_BOUNDS = (math.log(1 / 50), math.log(50))
+BANDWIDTH_SCALE_MAX = 2.0
+"""A link's achieved bandwidth stays below twice its rated figure: no collective beats the wire, and the
+slack only covers rated figures that understate. Without the bound a few records can trade a link
+class against another (a 5x faster network paired with a slower PCIe fitting 16 runs equally well)."""
 MAX_FOLDS = 5
 
 
@@ -63,6 +67,13 @@ class Param:
 
     name: str
     log_scale: bool
+
+    @property
+    def upper(self) -> float:
+        """Largest value the fit may take, in its own space (log for scales, median-time units otherwise)."""
+        if self.name.startswith("bandwidth_scale/"):
+            return math.log(BANDWIDTH_SCALE_MAX)
+        return SCALE_BOUNDS[1] if self.log_scale else math.inf
 
 
 @dataclass(frozen=True)
@@ -192,7 +203,7 @@ def fit_parameters(cases: Sequence[IterationCase], base: Calibration, *, max_ste
     if not active:
         return base, {}
     x = _levenberg_marquardt(lambda v: residual(v, active), x0[active], x0[active],
-                             [params[k].log_scale for k in active], max_steps)
+                             [params[k] for k in active], max_steps)
     full = x0.copy()
     full[active] = x
     fitted = write_values(base, params, full, unit_s)
@@ -211,15 +222,15 @@ def _jacobian(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray, fx: np.ndarr
     return np.column_stack(cols) if cols else np.zeros((len(fx), 0))
 
 
-def _project(x: np.ndarray, log_scale: Sequence[bool]) -> np.ndarray:
+def _project(x: np.ndarray, params: Sequence[Param]) -> np.ndarray:
     out = x.copy()
-    for k, is_log in enumerate(log_scale):
-        out[k] = min(max(out[k], SCALE_BOUNDS[0]), SCALE_BOUNDS[1]) if is_log else max(out[k], 0.0)
+    for k, p in enumerate(params):
+        out[k] = min(max(out[k], SCALE_BOUNDS[0] if p.log_scale else 0.0), p.upper)
     return out
 
 
 def _levenberg_marquardt(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray, prior: np.ndarray,
-                         log_scale: Sequence[bool], max_steps: int) -> np.ndarray:
+                         params: Sequence[Param], max_steps: int) -> np.ndarray:
     """Projected LM on the Huber loss of f(x) plus PRIOR * |x - prior|^2 (IRLS weights per step)."""
 
     def loss(r: np.ndarray, v: np.ndarray) -> float:
@@ -237,7 +248,7 @@ def _levenberg_marquardt(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray, p
         improved = False
         for _ in range(8):
             step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-9), -gradient)
-            trial = _project(x + step, log_scale)
+            trial = _project(x + step, params)
             r_trial = f(trial)
             trial_loss = loss(r_trial, trial)
             if trial_loss < current:

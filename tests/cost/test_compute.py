@@ -61,3 +61,28 @@ def test_calibration_validation_and_round_trip() -> None:
     assert Calibration.from_json(DEFAULT_CALIBRATION.to_json()) == DEFAULT_CALIBRATION
     curve = EfficiencyCurve(flops=(1e6, 1e8), efficiency=(0.2, 0.6))
     assert curve.at(1e7) == pytest.approx(0.4)  # linear in log10(FLOPs)
+
+
+def test_attention_without_a_fused_kernel_pays_its_score_matrix_in_memory_passes() -> None:
+    op = Op(name="sdpa", kind=OpKind.ATTENTION, flops=1e9, bytes_read=1e6, bytes_written=1e6, score_elements=5e7)
+    old = SPEC.model_copy(update={"fused_attention": False})
+    kwargs = {"samples": 2, "tp": 2, "strategy": ShardStrategy.HEADS, "dtype": DType.FP16, "calibration": FLAT}
+    fused, unfused = op_time(op, spec=SPEC, **kwargs), op_time(op, spec=old, **kwargs)  # type: ignore[arg-type]
+    one_pass_s = 5e7 * 2 / 2 * 2 / (1e12 * 0.8)  # elements x samples / tp x fp16 bytes / achieved bandwidth
+    assert unfused.forward_s - fused.forward_s == pytest.approx(6 * one_pass_s + 3e-6)
+    assert unfused.backward_s - fused.backward_s == pytest.approx(9 * one_pass_s + 4e-6)
+    without_scores = op.model_copy(update={"score_elements": 0.0})
+    assert op_time(without_scores, spec=old, **kwargs) == fused  # type: ignore[arg-type]
+
+
+def test_a_power_capped_device_runs_tensor_work_at_its_sustained_clock() -> None:
+    capped = SPEC.model_copy(update={"sustained_peak_fraction": 0.5})
+    mm = Op(name="mm", kind=OpKind.MATMUL, flops=1e9, bytes_read=1e3, bytes_written=1e3)
+    ln = Op(name="ln", kind=OpKind.LAYERNORM, flops=10.0, bytes_read=4e6, bytes_written=4e6)
+    kwargs = {"samples": 1, "tp": 1, "dtype": DType.BF16, "calibration": FLAT}
+    full = op_time(mm, strategy=ShardStrategy.COLUMN, spec=SPEC, **kwargs)  # type: ignore[arg-type]
+    slow = op_time(mm, strategy=ShardStrategy.COLUMN, spec=capped, **kwargs)  # type: ignore[arg-type]
+    assert slow.forward_s - 1e-6 == pytest.approx(2 * (full.forward_s - 1e-6))
+    # memory-bound kernels keep the memory clock
+    assert (op_time(ln, strategy=ShardStrategy.SEQUENCE, spec=capped, **kwargs)  # type: ignore[arg-type]
+            == op_time(ln, strategy=ShardStrategy.SEQUENCE, spec=SPEC, **kwargs))  # type: ignore[arg-type]

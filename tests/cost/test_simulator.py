@@ -11,7 +11,7 @@ from tagplan.cost.simulator import Simulator
 from tagplan.errors import SpecError
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
-from tagplan.ir import Cluster, LinkKind, ModelGraph, Network, Node, Plan, Schedule, Stage, Workload
+from tagplan.ir import Cluster, DType, LinkKind, ModelGraph, Network, Node, Plan, Schedule, Stage, Workload
 
 from .conftest import flat_cluster, matmul_model, unit_spec
 
@@ -256,3 +256,16 @@ def test_interleaved_chunks_reduce_gradients_as_each_finishes() -> None:
     total_reduce = sum(s.dp_sync_s for s in report.stages)
     assert 0 < report.breakdown.dp_comm < total_reduce
     assert report.breakdown.total_s == pytest.approx(report.iteration_time_s, rel=1e-9)
+
+
+def test_gradients_reduced_in_fp32_move_twice_the_bytes_of_fp16() -> None:
+    model = load_model("gpt?layers=4&hidden=512&heads=8&vocab=1000", seq_len=256)
+    plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 6), devices=tuple(range(8)), dp=8),))
+    half = Workload(global_batch=16, seq_len=256, dtype=DType.FP16)
+    full = half.model_copy(update={"grad_reduce_dtype": DType.FP32})
+    cluster = load_cluster("p3.16xlarge")
+    sync = [simulate(model, cluster, plan, w, comm_mode=CommMode.BYTES_ONLY).stages[0].dp_sync_s for w in (half, full)]
+    assert sync[1] == pytest.approx(2 * sync[0])
+    reports = [simulate(model, cluster, plan, w) for w in (half, full)]
+    assert reports[1].breakdown.dp_comm > reports[0].breakdown.dp_comm
+    assert reports[1].peak_memory_bytes == reports[0].peak_memory_bytes  # reduced in fp32, stored as before

@@ -55,3 +55,20 @@ def test_closed_form_family_matches_its_trace(family: str) -> None:
         for graph in (traced, derived):
             second = [layer.name for layer in graph.layers].index("decoder.block.1")
             assert len(graph.layer_inputs(second)) == 2
+
+
+def score_elements(graph: ModelGraph, layer: int) -> float:
+    return sum(op.score_elements for op in graph.block_of(layer).ops if op.kind is OpKind.ATTENTION)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_trace_and_closed_form_count_the_same_attention_scores(family: str) -> None:
+    """What an unfused kernel writes: heads x queries x keys per sample, from both front-ends."""
+    hf_spec, family_spec = PAIRS[family]
+    traced, derived = load_model(hf_spec, seq_len=64), load_model(family_spec, seq_len=64)
+    with_attention = [i for i in range(len(derived.layers)) if score_elements(derived, i)]
+    assert with_attention
+    for i in with_attention:
+        assert score_elements(traced, i) == pytest.approx(score_elements(derived, i)), derived.layers[i].name
+    assert score_elements(derived, with_attention[0]) >= 4 * 64 * 64  # at least one self-attention per block

@@ -48,3 +48,14 @@ def test_errors_name_line_and_field(tmp_path: Path) -> None:
         load_model(str(yaml_bad))
     with pytest.raises(SpecError, match="does not exist"):
         load_model(str(tmp_path / "missing.json"))
+
+
+def test_block_hashes_leave_out_the_derived_score_elements(tmp_path: Path) -> None:
+    """Stored layer profiles name blocks by hash: a field derived from shapes must not move them."""
+    data = json.loads(EXAMPLE.read_text())
+    data["blocks"]["stem"]["ops"][0]["score_elements"] = 1e6
+    path = tmp_path / "scores.json"
+    path.write_text(json.dumps(data))
+    with_scores, plain = load_model(str(path)), load_model(str(EXAMPLE))
+    assert with_scores.block_of(0).ops[0].score_elements == 1e6
+    assert [b.hash for b in with_scores.blocks] == [b.hash for b in plain.blocks]

@@ -9,7 +9,7 @@ import pytest
 
 from tagplan.cli import main
 from tagplan.cost.baselines import megatron_plan
-from tagplan.cost.calibration import DEFAULT_CALIBRATION
+from tagplan.cost.calibration import DEFAULT_CALIBRATION, LinkScale
 from tagplan.cost.simulator import Simulator
 from tagplan.datasets.traces.bundle import Fingerprint, IterationRecord, Manifest, now_iso, write_bundle
 from tagplan.frontends.cluster_spec import load_cluster
@@ -79,3 +79,19 @@ def test_calibrate_refuses_a_calibration_worse_than_the_one_it_replaces(
     report = json.loads(capsys.readouterr().out)
     assert report["held_out"]["replaced"] == pytest.approx(0.0, abs=1e-9)
     assert json.loads(out.read_text())["name"] == "calib"
+
+
+@pytest.mark.slow
+def test_a_fit_never_makes_a_link_more_than_twice_its_rated_speed() -> None:
+    """Records made with the network 4x faster than rated: the fit stops at the bound, 2x."""
+    model, cluster = load_model(MODEL, seq_len=WORKLOAD.seq_len), load_cluster("p3.8xlarge:nodes=2")
+    fast = DEFAULT_CALIBRATION.model_copy(update={"link_scales": {"*/inter": LinkScale(bandwidth_scale=4.0)}})
+    sim = Simulator(model, cluster, WORKLOAD)
+    records = []
+    for tp, pp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
+        plan = megatron_plan(sim, tp=tp, pp=pp).plan
+        assert plan is not None
+        seconds = Simulator(model, cluster, WORKLOAD, calibration=fast).simulate(plan).iteration_time_s
+        records.append(IterationCase(model, cluster, WORKLOAD, plan, seconds))
+    _, values = fit_parameters(records, DEFAULT_CALIBRATION, max_steps=15)
+    assert 1.5 < values["bandwidth_scale/V100-SXM2-16GB/inter"] <= 2.0

@@ -17,7 +17,7 @@ from torch import fx
 from tagplan.frontends.tracing.layers import Group, layer_edges, layer_inputs
 from tagplan.frontends.tracing.nodes import OpNode, Scale, Trace, node_shape
 from tagplan.frontends.tracing.ops import make_op
-from tagplan.ir.model import Block, Layer, Op
+from tagplan.ir.model import HASH_EXCLUDED, Block, Layer, Op
 
 _HASH_CHARS = 16
 
@@ -30,7 +30,8 @@ def build_blocks(trace: Trace, groups: list[Group], scale: Scale) -> tuple[list[
     for i, g in enumerate(groups):
         ops, signature = block_ops(trace, g, scale)
         params = sum(trace.params[fqn] for op in g.ops for fqn in op.owned)
-        block_hash = digest([g.kind, params, out_bytes[i], signature, [op.model_dump(mode="json") for op in ops]])
+        dumped = [op.model_dump(mode="json", exclude=HASH_EXCLUDED) for op in ops]
+        block_hash = digest([g.kind, params, out_bytes[i], signature, dumped])
         block = Block(hash=block_hash, kind=g.kind, ops=tuple(ops), params=params, output_bytes=out_bytes[i])
         blocks.setdefault(block_hash, block)
         layers.append(Layer(name=g.name, block=block_hash, inputs=layer_inputs(i, sources[i])))

@@ -103,6 +103,16 @@ def op_flops(kind: OpKind, counted: float, inputs: list[fx.Node], outputs: list[
     return counted
 
 
+def score_elements(op: OpNode, scale: Scale) -> float:
+    """Attention's score-matrix elements per sample: queries (..., heads, s, d) against keys (..., s_kv, d)."""
+    if op.kind is not OpKind.ATTENTION or len(op.inputs) < 2:
+        return 0.0
+    q, k = first_tensor(op.inputs[0]), first_tensor(op.inputs[1])
+    if q.dim() < 2 or k.dim() < 2:
+        return 0.0
+    return float(q.numel() // max(int(q.shape[-1]), 1) * int(k.shape[-2])) / scale.batch
+
+
 def make_op(trace: Trace, op: OpNode, name: str, inputs: tuple[str, ...], saved: set[fx.Node], scale: Scale) -> Op:
     """One Op with per-sample figures; `saved` holds the layer's already-saved tensors."""
     is_view = op.kind is OpKind.VIEW
@@ -121,6 +131,7 @@ def make_op(trace: Trace, op: OpNode, name: str, inputs: tuple[str, ...], saved:
         bytes_written=0.0 if is_view else written,
         param_bytes=float(sum(trace.params[f] for f in op.owned) * scale.dtype.nbytes),
         saved_bytes=saved_bytes,
+        score_elements=score_elements(op, scale),
         output_shape=tuple(int(d) for d in op.outputs[0].shape) if op.outputs else (),
         partition_dims=partition_dims(trace, op, scale),
         inputs=inputs,
