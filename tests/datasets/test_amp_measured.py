@@ -1,0 +1,42 @@
+"""AMP's published runs (bench/data/amp_measured.json) and the plans bench/fidelity_amp.py rebuilds from them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def amp() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fidelity_amp", BENCH / "fidelity_amp.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_transcribed_run_is_a_whole_layout_of_16_gpus_and_batch_32() -> None:
+    data = json.loads((BENCH / "data" / "amp_measured.json").read_text())
+    measured = {e["name"]: sum(r["measured_s"] is not None for r in e["runs"]) for e in data["experiments"]}
+    assert measured == {"homogeneous": 47, "heterogeneous": 43}
+    for experiment in data["experiments"]:
+        for run in experiment["runs"]:
+            assert run["tp"] * run["pp"] * run["dp"] == 16
+            assert run["dp"] * run["micro_batch_size"] * run["micro_batches"] == data["global_batch"]
+            assert sum(run["transformer_layers_per_stage"]) == 24 and len(run["partition"]) == run["pp"] + 1
+
+
+def test_a_run_becomes_the_plan_it_ran(amp: ModuleType) -> None:
+    run = {"tp": 2, "pp": 4, "dp": 2, "micro_batches": 16, "transformer_layers_per_stage": [7, 6, 6, 5]}
+    plan = amp.plan_of(run, 26)  # embedding, 24 blocks, head
+    assert [s.layers for s in plan.stages] == [(0, 8), (8, 14), (14, 20), (20, 26)]
+    assert [s.devices for s in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)]
+    assert all((s.tp, s.dp, s.zero) == (2, 2, 0) for s in plan.stages) and plan.micro_batches == 16
+    empty = {**run, "transformer_layers_per_stage": [0, 0, 12, 12]}
+    assert amp.plan_of(empty, 26) == "a middle stage holds no transformer layer"
