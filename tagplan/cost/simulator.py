@@ -136,7 +136,9 @@ class Simulator:
         """(gradient reduction, parameter all-gather) seconds of one stage's data-parallel sync.
 
         ZeRO 0 all-reduces gradients; ZeRO 1-2 reduce-scatter them and all-gather the updated
-        weights after the step; ZeRO-3 reduces inside every backward (see `_zero3`).
+        weights after the step; ZeRO-3 reduces inside every backward (see `_zero3`). Sharded
+        stages (ZeRO 1-3) issue one collective per layer, as FSDP's per-layer units and Megatron's
+        distributed-optimizer buckets do: each pays the collective's latency (`_per_layer`).
         """
         if stage.dp < 2 or stage.zero >= 3:
             return 0.0, 0.0
@@ -155,9 +157,15 @@ class Simulator:
             if stage.zero == 0:
                 reduce = max(reduce, self.comm.collective(Collective.ALL_REDUCE, group, grad_bytes).time_s)
             else:
-                reduce = max(reduce, self.comm.collective(Collective.REDUCE_SCATTER, group, grad_bytes).time_s)
-                gather = max(gather, self.comm.collective(Collective.ALL_GATHER, group, weight_bytes).time_s)
+                reduce = max(reduce, self._per_layer(Collective.REDUCE_SCATTER, group, grad_bytes, stage))
+                gather = max(gather, self._per_layer(Collective.ALL_GATHER, group, weight_bytes, stage))
         return reduce, gather
+
+    def _per_layer(self, kind: Collective, group: tuple[int, ...], nbytes: float, stage: Stage) -> float:
+        """Seconds of `kind` over `nbytes` issued as one collective per layer of `stage` (under the
+        alpha-beta model the split of bytes between layers does not change the sum, only the count)."""
+        layers = max(stage.num_layers, 1)
+        return layers * self.comm.collective(kind, group, nbytes / layers).time_s
 
     def _zero3(self, stage: Stage, params: float) -> tuple[float, float]:
         if stage.zero < 3 or stage.dp < 2:
@@ -166,9 +174,9 @@ class Simulator:
         for j in range(stage.tp):  # the slowest of the tp groups paces the stage
             group = tuple(stage.devices[r * stage.tp + j] for r in range(stage.dp))
             weights = params * self.workload.weight_bytes_per_param
-            gather = max(gather, self.comm.collective(Collective.ALL_GATHER, group, weights).time_s)
+            gather = max(gather, self._per_layer(Collective.ALL_GATHER, group, weights, stage))
             grads = params * self.workload.grad_reduce_bytes_per_param
-            scatter = max(scatter, self.comm.collective(Collective.REDUCE_SCATTER, group, grads).time_s)
+            scatter = max(scatter, self._per_layer(Collective.REDUCE_SCATTER, group, grads, stage))
         return gather, gather + scatter
 
     def _timing(self, plan: Plan, index: int, cost: StagePlanCost) -> StageTiming:

@@ -269,3 +269,21 @@ def test_gradients_reduced_in_fp32_move_twice_the_bytes_of_fp16() -> None:
     reports = [simulate(model, cluster, plan, w) for w in (half, full)]
     assert reports[1].breakdown.dp_comm > reports[0].breakdown.dp_comm
     assert reports[1].peak_memory_bytes == reports[0].peak_memory_bytes  # reduced in fp32, stored as before
+
+
+def test_sharded_stages_pay_one_collective_latency_per_layer(ideal: Calibration) -> None:
+    """ZeRO 1-2 reduce-scatter and gather layer by layer (FSDP units, distributed-optimizer buckets)."""
+    model = matmul_model(6, flops=1.0, params=1000)
+    cluster = flat_cluster(4, latency_s=1e-3)  # unlimited bandwidth: only latency counts
+    sim = Simulator(model, cluster, Workload(global_batch=2, seq_len=1), calibration=ideal)
+
+    def sync(zero: int, layers: tuple[int, int] = (0, 6)) -> tuple[float, float]:
+        rest = [Stage(layers=(layers[1], 6), devices=(2, 3), dp=2)] if layers[1] < 6 else []
+        plan = Plan(stages=(Stage(layers=layers, devices=(0, 1), dp=2, zero=zero), *rest))
+        return sim.stage_costs(plan)[0][0].dp_sync_s
+
+    whole_reduce, _ = sync(0)
+    reduce, gather = sync(1)
+    assert gather == pytest.approx(reduce)  # six reduce-scatters, six all-gathers, one step each on 2 ranks
+    assert reduce == pytest.approx(6 * sync(1, (0, 1))[0])  # six layers: six latencies, one layer: one
+    assert reduce > whole_reduce  # one all-reduce for the whole unsharded stage
