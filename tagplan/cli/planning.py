@@ -127,8 +127,13 @@ def _with_correction(args: argparse.Namespace, report: Any, plan: Any, problem: 
 
 
 def plan_problem(args: argparse.Namespace) -> PlanProblem:
-    """The one PlanProblem the `plan` options describe."""
+    """The one PlanProblem the `plan` options describe; with `--exportable`, the workload as that
+    format's runtime runs it (`export.capability.runtime_workload`)."""
     model, cluster, workload = load_problem(args)
+    if getattr(args, "exportable", None):
+        from tagplan.export.capability import runtime_workload
+
+        workload = runtime_workload(args.exportable, workload)
     return PlanProblem(model, cluster, workload, objective=Objective(args.objective), budget_s=args.budget_s,
                        max_evaluations=args.max_evaluations, seed=args.seed, time_bound_s=args.time_bound_s,
                        calibration=load_calibration_option(args), scorer=Scorer(args.scorer),

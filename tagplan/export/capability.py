@@ -17,9 +17,24 @@ from tagplan.export import deepspeed, megatron
 from tagplan.frontends.model_spec import ModelSpec
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_whole_samples
+from tagplan.ir.workload import DType, Workload
 
 Target = Literal["torch", "megatron", "deepspeed"]
 TARGETS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
+
+
+def runtime_workload(fmt: str, workload: Workload) -> Workload:
+    """`workload` as format `fmt`'s runtime runs it, where the user left it open (`grad_reduce_dtype`
+    None): the torch program computes under autocast over fp32 master weights, so its gradients cross
+    the data-parallel group in fp32; Megatron forces `--accumulate-allreduce-grads-in-fp32` with bf16.
+    DeepSpeed reduces in the compute dtype unless its config sets `fp32_allreduce`."""
+    if fmt not in TARGETS:
+        raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
+    sixteen = workload.dtype in (DType.BF16, DType.FP16)
+    fp32 = (fmt == "torch" and sixteen) or (fmt == "megatron" and workload.dtype is DType.BF16)
+    if workload.grad_reduce_dtype is not None or not fp32:
+        return workload
+    return workload.model_copy(update={"grad_reduce_dtype": DType.FP32})
 
 
 def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_batch: int | None = None,

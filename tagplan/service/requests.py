@@ -326,6 +326,9 @@ class WorkloadRequest(BaseModel):
                                       description="tokens per sample (default: the model's)")
     dtype: DType | None = Field(default=None, description="default bf16")
     optimizer: Optimizer | None = Field(default=None, description="default adam")
+    grad_reduce_dtype: DType | None = Field(default=None, description="dtype gradients cross the data-parallel "
+                                            "group in (default: the training dtype; fp32 as DeepSpeed's "
+                                            "fp32_allreduce)")
 
 
 class PlanRequest(BaseModel):

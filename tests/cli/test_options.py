@@ -76,3 +76,16 @@ def test_help_is_built_for_every_command() -> None:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name, command in sub.choices.items():
         assert command.format_help(), name
+
+
+def test_a_plan_for_an_export_target_is_costed_as_that_runtime_reduces_gradients() -> None:
+    from tagplan.cli.planning import plan_problem
+    from tagplan.ir.workload import DType
+
+    def reduce(*extra: str) -> DType | None:
+        return plan_problem(build_parser().parse_args(["plan", *PROBLEM, *extra])).workload.grad_reduce_dtype
+
+    assert reduce() is None  # the training dtype
+    assert reduce("--exportable", "torch") is DType.FP32  # fp32 master weights under autocast
+    assert reduce("--exportable", "deepspeed") is None
+    assert reduce("--exportable", "torch", "--grad-reduce-dtype", "bf16") is DType.BF16  # said outright

@@ -34,3 +34,22 @@ def test_a_model_adds_the_model_checks() -> None:
     assert "tensor parallelism" in (exportable(uniform, "deepspeed", model) or "")
     with pytest.raises(ValueError, match="unknown export format"):
         exportable(uniform, "jax")
+
+
+def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() -> None:
+    from tagplan.export.capability import runtime_workload
+    from tagplan.ir.workload import DType, Workload
+
+    bf16, fp16 = Workload(dtype=DType.BF16), Workload(dtype=DType.FP16)
+    # the torch program: autocast over fp32 master weights, so fp32 gradients
+    assert runtime_workload("torch", bf16).grad_reduce_dtype is DType.FP32
+    assert runtime_workload("torch", fp16).grad_reduce_dtype is DType.FP32
+    # Megatron forces fp32 reduction with bf16 only; DeepSpeed reduces in the compute dtype
+    assert runtime_workload("megatron", bf16).grad_reduce_dtype is DType.FP32
+    assert runtime_workload("megatron", fp16).grad_reduce_dtype is None
+    assert runtime_workload("deepspeed", bf16).grad_reduce_dtype is None
+    # what the user set stays
+    told = bf16.model_copy(update={"grad_reduce_dtype": DType.BF16})
+    assert runtime_workload("torch", told) is told
+    with pytest.raises(ValueError, match="unknown export format 'onnx'"):
+        runtime_workload("onnx", bf16)

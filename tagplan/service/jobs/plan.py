@@ -81,6 +81,7 @@ def plan_problem(request: PlanRequest, settings: Settings, calibration: Calibrat
         raise LimitError(f"cluster: {cluster.num_devices} devices is over this service's limit of "
                          f"{settings.max_devices} (TAGPLAN_MAX_DEVICES)", limit="max_devices")
     workload = Workload(global_batch=asked.global_batch or DEFAULT_GLOBAL_BATCH, seq_len=model.seq_len, dtype=dtype,
+                        grad_reduce_dtype=asked.grad_reduce_dtype,
                         **({"optimizer": asked.optimizer} if asked.optimizer is not None else {}))
     return PlanProblem(
         model=model, cluster=cluster, workload=workload, objective=request.objective or Objective.TIME,
@@ -112,7 +113,8 @@ def echo(request: PlanRequest, problem: PlanProblem) -> dict[str, Any]:
     w = problem.workload
     filled = request.model_copy(update={
         "workload": WorkloadRequest(global_batch=w.global_batch, seq_len=w.seq_len, dtype=w.dtype,
-                                    optimizer=w.optimizer),
+                                    optimizer=w.optimizer,
+                                    grad_reduce_dtype=w.grad_reduce_dtype or w.dtype.elementwise),
         "objective": problem.objective, "budget_s": problem.budget_s, "max_evaluations": problem.max_evaluations,
         "seed": problem.seed, "time_bound_s": problem.time_bound_s})
     return filled.model_dump(mode="json")
