@@ -19,7 +19,8 @@ variant ranks first / fastest measured - 1) per experiment:
   (a cluster the fit never saw, and a GPU type it never saw), and the homogeneous runs' own k-fold
   cross-validation.
 
-Run: `.venv/bin/python bench/fidelity_amp.py` (about a minute); writes bench/results/fidelity_amp.json.
+Run: `.venv/bin/python bench/fidelity_amp.py` (about 6 minutes on 2 cores, the fits most of it); writes
+bench/results/fidelity_amp.json.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from tagplan.ir.workload import DType, Optimizer, Workload
+from tagplan.ir.workload import REDUCE_DTYPES, DType, Optimizer, Workload
 from tagplan.search.problem import DEFAULT_GLOBAL_BATCH
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
     add_input_shape_option(parser)
     add_dtype_option(parser)
     parser.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value)
-    parser.add_argument("--grad-reduce-dtype", choices=[d.value for d in DType], default=None,
+    parser.add_argument("--grad-reduce-dtype", choices=[d.value for d in REDUCE_DTYPES], default=None,
                         help="dtype gradients cross the data-parallel group in (default: the training dtype; fp32 "
                              "as DeepSpeed's fp32_allreduce or Megatron's --accumulate-allreduce-grads-in-fp32)")
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")

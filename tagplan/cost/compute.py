@@ -60,8 +60,8 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
     nbytes = (activation_read + op.bytes_written) * samples / split + op.param_bytes / param_split
     curve = calibration.curve(spec.name, op.kind)
     if curve is not None:  # GEMMs in the compute dtype; attention and the rest in bf16 under fp8
-        peak = spec.peak_flops(dtype if op.kind in _GEMM_KINDS else dtype.elementwise)
-        compute_s = flops / (peak * spec.sustained_peak_fraction * curve.at(flops)) if flops else 0.0
+        peak = spec.sustained_peak_flops(dtype if op.kind in _GEMM_KINDS else dtype.elementwise)
+        compute_s = flops / (peak * curve.at(flops)) if flops else 0.0
     else:  # pointwise work runs on the vector units
         compute_s = flops / spec.peak_flops_fp32
     memory_s = nbytes / (spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, op.kind))

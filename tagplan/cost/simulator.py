@@ -65,7 +65,7 @@ class Simulator:
         self.calibration, self.comm_mode = calibration, comm_mode
         self.comm = CommModel(calibrated_cluster(cluster, calibration), comm_mode)  # measured links, if any
         self.coster = StageCoster(model, cluster, workload, calibration, self.comm, fold=fold)
-        self._dp_sync_memo: dict[tuple[tuple[int, ...], int, int, float], tuple[float, float]] = {}
+        self._dp_sync_memo: dict[tuple[tuple[int, ...], int, int, float, int], tuple[float, float]] = {}
         self._model_flops = sum(model_flops(model.block_of(i)) for i in range(len(model.layers)))
         # per device id, for the O(devices) sums of every report
         self._peak_flops = tuple(d.spec.peak_flops(workload.dtype) for d in cluster.devices)
@@ -142,7 +142,8 @@ class Simulator:
         """
         if stage.dp < 2 or stage.zero >= 3:
             return 0.0, 0.0
-        key = (stage.devices, stage.tp, stage.zero, params)  # equal stages of deep pipelines sync alike
+        # equal stages of deep pipelines sync alike; sharded ones issue a collective per layer
+        key = (stage.devices, stage.tp, stage.zero, params, self._synced_layers(stage))
         hit = self._dp_sync_memo.get(key)
         if hit is None:
             hit = self._dp_sync_memo[key] = self._dp_sync_uncached(stage, params)
@@ -162,10 +163,16 @@ class Simulator:
         return reduce, gather
 
     def _per_layer(self, kind: Collective, group: tuple[int, ...], nbytes: float, stage: Stage) -> float:
-        """Seconds of `kind` over `nbytes` issued as one collective per layer of `stage` (under the
-        alpha-beta model the split of bytes between layers does not change the sum, only the count)."""
-        layers = max(stage.num_layers, 1)
+        """Seconds of `kind` over `nbytes` issued as one collective per layer of `stage` that holds
+        parameters (under the alpha-beta model the split of bytes between layers does not change the
+        sum, only the count)."""
+        layers = self._synced_layers(stage)
         return layers * self.comm.collective(kind, group, nbytes / layers).time_s
+
+    def _synced_layers(self, stage: Stage) -> int:
+        """Layers of `stage` with parameters: the units a sharded stage reduces and gathers one by one."""
+        blocks = self.model.block_by_hash
+        return max(sum(n for h, n in self.coster.units(stage) if blocks[h].params > 0), 1)
 
     def _zero3(self, stage: Stage, params: float) -> tuple[float, float]:
         if stage.zero < 3 or stage.dp < 2:

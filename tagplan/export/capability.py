@@ -23,15 +23,16 @@ Target = Literal["torch", "megatron", "deepspeed"]
 TARGETS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
 
 
-def runtime_workload(fmt: str, workload: Workload) -> Workload:
+def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
     """`workload` as format `fmt`'s runtime runs it, where the user left it open (`grad_reduce_dtype`
     None): the torch program computes under autocast over fp32 master weights, so its gradients cross
-    the data-parallel group in fp32; Megatron forces `--accumulate-allreduce-grads-in-fp32` with bf16.
+    the data-parallel group in fp32; Megatron forces `--accumulate-allreduce-grads-in-fp32` with bf16
+    (which its fp8 runs also set).
     DeepSpeed reduces in the compute dtype unless its config sets `fp32_allreduce`."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
     sixteen = workload.dtype in (DType.BF16, DType.FP16)
-    fp32 = (fmt == "torch" and sixteen) or (fmt == "megatron" and workload.dtype is DType.BF16)
+    fp32 = (fmt == "torch" and sixteen) or (fmt == "megatron" and workload.dtype in (DType.BF16, DType.FP8))
     if workload.grad_reduce_dtype is not None or not fp32:
         return workload
     return workload.model_copy(update={"grad_reduce_dtype": DType.FP32})

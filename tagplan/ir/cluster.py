@@ -59,6 +59,11 @@ class DeviceSpec(Record):
             return self.peak_flops_bf16
         return self.peak_flops_fp16
 
+    def sustained_peak_flops(self, dtype: DType) -> float:
+        """`peak_flops(dtype)` at the clock a continuous training load sustains (`sustained_peak_fraction`):
+        what comparisons of device speed use."""
+        return self.peak_flops(dtype) * self.sustained_peak_fraction
+
 
 class PairLink(Record):
     """An explicit link between two GPUs of one node (local indices), overriding the fabric."""

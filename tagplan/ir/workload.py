@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tagplan.ir.base import Record
 
@@ -49,6 +49,10 @@ _STATE_BYTES = {
 }
 
 
+REDUCE_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
+"""The dtypes a data-parallel gradient reduction runs in (no runtime reduces in fp8)."""
+
+
 class Workload(Record):
     """One training iteration: global batch (samples), sequence length (tokens), dtype, optimizer."""
 
@@ -59,6 +63,13 @@ class Workload(Record):
     grad_reduce_dtype: DType | None = Field(
         default=None, description="dtype gradients cross the data-parallel group in: None = the compute dtype; fp32 as "
         "DeepSpeed's fp32_allreduce or Megatron's --accumulate-allreduce-grads-in-fp32 (twice the bytes at 16 bits)")
+
+    @model_validator(mode="after")
+    def _check_reduce_dtype(self) -> Workload:
+        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"grad_reduce_dtype {self.grad_reduce_dtype.value!r}: gradients reduce in one of "
+                             f"{', '.join(d.value for d in REDUCE_DTYPES)}")
+        return self
 
     @property
     def weight_bytes_per_param(self) -> int:

@@ -84,7 +84,7 @@ def run_baselines(sim: Simulator, judge: Judge, *, deadline: float | None = None
 def fastest_type_nodes(sim: Simulator) -> tuple[int, ...]:
     """The nodes of the GPU type with the highest dense peak in the workload's dtype."""
     dtype = sim.workload.dtype
-    best = max(sim.cluster.nodes, key=lambda n: n.device.peak_flops(dtype)).device.name
+    best = max(sim.cluster.nodes, key=lambda n: n.device.sustained_peak_flops(dtype)).device.name
     return tuple(i for i, n in enumerate(sim.cluster.nodes) if n.device.name == best)
 
 

@@ -55,7 +55,7 @@ def partitions(cluster: Cluster, stages: int, dtype: DType) -> list[Partition]:
         parts = node_parts(cluster, stages // n) if stages % n == 0 else None
         return [tuple(parts)] if parts else []
     units = [cluster.node_devices(i) for i in range(n)]
-    weights = [node.gpus * node.device.peak_flops(dtype) for node in cluster.nodes]
+    weights = [node.gpus * node.device.sustained_peak_flops(dtype) for node in cluster.nodes]
     cuts = {_even_cuts(n, stages), _weighted_cuts(weights, stages), _type_cuts(cluster, stages)}
     out: list[Partition] = []
     for order in (list(range(n)), list(reversed(range(n)))):

@@ -106,7 +106,7 @@ class PlanSpace:
         """
         full = self.sim.cluster
         dtype = self.sim.workload.dtype
-        speed = {n.device.name: n.device.peak_flops(dtype) for n in full.nodes}
+        speed = {n.device.name: n.device.sustained_peak_flops(dtype) for n in full.nodes}
         ranked = sorted(speed, key=lambda t: -speed[t])
         sets = [tuple(range(len(full.nodes)))]
         sets += [tuple(i for i, n in enumerate(full.nodes) if n.device.name in ranked[:k])
@@ -327,7 +327,8 @@ class PlanSpace:
         """Sum of the group's dense peaks (FLOP/s), memoised per group."""
         hit = self._speeds.get(group)
         if hit is None:
-            hit = self._speeds[group] = sum(self.sim.cluster.devices[d].spec.peak_flops(self.sim.workload.dtype)
+            dtype = self.sim.workload.dtype
+            hit = self._speeds[group] = sum(self.sim.cluster.devices[d].spec.sustained_peak_flops(dtype)
                                             for d in group)
         return hit
 

@@ -22,7 +22,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -326,9 +326,9 @@ class WorkloadRequest(BaseModel):
                                       description="tokens per sample (default: the model's)")
     dtype: DType | None = Field(default=None, description="default bf16")
     optimizer: Optimizer | None = Field(default=None, description="default adam")
-    grad_reduce_dtype: DType | None = Field(default=None, description="dtype gradients cross the data-parallel "
-                                            "group in (default: the training dtype; fp32 as DeepSpeed's "
-                                            "fp32_allreduce)")
+    grad_reduce_dtype: Literal[DType.FP32, DType.BF16, DType.FP16] | None = Field(
+        default=None, description="dtype gradients cross the data-parallel group in (default: the training "
+        "dtype; fp32 as DeepSpeed's fp32_allreduce)")
 
 
 class PlanRequest(BaseModel):

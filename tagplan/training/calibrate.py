@@ -255,7 +255,7 @@ def _grid(calls: list[OpRecord], spec: DeviceSpec, base: Calibration,
 def _curve(records: list[OpRecord], kind: OpKind, spec: DeviceSpec, launch_s: float,
            base: Calibration) -> EfficiencyCurve | None:
     """The efficiency curve of `kind`: per decade of forward FLOPs per call, the median achieved
-    fraction of peak over the calls of both phases (a backward does 2x, attention's
+    fraction of the sustained peak over the calls of both phases (a backward does 2x, attention's
     `attention_backward_factor` x, the forward's FLOPs in the cost model)."""
     points: dict[int, list[float]] = defaultdict(list)
     backward = base.attention_backward_factor if kind is OpKind.ATTENTION else 2.0
@@ -265,7 +265,8 @@ def _curve(records: list[OpRecord], kind: OpKind, spec: DeviceSpec, launch_s: fl
         launches = 1.0 if r.phase == "forward" or kind is OpKind.ATTENTION else 2.0
         flops = r.flops * (1.0 if r.phase == "forward" else backward)
         body = max(r.time_s - launches * launch_s, 0.1 * r.time_s)
-        points[round(math.log10(r.flops))].append(flops / (spec.peak_flops(r.dtype) * body))
+        # against the sustained peak, as `op_time` applies the curve: a power cap is counted once
+        points[round(math.log10(r.flops))].append(flops / (spec.sustained_peak_flops(r.dtype) * body))
     if not points:
         return None
     decades = sorted(points)

@@ -11,7 +11,22 @@ from tagplan.cost.simulator import Simulator
 from tagplan.errors import SpecError
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
-from tagplan.ir import Cluster, DType, LinkKind, ModelGraph, Network, Node, Plan, Schedule, Stage, Workload
+from tagplan.ir import (
+    Block,
+    Cluster,
+    DType,
+    Layer,
+    LinkKind,
+    ModelGraph,
+    Network,
+    Node,
+    Op,
+    OpKind,
+    Plan,
+    Schedule,
+    Stage,
+    Workload,
+)
 
 from .conftest import flat_cluster, matmul_model, unit_spec
 
@@ -287,3 +302,24 @@ def test_sharded_stages_pay_one_collective_latency_per_layer(ideal: Calibration)
     assert gather == pytest.approx(reduce)  # six reduce-scatters, six all-gathers, one step each on 2 ranks
     assert reduce == pytest.approx(6 * sync(1, (0, 1))[0])  # six layers: six latencies, one layer: one
     assert reduce > whole_reduce  # one all-reduce for the whole unsharded stage
+
+
+def test_the_sync_memo_tells_apart_stages_with_equal_parameters_in_different_layer_counts(ideal: Calibration) -> None:
+    """One 4000-parameter layer and four 1000-parameter layers on the same devices sync differently."""
+    big = Block(hash="big", ops=(Op(name="mm", kind=OpKind.MATMUL, flops=1.0, bytes_read=0.0, bytes_written=0.0,
+                                    param_bytes=8000.0),), params=4000, output_bytes=0.0)
+    small = Block(hash="small", ops=(Op(name="mm", kind=OpKind.MATMUL, flops=1.0, bytes_read=0.0, bytes_written=0.0,
+                                        param_bytes=2000.0),), params=1000, output_bytes=0.0)
+    model = ModelGraph(name="m", seq_len=1, blocks=(big, small), layers=(
+        Layer(name="b", block="big"), *(Layer(name=f"s{i}", block="small") for i in range(4))))
+    sim = Simulator(model, flat_cluster(4, latency_s=1e-3), Workload(global_batch=2, seq_len=1), calibration=ideal)
+
+    def reduce_on_01(first_on_01: bool) -> float:
+        a, b = (0, 1), (2, 3)
+        stages = (Stage(layers=(0, 1), devices=a if first_on_01 else b, dp=2, zero=1),
+                  Stage(layers=(1, 5), devices=b if first_on_01 else a, dp=2, zero=1))
+        costs = sim.stage_costs(Plan(stages=stages))[0]
+        return costs[0 if first_on_01 else 1].dp_sync_s[0]
+
+    one_layer, four_layers = reduce_on_01(True), reduce_on_01(False)  # same simulator, same memo
+    assert four_layers == pytest.approx(4 * one_layer)

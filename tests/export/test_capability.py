@@ -53,3 +53,12 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     assert runtime_workload("torch", told) is told
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         runtime_workload("onnx", bf16)
+
+
+def test_megatron_fp8_runs_set_bf16_and_so_reduce_in_fp32() -> None:
+    from tagplan.export.capability import runtime_workload
+    from tagplan.ir.workload import DType, Workload
+
+    assert runtime_workload("megatron", Workload(dtype=DType.FP8)).grad_reduce_dtype is DType.FP32
+    with pytest.raises(ValueError, match="grad_reduce_dtype 'fp8'"):
+        Workload(grad_reduce_dtype=DType.FP8)

@@ -126,3 +126,14 @@ def test_calibrating_on_the_committed_cpu_bundle_brings_the_simulator_to_the_mea
 
     before, after = error(DEFAULT_CALIBRATION), error(fit.calibration)
     assert after < 0.25 < before  # measured on the committed bundle: about 140% -> 6%
+
+
+def test_a_power_capped_device_is_fitted_against_its_sustained_peak_not_capped_twice() -> None:
+    capped = DEVICE.model_copy(update={"sustained_peak_fraction": 0.5})
+    records = [r.model_copy(update={"time_s": predict_op_s(r, capped, TRUTH)}) for r in op_records(TRUTH)]
+    manifest = Manifest(created=now_iso(), source="test", fingerprint=host_fingerprint("test-accel"), device=capped)
+    fit = fit_calibration([Bundle(manifest=manifest, records=tuple(records))])
+    assert fit.summary()["ops_mape_after"] < 0.15  # counted twice, every GEMM would come out 2x too slow
+    curve = fit.calibration.curve("test-accel", OpKind.MATMUL)
+    assert curve is not None and curve.at(2.0 * 8192**3) == pytest.approx(scaled(GEMM_CURVE, 0.5).at(2.0 * 8192**3),
+                                                                           rel=0.1)
