@@ -44,6 +44,7 @@ bench: $(STAMP_RUN)
 	$(BIN)/python bench/planner.py
 	$(BIN)/python bench/gnn.py
 	$(BIN)/python bench/fidelity.py
+	$(BIN)/python bench/fidelity_amp.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
