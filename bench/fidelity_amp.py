@@ -15,6 +15,8 @@ no transformer layer are not expressible (the layer graph has no empty stage) an
 Variants, each scored by MAPE, Kendall tau and first-choice regret (measured time of the layout the
 variant ranks first / fastest measured - 1) per experiment:
 - defaults: the shipped cost model, nothing fitted;
+- the memory model's fit verdict on every layout against whether AMP's run of it finished (a run
+  that finished must fit; one that failed may have run out of memory or failed otherwise);
 - fit on the homogeneous runs (`iteration_fit.fit_parameters`), scored on the heterogeneous ones
   (a cluster the fit never saw, and a GPU type it never saw), and the homogeneous runs' own k-fold
   cross-validation.
@@ -68,12 +70,37 @@ def plan_of(run: dict[str, Any], layers: int) -> Plan | str:
     return Plan(micro_batches=run["micro_batches"], schedule=Schedule.ONE_F_ONE_B, stages=stages)
 
 
+def workload_of(data: dict[str, Any]) -> Workload:
+    """The workload as AMP's runs ran it: fp16, gradients all-reduced in fp32 after the flush."""
+    return Workload(global_batch=data["global_batch"], seq_len=data["model"]["seq_len"], dtype=DType.FP16,
+                    grad_reduce_dtype=DType(data["framework"]["grad_reduce_dtype"]),
+                    grad_reduce_overlap=data["framework"]["grad_reduce_overlap"])
+
+
+def fit_verdicts(data: dict[str, Any], experiment: dict[str, Any], model: ModelGraph) -> dict[str, Any]:
+    """The memory model's fit verdict on every expressible layout, against whether AMP's run of it
+    finished: a run that finished must fit; a failed one (out of memory, or a crash or hang) may not."""
+    sim = Simulator(model, load_cluster(CLUSTERS[experiment["name"]]), workload_of(data))
+    verdicts: dict[str, list[dict[str, Any]]] = {"ran": [], "failed": []}
+    for run in experiment["runs"]:
+        plan = plan_of(run, len(model.layers))
+        if isinstance(plan, str):
+            continue
+        report = sim.simulate(plan)
+        verdicts["ran" if run["measured_s"] is not None else "failed"].append(
+            {"amp_rank": run["amp_rank"], "fits": report.fits, "peak_gb": round(report.peak_memory_bytes / 1e9, 2)})
+    ran, failed = verdicts["ran"], verdicts["failed"]
+    return {"ran": len(ran), "ran_predicted_to_fit": sum(v["fits"] for v in ran),
+            "failed": len(failed), "failed_predicted_not_to_fit": sum(not v["fits"] for v in failed),
+            "largest_peak_gb_of_a_run_that_ran": max((v["peak_gb"] for v in ran), default=0.0),
+            "failed_runs": failed}
+
+
 def cases_of(data: dict[str, Any], experiment: dict[str, Any], model: ModelGraph,
              ) -> tuple[list[IterationCase], list[dict[str, Any]], list[dict[str, Any]]]:
     """(cases, their runs, runs left out with the reason) of one experiment's measured runs."""
     cluster = load_cluster(CLUSTERS[experiment["name"]])
-    workload = Workload(global_batch=data["global_batch"], seq_len=data["model"]["seq_len"], dtype=DType.FP16,
-                        grad_reduce_dtype=DType(data["framework"]["grad_reduce_dtype"]))
+    workload = workload_of(data)
     cases, runs, skipped = [], [], []
     for run in experiment["runs"]:
         if run["measured_s"] is None:
@@ -127,6 +154,7 @@ def main() -> int:
         out["experiments"][experiment["name"]] = {
             "cluster": CLUSTERS[experiment["name"]], "scored": len(cases),
             "left_out": [{"amp_rank": r["amp_rank"], "reason": r["reason"]} for r in skipped],
+            "fit_verdicts": fit_verdicts(data, experiment, model),
             "defaults": {k: v for k, v in d.items() if k != "predicted_s"},
             "rows": [{"tp": r["tp"], "pp": r["pp"], "dp": r["dp"], "micro_batch_size": r["micro_batch_size"],
                       "measured_s": c.measured_s, "predicted_s": round(p, 4), "breakdown": breakdown(c, defaults)}
@@ -155,6 +183,12 @@ def _table(out: dict[str, Any]) -> str:
     for where, n, how, s in rows:
         lines.append(f"| {where} | {n} | {how} | {s['mape']:.1%} | {s['kendall_tau']:.2f} | "
                      f"{s['median_measured_over_predicted']:.2f} | {s['first_choice_regret']:.1%} |")
+    lines.append("\n| cluster | runs that ran predicted to fit | failed runs predicted not to fit | "
+                 "largest predicted peak of a run that ran |\n|---|---|---|---|")
+    for name, e in out["experiments"].items():
+        v = e["fit_verdicts"]
+        lines.append(f"| {name} | {v['ran_predicted_to_fit']} of {v['ran']} | {v['failed_predicted_not_to_fit']} of "
+                     f"{v['failed']} | {v['largest_peak_gb_of_a_run_that_ran']:.1f} GB |")
     cv = out["homogeneous_kfold"]
     lines.append(f"\nHomogeneous, {cv['folds']}-fold cross-validated fit: MAPE {cv['mape']:.1%}, Kendall tau "
                  f"{cv['kendall_tau']:.2f}.")

@@ -153,6 +153,9 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-reduce-dtype", choices=[d.value for d in REDUCE_DTYPES], default=None,
                         help="dtype gradients cross the data-parallel group in (default: the training dtype; fp32 "
                              "as DeepSpeed's fp32_allreduce or Megatron's --accumulate-allreduce-grads-in-fp32)")
+    parser.add_argument("--no-grad-reduce-overlap", dest="grad_reduce_overlap", action="store_false",
+                        help="the runtime reduces gradients after the backward instead of overlapping it (DeepSpeed's "
+                             "pipeline engine, DeepSpeed without ZeRO, Megatron-LM before Megatron-Core)")
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
 
 
@@ -164,5 +167,6 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
     model = load_model(args.model, seq_len=args.seq, dtype=dtype, input_shape=getattr(args, "input_shape", None))
     reduce = getattr(args, "grad_reduce_dtype", None)
     workload = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
-                        optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None)
+                        optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None,
+                        grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True))
     return model, load_cluster_option(args.cluster, args), workload

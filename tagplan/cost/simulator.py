@@ -5,7 +5,8 @@ One iteration is simulated as: per-stage forward/backward task times for one mic
 stage paces it, so uneven batch shares across unequal GPUs are simulated replica by replica);
 an event simulation of the schedule with p2p transfers on the links between stage groups;
 then per lane the data-parallel gradient synchronisation, overlapped with the last backward
-except for the last bucket, and the optimizer step.
+except for the last bucket (or after the flush, exposed, where `Workload.grad_reduce_overlap` is
+False), and the optimizer step.
 """
 
 from __future__ import annotations
@@ -211,6 +212,9 @@ class Simulator:
         # overlap_param_gather, DeepSpeed's prefetch); the last bucket of each cannot overlap.
         # Each chunk's reduction starts with its own last backward (interleaved plans hold several);
         # reductions share the links, so they queue.
+        if not self.workload.grad_reduce_overlap:  # after the flush, one after another on shared links
+            return pipe.lane_end_s[lane], sum(costs[i].dp_sync_s[0] for i in members) + gather, self._step_s(
+                plan, members, costs)
         exposed, queue_end, last = 0.0, 0.0, None
         for i in sorted(members, key=lambda k: pipe.stage_last_backward_s[k][0]):
             reduce = costs[i].dp_sync_s[0]
@@ -221,11 +225,13 @@ class Simulator:
             exposed += max(queue_end - pipe.lane_end_s[lane], last)
         if gather:
             exposed += max(gather - first_forward, gather / layers)
-        # the fixed per-iteration cost is reported with the optimizer step
-        step = self._optimizer_s(plan, members, costs) + max(
+        return pipe.lane_end_s[lane], exposed, self._step_s(plan, members, costs)
+
+    def _step_s(self, plan: Plan, members: list[int], costs: list[StagePlanCost]) -> float:
+        """The lane's optimizer step and the fixed per-iteration cost (reported together)."""
+        return self._optimizer_s(plan, members, costs) + max(
             self.calibration.overhead_s("iteration_overhead_s", self.coster.slowest(plan.stages[i].devices).name)
             for i in members)
-        return pipe.lane_end_s[lane], exposed, step
 
     def _optimizer_s(self, plan: Plan, members: list[int], costs: list[StagePlanCost]) -> float:
         """Memory-bound optimizer step: read and write weights, gradients and state once."""
@@ -288,13 +294,17 @@ class Simulator:
         parts: dict[int, list[DeviceMemory]] = {}
         in_flight = self._in_flight(plan, pipe)
         for i, stage in enumerate(plan.stages):
-            per_sample = self._activation_memory(stage)
-            memo: dict[float, DeviceMemory] = {}  # replicas with equal shares hold equal memory
+            fused_sample = self._activation_memory(stage)
+            scores = self._score_memory(stage)
+            unfused_sample = (fused_sample[0] + scores[0], fused_sample[1] + scores[1])
+            memo: dict[tuple[float, bool], DeviceMemory] = {}  # replicas with equal shares hold equal memory
             for r in range(stage.dp):
                 samples = costs[i].samples[r]
-                mem = memo.get(samples)
+                fused = self.cluster.device(stage.replica(r)[0]).spec.fused_attention
+                mem = memo.get((samples, fused))
                 if mem is None:
-                    mem = memo[samples] = self._stage_memory(stage, costs[i], samples, per_sample, in_flight[i])
+                    mem = memo[samples, fused] = self._stage_memory(
+                        stage, costs[i], samples, fused_sample if fused else unfused_sample, in_flight[i])
                 for d in stage.replica(r):
                     parts.setdefault(d, []).append(mem)
         return parts
@@ -342,6 +352,27 @@ class Simulator:
             working = (recompute_working_bytes_per_sample(blocks, tp=stage.tp, recompute=stage.recompute)
                        + transient_bytes_per_sample(blocks, tp=stage.tp))
             hit = self.coster.memory_memo[key] = (saved, working)
+        return hit
+
+    def _score_memory(self, stage: Stage) -> tuple[float, float]:
+        """(saved, working) bytes per sample on one device that attention without a fused kernel adds.
+
+        Such attention keeps its softmax output, dropout mask and dropout output for the backward:
+        2 + 1 + 2 bytes per score element at 16 bits (Korthikanti et al., "Reducing Activation
+        Recomputation in Large Transformer Models", MLSys 2023: 5 a s^2 b per layer), divided among
+        the tensor-parallel group's heads. A recomputed layer holds them only while it recomputes.
+        """
+        key = ("scores", stage.layers, stage.tp, stage.recompute)
+        hit = self.coster.memory_memo.get(key)
+        if hit is None:
+            per_element = 2.0 * self.workload.dtype.elementwise.nbytes + 1.0
+            units = [(self.model.block_by_hash[h], n) for h, n in self.coster.units(stage)]
+            per_block = [(per_element * sum(op.score_elements for op in b.ops) / stage.tp, n) for b, n in units]
+            if stage.recompute:
+                hit = (0.0, max((b for b, _ in per_block), default=0.0))
+            else:
+                hit = (sum(b * n for b, n in per_block), 0.0)
+            self.coster.memory_memo[key] = hit
         return hit
 
     def _saved_split(self, block: Block, stage: Stage) -> float:

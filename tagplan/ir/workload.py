@@ -63,6 +63,11 @@ class Workload(Record):
     grad_reduce_dtype: DType | None = Field(
         default=None, description="dtype gradients cross the data-parallel group in: None = the compute dtype; fp32 as "
         "DeepSpeed's fp32_allreduce or Megatron's --accumulate-allreduce-grads-in-fp32 (twice the bytes at 16 bits)")
+    grad_reduce_overlap: bool = Field(
+        default=True, description="the data-parallel gradient reduction runs in buckets while the last backward "
+        "runs, and ZeRO's parameter gather while the next forward runs (PyTorch DDP and FSDP, Megatron's "
+        "--overlap-grad-reduce/--overlap-param-gather, DeepSpeed ZeRO's overlap_comm); False: both after the "
+        "backward, exposed (DeepSpeed's pipeline engine, DeepSpeed without ZeRO, Megatron-LM before Megatron-Core)")
 
     @model_validator(mode="after")
     def _check_reduce_dtype(self) -> Workload:

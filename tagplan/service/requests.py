@@ -31,6 +31,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     PlainValidator,
+    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
@@ -329,6 +330,9 @@ class WorkloadRequest(BaseModel):
     grad_reduce_dtype: Literal[DType.FP32, DType.BF16, DType.FP16] | None = Field(
         default=None, description="dtype gradients cross the data-parallel group in (default: the training "
         "dtype; fp32 as DeepSpeed's fp32_allreduce)")
+    grad_reduce_overlap: StrictBool | None = Field(
+        default=None, description="default true: gradients reduce while the backward runs; false: after it, "
+        "exposed (DeepSpeed's pipeline engine)")
 
 
 class PlanRequest(BaseModel):

@@ -78,6 +78,16 @@ def test_help_is_built_for_every_command() -> None:
         assert command.format_help(), name
 
 
+def test_no_grad_reduce_overlap_reaches_the_workload() -> None:
+    from tagplan.cli.planning import plan_problem
+
+    def overlap(*extra: str) -> bool:
+        return plan_problem(build_parser().parse_args(["plan", *PROBLEM, *extra])).workload.grad_reduce_overlap
+
+    assert overlap() is True
+    assert overlap("--no-grad-reduce-overlap") is False
+
+
 def test_a_plan_for_an_export_target_is_costed_as_that_runtime_reduces_gradients() -> None:
     from tagplan.cli.planning import plan_problem
     from tagplan.ir.workload import DType

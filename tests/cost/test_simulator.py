@@ -286,6 +286,40 @@ def test_gradients_reduced_in_fp32_move_twice_the_bytes_of_fp16() -> None:
     assert reports[1].peak_memory_bytes == reports[0].peak_memory_bytes  # reduced in fp32, stored as before
 
 
+def test_a_runtime_that_reduces_after_the_backward_exposes_the_whole_reduction() -> None:
+    """DeepSpeed's pipeline engine all-reduces after the flush: nothing of the sync is hidden."""
+    model = load_model("gpt?layers=4&hidden=1024&heads=16&vocab=1000", seq_len=512)
+    plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 6), devices=tuple(range(8)), dp=8),))
+    overlapped = Workload(global_batch=16, seq_len=512, dtype=DType.FP16)
+    after = overlapped.model_copy(update={"grad_reduce_overlap": False})
+    cluster = load_cluster("g4dn.12xlarge:nodes=2")  # 4 GPUs a node: the all-reduce crosses the network
+    hidden, exposed = (simulate(model, cluster, plan, w) for w in (overlapped, after))
+    sync = exposed.stages[0].dp_sync_s
+    assert hidden.stages[0].dp_sync_s == pytest.approx(sync)  # the same collective, scheduled differently
+    assert hidden.breakdown.dp_comm < sync  # buckets but the last hide behind the backward
+    assert exposed.breakdown.dp_comm == pytest.approx(sync)
+    assert exposed.iteration_time_s == pytest.approx(hidden.iteration_time_s - hidden.breakdown.dp_comm + sync)
+
+
+def test_attention_without_a_fused_kernel_keeps_its_probabilities_for_the_backward() -> None:
+    """On a V100 each layer keeps softmax output, dropout mask and output: 5 bytes per score element."""
+    layers, heads, seq = 2, 4, 512
+    model = load_model(f"gpt?layers={layers}&hidden=256&heads={heads}&vocab=1000", seq_len=seq, dtype=DType.FP16)
+    workload = Workload(global_batch=4, seq_len=seq, dtype=DType.FP16)
+
+    def activations(preset: str, *, tp: int = 1, recompute: bool = False) -> float:
+        plan = Plan(stages=(Stage(layers=(0, layers + 2), devices=tuple(range(tp)), tp=tp, recompute=recompute),))
+        memory = simulate(model, load_cluster(preset), plan, workload).stages[0].memory
+        return memory.activations_bytes + memory.other_bytes  # the recomputed layer's working set is "other"
+
+    scores = layers * heads * seq * seq * 4  # per layer and sample, times the 4 samples
+    assert activations("p3.8xlarge") - activations("p4d.24xlarge") == pytest.approx(5 * scores)
+    assert activations("p3.8xlarge", tp=2) - activations("p4d.24xlarge", tp=2) == pytest.approx(5 * scores / 2)
+    # recomputed: only the layer being recomputed holds them
+    assert activations("p3.8xlarge", recompute=True) - activations("p4d.24xlarge", recompute=True) == \
+        pytest.approx(5 * scores / layers)
+
+
 def test_sharded_stages_pay_one_collective_latency_per_layer(ideal: Calibration) -> None:
     """ZeRO 1-2 reduce-scatter and gather layer by layer (FSDP units, distributed-optimizer buckets)."""
     model = matmul_model(6, flops=1.0, params=1000)

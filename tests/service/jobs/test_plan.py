@@ -51,6 +51,14 @@ def test_the_problem_takes_the_planner_s_defaults_capped_by_the_limits(settings:
     assert (capped.budget_s, capped.max_evaluations) == (5.0, 7)
 
 
+def test_the_workload_says_whether_the_runtime_overlaps_the_gradient_reduction(settings: Settings) -> None:
+    assert problem(TINY_PLAN, settings).workload.grad_reduce_overlap is True
+    after = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "grad_reduce_overlap": False}}
+    assert problem(after, settings).workload.grad_reduce_overlap is False
+    with pytest.raises(SpecError, match="grad_reduce_overlap"):
+        problem({**TINY_PLAN, "workload": {"grad_reduce_overlap": "no"}}, settings)
+
+
 def test_inline_graph_and_cluster(settings: Settings) -> None:
     op = {"name": "mm", "kind": "matmul", "flops": 1e9, "bytes_read": 1e6, "bytes_written": 1e6, "param_bytes": 1e6}
     graph = {"seq_len": 16, "blocks": {"b": {"kind": "mlp", "ops": [op]}}, "layers": [{"block": "b", "repeat": 4}]}
