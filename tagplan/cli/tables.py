@@ -13,6 +13,7 @@ from rich.table import Table
 from tagplan.cost.report import Report
 from tagplan.ir.plan import Plan
 from tagplan.ir.summary import device_ranges
+from tagplan.ir.workload import Workload
 from tagplan.search.result import Candidate, PlanResult
 
 
@@ -84,6 +85,14 @@ def report_table(report: Report, plan: Plan) -> Table:
     return table
 
 
+def workload_line(workload: Workload) -> str:
+    """How the plans were costed: batch, sequence, dtype, optimizer and the gradient reduction."""
+    reduce = (workload.grad_reduce_dtype or workload.dtype.elementwise).value
+    when = "overlapped with the backward" if workload.grad_reduce_overlap else "after the backward"
+    return (f"costed for: global batch {workload.global_batch}, sequence {workload.seq_len}, {workload.dtype.value}, "
+            f"{workload.optimizer.value}, gradients reduced in {reduce} {when}")
+
+
 def plan_result_table(result: PlanResult) -> Table:
     """The best plan beside the baselines and the frontier, for people."""
     best = result.best
@@ -92,7 +101,10 @@ def plan_result_table(result: PlanResult) -> Table:
              f"peak {si(best.report.peak_memory_bytes, 'B')} | searched {result.search.evaluations} plans in "
              f"{result.search.wall_s:.1f} s")
     idle = result.idle_devices
-    caption = f"idle devices: {device_ranges(idle)}" if idle else None
+    lines = [f"idle devices: {device_ranges(idle)}"] if idle else []
+    if result.workload is not None:
+        lines.append(workload_line(result.workload))
+    caption = "\n".join(lines) or None
     table = Table(title=title, caption=caption)
     for col in ("plan", "stages (layers: dp x tp @ devices)", "micro-batches", "iteration", "samples/s",
                 "peak memory", "GPUs", "vs best"):

@@ -148,7 +148,7 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                       local_evaluations=stats.local_evaluations)
     return PlanResult(best=best, pareto=tuple(frontier(pool)), baselines=baselines, search=info,
                       objective=problem.objective, notes=tuple(notes), simulation=simulation,
-                      cluster_devices=problem.cluster.num_devices,
+                      cluster_devices=problem.cluster.num_devices, workload=problem.workload,
                       predictor=Predictor(problem.calibration.name, correction.version if correction else None,
                                           applied))
 

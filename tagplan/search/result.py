@@ -9,6 +9,7 @@ from tagplan.cost.report import Report
 from tagplan.cost.simulator import Simulation
 from tagplan.cost.timeline import chrome_trace
 from tagplan.ir.plan import Plan
+from tagplan.ir.workload import Workload
 from tagplan.search.problem import Objective
 
 
@@ -81,6 +82,7 @@ class PlanResult:
     predictor: Predictor
     objective: Objective = Objective.TIME
     notes: tuple[str, ...] = field(default=())
+    workload: Workload | None = None  # as every plan was costed (`plan --exportable` may have filled it in)
 
     @property
     def idle_devices(self) -> list[int]:
@@ -105,4 +107,5 @@ class PlanResult:
             "predictor": vars(self.predictor),
             "search": vars(self.search),
             "notes": list(self.notes),
+            "workload": self.workload.model_dump(mode="json") if self.workload is not None else None,
         }

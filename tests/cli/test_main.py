@@ -130,5 +130,10 @@ def test_plan_exportable_restricts_the_answer(capsys) -> None:
     args = ["plan", "--model", "gpt?layers=4&hidden=256&heads=4&vocab=500", "--cluster", "p3.8xlarge+g4dn.12xlarge",
             "--batch", "16", "--seq", "128", "--max-evaluations", "60", "--json", "--exportable", "megatron"]
     assert main(args) == 0
-    best = json.loads(capsys.readouterr().out)["best"]["plan"]["stages"]
+    result = json.loads(capsys.readouterr().out)
+    best = result["best"]["plan"]["stages"]
     assert len({(s["dp"], s["tp"]) for s in best}) == 1  # Megatron runs one (dp, tp) for every stage
+    # the workload the plans were costed with, as Megatron runs bf16: gradients reduced in fp32
+    assert result["workload"]["grad_reduce_dtype"] == "fp32" and result["workload"]["global_batch"] == 16
+    assert main([a for a in args if a != "--json"]) == 0
+    assert "gradients reduced in fp32 overlapped with the backward" in " ".join(capsys.readouterr().out.split())
