@@ -17,8 +17,8 @@ in the same JSON shape and it replaces them.
 Named physical parameters fitted from measured iterations (`tagplan calibrate`; defaults keep the
 datasheet model: scales 1, overheads 0): an achieved-compute scale per device type (compute time
 x scale), per link class an achieved-bandwidth scale and an added latency per step, a fixed
-overhead per stage per micro-batch, per iteration and per pipeline send, and an optimizer-step
-scale. Measured layer times (`LayerTime`) replace the op model for the blocks they cover.
+overhead per stage per micro-batch, per iteration, per pipeline send and per recomputed layer and
+micro-batch, and an optimizer-step scale. Measured layer times (`LayerTime`) replace the op model for the blocks they cover.
 """
 
 from __future__ import annotations
@@ -144,6 +144,9 @@ class Calibration(Record):
                                                      description="per device type (or *): s per stage per micro-batch")
     iteration_overhead_s: dict[str, float] = Field(default_factory=dict, description="per device type (or *): s")
     p2p_overhead_s: dict[str, float] = Field(default_factory=dict, description="per device type (or *): s per send")
+    recompute_overhead_s: dict[str, float] = Field(
+        default_factory=dict, description="per device type (or *): s per recomputed layer per micro-batch (the "
+        "checkpoint call's own cost: stashing and restoring RNG state, re-entering autograd)")
     optimizer_scale: dict[str, float] = Field(default_factory=dict,
                                               description="per device type (or *): multiplies the optimizer step")
     layers: tuple[LayerTime, ...] = Field(default=(), description="measured block times (layer records)")
@@ -172,7 +175,8 @@ class Calibration(Record):
         return self.compute_scale.get(device, self.compute_scale.get(ANY_DEVICE, 1.0))
 
     def overhead_s(self, name: str, device: str) -> float:
-        """Fitted overhead `name` (micro_batch_overhead_s, iteration_overhead_s, p2p_overhead_s) on `device`:
+        """Fitted overhead `name` (micro_batch_overhead_s, iteration_overhead_s, p2p_overhead_s,
+        recompute_overhead_s) on `device`:
         its own figure, else the any-device one, else 0. Keyed by device type, so a calibration
         measured on one type never changes plans on another."""
         table: dict[str, float] = getattr(self, name)

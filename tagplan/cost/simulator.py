@@ -120,7 +120,10 @@ class Simulator:
         # fixed per-micro-batch cost (host dispatch, data, launches the op model misses), counted with compute
         device = self.coster.slowest(stage.devices).name
         overhead = self.calibration.overhead_s("micro_batch_overhead_s", device)
-        critical = ReplicaCost(fwd.forward_compute_s + overhead, bwd.backward_compute_s, fwd.forward_tp_s,
+        # a recomputed stage also pays each checkpoint call's own cost, once per layer and micro-batch
+        replay = (stage.num_layers * self.calibration.overhead_s("recompute_overhead_s", device)
+                  if stage.recompute else 0.0)
+        critical = ReplicaCost(fwd.forward_compute_s + overhead, bwd.backward_compute_s + replay, fwd.forward_tp_s,
                                bwd.backward_tp_s)
         params = self.coster.local_params(stage)
         p2p = 0.0

@@ -148,7 +148,8 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
     for scope in (INTRA, INTER):
         params += [Param(f"bandwidth_scale/{key}/{scope}", True), Param(f"latency_s/{key}/{scope}", False)]
     return [*params, Param(f"micro_batch_overhead_s/{key}", False), Param(f"iteration_overhead_s/{key}", False),
-            Param(f"p2p_overhead_s/{key}", False), Param(f"optimizer_scale/{key}", True)]
+            Param(f"p2p_overhead_s/{key}", False), Param(f"recompute_overhead_s/{key}", False),
+            Param(f"optimizer_scale/{key}", True)]
 
 
 _SCALES = ("compute_scale", "optimizer_scale")

@@ -95,3 +95,31 @@ def test_a_fit_never_makes_a_link_more_than_twice_its_rated_speed() -> None:
         records.append(IterationCase(model, cluster, WORKLOAD, plan, seconds))
     _, values = fit_parameters(records, DEFAULT_CALIBRATION, max_steps=15)
     assert 1.5 < values["bandwidth_scale/V100-SXM2-16GB/inter"] <= 2.0
+
+
+def test_a_recomputed_stage_pays_the_checkpoint_overhead_per_layer_and_micro_batch() -> None:
+    model, cluster = load_model(MODEL, seq_len=WORKLOAD.seq_len), load_cluster(CLUSTER)
+    base = megatron_plan(Simulator(model, cluster, WORKLOAD), tp=1, pp=1).plan
+    assert base is not None
+    plan = base.model_copy(update={"micro_batches": 2, "stages": tuple(
+        s.model_copy(update={"recompute": True}) for s in base.stages)})
+    slow = DEFAULT_CALIBRATION.model_copy(update={"recompute_overhead_s": {A100: 1e-3}})
+    times = [Simulator(model, cluster, WORKLOAD, calibration=c).simulate(p).iteration_time_s
+             for c in (DEFAULT_CALIBRATION, slow) for p in (plan, base.model_copy(update={"micro_batches": 2}))]
+    layers = plan.stages[0].num_layers
+    assert times[2] - times[0] == pytest.approx(2 * layers * 1e-3, rel=1e-6)  # 2 micro-batches x layers
+    assert times[3] == pytest.approx(times[1])  # a stage that does not recompute is untouched
+
+
+@pytest.mark.slow
+def test_fit_recovers_the_recompute_overhead() -> None:
+    truth = TRUTH.model_copy(update={"recompute_overhead_s": {A100: 2e-3}})
+    plain = cases(truth)
+    recomputed = [IterationCase(c.model, c.cluster, c.workload, plan, Simulator(
+        c.model, c.cluster, c.workload, calibration=truth).simulate(plan).iteration_time_s)
+        for c in plain[::2] for plan in [c.plan.model_copy(update={"stages": tuple(
+            s.model_copy(update={"recompute": True}) for s in c.plan.stages)})]]
+    fitted, values = fit_parameters(plain + recomputed, DEFAULT_CALIBRATION)
+    assert values[f"recompute_overhead_s/{A100}"] == pytest.approx(fitted.recompute_overhead_s[A100])
+    assert fitted.recompute_overhead_s[A100] == pytest.approx(2e-3, rel=0.35)
+    assert f"recompute_overhead_s/{A100}" not in fit_parameters(plain, DEFAULT_CALIBRATION)[1]  # unseen: not fitted
