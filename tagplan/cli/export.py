@@ -1,9 +1,11 @@
 """`tagplan export` and `tagplan verify`: a plan as a program, and proof that it runs as planned.
 
 Both read the model SPEC with the frontends' grammar (`parse_model_spec`) before anything else;
-`export` builds `--cluster` with the shared cluster options (`ClusterOptions`), `verify` resolves
-`--calibration` as every command does and measures this CPU (one core per rank) for its prediction.
-Both print a summary for people, or JSON with `--json`.
+`export` builds `--cluster` with the shared cluster options (`ClusterOptions`) and writes the
+gradient reduction the plan was costed with (`--grad-reduce-dtype`, `--no-grad-reduce-overlap`, as
+`plan` and `simulate` take them); `verify` resolves `--calibration` as every command does and
+measures this CPU (one core per rank) for its prediction. Both print a summary for people, or JSON
+with `--json`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tagplan.cli.options import (
     positive_int,
 )
 from tagplan.errors import SpecError
-from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, DType, Optimizer
+from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, REDUCE_DTYPES, DType, Optimizer
 
 
 def add_export_commands(sub: Subparsers) -> None:
@@ -43,8 +45,15 @@ def add_export_commands(sub: Subparsers) -> None:
     add_dtype_option(exp)
     exp.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value,
                      help="the optimizer the plan was costed with (torch program)")
+    exp.add_argument("--grad-reduce-dtype", choices=[d.value for d in REDUCE_DTYPES], default=None,
+                     help="dtype gradients cross the data-parallel group in, as the plan was costed (default: the "
+                          "training dtype; fp32 as DeepSpeed's fp32_allreduce or Megatron's "
+                          "--accumulate-allreduce-grads-in-fp32)")
+    exp.add_argument("--no-grad-reduce-overlap", dest="grad_reduce_overlap", action="store_false",
+                     help="the plan was costed with gradients reduced after the backward instead of overlapping it "
+                          "(DeepSpeed's pipeline engine, DeepSpeed without ZeRO, Megatron-LM before Megatron-Core)")
     exp.add_argument("--out", required=True, help="directory to write")
-    add_json_option(exp, "the format and the files written")
+    add_json_option(exp, "the format, the files written and the gradient reduction written")
     exp.set_defaults(func=_export)
 
     ver = sub.add_parser("verify", help="run the exported plan on CPU (gloo) on a scaled-down model and check it "
@@ -74,16 +83,22 @@ def add_export_commands(sub: Subparsers) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tagplan.export import export
+    from tagplan.export.dispatch import export, grad_reduce_settings
     from tagplan.frontends.model_spec import parse_model_spec
     from tagplan.frontends.plan_file import load_plan
 
     spec = parse_model_spec(args.model)
     plan = load_plan(args.plan)
     cluster = load_cluster_option(args.cluster, args) if args.cluster else None
+    dtype = DType(args.dtype)
+    reduce_dtype = DType(args.grad_reduce_dtype) if args.grad_reduce_dtype else None
     written = export(spec, plan, Path(args.out), fmt=args.fmt, seq_len=args.seq, global_batch=args.batch,
-                     cluster=cluster, dtype=DType(args.dtype), optimizer=Optimizer(args.optimizer))
-    emit({"format": args.fmt, "files": [str(p) for p in written]}, args.json, _export_text)
+                     cluster=cluster, dtype=dtype, optimizer=Optimizer(args.optimizer),
+                     grad_reduce_dtype=reduce_dtype, grad_reduce_overlap=args.grad_reduce_overlap)
+    reduce = grad_reduce_settings(plan, fmt=args.fmt, dtype=dtype, cluster=cluster, grad_reduce_dtype=reduce_dtype,
+                                  grad_reduce_overlap=args.grad_reduce_overlap)
+    emit({"format": args.fmt, "files": [str(p) for p in written], "grad_reduce": reduce.as_json()}, args.json,
+         _export_text)
     return 0
 
 
@@ -92,7 +107,16 @@ def _export_text(result: dict[str, Any]) -> str:
     scripts = [f for f in result["files"] if Path(f).name.startswith("launch_node")]
     if len(scripts) > 1:
         lines.append(f"start {Path(scripts[0]).name} on the node that runs stage 0 (MASTER_ADDR), then the others")
-    return "\n".join(lines)
+    return "\n".join(lines + _reduce_lines(result["grad_reduce"]))
+
+
+def _reduce_lines(reduce: dict[str, Any]) -> list[str]:
+    """The gradient reduction as written: dtype, overlap, the settings, the notes."""
+    when = {None: "no data-parallel stage, nothing to reduce", True: "overlapped with the backward",
+            False: "after the backward"}[reduce["overlap"]]
+    written = ", ".join(reduce["written"]) or "nothing (the runtime's own behaviour)"
+    return [f"gradient reduction: {reduce['dtype']}, {when}; written: {written}",
+            *(f"note: {n}" for n in reduce["notes"])]
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -144,22 +144,26 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
            spec: ModelSpec | None = None) -> PlanResult:
     """`search.planner.plan` with the prior `problem.scorer` asks for, and a progress bar if asked;
     with `exportable`, only plans that export format runs (`spec`: the model's SPEC, which lets the
-    torch check build Hugging Face classes and user modules)."""
+    torch check build Hugging Face classes and user modules), costed as its runtime reduces gradients
+    (`export.capability.reduce_overlap`)."""
     from tagplan.search.planner import plan
     from tagplan.training.registry import Registry, correction, prior_factory
 
-    admissible = None
+    admissible = overlap = None
     if exportable is not None:
         from tagplan.export.capability import exportable as can_export
+        from tagplan.export.capability import reduce_overlap
 
         batch = problem.workload.global_batch
         admissible = lambda p: can_export(p, exportable, problem.model, global_batch=batch, spec=spec)  # noqa: E731
+        overlap = reduce_overlap(exportable, problem.workload, problem.cluster)
 
     prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices,
                           heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
     fix = correction(Registry(), problem.model, problem.cluster, problem.workload, calibration=problem.calibration)
     with _progress(problem.max_evaluations, enabled=show_progress) as tick:
-        return plan(problem, prior_factory=prior, progress=tick, admissible=admissible, correction=fix)
+        return plan(problem, prior_factory=prior, progress=tick, admissible=admissible, correction=fix,
+                    reduce_overlap=overlap)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -18,7 +18,8 @@ Named physical parameters fitted from measured iterations (`tagplan calibrate`; 
 datasheet model: scales 1, overheads 0): an achieved-compute scale per device type (compute time
 x scale), per link class an achieved-bandwidth scale and an added latency per step, a fixed
 overhead per stage per micro-batch, per iteration, per pipeline send and per recomputed layer and
-micro-batch, and an optimizer-step scale. Measured layer times (`LayerTime`) replace the op model for the blocks they cover.
+micro-batch, and an optimizer-step scale. Measured layer times (`LayerTime`) replace the op model
+for the blocks they cover.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ False), and the optimizer step.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration, calibrated_cluster
@@ -55,15 +56,23 @@ class Simulation:
     lane_tail_s: tuple[tuple[float, float, float], ...]  # lane -> (last task end, exposed dp, optimizer)
 
 
+ReduceOverlap = Callable[[Plan], Mapping[int, bool]]
+"""A runtime's rule for which stages reduce their gradients while their backward runs: stage index
+-> overlapped, for the stages it decides (the others follow `Workload.grad_reduce_overlap`). The
+export layer provides one per target (`export.capability.reduce_overlap`); the simulator imports none."""
+
+
 class Simulator:
     """Simulates plans of one model on one cluster and workload; reuse it to share memo tables."""
 
     def __init__(self, model: ModelGraph, cluster: Cluster, workload: Workload, *,
                  calibration: Calibration = DEFAULT_CALIBRATION, comm_mode: CommMode = CommMode.TOPOLOGY,
-                 fold: bool = True) -> None:
-        """`fold=False` costs every layer on its own and keeps no memo between plans (for ablation)."""
+                 fold: bool = True, reduce_overlap: ReduceOverlap | None = None) -> None:
+        """`fold=False` costs every layer on its own and keeps no memo between plans (for ablation);
+        `reduce_overlap`: the runtime's per-stage rule (default: `workload.grad_reduce_overlap` for all)."""
         self.model, self.cluster, self.workload = model, cluster, workload
         self.calibration, self.comm_mode = calibration, comm_mode
+        self.reduce_overlap = reduce_overlap
         self.comm = CommModel(calibrated_cluster(cluster, calibration), comm_mode)  # measured links, if any
         self.coster = StageCoster(model, cluster, workload, calibration, self.comm, fold=fold)
         self._dp_sync_memo: dict[tuple[tuple[int, ...], int, int, float, int], tuple[float, float]] = {}
@@ -206,6 +215,14 @@ class Simulator:
     def _lane_tail(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult, lane: int,
                    members: list[int]) -> tuple[float, float, float]:
         """(last task end, exposed gradient sync, optimizer step) of one lane (stages `members`), in seconds."""
+        rule = self.reduce_overlap(plan) if self.reduce_overlap is not None else {}
+        default = self.workload.grad_reduce_overlap
+        after = [i for i in members if not rule.get(i, default)]
+        # a runtime that reduces after the flush: all of it exposed, one after another on shared links
+        flushed = sum(costs[i].dp_sync_s[0] + costs[i].dp_sync_s[1] for i in after)
+        members = [i for i in members if rule.get(i, default)]
+        if not members:
+            return pipe.lane_end_s[lane], flushed, self._step_s(plan, [*after], costs)
         gather = sum(costs[i].dp_sync_s[1] for i in members)
         layers = max(sum(plan.stages[i].num_layers for i in members), 1)
         # the overlap window is compute only, so more bandwidth can never lengthen the iteration
@@ -215,10 +232,7 @@ class Simulator:
         # overlap_param_gather, DeepSpeed's prefetch); the last bucket of each cannot overlap.
         # Each chunk's reduction starts with its own last backward (interleaved plans hold several);
         # reductions share the links, so they queue.
-        if not self.workload.grad_reduce_overlap:  # after the flush, one after another on shared links
-            return pipe.lane_end_s[lane], sum(costs[i].dp_sync_s[0] for i in members) + gather, self._step_s(
-                plan, members, costs)
-        exposed, queue_end, last = 0.0, 0.0, None
+        exposed, queue_end, last = flushed, 0.0, None
         for i in sorted(members, key=lambda k: pipe.stage_last_backward_s[k][0]):
             reduce = costs[i].dp_sync_s[0]
             if reduce:
@@ -228,7 +242,7 @@ class Simulator:
             exposed += max(queue_end - pipe.lane_end_s[lane], last)
         if gather:
             exposed += max(gather - first_forward, gather / layers)
-        return pipe.lane_end_s[lane], exposed, self._step_s(plan, members, costs)
+        return pipe.lane_end_s[lane], exposed, self._step_s(plan, [*members, *after], costs)
 
     def _step_s(self, plan: Plan, members: list[int], costs: list[StagePlanCost]) -> float:
         """The lane's optimizer step and the fixed per-iteration cost (reported together)."""

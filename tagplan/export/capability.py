@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+from tagplan.cost.simulator import ReduceOverlap
 from tagplan.errors import SpecError
 from tagplan.export import deepspeed, megatron
 from tagplan.frontends.model_spec import ModelSpec
+from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_whole_samples
 from tagplan.ir.workload import DType, Workload
@@ -28,7 +30,8 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
     None): the torch program computes under autocast over fp32 master weights, so its gradients cross
     the data-parallel group in fp32; Megatron forces `--accumulate-allreduce-grads-in-fp32` with bf16
     (which its fp8 runs also set).
-    DeepSpeed reduces in the compute dtype unless its config sets `fp32_allreduce`."""
+    DeepSpeed reduces in the compute dtype unless its config sets `communication_data_type` (the
+    exporter writes it, and the older `fp32_allreduce`, from `grad_reduce_dtype`)."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
     sixteen = workload.dtype in (DType.BF16, DType.FP16)
@@ -36,6 +39,31 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
     if workload.grad_reduce_dtype is not None or not fp32:
         return workload
     return workload.model_copy(update={"grad_reduce_dtype": DType.FP32})
+
+
+def reduce_overlap(fmt: Target | str, workload: Workload, cluster: Cluster | None = None) -> ReduceOverlap | None:
+    """Format `fmt`'s rule for which stages reduce gradients while their backward runs, for the
+    simulator to cost plans as that runtime runs them (None: `workload.grad_reduce_overlap` for all).
+
+    Megatron overlaps as its arguments say, which the exporter writes from the workload: None.
+    DeepSpeed overlaps only where the workload asks and it can (`deepspeed.can_overlap`). The torch
+    program's runtimes decide for themselves (`torch_program.reduce_overlaps` on the runtime
+    `cluster`'s rank table selects): FSDP2/replicate hooks overlap, its pipelines reduce after the flush.
+    """
+    if fmt not in TARGETS:
+        raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
+    if fmt == "megatron":
+        return None
+    if fmt == "deepspeed":
+        wanted = workload.grad_reduce_overlap
+        return lambda plan: dict.fromkeys(range(len(plan.stages)), wanted and deepspeed.can_overlap(plan))
+
+    def torch_rule(plan: Plan) -> dict[int, bool]:
+        from tagplan.export.torch_program import reduce_overlaps, runtime_on  # imports torch
+
+        return reduce_overlaps(plan, runtime_on(plan, cluster))
+
+    return torch_rule
 
 
 def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_batch: int | None = None,

@@ -4,17 +4,22 @@ A format that cannot express a plan refuses with an `ExportError` (a `SpecError`
 exits with code 2) naming the stage, the field and the reason, instead of writing something that
 would run a different plan. Shared here: the plan covers the model (and the cluster's devices),
 one (dp, tp) mesh for all stages with even batch shares, a whole per-replica micro-batch, and
-device placement in launcher rank order. This module imports no other export module.
+device placement in launcher rank order; and `GradReduce`, how each format's files reduce the
+data-parallel gradients (`Workload.grad_reduce_dtype` and `grad_reduce_overlap` as written). This
+module imports no other export module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from tagplan.errors import SpecError
+from tagplan.errors import SpecError, unknown
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_plan
+from tagplan.ir.workload import REDUCE_DTYPES, DType
 
 
 class ExportError(SpecError):
@@ -24,6 +29,39 @@ class ExportError(SpecError):
 def refuse(fmt: str, message: str) -> ExportError:
     """An ExportError saying that format `fmt` cannot express the plan, and why."""
     return ExportError(f"{fmt}: {message}")
+
+
+@dataclass(frozen=True)
+class GradReduce:
+    """How an export's files make the run reduce its data-parallel gradients.
+
+    `dtype`: what the gradients cross the data-parallel group in (the runtime's own choice where the
+    plan was costed with `grad_reduce_dtype` None); `overlap`: whether every such reduction runs
+    while the backward does (None: no stage has dp > 1, nothing is reduced); `written`: the settings
+    written for them (config keys as `key: value`, or flags); `notes`: where the run will be slower
+    than the costing, for people (the files carry them too).
+    """
+
+    dtype: DType
+    overlap: bool | None
+    written: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        """The record as JSON-ready values (dtype by name)."""
+        return {"dtype": self.dtype.value, "overlap": self.overlap, "written": list(self.written),
+                "notes": list(self.notes)}
+
+
+def check_reduce_dtype(value: DType | None) -> None:
+    """SpecError unless `value` is None or a dtype gradients are reduced in (`ir.workload.REDUCE_DTYPES`)."""
+    if value is not None and value not in REDUCE_DTYPES:
+        raise unknown("grad_reduce_dtype", value.value, [d.value for d in REDUCE_DTYPES])
+
+
+def data_parallel(plan: Plan) -> bool:
+    """Whether some stage has dp > 1, i.e. the run reduces gradients over a data-parallel group at all."""
+    return any(s.dp > 1 for s in plan.stages)
 
 
 def validate(plan: Plan, model: ModelGraph, cluster: Cluster | None = None) -> None:

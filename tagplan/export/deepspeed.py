@@ -11,16 +11,33 @@ schedules, and different ZeRO stages per pipeline stage (one `zero_optimization`
 
 Batch arithmetic: `train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps
 * dp`, with one micro-batch per accumulation step (`gradient_accumulation_steps = micro_batches`).
+
+Gradient reduction (`grad_reduce`): a costed `grad_reduce_dtype` is written as
+`communication_data_type` (the key DeepSpeed reads since it replaced `fp32_allreduce`), plus
+`"fp32_allreduce": true` for fp32 over 16-bit training (older DeepSpeed and DeeperSpeed read only
+that); `zero_optimization.overlap_comm` is `grad_reduce_overlap` with dp > 1. DeepSpeed overlaps the
+reduction with the backward only under ZeRO 1-3 on one stage: its pipeline engine reduces after
+the flush and ZeRO 0 after the backward, so an overlapped costing of such a plan is not refused but
+noted (`tagplan_notes` in partition.json): the run will be slower than predicted.
 Key names follow the DeepSpeed configuration JSON reference and `deepspeed/runtime/pipe/module.py`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tagplan.export.checks import check_rank_order, micro_batch_size, refuse, uniform_mesh, validate
+from tagplan.export.checks import (
+    GradReduce,
+    check_rank_order,
+    check_reduce_dtype,
+    micro_batch_size,
+    refuse,
+    uniform_mesh,
+    validate,
+)
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule
 from tagplan.ir.workload import DType
@@ -37,16 +54,19 @@ HOW_TO_APPLY = (
 )
 
 
-def deepspeed_config(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int) -> dict[str, Any]:
-    """The DeepSpeed config dict (`ds_config.json`) that runs `plan`; ExportError if it cannot."""
+def deepspeed_config(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int,
+                     grad_reduce_dtype: DType | None = None, grad_reduce_overlap: bool = True) -> dict[str, Any]:
+    """The DeepSpeed config dict (`ds_config.json`) that runs `plan`, reducing gradients as costed
+    (`grad_reduce_dtype` None: in the training dtype); ExportError if it cannot."""
     dp, pp = _check(model, plan, seq_len)
+    check_reduce_dtype(grad_reduce_dtype)
     mbs = micro_batch_size(plan, global_batch, dp, FMT)
     zero = plan.stages[0].zero
     config: dict[str, Any] = {
         "train_batch_size": mbs * plan.micro_batches * dp,
         "train_micro_batch_size_per_gpu": mbs,
         "gradient_accumulation_steps": plan.micro_batches,
-        "zero_optimization": {"stage": zero, "overlap_comm": dp > 1},  # the simulator overlaps the reduction
+        "zero_optimization": {"stage": zero, "overlap_comm": grad_reduce_overlap and dp > 1},
     }
     if model.dtype is DType.FP8:
         raise refuse(FMT, "dtype fp8: DeepSpeed's config has no fp8 GEMMs (Transformer Engine); export to megatron "
@@ -55,6 +75,7 @@ def deepspeed_config(model: ModelGraph, plan: Plan, *, global_batch: int, seq_le
         config["bf16"] = {"enabled": True}
     elif model.dtype is DType.FP16:
         config["fp16"] = {"enabled": True}
+    config.update(_reduce_keys(model.dtype, grad_reduce_dtype))
     intervals = _checkpoint_intervals(plan)
     if any(intervals):
         # recompute = keep each layer's input only: checkpoint every layer, activations not partitioned
@@ -67,26 +88,72 @@ def deepspeed_config(model: ModelGraph, plan: Plan, *, global_batch: int, seq_le
     return config
 
 
-def deepspeed_partition(model: ModelGraph, plan: Plan) -> dict[str, Any]:
+def deepspeed_partition(model: ModelGraph, plan: Plan, *, notes: Sequence[str] = ()) -> dict[str, Any]:
     """The pipeline partition (`partition.json`): `parts` in PipelineModule's format (stage s builds
-    layers [parts[s], parts[s+1])), the layer names, per-stage checkpoint intervals and how to apply them."""
+    layers [parts[s], parts[s+1])), the layer names, per-stage checkpoint intervals, how to apply them
+    and `tagplan_notes` (`notes`: where the run differs from the costing)."""
     return {
         "num_stages": len(plan.stages),
         "parts": [s.layers[0] for s in plan.stages] + [plan.stages[-1].layers[1]],
         "layers": [layer.name for layer in model.layers],
         "activation_checkpoint_interval": _checkpoint_intervals(plan),
         "how_to_apply": HOW_TO_APPLY,
+        "tagplan_notes": list(notes),
     }
 
 
-def write_deepspeed(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int) -> list[Path]:
+def write_deepspeed(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int,
+                    grad_reduce_dtype: DType | None = None, grad_reduce_overlap: bool = True) -> list[Path]:
     """Write `ds_config.json` and `partition.json` under `out_dir`; returns both paths."""
-    config = deepspeed_config(model, plan, global_batch=global_batch, seq_len=seq_len)
+    config = deepspeed_config(model, plan, global_batch=global_batch, seq_len=seq_len,
+                              grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
+    reduce = grad_reduce(plan, model.dtype, grad_reduce_dtype=grad_reduce_dtype,
+                         grad_reduce_overlap=grad_reduce_overlap)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path, partition_path = out_dir / "ds_config.json", out_dir / "partition.json"
     config_path.write_text(json.dumps(config, indent=2) + "\n")
-    partition_path.write_text(json.dumps(deepspeed_partition(model, plan), indent=2) + "\n")
+    partition = deepspeed_partition(model, plan, notes=reduce.notes)
+    partition_path.write_text(json.dumps(partition, indent=2) + "\n")
     return [config_path, partition_path]
+
+
+def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = None,
+                grad_reduce_overlap: bool = True) -> GradReduce:
+    """How the exported run reduces gradients (`plan` already accepted by `plan_checks`, `dtype` the
+    training dtype): the keys `deepspeed_config` writes for it, and a note where DeepSpeed cannot
+    overlap the reduction as costed (its pipeline engine after the flush, ZeRO 0 after the backward)."""
+    dp, pp = plan.stages[0].dp, len(plan.stages)
+    keys = {**_reduce_keys(dtype, grad_reduce_dtype), "zero_optimization.overlap_comm": grad_reduce_overlap and dp > 1}
+    written = tuple(f"{key}: {json.dumps(value)}" for key, value in keys.items())
+    reduced_in = grad_reduce_dtype or dtype
+    if dp == 1:
+        return GradReduce(dtype=reduced_in, overlap=None, written=written)
+    overlaps = can_overlap(plan)
+    notes: tuple[str, ...] = ()
+    if grad_reduce_overlap and not overlaps:
+        when = (f"its pipeline engine ({pp} stages) reduces them after the flush" if pp > 1
+                else "with ZeRO 0 it reduces them after the backward")
+        notes = (f"the plan was costed with the gradient reduction overlapped (grad_reduce_overlap=True), but "
+                 f"{when}, exposed: the run will be slower than predicted. Re-plan with --no-grad-reduce-overlap "
+                 "to cost it as DeepSpeed runs it (DeepSpeed overlaps only ZeRO 1-3 on one stage)",)
+    return GradReduce(dtype=reduced_in, overlap=grad_reduce_overlap and overlaps, written=written, notes=notes)
+
+
+def can_overlap(plan: Plan) -> bool:
+    """Whether DeepSpeed can reduce `plan`'s gradients while the backward runs: ZeRO 1-3 (`overlap_comm`)
+    on one stage; its pipeline engine reduces after the flush, and without ZeRO it reduces after the backward."""
+    return plan.stages[0].zero >= 1 and len(plan.stages) == 1
+
+
+def _reduce_keys(dtype: DType, grad_reduce_dtype: DType | None) -> dict[str, Any]:
+    """Top-level config keys for the reduction dtype: none when left to the training dtype;
+    `communication_data_type`, and `fp32_allreduce` for fp32 over 16-bit training (older DeepSpeed)."""
+    if grad_reduce_dtype is None:
+        return {}
+    keys: dict[str, Any] = {"communication_data_type": grad_reduce_dtype.value}
+    if grad_reduce_dtype is DType.FP32 and dtype in (DType.BF16, DType.FP16):
+        keys["fp32_allreduce"] = True
+    return keys
 
 
 def _check(model: ModelGraph, plan: Plan, seq_len: int) -> tuple[int, int]:

@@ -6,6 +6,10 @@ config and pipeline partition, `tagplan.export.deepspeed`). A format that cannot
 refuses with an `ExportError` (`tagplan.export.checks`: a `SpecError`, so the CLI exits with code
 2) naming the stage, the field and the reason, instead of writing something that would run a
 different plan. The torch writer is imported on first use: it imports torch.
+
+The gradient reduction the plan was costed with (`Workload.grad_reduce_dtype`, `grad_reduce_overlap`)
+is written as each format's runtime takes it; `grad_reduce_settings` says what was written and
+where the run will differ from the costing (`checks.GradReduce`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from pathlib import Path
 from typing import Literal
 
 from tagplan.errors import SpecError, unknown
-from tagplan.export.checks import validate
+from tagplan.export import deepspeed, megatron
+from tagplan.export.checks import GradReduce, check_reduce_dtype, validate
 from tagplan.export.deepspeed import write_deepspeed
 from tagplan.export.megatron import model_config_from_spec, write_megatron
 from tagplan.export.shapes import parsed
@@ -29,19 +34,22 @@ FORMATS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
 
 def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Format, seq_len: int | None,
            global_batch: int, cluster: Cluster | None = None, dtype: DType = DType.BF16,
-           optimizer: Optimizer = Optimizer.ADAM) -> list[Path]:
+           optimizer: Optimizer = Optimizer.ADAM, grad_reduce_dtype: DType | None = None,
+           grad_reduce_overlap: bool = True) -> list[Path]:
     """Write `plan` for `model_spec` (a SPEC string or a parsed ModelSpec) in format `fmt` under
     `out_dir`; returns the paths written.
 
     The model is built at `seq_len` (None: its own) and the plan checked against it (and against
     `cluster`'s devices when given) before any file is written; `cluster` also orders the torch
-    program's nodes and names their GPU types. `dtype` and `optimizer`: as the plan was costed.
-    ExportError when the format cannot express the plan; SpecError for bad input.
+    program's nodes and names their GPU types. `dtype`, `optimizer`, `grad_reduce_dtype` (None: the
+    runtime's own) and `grad_reduce_overlap`: as the plan was costed (`grad_reduce_settings` says
+    how they were written). ExportError when the format cannot express the plan; SpecError for bad input.
     """
     if fmt not in FORMATS:
         raise unknown("export format", str(fmt), list(FORMATS))
     if global_batch <= 0:
         raise SpecError(f"global_batch={global_batch}: must be a positive number of samples")
+    check_reduce_dtype(grad_reduce_dtype)
     spec = parsed(model_spec)
     model = build_model(spec, seq_len=seq_len, dtype=dtype)
     validate(plan, model, cluster)
@@ -50,9 +58,28 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
         from tagplan.export.torch_program import write_torch_program  # imports torch
 
         train = write_torch_program(model_spec, plan, out_dir, seq_len=seq, global_batch=global_batch,
-                                    cluster=cluster, dtype=dtype, optimizer=optimizer)
+                                    cluster=cluster, dtype=dtype, optimizer=optimizer,
+                                    grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
         return [train, train.with_name("plan.json"), *sorted(out_dir.glob("launch_node*.sh"))]
     if fmt == "megatron":
         config = model_config_from_spec(spec)
-        return write_megatron(model, plan, out_dir, global_batch=global_batch, seq_len=seq, model_config=config)
-    return write_deepspeed(model, plan, out_dir, global_batch=global_batch, seq_len=seq)
+        return write_megatron(model, plan, out_dir, global_batch=global_batch, seq_len=seq, model_config=config,
+                              grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
+    return write_deepspeed(model, plan, out_dir, global_batch=global_batch, seq_len=seq,
+                           grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
+
+
+def grad_reduce_settings(plan: Plan, *, fmt: Format, dtype: DType = DType.BF16, cluster: Cluster | None = None,
+                         grad_reduce_dtype: DType | None = None, grad_reduce_overlap: bool = True) -> GradReduce:
+    """How `export` (same arguments) makes the run reduce gradients in format `fmt`: the dtype and
+    overlap as the runtime runs them, the settings written and notes where the run will be slower
+    than the costing. For a plan `export` accepted; ExportError where it refuses the reduction."""
+    if fmt not in FORMATS:
+        raise unknown("export format", str(fmt), list(FORMATS))
+    if fmt == "torch":
+        from tagplan.export.torch_program import grad_reduce, runtime_on  # imports torch
+
+        return grad_reduce(plan, runtime_on(plan, cluster), dtype=dtype, grad_reduce_dtype=grad_reduce_dtype,
+                           grad_reduce_overlap=grad_reduce_overlap)
+    writer = megatron if fmt == "megatron" else deepspeed
+    return writer.grad_reduce(plan, dtype, grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)

@@ -14,9 +14,17 @@ means) and ZeRO-1 to the distributed optimizer. Anything else is refused with th
 some stages only (Megatron's `--recompute-num-layers` applies the same count on every stage),
 per-op shardings other than Megatron's, and model families other than GPT, Llama and MoE.
 
+Gradient reduction as costed (`grad_reduce`): `--overlap-grad-reduce` (and, with the distributed
+optimizer, `--overlap-param-gather`) when `grad_reduce_overlap` and dp > 1; `grad_reduce_dtype`
+fp32 -> `--accumulate-allreduce-grads-in-fp32`, bf16 over bf16 (or fp8) training ->
+`--grad-reduce-in-bf16`, fp16 over fp16 training -> Megatron's default. Left open (None), Megatron
+reduces bf16 and fp8 runs in fp32 (it sets `--accumulate-allreduce-grads-in-fp32` itself) and the
+others in their own dtype; any other pairing is refused (Megatron reduces in the parameters' dtype
+or fp32).
+
 The flag spellings follow NVIDIA/Megatron-LM `megatron/training/arguments.py`; the simulator's
-assumptions (sequence parallelism with TP, gradient reduction overlapped with the backward) are
-switched on so the run matches the prediction.
+assumptions (sequence parallelism with TP, the costed gradient reduction) are switched on so the
+run matches the prediction.
 """
 
 from __future__ import annotations
@@ -28,7 +36,16 @@ from typing import Any
 
 from tagplan.cost.sharding import default_strategies
 from tagplan.errors import SpecError
-from tagplan.export.checks import ExportError, check_rank_order, micro_batch_size, refuse, uniform_mesh, validate
+from tagplan.export.checks import (
+    ExportError,
+    GradReduce,
+    check_rank_order,
+    check_reduce_dtype,
+    micro_batch_size,
+    refuse,
+    uniform_mesh,
+    validate,
+)
 from tagplan.export.shapes import ffn_width, transformer_shape
 from tagplan.frontends.families import TransformerShape
 from tagplan.frontends.model_spec import ModelSpec
@@ -42,6 +59,14 @@ _EDGE_KINDS = ("embedding", "head")
 # fp8 as costed: Transformer Engine's fp8 GEMMs (E4M3 forward, E5M2 gradients) with bf16 elsewhere
 _DTYPE_FLAG = {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: [],
                DType.FP8: ["--bf16", "--fp8-format", "hybrid"]}
+# per training dtype: the dtype Megatron reduces gradients in when not told, and those it can be told
+_REDUCE_DEFAULT = {DType.BF16: DType.FP32, DType.FP8: DType.FP32, DType.FP16: DType.FP16, DType.FP32: DType.FP32}
+_REDUCE_FLAG: dict[DType, dict[DType, list[str]]] = {
+    DType.BF16: {DType.FP32: ["--accumulate-allreduce-grads-in-fp32"], DType.BF16: ["--grad-reduce-in-bf16"]},
+    DType.FP16: {DType.FP32: ["--accumulate-allreduce-grads-in-fp32"], DType.FP16: []},
+    DType.FP32: {DType.FP32: ["--accumulate-allreduce-grads-in-fp32"]},
+}
+_REDUCE_FLAG[DType.FP8] = _REDUCE_FLAG[DType.BF16]  # fp8 runs are --bf16 runs
 
 
 def model_config_from_spec(spec: str | ModelSpec) -> dict[str, Any]:
@@ -59,13 +84,18 @@ def model_config_from_spec(spec: str | ModelSpec) -> dict[str, Any]:
 
 
 def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int,
-                       model_config: dict[str, Any] | None = None) -> list[str]:
+                       model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
+                       grad_reduce_overlap: bool = True) -> list[str]:
     """The Megatron-LM command-line arguments (flags and values, in order) that run `plan`.
 
     `model_config` is `model_config_from_spec`'s dict (None: derived from `model.name`, which is
-    the SPEC for zoo and parametric models). ExportError when Megatron-LM cannot express the plan.
+    the SPEC for zoo and parametric models). `grad_reduce_dtype` and `grad_reduce_overlap`: the
+    gradient reduction as costed (None: Megatron's own dtype). ExportError when Megatron-LM cannot
+    express the plan or the reduction.
     """
     validate(plan, model)
+    check_reduce_dtype(grad_reduce_dtype)
+    reduce_args = _reduce_dtype_args(model.dtype, grad_reduce_dtype)
     family, shape = _shape(model, model_config)
     if seq_len != model.seq_len:
         raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
@@ -82,14 +112,16 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     args += _model_args(family, shape, seq_len)
     args += ["--micro-batch-size", str(mbs), "--global-batch-size", str(global_batch)]
     args += _recompute_args(plan)
-    args += _optimizer_args(plan, dp)
-    return args + _DTYPE_FLAG[model.dtype]
+    args += _optimizer_args(plan, dp, overlap=grad_reduce_overlap)
+    return args + reduce_args + _DTYPE_FLAG[model.dtype]
 
 
 def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int,
-                   model_config: dict[str, Any] | None = None) -> list[Path]:
+                   model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
+                   grad_reduce_overlap: bool = True) -> list[Path]:
     """Write `megatron_args.txt` (one flag per line) and `launch.sh` under `out_dir`; returns both."""
-    args = megatron_arguments(model, plan, global_batch=global_batch, seq_len=seq_len, model_config=model_config)
+    args = megatron_arguments(model, plan, global_batch=global_batch, seq_len=seq_len, model_config=model_config,
+                              grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
     out_dir.mkdir(parents=True, exist_ok=True)
     args_path, launch_path = out_dir / "megatron_args.txt", out_dir / "launch.sh"
     args_path.write_text(_one_flag_per_line(args))
@@ -243,7 +275,9 @@ def _recompute_args(plan: Plan) -> list[str]:
     return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
-def _optimizer_args(plan: Plan, dp: int) -> list[str]:
+def _optimizer_args(plan: Plan, dp: int, *, overlap: bool = True) -> list[str]:
+    """The distributed optimizer for ZeRO-1, and with `overlap` (as costed) and dp > 1 the overlap
+    flags (without them Megatron reduces and gathers after the backward)."""
     zeros = {s.zero for s in plan.stages}
     if len(zeros) > 1:
         raise refuse(FMT, f"stages use ZeRO stages {sorted(zeros)}; Megatron-LM has one optimizer for all stages")
@@ -251,12 +285,39 @@ def _optimizer_args(plan: Plan, dp: int) -> list[str]:
     if zero >= 2:
         raise refuse(FMT, f"zero={zero}: Megatron-LM's distributed optimizer shards optimizer state only "
                           "(ZeRO-1); ZeRO-2/3 are not in Megatron-Core's optimizer")
-    args = ["--overlap-grad-reduce"] if dp > 1 else []  # the simulator overlaps the gradient reduction
+    overlapped = overlap and dp > 1
+    args = ["--overlap-grad-reduce"] if overlapped else []
     if zero == 1:
         args.append("--use-distributed-optimizer")
-        if dp > 1:
+        if overlapped:
             args.append("--overlap-param-gather")
     return args
+
+
+def _reduce_dtype_args(dtype: DType, grad_reduce_dtype: DType | None) -> list[str]:
+    """The flag that makes Megatron reduce gradients in `grad_reduce_dtype` under `dtype` training
+    (none when left open); ExportError for a pairing Megatron has no flag for."""
+    if grad_reduce_dtype is None:
+        return []
+    accepted = _REDUCE_FLAG[dtype]
+    if grad_reduce_dtype not in accepted:
+        raise refuse(FMT, f"grad_reduce_dtype={grad_reduce_dtype.value} with dtype {dtype.value}: Megatron-LM reduces "
+                          "gradients in the parameters' dtype or in fp32 (--accumulate-allreduce-grads-in-fp32; "
+                          "--bf16 runs reduce in fp32 unless --grad-reduce-in-bf16). Accepted with dtype "
+                          f"{dtype.value}: {', '.join(d.value for d in accepted)}, or leave it unset")
+    return list(accepted[grad_reduce_dtype])
+
+
+def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = None,
+                grad_reduce_overlap: bool = True) -> GradReduce:
+    """How the exported run reduces gradients (`plan` already accepted by `plan_checks`, `dtype` the
+    training dtype): the flags `megatron_arguments` writes for it. Megatron runs either setting as
+    costed, so there are no notes; ExportError for a reduction dtype it has no flag for."""
+    dp = plan.stages[0].dp
+    written = _reduce_dtype_args(dtype, grad_reduce_dtype)
+    written += [a for a in _optimizer_args(plan, dp, overlap=grad_reduce_overlap) if a.startswith("--overlap")]
+    return GradReduce(dtype=grad_reduce_dtype or _REDUCE_DEFAULT[dtype],
+                      overlap=grad_reduce_overlap if dp > 1 else None, written=tuple(written))
 
 
 def _one_flag_per_line(args: list[str]) -> str:

@@ -38,7 +38,15 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
   mesh under tp): 1/dp of the weights per dp rank between steps, gradients summed over the
   replicas (`runtime_pipeline.shard_stage`); ZeRO with `dp == 1` shards over nothing and runs as
   plain training;
-- `recompute` checkpoints every transformer block of the stage (embedding and head are kept).
+- `recompute` checkpoints every transformer block of the stage (embedding and head are kept);
+- gradients reduce in fp32 (autocast over fp32 master weights): a costed 16-bit
+  `grad_reduce_dtype` is refused. Where they overlap the backward (`reduce_overlaps`): on the mesh
+  runtime with one pipeline rank (FSDP2/replicate hooks during the last micro-batch's backward) and
+  on ZeRO-3 stages of the pipeline runtime; elsewhere after the stage's last backward (torch
+  2.13's pipelining schedules sync FSDP2 in their REDUCE_GRAD step; the pipeline runtime sums
+  replicas after the step's program). `grad_reduce_overlap=False` is refused where a stage
+  overlaps; an overlapped costing where one does not is written with a note (plan.json
+  `grad_reduce.notes`).
 Models: the gpt and llama families (`tagplan.export.modules`); Hugging Face SPECs as the
 transformers class itself (`tagplan.export.hf_modules`: Llama-style decoders and GPT-2, GPT-2 at
 tp 1); a user's own `nn.Sequential` language model as itself (`tagplan.export.user_modules`; a
@@ -54,7 +62,7 @@ from typing import Any
 
 from tagplan.cost.sharding import shard_block
 from tagplan.errors import SpecError
-from tagplan.export.checks import ExportError
+from tagplan.export.checks import ExportError, GradReduce, check_reduce_dtype, refuse
 from tagplan.export.hf_modules import GPT2_TYPES, HEAD_NORM_TYPES
 from tagplan.export.modules import tp_ops
 from tagplan.export.node_launch import launch_scripts, rank_table
@@ -68,6 +76,7 @@ from tagplan.ir.model import ModelGraph, OpKind
 from tagplan.ir.plan import Plan, Schedule, ShardStrategy, Stage, check_whole_samples
 from tagplan.ir.workload import DType, Optimizer
 
+FMT = "torch"
 PROGRAM_SOURCE = Path(__file__).with_name("runtime_train.py")
 PROGRAM_NAME = "train.py"
 """The name the program is copied under in the run directory (beside `plan.json`)."""
@@ -184,6 +193,11 @@ def runtime_for(plan: Plan, ranks: list[int]) -> str:
     return "mesh" if uniform and ranks == list(plan.devices) and mesh_schedule_ok(plan) else "pipeline"
 
 
+def runtime_on(plan: Plan, cluster: Cluster | None) -> str:
+    """`runtime_for` the plan launched on `cluster`'s nodes (None: one host), as `write_torch_program` writes it."""
+    return runtime_for(plan, [row["device"] for row in rank_table(plan, cluster)])
+
+
 def _tied_problems(plan: Plan, model: ModelGraph) -> list[str]:
     head_ops = [op.name for op in model.block_of(len(model.layers) - 1).ops]
     if "lm_head.tied" not in head_ops or plan.stages[0].tp == 1:
@@ -245,8 +259,10 @@ def split_ops(config: ModelConfig, model: ModelGraph, layer: int) -> list[str]:
 
 def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: ModelConfig, *, seq_len: int,
                    global_batch: int, steps: int, seed: int, table: list[dict[str, Any]],
-                   dtype: DType = DType.FP32, optimizer: Optimizer = Optimizer.ADAM) -> dict[str, Any]:
-    """The plan.json the program reads (format `runtime_train.PROGRAM_FORMAT`)."""
+                   dtype: DType = DType.FP32, optimizer: Optimizer = Optimizer.ADAM,
+                   reduce: GradReduce | None = None) -> dict[str, Any]:
+    """The plan.json the program reads (format `runtime_train.PROGRAM_FORMAT`); `reduce` (how it
+    reduces gradients, `grad_reduce`) is recorded for people as `grad_reduce`, the program does not read it."""
     ranks = pipeline_ranks(plan)
     stages = []
     for i, stage in enumerate(plan.stages):
@@ -264,7 +280,53 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
             "micro_batches": plan.micro_batches, "schedule": plan.schedule.value, "runtime": runtime,
             "sequence_parallel": sequence_parallel(plan, model),
             "mesh": {"pp": len(set(ranks)), "dp": first.dp, "tp": first.tp}, "world_size": len(plan.devices),
-            "ranks": table, "stages": stages, "plan": plan.model_dump(mode="json")}
+            "ranks": table, "stages": stages, "plan": plan.model_dump(mode="json"),
+            "grad_reduce": (reduce or grad_reduce(plan, runtime, dtype=dtype)).as_json()}
+
+
+def reduce_overlaps(plan: Plan, runtime: str) -> dict[int, bool]:
+    """Per stage with dp > 1, whether the program reduces its gradients while its backward runs.
+
+    Mesh runtime: FSDP2/replicate sync in the last micro-batch's backward with one pipeline rank;
+    with more, torch.distributed.pipelining (torch 2.13) runs FSDP2's reduction in its REDUCE_GRAD
+    step, after the stage's last backward. Pipeline runtime: ZeRO-3 stages reduce-scatter in FSDP2's
+    backward hooks; the others are summed (ZeRO 0/1) or reduce-scattered (ZeRO 2) after the step's
+    program of forwards and backwards.
+    """
+    if runtime == "mesh":
+        one_rank = len(set(pipeline_ranks(plan))) == 1
+        return {i: one_rank for i, s in enumerate(plan.stages) if s.dp > 1}
+    return {i: s.zero >= 3 for i, s in enumerate(plan.stages) if s.dp > 1}
+
+
+def grad_reduce(plan: Plan, runtime: str, *, dtype: DType, grad_reduce_dtype: DType | None = None,
+                grad_reduce_overlap: bool = True) -> GradReduce:
+    """How the program (on `runtime`, `runtime_for`) reduces gradients: always fp32, overlapped where
+    `reduce_overlaps` says; nothing is written, the program's behaviour is fixed. ExportError for a
+    16-bit `grad_reduce_dtype` and for `grad_reduce_overlap=False` where a stage overlaps; a note
+    where the costing overlapped and a stage reduces after its backward."""
+    check_reduce_dtype(grad_reduce_dtype)
+    if grad_reduce_dtype not in (None, DType.FP32):
+        raise refuse(FMT, f"grad_reduce_dtype={grad_reduce_dtype.value}: the program keeps fp32 weights (dtype "
+                          f"{dtype.value}: bf16/fp16 run under autocast over them), so its gradients cross the "
+                          "data-parallel group in fp32; it accepts grad_reduce_dtype fp32 or unset (re-plan with "
+                          "--grad-reduce-dtype fp32 to cost it as it runs)")
+    overlaps = reduce_overlaps(plan, runtime)
+    if not overlaps:
+        return GradReduce(dtype=DType.FP32, overlap=None)
+    hidden = [i for i, o in overlaps.items() if o]
+    exposed = [i for i, o in overlaps.items() if not o]
+    if not grad_reduce_overlap and hidden:
+        raise refuse(FMT, f"grad_reduce_overlap=False, but the program reduces the gradients of stages {hidden} while "
+                          f"the backward runs ({runtime} runtime: FSDP2 hooks); it accepts grad_reduce_overlap=False "
+                          "only where every data-parallel stage reduces after its backward (pipelined plans, ZeRO "
+                          "0-2 on the pipeline runtime). Re-plan with the reduction overlapped (the default)")
+    notes: tuple[str, ...] = ()
+    if grad_reduce_overlap and exposed:
+        notes = (f"the plan was costed with the gradient reduction overlapped (grad_reduce_overlap=True), but the "
+                 f"program reduces the gradients of stages {exposed} after their last backward, exposed: the run "
+                 "will be slower than predicted. Re-plan with --no-grad-reduce-overlap to cost it as it runs",)
+    return GradReduce(dtype=DType.FP32, overlap=not exposed, notes=notes)
 
 
 def check_batch(plan: Plan, model: ModelGraph, *, seq_len: int, global_batch: int) -> None:
@@ -302,13 +364,15 @@ def _carry_user_file(spec: ModelSpec, out_dir: Path) -> str | None:
 
 def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, seq_len: int, global_batch: int,
                         steps: int = 3, seed: int = 0, cluster: Cluster | None = None, dtype: DType = DType.FP32,
-                        optimizer: Optimizer = Optimizer.ADAM) -> Path:
+                        optimizer: Optimizer = Optimizer.ADAM, grad_reduce_dtype: DType | None = None,
+                        grad_reduce_overlap: bool = True) -> Path:
     """Write `train.py`, `plan.json` and `launch_node{k}.sh` per node into `out_dir` (created);
     return the path of `train.py`.
 
     `cluster` gives the nodes and GPU types (node order, start-up check); without it the plan runs
-    on one host. `dtype` and `optimizer`: as the plan was costed. ExportError when the model or
-    plan cannot be expressed, or `global_batch` gives some replica a fraction of a sample.
+    on one host. `dtype`, `optimizer`, `grad_reduce_dtype` and `grad_reduce_overlap`: as the plan
+    was costed (`grad_reduce`). ExportError when the model, plan or gradient reduction cannot be
+    expressed, or `global_batch` gives some replica a fraction of a sample.
     """
     text = model_spec.text if isinstance(model_spec, ModelSpec) else model_spec  # what plan.json names
     if dtype is DType.FP8:
@@ -323,10 +387,12 @@ def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, 
     check_expressible(plan, model, config=config)
     check_batch(plan, model, seq_len=seq_len, global_batch=global_batch)
     table = rank_table(plan, cluster)
+    reduce = grad_reduce(plan, runtime_on(plan, cluster), dtype=dtype,
+                         grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
     out_dir.mkdir(parents=True, exist_ok=True)
     text = _carry_user_file(spec, out_dir) or text
     cfg = program_config(text, plan, model, config, seq_len=seq_len, global_batch=global_batch, steps=steps,
-                         seed=seed, table=table, dtype=dtype, optimizer=optimizer)
+                         seed=seed, table=table, dtype=dtype, optimizer=optimizer, reduce=reduce)
     (out_dir / "plan.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for old in out_dir.glob("launch_node*.sh"):
         old.unlink()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from tagplan.cost.bounds import lower_bound_s, plan_value
 from tagplan.cost.report import Report
-from tagplan.cost.simulator import Simulator
+from tagplan.cost.simulator import ReduceOverlap, Simulator
 from tagplan.errors import SpecError
 from tagplan.ir.plan import Plan
 from tagplan.search.baselines import run_baselines
@@ -83,7 +83,8 @@ class SimulatorEvaluator:
 
 
 def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, progress: Progress | None = None,
-         admissible: Admissible | None = None, correction: Correction | None = None) -> PlanResult:
+         admissible: Admissible | None = None, correction: Correction | None = None,
+         reduce_overlap: ReduceOverlap | None = None) -> PlanResult:
     """Search plans for `problem`; the best (with its simulation), the frontier and the baselines.
 
     `prior_factory(space)` builds the search prior (the GNN's; the caller resolves
@@ -94,10 +95,11 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
     admissible plans are returned as the best or on the frontier. `correction` (the GNN fine-tuned
     on measured iterations of this cluster's device types) re-ranks the simulator's fastest
     `RERANK_TOP_K` candidates for the time objective: the best is the fastest by its prediction.
+    `reduce_overlap`: the target runtime's per-stage rule for the gradient reduction (`Simulator`).
     """
     start = time.perf_counter()
     sim = Simulator(problem.model, problem.cluster, problem.workload, calibration=problem.calibration,
-                    comm_mode=problem.comm_mode, fold=problem.fold)
+                    comm_mode=problem.comm_mode, fold=problem.fold, reduce_overlap=reduce_overlap)
     space = PlanSpace(sim, frugal=problem.objective is Objective.GPUS)
     judge = SimulatorEvaluator(space)
     baselines = run_baselines(sim, judge.candidate, deadline=start + BASELINE_BUDGET_SHARE * problem.budget_s)

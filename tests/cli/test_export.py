@@ -138,3 +138,29 @@ def test_measure_appends_a_real_iteration_record(tmp_path: Path) -> None:
     assert len(records) == 2
     assert all(r.measured_s > 0 and r.repeats == 2 for r in records)
     assert records[0].plan["stages"][1]["devices"] == [2]  # three gloo ranks, in plan order
+
+
+def test_grad_reduce_flags_reach_the_files_and_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = write_plan(tmp_path / "dp2.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1}], 1)
+    base = ["export", "--model", TINY, "--plan", str(plan), "--seq", "16"]
+    assert main([*base, "--format", "deepspeed", "--out", str(tmp_path / "ds"), "--grad-reduce-dtype", "fp32",
+                 "--no-grad-reduce-overlap", "--json"]) == 0
+    reduce = json.loads(capsys.readouterr().out)["grad_reduce"]
+    assert reduce == {"dtype": "fp32", "overlap": False, "notes": [], "written": [
+        'communication_data_type: "fp32"', "fp32_allreduce: true", "zero_optimization.overlap_comm: false"]}
+    config = json.loads((tmp_path / "ds" / "ds_config.json").read_text())
+    assert config["fp32_allreduce"] is True and config["zero_optimization"]["overlap_comm"] is False
+    assert main([*base, "--format", "deepspeed", "--out", str(tmp_path / "ds0")]) == 0  # ZeRO 0, costed overlapped
+    text = capsys.readouterr().out
+    assert "gradient reduction: bf16, after the backward" in text and "note: the plan was costed" in text
+    assert json.loads((tmp_path / "ds0" / "partition.json").read_text())["tagplan_notes"]
+    assert main([*base, "--format", "megatron", "--out", str(tmp_path / "mg"), "--grad-reduce-dtype", "fp32",
+                 "--no-grad-reduce-overlap"]) == 0
+    args = (tmp_path / "mg" / "megatron_args.txt").read_text().split()
+    assert "--accumulate-allreduce-grads-in-fp32" in args and "--overlap-grad-reduce" not in args
+    assert "written: --accumulate-allreduce-grads-in-fp32" in capsys.readouterr().out
+    assert main([*base, "--format", "torch", "--out", str(tmp_path / "t"), "--grad-reduce-dtype", "bf16"]) == 2
+    assert "grad_reduce_dtype=bf16" in capsys.readouterr().err and not (tmp_path / "t").exists()
+    with pytest.raises(SystemExit) as stop:  # argparse: no runtime reduces in fp8
+        main([*base, "--format", "torch", "--out", str(tmp_path / "t"), "--grad-reduce-dtype", "fp8"])
+    assert stop.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from tagplan.cost.calibration import Calibration
 from tagplan.cost.comm import CommMode
 from tagplan.cost.report import Report
-from tagplan.cost.simulator import Simulator
+from tagplan.cost.simulator import ReduceOverlap, Simulator
 from tagplan.errors import SpecError
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
@@ -299,6 +299,22 @@ def test_a_runtime_that_reduces_after_the_backward_exposes_the_whole_reduction()
     assert hidden.breakdown.dp_comm < sync  # buckets but the last hide behind the backward
     assert exposed.breakdown.dp_comm == pytest.approx(sync)
     assert exposed.iteration_time_s == pytest.approx(hidden.iteration_time_s - hidden.breakdown.dp_comm + sync)
+
+
+def test_a_runtime_rule_decides_per_stage_which_reductions_overlap() -> None:
+    model = load_model("gpt?layers=4&hidden=1024&heads=16&vocab=1000", seq_len=512)
+    plan = Plan(micro_batches=4, stages=(Stage(layers=(0, 3), devices=tuple(range(8)), dp=8),
+                                         Stage(layers=(3, 6), devices=tuple(range(8, 16)), dp=8)))
+    cluster = load_cluster("g4dn.12xlarge:nodes=4")
+    overlapped = Workload(global_batch=32, seq_len=512, dtype=DType.FP16)
+    after = overlapped.model_copy(update={"grad_reduce_overlap": False})
+
+    def exposed(workload: Workload, rule: ReduceOverlap | None = None) -> float:
+        return Simulator(model, cluster, workload, reduce_overlap=rule).simulate(plan).iteration_time_s
+
+    assert exposed(overlapped, lambda p: {0: False, 1: False}) == pytest.approx(exposed(after))
+    assert exposed(after, lambda p: {0: True, 1: True}) == pytest.approx(exposed(overlapped))
+    assert exposed(overlapped) < exposed(overlapped, lambda p: {0: False}) <= exposed(after)
 
 
 def test_attention_without_a_fused_kernel_keeps_its_probabilities_for_the_backward() -> None:

@@ -62,3 +62,28 @@ def test_megatron_fp8_runs_set_bf16_and_so_reduce_in_fp32() -> None:
     assert runtime_workload("megatron", Workload(dtype=DType.FP8)).grad_reduce_dtype is DType.FP32
     with pytest.raises(ValueError, match="grad_reduce_dtype 'fp8'"):
         Workload(grad_reduce_dtype=DType.FP8)
+
+
+def test_each_runtime_says_which_stages_reduce_while_their_backward_runs() -> None:
+    from tagplan.export.capability import reduce_overlap
+    from tagplan.ir.workload import Workload
+
+    pipelined = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(0, 1), dp=2, zero=1),
+                                              Stage(layers=(2, 4), devices=(2, 3), dp=2, zero=1)))
+    single = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(0, 1, 2, 3), dp=4, zero=1),))
+    overlapped, after = Workload(), Workload(grad_reduce_overlap=False)
+    assert reduce_overlap("megatron", overlapped) is None  # its arguments follow the workload
+    deepspeed = reduce_overlap("deepspeed", overlapped)
+    assert deepspeed is not None
+    assert deepspeed(pipelined) == {0: False, 1: False}  # the pipeline engine reduces after the flush
+    assert deepspeed(single) == {0: True}  # ZeRO's overlap_comm
+    assert deepspeed(single.model_copy(update={"stages": (single.stages[0].model_copy(update={"zero": 0}),)})) == {
+        0: False}
+    told = reduce_overlap("deepspeed", after)
+    assert told is not None and told(single) == {0: False}  # written as overlap_comm false
+    torch = reduce_overlap("torch", overlapped)
+    assert torch is not None
+    assert torch(single) == {0: True}  # one pipeline rank: FSDP2/replicate hooks
+    assert torch(pipelined) == {0: False, 1: False}  # reduced after the step's program
+    with pytest.raises(ValueError, match="unknown export format"):
+        reduce_overlap("jax", overlapped)
