@@ -30,6 +30,7 @@ import torch
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.cost.simulator import Simulator
+from tagplan.export.capability import reduce_overlap
 from tagplan.export.checks import ExportError
 from tagplan.export.modules import build_model as build_torch_model
 from tagplan.export.modules import grads_by_layer
@@ -234,7 +235,8 @@ def predicted_vs_measured(report: VerifyReport, device: DeviceSpec, *,
     workload = Workload(global_batch=report.global_batch, seq_len=report.seq_len, dtype=DType.FP32,
                         optimizer=Optimizer.ADAM)
     model = load_model(report.model_spec, seq_len=report.seq_len, dtype=DType.FP32)
-    predicted = Simulator(model, cluster, workload, calibration=calibration).simulate(plan).iteration_time_s
+    predicted = Simulator(model, cluster, workload, calibration=calibration,
+                          reduce_overlap=reduce_overlap("torch", workload, cluster)).simulate(plan).iteration_time_s
     measured = max(report.step_time_s.values())
     return PredictedVsMeasured(predicted, measured, measured / predicted)
 
