@@ -150,7 +150,7 @@ class BlockBuilder:
         t = self.seq_len if output_tokens is None else output_tokens
         digest = hashlib.sha256(f"{self.kind}|{output_width}|{t}".encode())
         for op in self.ops:
-            digest.update(op.model_dump_json(exclude=HASH_EXCLUDED).encode())
+            digest.update(op.model_dump_json(exclude=set(HASH_EXCLUDED)).encode())
         return Block(
             hash=digest.hexdigest()[:16], kind=self.kind, ops=tuple(self.ops), params=self.params,
             output_bytes=float(t * output_width * self.nbytes),

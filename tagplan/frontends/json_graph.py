@@ -69,7 +69,7 @@ def _block(name: str, spec: Any, dtype: DType, source: str) -> Block:
     output_bytes = spec.get("output_bytes", ops[-1].bytes_written)
     digest = hashlib.sha256(f"{kind}|{params}|{output_bytes}".encode())
     for op in ops:
-        digest.update(op.model_dump_json(exclude=HASH_EXCLUDED).encode())
+        digest.update(op.model_dump_json(exclude=set(HASH_EXCLUDED)).encode())
     return Block(hash=digest.hexdigest()[:16], kind=kind, ops=tuple(ops), params=params, output_bytes=output_bytes)
 
 

@@ -45,7 +45,7 @@ class PartitionDim(StrEnum):
     EXPERTS = "experts"
 
 
-HASH_EXCLUDED: set[str] = {"score_elements"}
+HASH_EXCLUDED: frozenset[str] = frozenset({"score_elements"})
 """Op fields that block hashes leave out: derived from shapes the hash already covers (so adding them kept
 every earlier hash, and the layer profiles that name blocks by hash, valid)."""
 

@@ -67,13 +67,14 @@ class Param:
 
     name: str
     log_scale: bool
+    max_value: float | None = None  # a scale's largest value (None: SCALE_BOUNDS; overheads: unbounded)
 
     @property
     def upper(self) -> float:
         """Largest value the fit may take, in its own space (log for scales, median-time units otherwise)."""
-        if self.name.startswith("bandwidth_scale/"):
-            return math.log(BANDWIDTH_SCALE_MAX)
-        return SCALE_BOUNDS[1] if self.log_scale else math.inf
+        if not self.log_scale:
+            return math.inf
+        return math.log(self.max_value) if self.max_value is not None else SCALE_BOUNDS[1]
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,8 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
     key = fit_key(cases)
     params = [Param(f"compute_scale/{d}", True) for d in devices]
     for scope in (INTRA, INTER):
-        params += [Param(f"bandwidth_scale/{key}/{scope}", True), Param(f"latency_s/{key}/{scope}", False)]
+        params += [Param(f"bandwidth_scale/{key}/{scope}", True, max_value=BANDWIDTH_SCALE_MAX),
+                   Param(f"latency_s/{key}/{scope}", False)]
     return [*params, Param(f"micro_batch_overhead_s/{key}", False), Param(f"iteration_overhead_s/{key}", False),
             Param(f"p2p_overhead_s/{key}", False), Param(f"recompute_overhead_s/{key}", False),
             Param(f"optimizer_scale/{key}", True)]

@@ -30,7 +30,7 @@ def build_blocks(trace: Trace, groups: list[Group], scale: Scale) -> tuple[list[
     for i, g in enumerate(groups):
         ops, signature = block_ops(trace, g, scale)
         params = sum(trace.params[fqn] for op in g.ops for fqn in op.owned)
-        dumped = [op.model_dump(mode="json", exclude=HASH_EXCLUDED) for op in ops]
+        dumped = [op.model_dump(mode="json", exclude=set(HASH_EXCLUDED)) for op in ops]
         block_hash = digest([g.kind, params, out_bytes[i], signature, dumped])
         block = Block(hash=block_hash, kind=g.kind, ops=tuple(ops), params=params, output_bytes=out_bytes[i])
         blocks.setdefault(block_hash, block)
