@@ -170,6 +170,7 @@ def _measure(args: argparse.Namespace) -> int:
         write_bundle,
     )
     from tagplan.export.measure import measure
+    from tagplan.export.torch_program import reduce_overlaps, runtime_on
     from tagplan.frontends.cpu import cpu_cluster
     from tagplan.frontends.model_spec import parse_model_spec
     from tagplan.frontends.plan_file import load_plan
@@ -184,9 +185,12 @@ def _measure(args: argparse.Namespace) -> int:
     device = cpu_device_spec(cores=1)  # each rank runs one torch thread
     local = plan.model_copy(update={"stages": tuple(s.model_copy(update={"devices": tuple(
         plan.devices.index(d) for d in s.devices)}) for s in plan.stages)})  # ranks 0..N-1 in plan order
+    # the program's own rule: its pipelines reduce after the flush (only ZeRO-3 stages, which the
+    # model costs per layer whatever the flag says, overlap there), so one flag describes the run
+    overlaps = reduce_overlaps(local, runtime_on(local, None))
     record = IterationRecord(model=spec.text, cluster=cpu_cluster(device, len(plan.devices)),
                              workload=Workload(global_batch=args.batch, seq_len=args.seq, dtype=DType.FP32,
-                                               optimizer=optimizer),
+                                               optimizer=optimizer, grad_reduce_overlap=all(overlaps.values())),
                              plan=local.model_dump(mode="json"), measured_s=result.median_s, repeats=result.steps,
                              source=f"tagplan measure (gloo, {len(plan.devices)} processes; steps "
                                     f"{result.min_s:.4g}-{result.max_s:.4g} s)")

@@ -85,10 +85,18 @@ def report_table(report: Report, plan: Plan) -> Table:
     return table
 
 
-def workload_line(workload: Workload) -> str:
-    """How the plans were costed: batch, sequence, dtype, optimizer and the gradient reduction."""
+def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) -> str:
+    """How the plans were costed: batch, sequence, dtype, optimizer and the gradient reduction
+    (`overlap`: the best plan's data-parallel stages, overlapped or not, where a runtime decided)."""
     reduce = (workload.grad_reduce_dtype or workload.dtype.elementwise).value
-    when = "overlapped with the backward" if workload.grad_reduce_overlap else "after the backward"
+    hidden = sorted(i for i, h in (overlap or {}).items() if h)
+    after = sorted(i for i, h in (overlap or {}).items() if not h)
+    if hidden and after:
+        when = f"overlapped with the backward on stages {hidden}, after it on stages {after}"
+    elif hidden or after:
+        when = "overlapped with the backward" if hidden else "after the backward"
+    else:
+        when = "overlapped with the backward" if workload.grad_reduce_overlap else "after the backward"
     return (f"costed for: global batch {workload.global_batch}, sequence {workload.seq_len}, {workload.dtype.value}, "
             f"{workload.optimizer.value}, gradients reduced in {reduce} {when}")
 
@@ -103,7 +111,7 @@ def plan_result_table(result: PlanResult) -> Table:
     idle = result.idle_devices
     lines = [f"idle devices: {device_ranges(idle)}"] if idle else []
     if result.workload is not None:
-        lines.append(workload_line(result.workload))
+        lines.append(workload_line(result.workload, result.reduce_overlap))
     caption = "\n".join(lines) or None
     table = Table(title=title, caption=caption)
     for col in ("plan", "stages (layers: dp x tp @ devices)", "micro-batches", "iteration", "samples/s",

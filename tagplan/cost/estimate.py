@@ -84,22 +84,27 @@ def estimate(sim: Simulator, plan: Plan) -> Estimate:
     pipeline = micro * period + (stage_s.sum() - work[busiest]) / chunks + p2p - (period - work[busiest])
     # the first stage's last backward ends last; a later lane ends before the gradients travel back
     back = np.array([t.backward_s + t.send_backward_s for t in timings])
+    hidden = sim.overlapped(plan)
+    tied, waiting = sim.tied_sync(plan)
     finish, parts = [], []
-    for lane in members:
-        end = pipeline - (back[: lane[0]].sum() if chunks == 1 else 0.0)
+    for every in members:
+        end = pipeline - (back[: every[0]].sum() if chunks == 1 else 0.0)
+        # reduced after the flush (the runtime's rule) and the tied table's sum: exposed whole
+        exposed = float(sum(sync[i].sum() for i in every if not hidden[i])) + (
+            tied if waiting.intersection(every) else 0.0)
+        lane = [i for i in every if hidden[i]]
         reduce, gather = sync[lane, 0].sum(), sync[lane, 1].sum()
         layers = max(sum(plan.stages[i].num_layers for i in lane), 1)
-        exposed = 0.0
         if reduce:
             exposed += max(reduce - min(timings[i].backward_s for i in lane), reduce / layers)
         if gather:
             first_forward = min(costs[i].critical.forward_compute_s for i in lane)
             exposed += max(gather - first_forward, gather / layers)
-        step = sim.optimizer_s(plan, lane, costs)
+        step = sim.optimizer_s(plan, every, costs)
         finish.append(end + exposed + step)
         parts.append((exposed, step))
     critical = int(np.argmax(finish))
     return Estimate(
         iteration_s=float(finish[critical]), pipeline_s=float(pipeline), busy_s=float(micro * work[busiest]),
-        p2p_s=p2p, dp_s=float(max(sync[lane].sum() for lane in members)), exposed_dp_s=float(parts[critical][0]),
+        p2p_s=p2p, dp_s=float(max(sync[m].sum() for m in members)), exposed_dp_s=float(parts[critical][0]),
         optimizer_s=float(parts[critical][1]), stage_s=stage_s, stage_tp_s=stage_tp, stage_dp_s=sync.sum(axis=1))

@@ -70,6 +70,7 @@ class Simulator:
                  fold: bool = True, reduce_overlap: ReduceOverlap | None = None) -> None:
         """`fold=False` costs every layer on its own and keeps no memo between plans (for ablation);
         `reduce_overlap`: the runtime's per-stage rule (default: `workload.grad_reduce_overlap` for all)."""
+        cluster = attention_cluster(cluster, workload.fused_attention)
         self.model, self.cluster, self.workload = model, cluster, workload
         self.calibration, self.comm_mode = calibration, comm_mode
         self.reduce_overlap = reduce_overlap
@@ -102,6 +103,10 @@ class Simulator:
                                  record_tasks=record_tasks)
         tails = [self._lane_tail(plan, costs, pipe, lane, list(range(lane, len(plan.stages), len(lanes))))
                  for lane in range(len(lanes))]
+        tied, ends = self.tied_sync(plan)
+        if tied:  # after the flush the first stage and the tied head's sum their tables' gradients
+            tails = [(end, dp + tied, opt) if any(i % len(lanes) == lane for i in ends) else (end, dp, opt)
+                     for lane, (end, dp, opt) in enumerate(tails)]
         report = self._report(plan, costs, pipe, _exposed_p2p_s(timings, plan.micro_batches), lanes, tails)
         return Simulation(report, pipe, tuple(devs for devs, _ in lanes), tuple(tails))
 
@@ -129,8 +134,9 @@ class Simulator:
         # fixed per-micro-batch cost (host dispatch, data, launches the op model misses), counted with compute
         device = self.coster.slowest(stage.devices).name
         overhead = self.calibration.overhead_s("micro_batch_overhead_s", device)
-        # a recomputed stage also pays each checkpoint call's own cost, once per layer and micro-batch
-        replay = (stage.num_layers * self.calibration.overhead_s("recompute_overhead_s", device)
+        # a recomputed stage also pays each checkpoint call's own cost, once per checkpointed layer
+        # (the runtimes checkpoint the repeated blocks, not the embedding or head) and micro-batch
+        replay = (self.coster.checkpointed_layers(stage) * self.calibration.overhead_s("recompute_overhead_s", device)
                   if stage.recompute else 0.0)
         critical = ReplicaCost(fwd.forward_compute_s + overhead, bwd.backward_compute_s + replay, fwd.forward_tp_s,
                                bwd.backward_tp_s)
@@ -212,15 +218,40 @@ class Simulator:
                          + self.calibration.overhead_s("p2p_overhead_s", device))
         return StageTiming(forward_s=fwd, backward_s=bwd, send_forward_s=cost.p2p_s, send_backward_s=send_back)
 
+    def overlapped(self, plan: Plan) -> list[bool]:
+        """Per stage, whether its gradient reduction runs while its backward does (the runtime's rule,
+        else `Workload.grad_reduce_overlap`)."""
+        rule = self.reduce_overlap(plan) if self.reduce_overlap is not None else {}
+        return [rule.get(i, self.workload.grad_reduce_overlap) for i in range(len(plan.stages))]
+
+    def tied_sync(self, plan: Plan) -> tuple[float, frozenset[int]]:
+        """(seconds, stages that wait for it) of all-reducing a tied table's gradients between its
+        owner (the first stage) and each stage holding a copy (a tied head), device by device, after
+        the flush: Megatron's embedding-group all-reduce, DeepSpeed's ReduceTiedGrads, the torch
+        pipeline runtime's `sum_tied`. It sums the gradient as stored (DeepSpeed's `fp32_allreduce`
+        covers only its data-parallel reduction). Pairs run concurrently; the slowest paces it.
+        (0, {}) where no stage holds a copy."""
+        first = plan.stages[0]
+        seconds, waiting = 0.0, {0}
+        for i, stage in enumerate(plan.stages[1:], start=1):
+            params = self.coster.tied_copy_params(stage)
+            if not params:
+                continue
+            waiting.add(i)
+            nbytes = params * self.workload.grad_bytes_per_param  # the gradient as stored, not the dp reduction's
+            pairs = [(a, b) for a, b in zip(first.devices, stage.devices, strict=False) if a != b]
+            seconds = max([seconds, *(self.comm.collective(Collective.ALL_REDUCE, pair, nbytes).time_s
+                                      for pair in pairs)])
+        return (seconds, frozenset(waiting)) if seconds else (0.0, frozenset())
+
     def _lane_tail(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult, lane: int,
                    members: list[int]) -> tuple[float, float, float]:
         """(last task end, exposed gradient sync, optimizer step) of one lane (stages `members`), in seconds."""
-        rule = self.reduce_overlap(plan) if self.reduce_overlap is not None else {}
-        default = self.workload.grad_reduce_overlap
-        after = [i for i in members if not rule.get(i, default)]
+        hidden = self.overlapped(plan)
+        after = [i for i in members if not hidden[i]]
         # a runtime that reduces after the flush: all of it exposed, one after another on shared links
         flushed = sum(costs[i].dp_sync_s[0] + costs[i].dp_sync_s[1] for i in after)
-        members = [i for i in members if rule.get(i, default)]
+        members = [i for i in members if hidden[i]]
         if not members:
             return pipe.lane_end_s[lane], flushed, self._step_s(plan, [*after], costs)
         gather = sum(costs[i].dp_sync_s[1] for i in members)
@@ -377,14 +408,19 @@ class Simulator:
         Such attention keeps its softmax output, dropout mask and dropout output for the backward:
         2 + 1 + 2 bytes per score element at 16 bits (Korthikanti et al., "Reducing Activation
         Recomputation in Large Transformer Models", MLSys 2023: 5 a s^2 b per layer), divided among
-        the tensor-parallel group's heads. A recomputed layer holds them only while it recomputes.
+        the tensor-parallel group's heads where the attention is split over them (a replicated one
+        keeps all). A recomputed layer holds them only while it recomputes.
         """
-        key = ("scores", stage.layers, stage.tp, stage.recompute)
+        key = ("scores", stage.layers, stage.tp, stage.recompute, sharding_key(stage.sharding))
         hit = self.coster.memory_memo.get(key)
         if hit is None:
             per_element = 2.0 * self.workload.dtype.elementwise.nbytes + 1.0
-            units = [(self.model.block_by_hash[h], n) for h, n in self.coster.units(stage)]
-            per_block = [(per_element * sum(op.score_elements for op in b.ops) / stage.tp, n) for b, n in units]
+            per_block = []
+            for h, n in self.coster.units(stage):
+                strategies = self.coster.sharded(h, stage.sharding).strategies
+                per_block.append((per_element * sum(
+                    op.score_elements / (stage.tp if divides(strategies[op.name]) else 1)
+                    for op in self.model.block_by_hash[h].ops), n))
             if stage.recompute:
                 hit = (0.0, max((b for b, _ in per_block), default=0.0))
             else:
@@ -411,6 +447,16 @@ class Simulator:
                            tp_comm_s=c.forward_tp_s + c.backward_tp_s, dp_sync_s=sum(cost.dp_sync_s), p2p_s=cost.p2p_s,
                            in_flight=pipe.max_in_flight[i], samples_per_micro_batch=max(cost.samples), memory=memory,
                            compute_source=self.coster.compute_source(s, cost.samples[0]))
+
+
+def attention_cluster(cluster: Cluster, fused: bool | None) -> Cluster:
+    """`cluster` with every device's attention kernel set to `fused` (None: as each device has it)."""
+    if fused is None or all(n.device.fused_attention is fused for n in cluster.nodes):
+        return cluster
+    data = cluster.model_dump()
+    for node in data["nodes"]:
+        node["device"]["fused_attention"] = fused
+    return Cluster.model_validate(data)
 
 
 def _exposed_p2p_s(timings: list[StageTiming], micro_batches: int) -> float:

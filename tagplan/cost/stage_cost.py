@@ -20,6 +20,9 @@ from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import ShardStrategy, Stage
 from tagplan.ir.workload import Workload
 
+CHECKPOINT_SKIPPED = frozenset({"embedding", "head"})
+"""Block kinds recomputation keeps (Megatron and the torch program checkpoint the transformer blocks)."""
+
 ShardingKey = tuple[tuple[str, str], ...]
 
 
@@ -151,8 +154,25 @@ class StageCoster:
 
     def _local_params(self, stage: Stage) -> float:
         nbytes = self.model.dtype.nbytes
+        copy = stage.layers[0] > 0  # a tied head away from the embedding keeps (and trains) its own copy
         return sum(count * local_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
-                                             stage.tp, nbytes)
+                                             stage.tp, nbytes, shared=copy)
+                   for h, count in self.block_counts(stage).items())
+
+    def checkpointed_layers(self, stage: Stage) -> int:
+        """Layers of `stage` that recomputation checkpoints: all but embeddings and heads."""
+        return sum(n for h, n in self.block_counts(stage).items()
+                   if self.model.block_by_hash[h].kind not in CHECKPOINT_SKIPPED)
+
+    def tied_copy_params(self, stage: Stage) -> float:
+        """Parameters of one device of `stage` that copy the first layer's (0 where the stage holds it)."""
+        if stage.layers[0] == 0:
+            return 0.0
+        nbytes = self.model.dtype.nbytes
+        return sum(count * (local_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
+                                              stage.tp, nbytes, shared=True)
+                            - local_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
+                                                stage.tp, nbytes))
                    for h, count in self.block_counts(stage).items())
 
     def slowest(self, group: tuple[int, ...]) -> DeviceSpec:

@@ -31,14 +31,19 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
     the data-parallel group in fp32; Megatron forces `--accumulate-allreduce-grads-in-fp32` with bf16
     (which its fp8 runs also set).
     DeepSpeed reduces in the compute dtype unless its config sets `communication_data_type` (the
-    exporter writes it, and the older `fp32_allreduce`, from `grad_reduce_dtype`)."""
+    exporter writes it, and the older `fp32_allreduce`, from `grad_reduce_dtype`).
+    Where `fused_attention` is open, the torch program's attention (scaled_dot_product_attention) is
+    fused on every device; Megatron and DeepSpeed keep each device's own (materialised before sm80)."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
     sixteen = workload.dtype in (DType.BF16, DType.FP16)
     fp32 = (fmt == "torch" and sixteen) or (fmt == "megatron" and workload.dtype in (DType.BF16, DType.FP8))
-    if workload.grad_reduce_dtype is not None or not fp32:
-        return workload
-    return workload.model_copy(update={"grad_reduce_dtype": DType.FP32})
+    update: dict[str, object] = {}
+    if workload.grad_reduce_dtype is None and fp32:
+        update["grad_reduce_dtype"] = DType.FP32
+    if fmt == "torch" and workload.fused_attention is None:  # SDPA's memory-efficient kernel from sm50
+        update["fused_attention"] = True
+    return workload.model_copy(update=update) if update else workload
 
 
 def reduce_overlap(fmt: Target | str, workload: Workload, cluster: Cluster | None = None) -> ReduceOverlap | None:

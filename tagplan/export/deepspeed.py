@@ -15,7 +15,8 @@ Batch arithmetic: `train_batch_size = train_micro_batch_size_per_gpu * gradient_
 Gradient reduction (`grad_reduce`): a costed `grad_reduce_dtype` is written as
 `communication_data_type` (the key DeepSpeed reads since it replaced `fp32_allreduce`), plus
 `"fp32_allreduce": true` for fp32 over 16-bit training (older DeepSpeed and DeeperSpeed read only
-that); `zero_optimization.overlap_comm` is `grad_reduce_overlap` with dp > 1. DeepSpeed overlaps the
+that); `zero_optimization.overlap_comm` is `grad_reduce_overlap` with dp > 1 (always with ZeRO-3, which
+the simulator costs prefetched under compute). DeepSpeed overlaps the
 reduction with the backward only under ZeRO 1-3 on one stage: its pipeline engine reduces after
 the flush and ZeRO 0 after the backward, so an overlapped costing of such a plan is not refused but
 noted (`tagplan_notes` in partition.json): the run will be slower than predicted.
@@ -66,7 +67,7 @@ def deepspeed_config(model: ModelGraph, plan: Plan, *, global_batch: int, seq_le
         "train_batch_size": mbs * plan.micro_batches * dp,
         "train_micro_batch_size_per_gpu": mbs,
         "gradient_accumulation_steps": plan.micro_batches,
-        "zero_optimization": {"stage": zero, "overlap_comm": grad_reduce_overlap and dp > 1},
+        "zero_optimization": {"stage": zero, "overlap_comm": _overlap_comm(zero, dp, grad_reduce_overlap)},
     }
     if model.dtype is DType.FP8:
         raise refuse(FMT, "dtype fp8: DeepSpeed's config has no fp8 GEMMs (Transformer Engine); export to megatron "
@@ -122,8 +123,9 @@ def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = N
     """How the exported run reduces gradients (`plan` already accepted by `plan_checks`, `dtype` the
     training dtype): the keys `deepspeed_config` writes for it, and a note where DeepSpeed cannot
     overlap the reduction as costed (its pipeline engine after the flush, ZeRO 0 after the backward)."""
-    dp, pp = plan.stages[0].dp, len(plan.stages)
-    keys = {**_reduce_keys(dtype, grad_reduce_dtype), "zero_optimization.overlap_comm": grad_reduce_overlap and dp > 1}
+    dp, pp, zero = plan.stages[0].dp, len(plan.stages), plan.stages[0].zero
+    keys = {**_reduce_keys(dtype, grad_reduce_dtype),
+            "zero_optimization.overlap_comm": _overlap_comm(zero, dp, grad_reduce_overlap)}
     written = tuple(f"{key}: {json.dumps(value)}" for key, value in keys.items())
     reduced_in = grad_reduce_dtype or dtype
     if dp == 1:
@@ -133,10 +135,16 @@ def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = N
     if grad_reduce_overlap and not overlaps:
         when = (f"its pipeline engine ({pp} stages) reduces them after the flush" if pp > 1
                 else "with ZeRO 0 it reduces them after the backward")
-        notes = (f"the plan was costed with the gradient reduction overlapped (grad_reduce_overlap=True), but "
-                 f"{when}, exposed: the run will be slower than predicted. Re-plan with --no-grad-reduce-overlap "
-                 "to cost it as DeepSpeed runs it (DeepSpeed overlaps only ZeRO 1-3 on one stage)",)
+        notes = (f"DeepSpeed cannot overlap this plan's gradient reduction: {when}, exposed. A plan costed with "
+                 "the reduction overlapped will run slower than predicted; `plan --exportable deepspeed` costs it "
+                 "as DeepSpeed runs it (DeepSpeed overlaps only ZeRO 1-3 on one stage)",)
     return GradReduce(dtype=reduced_in, overlap=grad_reduce_overlap and overlaps, written=written, notes=notes)
+
+
+def _overlap_comm(zero: int, dp: int, grad_reduce_overlap: bool) -> bool:
+    """`overlap_comm`: as costed; ZeRO-3 always (the simulator costs its layer-by-layer gathers and
+    reduce-scatters prefetched under compute whatever `grad_reduce_overlap` says)."""
+    return dp > 1 and (grad_reduce_overlap or zero >= 3)
 
 
 def can_overlap(plan: Plan) -> bool:

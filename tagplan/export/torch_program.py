@@ -303,8 +303,8 @@ def grad_reduce(plan: Plan, runtime: str, *, dtype: DType, grad_reduce_dtype: DT
                 grad_reduce_overlap: bool = True) -> GradReduce:
     """How the program (on `runtime`, `runtime_for`) reduces gradients: always fp32, overlapped where
     `reduce_overlaps` says; nothing is written, the program's behaviour is fixed. ExportError for a
-    16-bit `grad_reduce_dtype` and for `grad_reduce_overlap=False` where a stage overlaps; a note
-    where the costing overlapped and a stage reduces after its backward."""
+    16-bit `grad_reduce_dtype`; a note where `grad_reduce_overlap` disagrees with a stage (`plan
+    --exportable torch` costs each stage as the program runs it, so its plans need none)."""
     check_reduce_dtype(grad_reduce_dtype)
     if grad_reduce_dtype not in (None, DType.FP32):
         raise refuse(FMT, f"grad_reduce_dtype={grad_reduce_dtype.value}: the program keeps fp32 weights (dtype "
@@ -316,17 +316,16 @@ def grad_reduce(plan: Plan, runtime: str, *, dtype: DType, grad_reduce_dtype: DT
         return GradReduce(dtype=DType.FP32, overlap=None)
     hidden = [i for i, o in overlaps.items() if o]
     exposed = [i for i, o in overlaps.items() if not o]
+    notes: list[str] = []
     if not grad_reduce_overlap and hidden:
-        raise refuse(FMT, f"grad_reduce_overlap=False, but the program reduces the gradients of stages {hidden} while "
-                          f"the backward runs ({runtime} runtime: FSDP2 hooks); it accepts grad_reduce_overlap=False "
-                          "only where every data-parallel stage reduces after its backward (pipelined plans, ZeRO "
-                          "0-2 on the pipeline runtime). Re-plan with the reduction overlapped (the default)")
-    notes: tuple[str, ...] = ()
+        notes.append(f"the program reduces the gradients of stages {hidden} while the backward runs ({runtime} "
+                     "runtime: FSDP2/replicate hooks); a plan costed with the reduction after the backward will run "
+                     "faster than predicted there. `plan --exportable torch` costs it as the program runs it")
     if grad_reduce_overlap and exposed:
-        notes = (f"the plan was costed with the gradient reduction overlapped (grad_reduce_overlap=True), but the "
-                 f"program reduces the gradients of stages {exposed} after their last backward, exposed: the run "
-                 "will be slower than predicted. Re-plan with --no-grad-reduce-overlap to cost it as it runs",)
-    return GradReduce(dtype=DType.FP32, overlap=not exposed, notes=notes)
+        notes.append(f"the program reduces the gradients of stages {exposed} after their last backward, exposed; a "
+                     "plan costed with the reduction overlapped will run slower than predicted there. `plan "
+                     "--exportable torch` costs it as the program runs it")
+    return GradReduce(dtype=DType.FP32, overlap=not exposed, notes=tuple(notes))
 
 
 def check_batch(plan: Plan, model: ModelGraph, *, seq_len: int, global_batch: int) -> None:

@@ -45,7 +45,7 @@ class PartitionDim(StrEnum):
     EXPERTS = "experts"
 
 
-HASH_EXCLUDED: frozenset[str] = frozenset({"score_elements"})
+HASH_EXCLUDED: frozenset[str] = frozenset({"score_elements", "shared_param_bytes"})
 """Op fields that block hashes leave out: derived from shapes the hash already covers (so adding them kept
 every earlier hash, and the layer profiles that name blocks by hash, valid)."""
 
@@ -63,6 +63,10 @@ class Op(Record):
     score_elements: float = Field(default=0, ge=0, description="attention only: score-matrix elements per sample "
                                   "(heads x queries x keys), which a kernel without fused attention writes to memory; "
                                   "derived from the shapes, so block hashes leave it out")
+    shared_param_bytes: float = Field(
+        default=0, ge=0, description="bytes of parameters this op uses but the model's first layer owns (a head "
+        "tied to the token embedding); a pipeline stage that holds this op but not the first layer keeps a copy; "
+        "block hashes leave it out")
     output_shape: tuple[int, ...] = ()
     partition_dims: tuple[PartitionDim, ...] = ()
     inputs: tuple[str, ...] = Field(default=(), description="names of producer ops in the block")

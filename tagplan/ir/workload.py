@@ -63,6 +63,11 @@ class Workload(Record):
     grad_reduce_dtype: DType | None = Field(
         default=None, description="dtype gradients cross the data-parallel group in: None = the compute dtype; fp32 as "
         "DeepSpeed's fp32_allreduce or Megatron's --accumulate-allreduce-grads-in-fp32 (twice the bytes at 16 bits)")
+    fused_attention: bool | None = Field(
+        default=None, description="the runtime's attention kernel: None = each device's own (DeviceSpec."
+        "fused_attention: FlashAttention-2 from sm80, materialised scores before, as Megatron and DeepSpeed run); "
+        "True = fused on every device (PyTorch's scaled_dot_product_attention, whose memory-efficient kernel runs "
+        "from sm50); False = scores materialised everywhere")
     grad_reduce_overlap: bool = Field(
         default=True, description="the data-parallel gradient reduction runs in buckets while the last backward "
         "runs, and ZeRO's parameter gather while the next forward runs (PyTorch DDP and FSDP, Megatron's "

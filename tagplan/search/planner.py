@@ -151,6 +151,8 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
     return PlanResult(best=best, pareto=tuple(frontier(pool)), baselines=baselines, search=info,
                       objective=problem.objective, notes=tuple(notes), simulation=simulation,
                       cluster_devices=problem.cluster.num_devices, workload=problem.workload,
+                      reduce_overlap={i: hidden for i, hidden in enumerate(sim.overlapped(best.plan))
+                                      if best.plan.stages[i].dp > 1},
                       predictor=Predictor(problem.calibration.name, correction.version if correction else None,
                                           applied))
 

@@ -83,6 +83,7 @@ class PlanResult:
     objective: Objective = Objective.TIME
     notes: tuple[str, ...] = field(default=())
     workload: Workload | None = None  # as every plan was costed (`plan --exportable` may have filled it in)
+    reduce_overlap: dict[int, bool] = field(default_factory=dict)  # the best plan's dp > 1 stages: overlapped?
 
     @property
     def idle_devices(self) -> list[int]:
@@ -108,4 +109,5 @@ class PlanResult:
             "search": vars(self.search),
             "notes": list(self.notes),
             "workload": self.workload.model_dump(mode="json") if self.workload is not None else None,
+            "reduce_overlap": {str(i): hidden for i, hidden in self.reduce_overlap.items()},
         }

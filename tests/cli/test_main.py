@@ -135,5 +135,16 @@ def test_plan_exportable_restricts_the_answer(capsys) -> None:
     assert len({(s["dp"], s["tp"]) for s in best}) == 1  # Megatron runs one (dp, tp) for every stage
     # the workload the plans were costed with, as Megatron runs bf16: gradients reduced in fp32
     assert result["workload"]["grad_reduce_dtype"] == "fp32" and result["workload"]["global_batch"] == 16
+    assert all(result["reduce_overlap"].values())  # Megatron overlaps as the workload says
     assert main([a for a in args if a != "--json"]) == 0
     assert "gradients reduced in fp32 overlapped with the backward" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
+    from tagplan.cli.tables import workload_line
+    from tagplan.ir.workload import Workload
+
+    assert workload_line(Workload(), {0: True, 1: False}).endswith(
+        "overlapped with the backward on stages [0], after it on stages [1]")
+    assert workload_line(Workload(), {0: False}).endswith("after the backward")  # the runtime decided
+    assert workload_line(Workload(grad_reduce_overlap=False)).endswith("after the backward")

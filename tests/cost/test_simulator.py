@@ -317,6 +317,30 @@ def test_a_runtime_rule_decides_per_stage_which_reductions_overlap() -> None:
     assert exposed(overlapped) < exposed(overlapped, lambda p: {0: False}) <= exposed(after)
 
 
+def test_a_tied_head_away_from_the_embedding_keeps_a_copy_and_sums_its_gradient_with_it() -> None:
+    """Megatron's embedding group, DeepSpeed's ReduceTiedGrads: the head's stage holds and trains a copy
+    of the token embedding and all-reduces its gradient with the first stage after the flush."""
+    vocab, hidden = 8000, 512
+    workload = Workload(global_batch=8, seq_len=256)
+    cluster = load_cluster("p3.8xlarge:nodes=2")  # the two stages on two nodes, over the network
+    split = Plan(micro_batches=2, stages=(Stage(layers=(0, 3), devices=(0,)), Stage(layers=(3, 6), devices=(4,))))
+    whole = Plan(micro_batches=2, stages=(Stage(layers=(0, 6), devices=(0,)),))
+    for family, tied in (("gpt", True), ("llama", False)):
+        model = load_model(f"{family}?layers=4&hidden={hidden}&heads=8&vocab={vocab}", seq_len=256)
+        sim = Simulator(model, cluster, workload)
+        copy = sim.coster.tied_copy_params(split.stages[1])
+        assert copy == (vocab * hidden if tied else 0.0)
+        assert sim.coster.tied_copy_params(whole.stages[0]) == 0.0
+        seconds, waiting = sim.tied_sync(split)
+        assert (seconds > 0, waiting) == ((True, frozenset({0, 1})) if tied else (False, frozenset()))
+        report = sim.simulate(split)
+        if tied:  # nothing else is reduced (dp 1): the exposed sync is the tied sum
+            assert report.breakdown.dp_comm == pytest.approx(seconds)
+            params = sim.coster.local_params(split.stages[0]) + sim.coster.local_params(split.stages[1])
+            assert params == pytest.approx(sim.coster.local_params(whole.stages[0]) + copy)
+    assert sim.tied_sync(whole) == (0.0, frozenset())
+
+
 def test_attention_without_a_fused_kernel_keeps_its_probabilities_for_the_backward() -> None:
     """On a V100 each layer keeps softmax output, dropout mask and output: 5 bytes per score element."""
     layers, heads, seq = 2, 4, 512
@@ -331,6 +355,18 @@ def test_attention_without_a_fused_kernel_keeps_its_probabilities_for_the_backwa
     scores = layers * heads * seq * seq * 4  # per layer and sample, times the 4 samples
     assert activations("p3.8xlarge") - activations("p4d.24xlarge") == pytest.approx(5 * scores)
     assert activations("p3.8xlarge", tp=2) - activations("p4d.24xlarge", tp=2) == pytest.approx(5 * scores / 2)
+    # a runtime whose attention is fused everywhere (PyTorch SDPA) keeps none, and pays no score passes
+    fused = workload.model_copy(update={"fused_attention": True})
+    plan = Plan(stages=(Stage(layers=(0, layers + 2), devices=(0,)),))
+    v100 = [simulate(model, load_cluster("p3.8xlarge"), plan, w) for w in (workload, fused)]
+    a100 = simulate(model, load_cluster("p4d.24xlarge"), plan, fused)
+    assert v100[1].stages[0].memory.activations_bytes == pytest.approx(a100.stages[0].memory.activations_bytes)
+    assert v100[1].iteration_time_s < v100[0].iteration_time_s
+    # attention kept whole on every rank keeps all of its scores
+    whole = Plan(stages=(Stage(layers=(0, layers + 2), devices=(0, 1), tp=2, sharding={"attn.sdpa": "replicate"}),))
+    kept = [simulate(model, load_cluster(p), whole, workload).stages[0].memory.activations_bytes
+            for p in ("p3.8xlarge", "p4d.24xlarge")]
+    assert kept[0] - kept[1] == pytest.approx(5 * scores)
     # recomputed: only the layer being recomputed holds them
     assert activations("p3.8xlarge", recompute=True) - activations("p4d.24xlarge", recompute=True) == \
         pytest.approx(5 * scores / layers)

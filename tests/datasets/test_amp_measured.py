@@ -45,10 +45,10 @@ def test_a_run_becomes_the_plan_it_ran(amp: ModuleType) -> None:
 def test_every_layout_that_ran_fits_in_the_memory_model_and_most_that_failed_do_not(amp: ModuleType) -> None:
     """The memory model against real T4/V100 runs: a layout that finished cannot have overflowed memory.
 
-    Without attention's score-sized tensors on these unfused devices, only 2 of the 13 failures
-    were predicted not to fit; some failures had other causes (hangs), so not all need to."""
+    Without attention's score-sized tensors on these unfused devices, only 2 of the 11 expressible
+    failures were predicted not to fit; some failed at a few GB, of other causes, so not all need to."""
     data = json.loads((BENCH / "data" / "amp_measured.json").read_text())
     model = amp.load_model_of(data)
     verdicts = [amp.fit_verdicts(data, experiment, model) for experiment in data["experiments"]]
     assert all(v["ran_predicted_to_fit"] == v["ran"] for v in verdicts)
-    assert sum(v["failed_predicted_not_to_fit"] for v in verdicts) >= 5  # of 13
+    assert sum(v["failed_predicted_not_to_fit"] for v in verdicts) >= 5  # of 11

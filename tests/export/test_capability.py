@@ -50,7 +50,8 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     assert runtime_workload("deepspeed", bf16).grad_reduce_dtype is None
     # what the user set stays
     told = bf16.model_copy(update={"grad_reduce_dtype": DType.BF16})
-    assert runtime_workload("torch", told) is told
+    assert runtime_workload("torch", told).grad_reduce_dtype is DType.BF16
+    assert runtime_workload("megatron", told) is told
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         runtime_workload("onnx", bf16)
 
@@ -87,3 +88,12 @@ def test_each_runtime_says_which_stages_reduce_while_their_backward_runs() -> No
     assert torch(pipelined) == {0: False, 1: False}  # reduced after the step's program
     with pytest.raises(ValueError, match="unknown export format"):
         reduce_overlap("jax", overlapped)
+
+
+def test_the_torch_program_runs_fused_attention_on_every_device() -> None:
+    from tagplan.export.capability import runtime_workload
+    from tagplan.ir.workload import Workload
+
+    assert runtime_workload("torch", Workload()).fused_attention is True
+    assert runtime_workload("megatron", Workload()).fused_attention is None  # each device's own
+    assert runtime_workload("torch", Workload(fused_attention=False)).fused_attention is False  # said outright

@@ -71,7 +71,7 @@ def test_deepspeed_notes_where_it_cannot_overlap_as_costed(gpt_small: ModelGraph
     reduce = ds.grad_reduce(plan, BF16)
     assert reduce.overlap is False and len(reduce.notes) == 1
     assert reduce.written[-1] == "zero_optimization.overlap_comm: true"  # written as costed, noted as run
-    assert "slower than predicted" in reduce.notes[0] and "--no-grad-reduce-overlap" in reduce.notes[0]
+    assert "slower than predicted" in reduce.notes[0] and "--exportable deepspeed" in reduce.notes[0]
     assert re.search(why, reduce.notes[0])
     ds.write_deepspeed(gpt_small, plan, tmp_path, global_batch=64, seq_len=2048)
     assert json.loads((tmp_path / "partition.json").read_text())["tagplan_notes"] == list(reduce.notes)
@@ -154,9 +154,9 @@ def test_torch_program_overlaps_on_one_rank_and_reduces_pipelined_stages_after_t
     one = stages([0, 4], dp=2, micro_batches=1)
     assert runtime_on(one, None) == "mesh" and reduce_overlaps(one, "mesh") == {0: True}
     assert grad_reduce(one, "mesh", dtype=BF16).overlap is True
-    with pytest.raises(ExportError, match=r"^torch: grad_reduce_overlap=False, but the program reduces the "
-                                          r"gradients of stages \[0\] while the backward runs"):
-        grad_reduce(one, "mesh", dtype=BF16, grad_reduce_overlap=False)
+    faster = grad_reduce(one, "mesh", dtype=BF16, grad_reduce_overlap=False)  # runs as it runs, noted
+    assert faster.overlap is True and "stages [0] while the backward runs" in faster.notes[0]
+    assert "faster than predicted" in faster.notes[0]
     piped = stages([0, 2, 4], dp=2, micro_batches=4)
     assert runtime_on(piped, None) == "mesh" and reduce_overlaps(piped, "mesh") == {0: False, 1: False}
     noted = grad_reduce(piped, "mesh", dtype=BF16)
@@ -169,8 +169,8 @@ def test_pipeline_runtime_overlaps_zero3_stages_only() -> None:
                                           Stage(layers=(2, 4), devices=(2, 3, 4), dp=3, zero=1)))
     assert runtime_on(mixed, None) == "pipeline"
     assert reduce_overlaps(mixed, "pipeline") == {0: True, 1: False}
-    with pytest.raises(ExportError, match=r"stages \[0\] while the backward runs \(pipeline runtime"):
-        grad_reduce(mixed, "pipeline", dtype=BF16, grad_reduce_overlap=False)
+    assert "stages [0] while the backward runs (pipeline runtime" in grad_reduce(
+        mixed, "pipeline", dtype=BF16, grad_reduce_overlap=False).notes[0]
     assert "stages [1] after their last backward" in grad_reduce(mixed, "pipeline", dtype=BF16).notes[0]
     alone = Plan(stages=(Stage(layers=(0, 4), devices=(0,)),))
     assert grad_reduce(alone, "mesh", dtype=BF16, grad_reduce_overlap=False).overlap is None  # nothing to reduce
@@ -183,10 +183,9 @@ def test_written_program_records_the_reduction_and_refusals_write_nothing(tmp_pa
     assert cfg["grad_reduce"]["dtype"] == "fp32" and cfg["grad_reduce"]["overlap"] is False
     assert "after their last backward" in cfg["grad_reduce"]["notes"][0]
     one = stages([0, 4], dp=2, micro_batches=1)
-    for kwargs in ({"grad_reduce_dtype": BF16}, {"grad_reduce_overlap": False}):
-        with pytest.raises(ExportError, match=r"^torch: grad_reduce_"):
-            write_torch_program(TINY, one, tmp_path / "refused", seq_len=16, global_batch=8, dtype=BF16,
-                                **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ExportError, match=r"^torch: grad_reduce_dtype=bf16"):
+        write_torch_program(TINY, one, tmp_path / "refused", seq_len=16, global_batch=8, dtype=BF16,
+                            grad_reduce_dtype=BF16)
     assert not (tmp_path / "refused").exists()
 
 

@@ -8,6 +8,7 @@ from tagplan.frontends.model_spec import load_model
 from tagplan.ir import Workload
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan
 from tagplan.search.pareto import dominates
 from tagplan.search.planner import PriorFactory, plan
 from tagplan.search.problem import Objective, PlanProblem
@@ -161,15 +162,18 @@ def test_a_learned_correction_reranks_the_final_candidates() -> None:
             Workload(global_batch=16, seq_len=256))
     plain = _plan(*args, max_evaluations=80)
     assert plain.predictor.correction_applied is False and plain.best.corrected_time_s is None
-    family = (len(plain.best.plan.stages), plain.best.plan.stages[0].tp)
+    def family_of(p: Plan) -> tuple[object, ...]:  # its stages' (dp, tp) and its micro-batches
+        return *((s.dp, s.tp) for s in p.stages), p.micro_batches
+
+    family = family_of(plain.best.plan)
 
     def penalise(plans):  # measurements say the simulator's favourite family runs 10x slower
-        return [p_time * (10.0 if (len(p.stages), p.stages[0].tp) == family else 1.0)
+        return [p_time * (10.0 if family_of(p) == family else 1.0)
                 for p, p_time in zip(plans, [1.0] * len(plans), strict=True)]
 
     corrected = plan(PlanProblem(*args, max_evaluations=80), correction=Correction("v0007", penalise))
     assert corrected.predictor.correction_applied and corrected.predictor.gnn == "v0007"
-    assert (len(corrected.best.plan.stages), corrected.best.plan.stages[0].tp) != family
+    assert family_of(corrected.best.plan) != family
     assert corrected.best.corrected_time_s == 1.0
     assert corrected.to_json()["best"]["predicted_time_s"]["corrected"] == 1.0
 
