@@ -81,6 +81,8 @@ class Simulator:
         # per device id, for the O(devices) sums of every report
         self._peak_flops = tuple(d.spec.peak_flops(workload.dtype) for d in cluster.devices)
         self._mem_bytes = tuple(d.spec.mem_bytes for d in cluster.devices)
+        self._fused = tuple(d.spec.fused_attention for d in cluster.devices)
+        self._tied_memo: dict[tuple[tuple[int, ...], tuple[int, ...], float], float] = {}
 
     def simulate(self, plan: Plan) -> Report:
         """The Report of one iteration of `plan`."""
@@ -96,6 +98,7 @@ class Simulator:
         if not self.coster.fold:
             self.coster.clear()
             self._dp_sync_memo.clear()
+            self._tied_memo.clear()
         costs = [self._stage(plan, i) for i in range(len(plan.stages))]
         lanes = _lanes(plan)
         timings = [self._timing(plan, i, c) for i, c in enumerate(costs)]
@@ -239,9 +242,13 @@ class Simulator:
                 continue
             waiting.add(i)
             nbytes = params * self.workload.grad_bytes_per_param  # the gradient as stored, not the dp reduction's
-            pairs = [(a, b) for a, b in zip(first.devices, stage.devices, strict=False) if a != b]
-            seconds = max([seconds, *(self.comm.collective(Collective.ALL_REDUCE, pair, nbytes).time_s
-                                      for pair in pairs)])
+            key = (first.devices, stage.devices, nbytes)
+            hit = self._tied_memo.get(key)
+            if hit is None:
+                pairs = [(a, b) for a, b in zip(first.devices, stage.devices, strict=False) if a != b]
+                hit = self._tied_memo[key] = max(
+                    [0.0, *(self.comm.collective(Collective.ALL_REDUCE, pair, nbytes).time_s for pair in pairs)])
+            seconds = max(seconds, hit)
         return (seconds, frozenset(waiting)) if seconds else (0.0, frozenset())
 
     def _lane_tail(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult, lane: int,
@@ -348,12 +355,13 @@ class Simulator:
             memo: dict[tuple[float, bool], DeviceMemory] = {}  # replicas with equal shares hold equal memory
             for r in range(stage.dp):
                 samples = costs[i].samples[r]
-                fused = self.cluster.device(stage.replica(r)[0]).spec.fused_attention
+                devices = stage.replica(r)
+                fused = self._fused[devices[0]] or not (scores[0] or scores[1])
                 mem = memo.get((samples, fused))
                 if mem is None:
                     mem = memo[samples, fused] = self._stage_memory(
                         stage, costs[i], samples, fused_sample if fused else unfused_sample, in_flight[i])
-                for d in stage.replica(r):
+                for d in devices:
                     parts.setdefault(d, []).append(mem)
         return parts
 

@@ -168,6 +168,13 @@ class StageCoster:
         """Parameters of one device of `stage` that copy the first layer's (0 where the stage holds it)."""
         if stage.layers[0] == 0:
             return 0.0
+        key = ("tied", stage.layers, stage.tp, sharding_key(stage.sharding))
+        hit = self.params_memo.get(key)
+        if hit is None:
+            hit = self.params_memo[key] = self._tied_copy_params(stage)
+        return hit
+
+    def _tied_copy_params(self, stage: Stage) -> float:
         nbytes = self.model.dtype.nbytes
         return sum(count * (local_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
                                               stage.tp, nbytes, shared=True)
