@@ -136,15 +136,24 @@ def _over_samples(profiles: Sequence[LayerTime], samples: float) -> tuple[BlockT
                      a.backward_s + w * (b.backward_s - a.backward_s)), "layer profile (interpolated)"
 
 
-def local_param_count(block: Block, strategies: dict[str, ShardStrategy], tp: int, nbytes: int, *,
-                      shared: bool = False) -> float:
-    """Parameters of `block` held by one device of a `tp`-way group; `shared`: also the copies of
-    parameters the model's first layer owns (a tied head on a stage without the embedding)."""
+def local_param_count(block: Block, strategies: dict[str, ShardStrategy], tp: int, nbytes: int) -> float:
+    """Parameters of `block` held by one device of a `tp`-way group."""
     total = 0.0
     for op in block.ops:
         split = tp if tp > 1 and divides_params(strategies[op.name], op.kind) else 1
-        total += (op.param_bytes + (op.shared_param_bytes if shared else 0.0)) / split
+        total += op.param_bytes / split
     return total / nbytes
+
+
+def shared_param_count(block: Block, strategies: dict[str, ShardStrategy], tp: int, nbytes: int) -> float:
+    """The largest table of the first layer's that an op of `block` uses (a tied head), per device of
+    a `tp`-way group; 0 when none does."""
+    largest = 0.0
+    for op in block.ops:
+        if op.shared_param_bytes:
+            split = tp if tp > 1 and divides_params(strategies[op.name], op.kind) else 1
+            largest = max(largest, op.shared_param_bytes / split)
+    return largest / nbytes
 
 
 def model_flops(block: Block) -> float:

@@ -104,7 +104,8 @@ class Simulator:
         timings = [self._timing(plan, i, c) for i, c in enumerate(costs)]
         pipe = simulate_pipeline(timings, plan.micro_batches, plan.schedule, lanes=len(lanes),
                                  record_tasks=record_tasks)
-        tails = [self._lane_tail(plan, costs, pipe, lane, list(range(lane, len(plan.stages), len(lanes))))
+        hidden = self.overlapped(plan)
+        tails = [self._lane_tail(plan, costs, pipe, lane, list(range(lane, len(plan.stages), len(lanes))), hidden)
                  for lane in range(len(lanes))]
         tied, ends = self.tied_sync(plan)
         if tied:  # after the flush the first stage and the tied head's sum their tables' gradients
@@ -245,16 +246,26 @@ class Simulator:
             key = (first.devices, stage.devices, nbytes)
             hit = self._tied_memo.get(key)
             if hit is None:
-                pairs = [(a, b) for a, b in zip(first.devices, stage.devices, strict=False) if a != b]
-                hit = self._tied_memo[key] = max(
-                    [0.0, *(self.comm.collective(Collective.ALL_REDUCE, pair, nbytes).time_s for pair in pairs)])
+                whole = self.coster.tied_table_params(stage)
+                hit = self._tied_memo[key] = self._tied_sum_s(
+                    first, stage, nbytes, whole * self.workload.grad_bytes_per_param)
             seconds = max(seconds, hit)
         return (seconds, frozenset(waiting)) if seconds else (0.0, frozenset())
 
+    def _tied_sum_s(self, first: Stage, holder: Stage, nbytes: float, whole_bytes: float) -> float:
+        """One tied sum: pair by pair where both stages have the same (dp, tp) (device j of one with
+        device j of the other, `nbytes` each), else one all-reduce of the whole table (`whole_bytes`)
+        over both stages' devices (the torch pipeline runtime's `sum_tied`)."""
+        if (first.dp, first.tp) == (holder.dp, holder.tp):
+            pairs = [(a, b) for a, b in zip(first.devices, holder.devices, strict=True) if a != b]
+            return max([0.0, *(self.comm.collective(Collective.ALL_REDUCE, p, nbytes).time_s for p in pairs)])
+        group = tuple(dict.fromkeys((*first.devices, *holder.devices)))
+        return self.comm.collective(Collective.ALL_REDUCE, group, whole_bytes).time_s if len(group) > 1 else 0.0
+
     def _lane_tail(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult, lane: int,
-                   members: list[int]) -> tuple[float, float, float]:
-        """(last task end, exposed gradient sync, optimizer step) of one lane (stages `members`), in seconds."""
-        hidden = self.overlapped(plan)
+                   members: list[int], hidden: list[bool]) -> tuple[float, float, float]:
+        """(last task end, exposed gradient sync, optimizer step) of one lane (stages `members`), in
+        seconds; `hidden`: per stage, whether its reduction overlaps its backward (`overlapped`)."""
         after = [i for i in members if not hidden[i]]
         # a runtime that reduces after the flush: all of it exposed, one after another on shared links
         flushed = sum(costs[i].dp_sync_s[0] + costs[i].dp_sync_s[1] for i in after)

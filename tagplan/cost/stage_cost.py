@@ -13,7 +13,7 @@ from functools import cached_property
 
 from tagplan.cost.calibration import Calibration
 from tagplan.cost.comm import CommModel
-from tagplan.cost.compute import BlockTime, block_time, local_param_count, profiled_block_time
+from tagplan.cost.compute import BlockTime, block_time, local_param_count, profiled_block_time, shared_param_count
 from tagplan.cost.sharding import ShardedBlock, collective_bytes, shard_block
 from tagplan.ir.cluster import Cluster, DeviceSpec
 from tagplan.ir.model import ModelGraph
@@ -154,10 +154,10 @@ class StageCoster:
 
     def _local_params(self, stage: Stage) -> float:
         nbytes = self.model.dtype.nbytes
-        copy = stage.layers[0] > 0  # a tied head away from the embedding keeps (and trains) its own copy
-        return sum(count * local_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
-                                             stage.tp, nbytes, shared=copy)
-                   for h, count in self.block_counts(stage).items())
+        own = sum(count * local_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
+                                            stage.tp, nbytes)
+                  for h, count in self.block_counts(stage).items())
+        return own + self.tied_copy_params(stage)  # a tied head away from the embedding keeps (and trains) a copy
 
     def checkpointed_layers(self, stage: Stage) -> int:
         """Layers of `stage` that recomputation checkpoints: all but embeddings and heads."""
@@ -174,13 +174,18 @@ class StageCoster:
             hit = self.params_memo[key] = self._tied_copy_params(stage)
         return hit
 
+    def tied_table_params(self, stage: Stage) -> float:
+        """Parameters of the whole tied table `stage` copies (as `tied_copy_params`, before any tp split)."""
+        if stage.layers[0] == 0:
+            return 0.0
+        return max((shared_param_count(self.model.block_by_hash[h], {}, 1, self.model.dtype.nbytes)
+                    for h in self.block_counts(stage)), default=0.0)
+
     def _tied_copy_params(self, stage: Stage) -> float:
-        nbytes = self.model.dtype.nbytes
-        return sum(count * (local_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
-                                              stage.tp, nbytes, shared=True)
-                            - local_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
-                                                stage.tp, nbytes))
-                   for h, count in self.block_counts(stage).items())
+        # one copy of the table per stage, however many of its ops use it (T5's decoder input and head)
+        return max((shared_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
+                                       stage.tp, self.model.dtype.nbytes) for h in self.block_counts(stage)),
+                   default=0.0)
 
     def slowest(self, group: tuple[int, ...]) -> DeviceSpec:
         """What paces a synchronous group: its lowest peak and its lowest memory bandwidth.

@@ -138,7 +138,8 @@ def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = N
         notes = (f"DeepSpeed cannot overlap this plan's gradient reduction: {when}, exposed. A plan costed with "
                  "the reduction overlapped will run slower than predicted; `plan --exportable deepspeed` costs it "
                  "as DeepSpeed runs it (DeepSpeed overlaps only ZeRO 1-3 on one stage)",)
-    return GradReduce(dtype=reduced_in, overlap=grad_reduce_overlap and overlaps, written=written, notes=notes)
+    return GradReduce(dtype=reduced_in, overlap=_overlap_comm(zero, dp, grad_reduce_overlap) and overlaps,
+                      written=written, notes=notes)
 
 
 def _overlap_comm(zero: int, dp: int, grad_reduce_overlap: bool) -> bool:

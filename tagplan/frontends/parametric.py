@@ -70,6 +70,7 @@ def build_t5(name: str, shape: TransformerShape, seq: int, dtype: DType) -> Mode
     fb = BlockBuilder("encoder_final", seq, n)
     fb.norm("encoder_final_norm", "input", shape.hidden, bias=False)
     fb.embedding("decoder_embed", shape.vocab, shape.hidden, owns_params=False)
+    fb.ops[-1] = fb.ops[-1].model_copy(update={"shared_param_bytes": shape.vocab * shape.hidden * n})
     dec0, dec = t5_block(shape, seq, n, decoder=True, first=True), t5_block(shape, seq, n, decoder=True, first=False)
     head = lm_head(shape, seq, n, norm_bias=False, tied=shape.tied)
     layers = [("shared_embed", emb), *[(f"encoder.block.{i}", enc0 if i == 0 else enc) for i in range(enc_n)],

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tagplan.cost.calibration import Calibration
-from tagplan.cost.comm import CommMode
+from tagplan.cost.comm import Collective, CommMode
 from tagplan.cost.report import Report
 from tagplan.cost.simulator import ReduceOverlap, Simulator
 from tagplan.errors import SpecError
@@ -339,6 +339,22 @@ def test_a_tied_head_away_from_the_embedding_keeps_a_copy_and_sums_its_gradient_
             params = sim.coster.local_params(split.stages[0]) + sim.coster.local_params(split.stages[1])
             assert params == pytest.approx(sim.coster.local_params(whole.stages[0]) + copy)
     assert sim.tied_sync(whole) == (0.0, frozenset())
+
+
+def test_stages_of_different_shapes_sum_the_whole_tied_table_over_both() -> None:
+    """The torch pipeline runtime all-reduces the table over both stages where they pair no device to device."""
+    model = load_model("gpt?layers=4&hidden=512&heads=8&vocab=8000", seq_len=256)
+    sim = Simulator(model, load_cluster("p3.8xlarge:nodes=4"), Workload(global_batch=8, seq_len=256))
+    even = Plan(micro_batches=2, stages=(Stage(layers=(0, 3), devices=(0, 4), dp=2),
+                                         Stage(layers=(3, 6), devices=(8, 12), dp=2)))
+    uneven = Plan(micro_batches=2, stages=(Stage(layers=(0, 3), devices=(0,)),
+                                           Stage(layers=(3, 6), devices=(8, 9, 12, 13), dp=2, tp=2)))
+    pair, _ = sim.tied_sync(even)
+    whole, waiting = sim.tied_sync(uneven)
+    assert waiting == frozenset({0, 1})
+    table = 8000 * 512 * 2  # bytes of the bf16 gradient
+    assert pair == pytest.approx(sim.comm.collective(Collective.ALL_REDUCE, (0, 8), table).time_s)
+    assert whole == pytest.approx(sim.comm.collective(Collective.ALL_REDUCE, (0, 8, 9, 12, 13), table).time_s)
 
 
 def test_attention_without_a_fused_kernel_keeps_its_probabilities_for_the_backward() -> None:
