@@ -21,6 +21,7 @@ from tagplan.cli.options import (
     add_calibration_option,
     add_cluster_options,
     add_dtype_option,
+    add_grad_reduce_options,
     add_json_option,
     emit,
     load_calibration_option,
@@ -28,7 +29,7 @@ from tagplan.cli.options import (
     positive_int,
 )
 from tagplan.errors import SpecError
-from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, REDUCE_DTYPES, DType, Optimizer
+from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, DType, Optimizer
 
 
 def add_export_commands(sub: Subparsers) -> None:
@@ -45,13 +46,7 @@ def add_export_commands(sub: Subparsers) -> None:
     add_dtype_option(exp)
     exp.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value,
                      help="the optimizer the plan was costed with (torch program)")
-    exp.add_argument("--grad-reduce-dtype", choices=[d.value for d in REDUCE_DTYPES], default=None,
-                     help="dtype gradients cross the data-parallel group in, as the plan was costed (default: the "
-                          "training dtype; fp32 as DeepSpeed's fp32_allreduce or Megatron's "
-                          "--accumulate-allreduce-grads-in-fp32)")
-    exp.add_argument("--no-grad-reduce-overlap", dest="grad_reduce_overlap", action="store_false",
-                     help="the plan was costed with gradients reduced after the backward instead of overlapping it "
-                          "(DeepSpeed's pipeline engine, DeepSpeed without ZeRO, Megatron-LM before Megatron-Core)")
+    add_grad_reduce_options(exp, costed=True)
     exp.add_argument("--out", required=True, help="directory to write")
     add_json_option(exp, "the format, the files written and the gradient reduction written")
     exp.set_defaults(func=_export)

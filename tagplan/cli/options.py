@@ -150,13 +150,20 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
     add_input_shape_option(parser)
     add_dtype_option(parser)
     parser.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value)
-    parser.add_argument("--grad-reduce-dtype", choices=[d.value for d in REDUCE_DTYPES], default=None,
-                        help="dtype gradients cross the data-parallel group in (default: the training dtype; fp32 "
-                             "as DeepSpeed's fp32_allreduce or Megatron's --accumulate-allreduce-grads-in-fp32)")
-    parser.add_argument("--no-grad-reduce-overlap", dest="grad_reduce_overlap", action="store_false",
-                        help="the runtime reduces gradients after the backward instead of overlapping it (DeepSpeed's "
-                             "pipeline engine, DeepSpeed without ZeRO, Megatron-LM before Megatron-Core)")
+    add_grad_reduce_options(parser)
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
+
+
+def add_grad_reduce_options(parser: argparse.ArgumentParser, *, costed: bool = False) -> None:
+    """`--grad-reduce-dtype` and `--no-grad-reduce-overlap` (dest `grad_reduce_overlap`): how the
+    runtime reduces data-parallel gradients (`costed`: as the plan being exported was costed)."""
+    said = ", as the plan was costed" if costed else ""
+    parser.add_argument("--grad-reduce-dtype", choices=[d.value for d in REDUCE_DTYPES], default=None,
+                        help=f"dtype gradients cross the data-parallel group in{said} (default: the training dtype; "
+                             "fp32 as DeepSpeed's fp32_allreduce or Megatron's --accumulate-allreduce-grads-in-fp32)")
+    parser.add_argument("--no-grad-reduce-overlap", dest="grad_reduce_overlap", action="store_false",
+                        help=f"the runtime reduces gradients after the backward instead of overlapping it{said} "
+                             "(DeepSpeed's pipeline engine, DeepSpeed without ZeRO, Megatron-LM before Megatron-Core)")
 
 
 def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workload]:

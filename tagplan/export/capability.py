@@ -33,9 +33,16 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
     DeepSpeed reduces in the compute dtype unless its config sets `communication_data_type` (the
     exporter writes it, and the older `fp32_allreduce`, from `grad_reduce_dtype`).
     Where `fused_attention` is open, the torch program's attention (scaled_dot_product_attention) is
-    fused on every device; Megatron and DeepSpeed keep each device's own (materialised before sm80)."""
+    fused on every device; Megatron and DeepSpeed keep each device's own (materialised before sm80).
+    ExportError (a SpecError) for a `grad_reduce_dtype` the target cannot reduce in."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
+    if fmt == "megatron":  # a reduction the target cannot run is refused before any search
+        megatron.reduce_dtype_args(workload.dtype, workload.grad_reduce_dtype)
+    elif fmt == "torch":
+        from tagplan.export.torch_program import check_reduce_dtype_of  # imports torch
+
+        check_reduce_dtype_of(workload.dtype, workload.grad_reduce_dtype)
     sixteen = workload.dtype in (DType.BF16, DType.FP16)
     fp32 = (fmt == "torch" and sixteen) or (fmt == "megatron" and workload.dtype in (DType.BF16, DType.FP8))
     update: dict[str, object] = {}

@@ -38,8 +38,9 @@ class GradReduce:
     `dtype`: what the gradients cross the data-parallel group in (the runtime's own choice where the
     plan was costed with `grad_reduce_dtype` None); `overlap`: whether every such reduction runs
     while the backward does (None: no stage has dp > 1, nothing is reduced); `written`: the settings
-    written for them (config keys as `key: value`, or flags); `notes`: where the run will be slower
-    than the costing, for people (the files carry them too).
+    written for them (config keys as `key: value`, or flags); `notes`: where the run's reduction
+    differs from the settings given (slower or faster than a costing with them), for people (the
+    files carry them too).
     """
 
     dtype: DType
@@ -57,11 +58,6 @@ def check_reduce_dtype(value: DType | None) -> None:
     """SpecError unless `value` is None or a dtype gradients are reduced in (`ir.workload.REDUCE_DTYPES`)."""
     if value is not None and value not in REDUCE_DTYPES:
         raise unknown("grad_reduce_dtype", value.value, [d.value for d in REDUCE_DTYPES])
-
-
-def data_parallel(plan: Plan) -> bool:
-    """Whether some stage has dp > 1, i.e. the run reduces gradients over a data-parallel group at all."""
-    return any(s.dp > 1 for s in plan.stages)
 
 
 def validate(plan: Plan, model: ModelGraph, cluster: Cluster | None = None) -> None:

@@ -95,7 +95,7 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     """
     validate(plan, model)
     check_reduce_dtype(grad_reduce_dtype)
-    reduce_args = _reduce_dtype_args(model.dtype, grad_reduce_dtype)
+    reduce_args = reduce_dtype_args(model.dtype, grad_reduce_dtype)
     family, shape = _shape(model, model_config)
     if seq_len != model.seq_len:
         raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
@@ -294,7 +294,7 @@ def _optimizer_args(plan: Plan, dp: int, *, overlap: bool = True) -> list[str]:
     return args
 
 
-def _reduce_dtype_args(dtype: DType, grad_reduce_dtype: DType | None) -> list[str]:
+def reduce_dtype_args(dtype: DType, grad_reduce_dtype: DType | None) -> list[str]:
     """The flag that makes Megatron reduce gradients in `grad_reduce_dtype` under `dtype` training
     (none when left open); ExportError for a pairing Megatron has no flag for."""
     if grad_reduce_dtype is None:
@@ -314,7 +314,7 @@ def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = N
     training dtype): the flags `megatron_arguments` writes for it. Megatron runs either setting as
     costed, so there are no notes; ExportError for a reduction dtype it has no flag for."""
     dp = plan.stages[0].dp
-    written = _reduce_dtype_args(dtype, grad_reduce_dtype)
+    written = reduce_dtype_args(dtype, grad_reduce_dtype)
     written += [a for a in _optimizer_args(plan, dp, overlap=grad_reduce_overlap) if a.startswith("--overlap")]
     return GradReduce(dtype=grad_reduce_dtype or _REDUCE_DEFAULT[dtype],
                       overlap=grad_reduce_overlap if dp > 1 else None, written=tuple(written))

@@ -299,18 +299,24 @@ def reduce_overlaps(plan: Plan, runtime: str) -> dict[int, bool]:
     return {i: s.zero >= 3 for i, s in enumerate(plan.stages) if s.dp > 1}
 
 
-def grad_reduce(plan: Plan, runtime: str, *, dtype: DType, grad_reduce_dtype: DType | None = None,
-                grad_reduce_overlap: bool = True) -> GradReduce:
-    """How the program (on `runtime`, `runtime_for`) reduces gradients: always fp32, overlapped where
-    `reduce_overlaps` says; nothing is written, the program's behaviour is fixed. ExportError for a
-    16-bit `grad_reduce_dtype`; a note where `grad_reduce_overlap` disagrees with a stage (`plan
-    --exportable torch` costs each stage as the program runs it, so its plans need none)."""
+def check_reduce_dtype_of(dtype: DType, grad_reduce_dtype: DType | None) -> None:
+    """ExportError unless the program reduces in `grad_reduce_dtype` under `dtype` training: it keeps
+    fp32 weights, so only fp32 (or unset)."""
     check_reduce_dtype(grad_reduce_dtype)
     if grad_reduce_dtype not in (None, DType.FP32):
         raise refuse(FMT, f"grad_reduce_dtype={grad_reduce_dtype.value}: the program keeps fp32 weights (dtype "
                           f"{dtype.value}: bf16/fp16 run under autocast over them), so its gradients cross the "
                           "data-parallel group in fp32; it accepts grad_reduce_dtype fp32 or unset (re-plan with "
                           "--grad-reduce-dtype fp32 to cost it as it runs)")
+
+
+def grad_reduce(plan: Plan, runtime: str, *, dtype: DType, grad_reduce_dtype: DType | None = None,
+                grad_reduce_overlap: bool = True) -> GradReduce:
+    """How the program (on `runtime`, `runtime_for`) reduces gradients: always fp32, overlapped where
+    `reduce_overlaps` says; nothing is written, the program's behaviour is fixed. ExportError for a
+    16-bit `grad_reduce_dtype`; a note where `grad_reduce_overlap` disagrees with a stage (`plan
+    --exportable torch` costs each stage as the program runs it, so its plans need none)."""
+    check_reduce_dtype_of(dtype, grad_reduce_dtype)
     overlaps = reduce_overlaps(plan, runtime)
     if not overlaps:
         return GradReduce(dtype=DType.FP32, overlap=None)

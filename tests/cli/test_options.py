@@ -98,4 +98,13 @@ def test_a_plan_for_an_export_target_is_costed_as_that_runtime_reduces_gradients
     assert reduce() is None  # the training dtype
     assert reduce("--exportable", "torch") is DType.FP32  # fp32 master weights under autocast
     assert reduce("--exportable", "deepspeed") is None
-    assert reduce("--exportable", "torch", "--grad-reduce-dtype", "bf16") is DType.BF16  # said outright
+    assert reduce("--exportable", "megatron", "--grad-reduce-dtype", "bf16") is DType.BF16  # said outright
+
+
+def test_plan_for_a_target_refuses_a_reduction_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from tagplan.cli import main
+
+    assert main(["plan", *PROBLEM, "--exportable", "torch", "--grad-reduce-dtype", "bf16"]) == 2
+    assert "grad_reduce_dtype=bf16" in capsys.readouterr().err  # the program reduces in fp32
+    assert main(["plan", *PROBLEM, "--exportable", "megatron", "--grad-reduce-dtype", "fp16"]) == 2
+    assert "Accepted with dtype bf16: fp32, bf16" in capsys.readouterr().err

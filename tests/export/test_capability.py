@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tagplan.export import exportable
+from tagplan.export.checks import ExportError
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.plan import Plan, Stage
 
@@ -50,7 +51,8 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     assert runtime_workload("deepspeed", bf16).grad_reduce_dtype is None
     # what the user set stays
     told = bf16.model_copy(update={"grad_reduce_dtype": DType.BF16})
-    assert runtime_workload("torch", told).grad_reduce_dtype is DType.BF16
+    with pytest.raises(ExportError, match="grad_reduce_dtype=bf16"):  # the torch program reduces in fp32 only
+        runtime_workload("torch", told)
     assert runtime_workload("megatron", told) is told
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         runtime_workload("onnx", bf16)
