@@ -10,6 +10,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,8 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
     """`search.planner.plan` with the prior `problem.scorer` asks for, and a progress bar if asked;
     with `exportable`, only plans that export format runs (`spec`: the model's SPEC, which lets the
     torch check build Hugging Face classes and user modules), costed as its runtime reduces gradients
-    (`export.capability.reduce_overlap`)."""
+    (`export.capability.reduce_overlap`). The result says which formats run its best plan and why
+    the others do not (`export.capability.verdicts`)."""
     from tagplan.search.planner import plan
     from tagplan.training.registry import Registry, correction, prior_factory
 
@@ -161,16 +163,20 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
     prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices,
                           heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
     fix = correction(Registry(), problem.model, problem.cluster, problem.workload, calibration=problem.calibration)
+    from tagplan.export.capability import verdicts
+
     with _progress(problem.max_evaluations, enabled=show_progress) as tick:
-        return plan(problem, prior_factory=prior, progress=tick, admissible=admissible, correction=fix,
-                    reduce_overlap=overlap)
+        result = plan(problem, prior_factory=prior, progress=tick, admissible=admissible, correction=fix,
+                      reduce_overlap=overlap)
+    return replace(result, exporters=verdicts(result.best.plan, problem.model,
+                                              global_batch=problem.workload.global_batch, spec=spec))
 
 
 def _plan(args: argparse.Namespace) -> int:
     from tagplan.cli.tables import plan_result_table
 
     result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty(),
-                    exportable=args.exportable, spec=parse_model_spec(args.model) if args.exportable else None)
+                    exportable=args.exportable, spec=parse_model_spec(args.model))
     feasible = result.best.report.fits
     if args.out and (feasible or args.allow_infeasible):
         Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))

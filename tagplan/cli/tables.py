@@ -101,6 +101,16 @@ def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) ->
             f"{workload.optimizer.value}, gradients reduced in {reduce} {when}")
 
 
+def exporters_line(exporters: dict[str, str | None]) -> str:
+    """Which export formats run the best plan, and why each other one does not."""
+    runs = [fmt for fmt, reason in exporters.items() if reason is None]
+    refusals = "; ".join(f"{fmt}: {' '.join(reason.split())}" for fmt, reason in exporters.items()
+                         if reason is not None)
+    if not runs:
+        return f"no export format runs this plan ({refusals})"
+    return f"runs under: {', '.join(runs)}" + (f" (not {refusals})" if refusals else "")
+
+
 def plan_result_table(result: PlanResult) -> Table:
     """The best plan beside the baselines and the frontier, for people."""
     best = result.best
@@ -112,6 +122,8 @@ def plan_result_table(result: PlanResult) -> Table:
     lines = [f"idle devices: {device_ranges(idle)}"] if idle else []
     if result.workload is not None:
         lines.append(workload_line(result.workload, result.reduce_overlap))
+    if result.exporters:
+        lines.append(exporters_line(result.exporters))
     caption = "\n".join(lines) or None
     table = Table(title=title, caption=caption)
     for col in ("plan", "stages (layers: dp x tp @ devices)", "micro-batches", "iteration", "samples/s",

@@ -113,6 +113,13 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
     return None
 
 
+def verdicts(plan: Plan, model: ModelGraph, *, global_batch: int,
+             spec: ModelSpec | None = None) -> dict[str, str | None]:
+    """For each export format, None when it runs `plan`, else why not (`exportable` with the model):
+    what a plan result reports, so no plan is shown as runnable without saying by which runtime."""
+    return {fmt: exportable(plan, fmt, model, global_batch=global_batch, spec=spec) for fmt in TARGETS}
+
+
 def _batch(plan: Plan) -> int:
     """A global batch the model-dependent checks accept when none is given: one sample per replica."""
     return plan.micro_batches * plan.stages[0].dp

@@ -84,6 +84,14 @@ class PlanResult:
     notes: tuple[str, ...] = field(default=())
     workload: Workload | None = None  # as every plan was costed (`plan --exportable` may have filled it in)
     reduce_overlap: dict[int, bool] = field(default_factory=dict)  # the best plan's dp > 1 stages: overlapped?
+    exporters: dict[str, str | None] = field(default_factory=dict)
+    """Per export format, None when it runs the best plan, else why not; empty when nobody asked
+    (the CLI and the service fill it in with `export.capability.verdicts`)."""
+
+    @property
+    def runnable_by(self) -> list[str]:
+        """The export formats that run the best plan."""
+        return [fmt for fmt, reason in self.exporters.items() if reason is None]
 
     @property
     def idle_devices(self) -> list[int]:
@@ -110,4 +118,5 @@ class PlanResult:
             "notes": list(self.notes),
             "workload": self.workload.model_dump(mode="json") if self.workload is not None else None,
             "reduce_overlap": {str(i): hidden for i, hidden in self.reduce_overlap.items()},
+            "exporters": dict(self.exporters),
         }

@@ -140,6 +140,27 @@ def test_plan_exportable_restricts_the_answer(capsys) -> None:
     assert "gradients reduced in fp32 overlapped with the backward" in " ".join(capsys.readouterr().out.split())
 
 
+def test_plan_says_which_export_formats_run_its_best_plan(capsys) -> None:
+    import json
+
+    args = ["plan", "--model", "gpt?layers=4&hidden=256&heads=4&vocab=500", "--cluster", "p3.8xlarge+g4dn.12xlarge",
+            "--batch", "16", "--seq", "128", "--max-evaluations", "30", "--scorer", "simulator"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["exporters"]) == {"torch", "megatron", "deepspeed"}
+    assert result["exporters"]["torch"] is None  # the torch program runs every plan of a GPT
+    assert main(args) == 0
+    assert "runs under: torch" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_caption_names_the_refusals_when_no_format_runs_the_plan() -> None:
+    from tagplan.cli.tables import exporters_line
+
+    line = exporters_line({"torch": "no MoE\n  here", "megatron": "zero=3", "deepspeed": None})
+    assert line == "runs under: deepspeed (not torch: no MoE here; megatron: zero=3)"
+    assert exporters_line({"torch": "a", "megatron": "b"}) == "no export format runs this plan (torch: a; megatron: b)"
+
+
 def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
     from tagplan.cli.tables import workload_line
     from tagplan.ir.workload import Workload

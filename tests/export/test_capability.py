@@ -37,6 +37,19 @@ def test_a_model_adds_the_model_checks() -> None:
         exportable(uniform, "jax")
 
 
+def test_the_verdicts_name_every_format_and_each_refusal() -> None:
+    from tagplan.export.capability import TARGETS, verdicts
+
+    model = load_model("gpt?layers=2&hidden=64&heads=4&vocab=5000", seq_len=16)
+    said = verdicts(HETERO, model, global_batch=8)
+    assert list(said) == list(TARGETS)
+    assert said["torch"] is None  # the pipeline runtime takes a different (dp, tp) per stage
+    assert "stages[1].tp = 1 but stages[0].tp = 2" in (said["megatron"] or "")
+    t5 = load_model("t5?layers=2&hidden=64&heads=4&vocab=100", seq_len=16)
+    assert "is of family 't5'" in (verdicts(HETERO, t5, global_batch=8)["torch"] or "")
+    assert all(verdicts(HETERO, model, global_batch=6).values())  # 3 samples over 2 replicas: nobody runs it
+
+
 def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() -> None:
     from tagplan.export.capability import runtime_workload
     from tagplan.ir.workload import DType, Workload

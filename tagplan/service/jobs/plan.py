@@ -9,10 +9,12 @@ simulation the planner already recorded (`PlanResult.timeline()`), not a second 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from tagplan.cost.calibration import Calibration
 from tagplan.errors import SpecError
+from tagplan.export.capability import verdicts
 from tagplan.frontends import cluster_spec, model_spec
 from tagplan.frontends.cluster_file import parse_cluster_data
 from tagplan.frontends.cluster_spec import ClusterSpec
@@ -48,7 +50,8 @@ from tagplan.training.registry import correction, prior_factory
 def run_plan(data: Any, settings: Settings, progress: Progress, *, tenant_id: int | None = None) -> dict[str, Any]:
     """The planner's JSON for a stored plan request, plus `timeline`, `request` (every default
     filled in), `cluster` (the web view's stage map) and `gnn` (the GNN version the search used:
-    the tenant's active one, else the service's); SpecError for a bad request."""
+    the tenant's active one, else the service's); `exporters` says which export formats run the
+    best plan and why the others do not. SpecError for a bad request."""
     request = read_request(PlanRequest, data, "plan request")
     check_limits(request, settings)
     calibration = calibration_of(request.calibration, settings)
@@ -66,6 +69,9 @@ def run_plan(data: Any, settings: Settings, progress: Progress, *, tenant_id: in
                             heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
     fix = correction(registry, problem.model, problem.cluster, problem.workload, calibration=problem.calibration)
     result = plan(problem, prior_factory=factory, progress=tick, correction=fix)
+    spec = request.model if isinstance(request.model, ModelSpec) else None
+    result = replace(result, exporters=verdicts(result.best.plan, problem.model,
+                                                global_batch=problem.workload.global_batch, spec=spec))
     progress(0.99, "writing the result")
     return {**result.to_json(), "timeline": result.timeline(), "request": echo(request, problem),
             "cluster": cluster_summary(problem.cluster, dtype=problem.workload.dtype), "gnn": gnn_version(registry)}

@@ -73,3 +73,12 @@ def test_the_worker_checks_the_limits_again(settings: Settings) -> None:
     strict = Settings(database_url=settings.database_url, home=settings.home, max_devices=2)
     with pytest.raises(LimitError, match="TAGPLAN_MAX_DEVICES"):
         run_job(JobKind.PLAN, TINY_PLAN, strict, lambda _f, _m: None)
+
+
+def test_the_result_says_which_export_formats_run_the_best_plan(settings: Settings) -> None:
+    result = run_job(JobKind.PLAN, TINY_PLAN, settings, lambda fraction, message: None)
+    assert set(result["exporters"]) == {"torch", "megatron", "deepspeed"}
+    assert result["exporters"]["torch"] is None
+    t5 = run_job(JobKind.PLAN, {**TINY_PLAN, "model": "t5?layers=1&hidden=64&heads=4&vocab=100"}, settings,
+                 lambda fraction, message: None)
+    assert "gpt and llama" in t5["exporters"]["torch"]  # the torch program builds neither T5 nor MoE
