@@ -87,30 +87,62 @@ PRIOR_TEMPERATURE = 0.05
 gets about 1/e of its weight. Plans of one search mostly differ by percents, so the plain T_lb / T
 (temperature 1) would leave the prior nearly uniform."""
 
+GUIDED_DECISIONS: frozenset[str] = frozenset({"nodes", "stages", "groups"})
+"""The decisions the learned prior scores: the pipeline's shape (which nodes, how many stages, which
+devices each stage gets). A forward pass over the joint graph costs 5-15 ms per candidate on a CPU
+core, several simulations' worth (bench/planner.py, guidance), so the prior is spent where one
+choice settles a whole region of plans and a handful of calls serve a search; the later decisions
+(tensor-parallel degrees, layer boundaries, micro-batches, memory) are left to the evaluations,
+which compare their plans exactly."""
+
+PRIOR_AFTER_VISITS = 2
+"""The search asks the GNN prior about a node once the node has this many visits (`mcts.Prior`):
+when it must choose a second child. Most shape nodes are visited once; they cost no forward pass."""
+
+UNIFORM_MIX = 0.5
+"""The share of every scored prior that is uniform: P = (1 - mix) P_gnn + mix / n. The prior rates
+an action by one default completion, which may be far from the best plan below it (a node set whose
+balanced completion is poor can hold the best plan); without a floor, PUCT would then almost never
+revisit it (AlphaZero mixes noise into its root prior for the same reason). Chosen on five guidance
+cases of bench/planner.py (0, 0.25 and 0.5 tried) and reported on ten."""
+
 
 class GNNPrior:
     """MCTS Prior: each action scored by the predicted time of its default completion.
 
     score = exp(-(log_ratio - best log_ratio) / temperature), times fit_prob when the plan is
-    predicted not to fit; non-negative, higher is more promising, 1 for the best action. All of a
-    call's unseen completions go through one forward pass.
+    predicted not to fit; then normalised and mixed with a uniform share `uniform_mix` (see
+    `UNIFORM_MIX`). Only decisions in `fields` are scored (None: every decision); the others get a
+    uniform prior without a forward pass. `after_visits` tells the search to ask only about nodes it
+    has visited that often (`PRIOR_AFTER_VISITS`). All of a call's unseen completions go through one forward pass.
     """
 
-    def __init__(self, space: PlanSpace, scorer: GNNScorer, *, temperature: float = PRIOR_TEMPERATURE) -> None:
+    def __init__(self, space: PlanSpace, scorer: GNNScorer, *, temperature: float = PRIOR_TEMPERATURE,
+                 fields: frozenset[str] | None = GUIDED_DECISIONS, uniform_mix: float = UNIFORM_MIX,
+                 after_visits: int = PRIOR_AFTER_VISITS) -> None:
         if not temperature > 0.0:
             raise ValueError(f"GNNPrior: temperature must be > 0, got {temperature}")
-        self.space, self.temperature = space, temperature
+        if not 0.0 <= uniform_mix <= 1.0:
+            raise ValueError(f"GNNPrior: uniform_mix must be in [0, 1], got {uniform_mix}")
+        self.space, self.temperature, self.fields, self.uniform_mix = space, temperature, fields, uniform_mix
+        self.after_visits = after_visits
         self._scored = _Scored(space, scorer)
 
     def __call__(self, state: PlanState, actions: Sequence[Action], /) -> list[float]:
         """One non-negative score per action, in the order of `actions`."""
+        if not actions:
+            return []
+        if self.fields is not None and actions[0].field not in self.fields:
+            return [1.0] * len(actions)
         terminals = [self.space.complete(self.space.step(state, a)) for a in actions]
         scored = self._scored.predict(terminals)
-        if not scored:
-            return []
         best = min(log_ratio for log_ratio, _ in scored)
-        return [_value((log_ratio - best) / self.temperature) * (fit if fit < FIT_THRESHOLD else 1.0)
-                for log_ratio, fit in scored]
+        scores = [_value((log_ratio - best) / self.temperature) * (fit if fit < FIT_THRESHOLD else 1.0)
+                  for log_ratio, fit in scored]
+        total = sum(scores)
+        if self.uniform_mix == 0.0 or not total > 0.0:
+            return scores
+        return [(1.0 - self.uniform_mix) * s / total + self.uniform_mix / len(scores) for s in scores]
 
 
 class GNNEvaluator:

@@ -113,7 +113,12 @@ class Environment(Protocol[S, A]):
 
 
 class Prior(Protocol[S_contra, A_contra]):
-    """Scores every legal action of a state in one batch (positional arguments: any such callable fits)."""
+    """Scores every legal action of a state in one batch (positional arguments: any such callable fits).
+
+    A prior whose calls are expensive may carry an int attribute `after_visits`: the search then
+    asks it about a node only once the node has that many visits (the Gumbel root excepted), and
+    until then admits the node's actions in their given order with a uniform P; a node the search
+    never returns to costs no call."""
 
     def __call__(self, state: S_contra, actions: Sequence[A_contra], /) -> Sequence[float]:
         """Unnormalised non-negative scores, one per action, in the order of `actions`."""
@@ -174,6 +179,8 @@ class _Node(Generic[S, A]):
     """P(parent, action that led here), normalised over the parent's actions; 1 at the root."""
     scored: bool = False
     """Whether `actions`, `priors` and `order` are filled (once, on the first expansion)."""
+    prior_due: bool = False
+    """Whether `priors` are still the uniform stand-in of a prior deferred to a later visit (`after_visits`)."""
     actions: tuple[A, ...] = ()
     priors: tuple[float, ...] = ()
     """P(s, a) for each of `actions`; sums to 1."""
@@ -338,6 +345,7 @@ class _Search(Generic[S, A]):
         climber: Climber[S] | None = None,
     ) -> None:
         self.env, self.prior, self.evaluator, self.config = env, prior, evaluator, config
+        self.after_visits = int(getattr(prior, "after_visits", 0))
         self.rng, self.progress, self.climber = rng, progress, climber
         self.root: _Node[S, A] = _Node(root, env.is_terminal(root), prior=1.0)
         self.table: dict[S, float] = {}
@@ -419,8 +427,12 @@ class _Search(Generic[S, A]):
         return path
 
     def _score(self, node: _Node[S, A]) -> None:
-        """Fill the node's actions, priors (one batched prior call) and admission order, once."""
+        """Fill the node's actions, priors (one batched prior call) and admission order, once; with a
+        prior that defers (`after_visits`), a uniform stand-in first and the prior's scores once the
+        node has that many visits."""
         if node.scored:
+            if node.prior_due and node.visits >= self.after_visits:
+                self._rescore(node)
             return
         actions = tuple(self.env.actions(node.state))
         if not actions:
@@ -430,9 +442,25 @@ class _Search(Generic[S, A]):
         if len(set(actions)) != len(actions):
             raise ValueError(f"env.actions returned repeated actions {list(actions)[:8]} for {_short(node.state)}")
         node.actions = actions
+        node.scored = True
+        defer = self.after_visits > node.visits and not (node is self.root and self.config.gumbel)
+        if defer:
+            node.priors, node.order, node.prior_due = tuple([1.0 / len(actions)] * len(actions)), tuple(
+                range(len(actions))), True
+            return
         node.priors = normalise_prior(self.prior(node.state, actions), len(actions))
         node.order = tuple(sorted(range(len(actions)), key=lambda i: (-node.priors[i], i)))
-        node.scored = True
+
+    def _rescore(self, node: _Node[S, A]) -> None:
+        """Replace a node's uniform stand-in by its prior's scores: its children admitted so far keep
+        their statistics and take the new P; the rest are admitted in the new order."""
+        node.priors = normalise_prior(self.prior(node.state, node.actions), len(node.actions))
+        node.order = tuple(sorted(range(len(node.actions)), key=lambda i: (-node.priors[i], i)))
+        for index, action in enumerate(node.actions):
+            child = node.children.get(action)
+            if child is not None:
+                child.prior = node.priors[index]
+        node.prior_due = False
 
     def _choose(self, node: _Node[S, A]) -> _Node[S, A]:
         """The child to descend into: Gumbel at the root, else widening then PUCT."""

@@ -15,7 +15,7 @@ from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.gnn.model import PlanGNN
-from tagplan.gnn.scorer import GNNEvaluator, GNNPrior, GNNScorer
+from tagplan.gnn.scorer import GUIDED_DECISIONS, GNNEvaluator, GNNPrior, GNNScorer
 from tagplan.ir import Workload
 from tagplan.search.mcts import mcts
 from tagplan.search.space import PlanSpace, PlanState
@@ -71,7 +71,7 @@ def test_prior_scores_every_action_in_one_batch_and_caches() -> None:
     torch.manual_seed(1)
     sp = space()
     net = Counting()
-    prior = GNNPrior(sp, GNNScorer(net))
+    prior = GNNPrior(sp, GNNScorer(net), fields=None)
     root = sp.on_every_node()
     actions = sp.actions(root)
     scores = prior(root, actions)
@@ -89,7 +89,8 @@ def test_prior_and_evaluator_follow_the_definitions() -> None:
     root = sp.on_every_node()
     actions = sp.actions(root)
     fit = 1 / (1 + math.exp(3.0))
-    assert GNNPrior(sp, scorer)(root, actions) == pytest.approx([fit] * len(actions))  # all equal: all best
+    pure = GNNPrior(sp, scorer, uniform_mix=0.0, fields=None)
+    assert pure(root, actions) == pytest.approx([fit] * len(actions))  # all equal: all best
     assert GNNEvaluator(sp, scorer)(sp.complete(root)) == pytest.approx(math.exp(-0.5) * 0.01)
 
 
@@ -117,8 +118,30 @@ def test_prior_weights_actions_by_their_predicted_slowdown_over_the_temperature(
     stages = [len(sp.to_plan(sp.complete(sp.step(root, a))).stages) for a in actions]
     assert len(set(stages)) > 1
     for temperature in (0.01, 0.05):
-        scores = GNNPrior(sp, ByStages(), temperature=temperature)(root, actions)  # type: ignore[arg-type]
+        scores = GNNPrior(sp, ByStages(), temperature=temperature, uniform_mix=0.0)(root, actions)  # type: ignore[arg-type]
         expected = [math.exp(-0.01 * (n - min(stages)) / temperature) for n in stages]
         assert scores == pytest.approx(expected)
     with pytest.raises(ValueError, match="temperature"):
         GNNPrior(sp, ByStages(), temperature=0.0)  # type: ignore[arg-type]
+
+
+def test_the_prior_keeps_a_uniform_share_and_scores_only_the_pipeline_shape() -> None:
+    sp = space()
+    root = sp.on_every_node()
+    actions = sp.actions(root)
+    assert actions[0].field == "stages"
+    stages = [len(sp.to_plan(sp.complete(sp.step(root, a))).stages) for a in actions]
+    raw = [math.exp(-0.01 * (n - min(stages)) / 0.05) for n in stages]
+    mixed = GNNPrior(sp, ByStages(), uniform_mix=0.5)(root, actions)  # type: ignore[arg-type]
+    assert mixed == pytest.approx([0.5 * r / sum(raw) + 0.5 / len(raw) for r in raw])
+    assert min(mixed) >= 0.5 / len(raw)  # no shape is starved, however slow its default completion
+    later = root
+    while not sp.is_terminal(later) and sp.actions(later)[0].field in GUIDED_DECISIONS:
+        later = sp.step(later, sp.actions(later)[0])
+    if sp.is_terminal(later):
+        pytest.fail("the decision process ended before any decision the prior leaves alone")
+    net = Counting()
+    rest = sp.actions(later)
+    assert GNNPrior(sp, GNNScorer(net))(later, rest) == [1.0] * len(rest) and net.calls == []  # no forward pass
+    with pytest.raises(ValueError, match="uniform_mix"):
+        GNNPrior(sp, ByStages(), uniform_mix=1.5)  # type: ignore[arg-type]

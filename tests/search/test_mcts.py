@@ -253,6 +253,29 @@ def test_the_prior_scores_each_expanded_state_once_in_one_batch() -> None:
     assert seen and set(seen.values()) == {1}
 
 
+class Deferred:
+    """The oracle prior, asked only about nodes visited `after_visits` times; records whom it scored."""
+
+    def __init__(self, target: Digits_, after_visits: int) -> None:
+        self.score, self.after_visits, self.seen = oracle(target), after_visits, Counter[Digits_]()
+
+    def __call__(self, state: Digits_, actions: Sequence[int]) -> list[float]:
+        self.seen[state] += 1
+        return self.score(state, actions)
+
+
+def test_a_deferring_prior_is_asked_only_about_nodes_the_search_returns_to() -> None:
+    env, target = Digits(6, 5), (3, 1, 4, 1, 5)
+    eager, lazy = Deferred(target, 0), Deferred(target, 3)
+    runs = {name: mcts(env, (), prior=prior, evaluator=closeness(target), max_evaluations=200, gumbel_root=False)
+            for name, prior in (("eager", eager), ("lazy", lazy))}
+    assert set(lazy.seen.values()) == {1}  # each node scored once, when it is due
+    assert len(lazy.seen) < len(eager.seen)  # nodes visited fewer than 3 times cost no call
+    assert runs["lazy"].best_state == target  # the scores still steer the search once they arrive
+    assert evaluations_to_find(runs["lazy"], target) < evaluations_to_find(
+        mcts(env, (), evaluator=closeness(target), max_evaluations=200, gumbel_root=False), target)
+
+
 def test_unusable_prior_scores_become_uniform() -> None:
     assert normalise_prior([1.0, 3.0], 2) == (0.25, 0.75)
     for bad in ([0.0, 0.0, 0.0], [1.0, -1.0, 2.0], [1.0, math.nan, 1.0], [math.inf, 1.0, 1.0]):
