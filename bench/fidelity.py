@@ -20,6 +20,7 @@ Run: `.venv/bin/python bench/fidelity.py` (about 2 minutes on 2 cores). Writes b
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import defaultdict
@@ -170,7 +171,15 @@ def published() -> dict[str, Any]:
 
 
 def main() -> None:
-    results = {"testbed": testbed(), "local_testbed": local_testbed(), "published": published()}
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", choices=("published",),
+                        help="recompute part (b) only and merge it into the existing results file")
+    args = parser.parse_args()
+    out = Path(__file__).parent / "results" / "fidelity.json"
+    if args.only:
+        results = {**json.loads(out.read_text()), "published": published()}
+    else:
+        results = {"testbed": testbed(), "local_testbed": local_testbed(), "published": published()}
     for name, v in results["testbed"]["variants"].items():
         tau = v["kendall_tau"]
         regret = max(v["first_choice_regret"].values(), default=0.0)
@@ -195,7 +204,6 @@ def main() -> None:
     print(f"NeMo: {len(n['scored'])} rows scored, median |error| {n['median_abs_error']:.1%}, worst "
           f"{n['worst_abs_error']:.1%}; recomputing where a layout does not fit otherwise: median "
           f"{n['median_abs_error_fitting']:.1%}, worst {n['worst_abs_error_fitting']:.1%}; not scored: {n['skipped']}")
-    out = Path(__file__).parent / "results" / "fidelity.json"
     out.write_text(json.dumps(results, indent=2, default=float) + "\n")
     print(f"wrote {out}")
 

@@ -10,7 +10,9 @@ is scored without recompute, and where that layout does not fit in memory in the
 run must have saved memory somehow, so it is also scored with full recompute (the plan format's one
 recompute setting, an upper bound on what any recompute costs) when that fits; the summary gives the
 errors of both rules. Not scored, with the reason: MXFP8 / NVFP4 / FP8-CS variants, context parallelism, GB300 (no
-B300 in the catalog), models without a shape.
+B300 in the catalog), models without a shape, LoRA fine-tuning (it trains adapters only: the base weights
+take no weight-gradient GEMMs and keep no optimizer state, which the cost model does not represent; SFT
+is full fine-tuning and is scored).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def _skip(row: dict[str, Any]) -> str | None:
     c, gpu = row["config"], row["cluster"]["nodes"][0]["gpu"]
     if "layers" not in row["model"]:
         return "no model shape"
+    if "lora" in (c.get("task") or "").lower():
+        return "LoRA fine-tuning not modelled"  # adapters only: no base-weight gradients or optimizer state
     if c["precision"] not in PRECISIONS:
         return f"precision {c['precision'][:12]} not modelled"
     if (c.get("cp") or 1) > 1:
