@@ -8,7 +8,8 @@ continuous load (T4), every tensor-core kernel of the training loop runs at the 
 FLOPs and bytes are those of the op on one device of its tensor-parallel group for one
 micro-batch of `samples` samples. The backward of a matmul is two GEMMs of the forward's size
 (2x FLOPs); fused attention's backward does `attention_backward_factor` x the forward FLOPs;
-memory-bound ops move about twice the bytes backward. Recomputation replays the forward.
+memory-bound ops move about twice the bytes backward. Recomputation replays the forward of the
+checkpointed blocks (not embeddings or heads: `stage_cost.CHECKPOINT_SKIPPED`).
 
 Attention on a device without a fused kernel (`DeviceSpec.fused_attention` False: NVIDIA before
 sm80, where FlashAttention-2 does not run) materialises its score matrix: the forward writes the

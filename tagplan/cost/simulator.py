@@ -26,7 +26,7 @@ from tagplan.cost.memory import (
 from tagplan.cost.pipeline import Phase, PipelineResult, StageTiming, lane_order, simulate_pipeline
 from tagplan.cost.report import Breakdown, DeviceMemoryReport, Report, StageReport
 from tagplan.cost.sharding import divides
-from tagplan.cost.stage_cost import ReplicaCost, StageCoster, sharding_key
+from tagplan.cost.stage_cost import CHECKPOINT_SKIPPED, ReplicaCost, StageCoster, sharding_key
 from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import Block, ModelGraph
@@ -410,13 +410,15 @@ class Simulator:
         if hit is None:
             units = [(self.model.block_by_hash[h], n) for h, n in self.coster.units(stage)]
             blocks = [b for b, _ in units]
-            if stage.recompute:
-                saved = self.coster.input_bytes(stage) / stage.tp
+            if stage.recompute:  # checkpointed blocks keep their input; embeddings and heads all they save
+                inputs, kept = self.coster.kept_activations(stage)
+                saved = (inputs + sum(n * b.saved_bytes for b, n in kept)) / stage.tp
             elif stage.sharding and stage.tp > 1:
                 saved = sum(n * self._saved_split(b, stage) for b, n in units)
             else:
                 saved = sum(n * b.saved_bytes for b, n in units) / stage.tp
-            working = (recompute_working_bytes_per_sample(blocks, tp=stage.tp, recompute=stage.recompute)
+            checkpointed = [b for b in blocks if b.kind not in CHECKPOINT_SKIPPED]
+            working = (recompute_working_bytes_per_sample(checkpointed, tp=stage.tp, recompute=stage.recompute)
                        + transient_bytes_per_sample(blocks, tp=stage.tp))
             hit = self.coster.memory_memo[key] = (saved, working)
         return hit

@@ -16,7 +16,7 @@ from tagplan.cost.comm import CommModel
 from tagplan.cost.compute import BlockTime, block_time, local_param_count, profiled_block_time, shared_param_count
 from tagplan.cost.sharding import ShardedBlock, collective_bytes, shard_block
 from tagplan.ir.cluster import Cluster, DeviceSpec
-from tagplan.ir.model import ModelGraph
+from tagplan.ir.model import Block, ModelGraph
 from tagplan.ir.plan import ShardStrategy, Stage
 from tagplan.ir.workload import Workload
 
@@ -138,10 +138,11 @@ class StageCoster:
             sharded = self.sharded(block_hash, stage.sharding)
             t = self._block(block_hash, sharded, spec, stage.tp, samples, stage.sharding)
             comm_f, comm_b = self._tp(block_hash, sharded, group, samples, stage.sharding)
+            replay = stage.recompute and self.model.block_by_hash[block_hash].kind not in CHECKPOINT_SKIPPED
             fwd += count * t.forward_s
-            bwd += count * (t.backward_s + (t.forward_s if stage.recompute else 0.0))
+            bwd += count * (t.backward_s + (t.forward_s if replay else 0.0))
             tp_f += count * comm_f
-            tp_b += count * (comm_b + (comm_f if stage.recompute else 0.0))
+            tp_b += count * (comm_b + (comm_f if replay else 0.0))
         return ReplicaCost(fwd, bwd, tp_f, tp_b)
 
     def local_params(self, stage: Stage) -> float:
@@ -158,6 +159,17 @@ class StageCoster:
                                             stage.tp, nbytes)
                   for h, count in self.block_counts(stage).items())
         return own + self.tied_copy_params(stage)  # a tied head away from the embedding keeps (and trains) a copy
+
+    def kept_activations(self, stage: Stage) -> tuple[float, list[tuple[Block, int]]]:
+        """With recomputation: (input bytes per sample of the stage's checkpointed layers, the blocks it
+        does not checkpoint with their counts), which keep every activation they save."""
+        start, end = stage.layers
+        skipped = [i for i in range(start, end) if self.model.block_of(i).kind in CHECKPOINT_SKIPPED]
+        inputs = self.input_bytes(stage) - sum(self.model.block_of(i - 1).output_bytes for i in skipped if i > 0)
+        counts: dict[str, int] = {}
+        for i in skipped:
+            counts[self.model.layers[i].block] = counts.get(self.model.layers[i].block, 0) + 1
+        return inputs, [(self.model.block_by_hash[h], n) for h, n in counts.items()]
 
     def checkpointed_layers(self, stage: Stage) -> int:
         """Layers of `stage` that recomputation checkpoints: all but embeddings and heads."""

@@ -425,3 +425,22 @@ def test_the_sync_memo_tells_apart_stages_with_equal_parameters_in_different_lay
 
     one_layer, four_layers = reduce_on_01(True), reduce_on_01(False)  # same simulator, same memo
     assert four_layers == pytest.approx(4 * one_layer)
+
+
+def test_recompute_replays_the_blocks_but_not_the_embedding_or_the_head() -> None:
+    model = load_model("gpt?layers=2&hidden=256&heads=4&vocab=30000", seq_len=128)
+    sim = Simulator(model, load_cluster("p3.8xlarge"), Workload(global_batch=4, seq_len=128))
+    n = len(model.layers)
+
+    def run(recompute: bool) -> tuple[list[tuple[float, float]], Report]:
+        plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 1), devices=(0,), recompute=recompute),
+                                             Stage(layers=(1, n - 1), devices=(1,), recompute=recompute),
+                                             Stage(layers=(n - 1, n), devices=(2,), recompute=recompute)))
+        return [(t.forward_s, t.backward_s) for t in sim.stage_costs(plan)[1]], sim.simulate(plan)
+
+    (plain, plain_report), (replayed, replayed_report) = run(False), run(True)
+    assert replayed[1][1] == pytest.approx(plain[1][1] + plain[1][0])  # the blocks' forward is replayed
+    assert replayed[0] == pytest.approx(plain[0]) and replayed[2] == pytest.approx(plain[2])  # not the ends'
+    # the head keeps every activation it saves (the logits' softmax), as without recompute; the blocks do not
+    memory = plain_report.memory_per_device_bytes, replayed_report.memory_per_device_bytes
+    assert memory[1][2] == pytest.approx(memory[0][2]) and memory[1][1] < memory[0][1]
