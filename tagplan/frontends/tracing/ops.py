@@ -113,11 +113,16 @@ def score_elements(op: OpNode, scale: Scale) -> float:
     return float(q.numel() // max(int(q.shape[-1]), 1) * int(k.shape[-2])) / scale.batch
 
 
-def make_op(trace: Trace, op: OpNode, name: str, inputs: tuple[str, ...], saved: set[fx.Node], scale: Scale) -> Op:
-    """One Op with per-sample figures; `saved` holds the layer's already-saved tensors."""
+def make_op(
+    trace: Trace, op: OpNode, name: str, inputs: tuple[str, ...], saved: set[fx.Node], scale: Scale,
+    first_layer: frozenset[str] = frozenset(),
+) -> Op:
+    """One Op with per-sample figures; `saved` holds the layer's already-saved tensors, `first_layer` the
+    parameters the model's first layer owns (pass them only for ops of later layers: see `tied_reads`)."""
     is_view = op.kind is OpKind.VIEW
     read = sum(scale.nbytes(first_tensor(a)) for a in op.inputs)
     written = sum(scale.nbytes(t) for t in op.outputs)
+    shared = sum(trace.params[f] for f in tied_reads(trace, op, first_layer))
     saved_bytes = 0.0
     for root, nbytes in saved_tensors(trace, op, scale):
         if root not in saved:
@@ -130,12 +135,26 @@ def make_op(trace: Trace, op: OpNode, name: str, inputs: tuple[str, ...], saved:
         bytes_read=0.0 if is_view else read,
         bytes_written=0.0 if is_view else written,
         param_bytes=float(sum(trace.params[f] for f in op.owned) * scale.dtype.nbytes),
+        shared_param_bytes=float(shared * scale.dtype.nbytes),
         saved_bytes=saved_bytes,
         score_elements=score_elements(op, scale),
         output_shape=tuple(int(d) for d in op.outputs[0].shape) if op.outputs else (),
         partition_dims=partition_dims(trace, op, scale),
         inputs=inputs,
     )
+
+
+def tied_reads(trace: Trace, op: OpNode, first_layer: frozenset[str]) -> list[str]:
+    """The parameters of `first_layer` (FQNs the model's first layer owns) that `op` reads without owning
+    them, each once: a head tied to the token embedding. Views read none (the op they feed does).
+
+    Only the first layer's parameters count (`Op.shared_param_bytes`): a parameter shared between two
+    later layers stays with its owner alone, and its other readers mark nothing.
+    """
+    if op.kind is OpKind.VIEW:
+        return []
+    read = dict.fromkeys(trace.param_of[a] for a in op.inputs if a in trace.param_of)
+    return [fqn for fqn in read if fqn in first_layer and fqn not in op.owned]
 
 
 def saved_tensors(trace: Trace, op: OpNode, scale: Scale) -> list[tuple[fx.Node, float]]:
