@@ -3,6 +3,10 @@
 Two layers share a Block when their kind, parameter count, output bytes, Ops and structure
 (op targets, parameter names relative to the layer with their shapes, shapes of tensors from
 outside the layer) all agree; the hash is the first 16 hex characters of their sha256.
+
+An op of a later layer that reads a parameter the first layer owns (a head tied to the token
+embedding) carries its bytes in `Op.shared_param_bytes` (`ops.tied_reads`); hashes leave that field
+out, so marking it changes no hash.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ _HASH_CHARS = 16
 def build_blocks(trace: Trace, groups: list[Group], scale: Scale) -> tuple[list[Block], list[Layer]]:
     """Turn layer groups into unique Blocks and the Layer sequence."""
     sources, out_bytes = layer_edges(trace, groups, scale)
+    first_layer = first_layer_params(groups)
     blocks: dict[str, Block] = {}
     layers: list[Layer] = []
     for i, g in enumerate(groups):
-        ops, signature = block_ops(trace, g, scale)
+        ops, signature = block_ops(trace, g, scale, first_layer if i > 0 else frozenset())
         params = sum(trace.params[fqn] for op in g.ops for fqn in op.owned)
         dumped = [op.model_dump(mode="json", exclude=set(HASH_EXCLUDED)) for op in ops]
         block_hash = digest([g.kind, params, out_bytes[i], signature, dumped])
@@ -38,8 +43,19 @@ def build_blocks(trace: Trace, groups: list[Group], scale: Scale) -> tuple[list[
     return list(blocks.values()), layers
 
 
-def block_ops(trace: Trace, g: Group, scale: Scale) -> tuple[list[Op], list[Any]]:
-    """The block's Ops and the structural facts Ops do not hold (targets, params, external edges)."""
+def first_layer_params(groups: list[Group]) -> frozenset[str]:
+    """FQNs of the parameters the ops of the first layer (layer 0) own; empty without layers."""
+    return frozenset(fqn for op in groups[0].ops for fqn in op.owned) if groups else frozenset()
+
+
+def block_ops(
+    trace: Trace, g: Group, scale: Scale, first_layer: frozenset[str] = frozenset()
+) -> tuple[list[Op], list[Any]]:
+    """The block's Ops and the structural facts Ops do not hold (targets, params, external edges).
+
+    `first_layer`: the first layer's parameters (`first_layer_params`), given for every later layer;
+    its ops that read one of them carry its bytes in `shared_param_bytes`.
+    """
     prefix = f"{g.key}." if g.key else ""
     names: dict[OpNode, str] = {}
     counts: dict[str, int] = {}
@@ -52,7 +68,7 @@ def block_ops(trace: Trace, g: Group, scale: Scale) -> tuple[list[Op], list[Any]
         names[op] = base if counts[base] == 1 else f"{base}_{counts[base] - 1}"
         producers = [trace.op_of.get(a) for a in op.inputs]
         local = tuple(dict.fromkeys(names[p] for p in producers if p is not None and p in names))
-        ops.append(make_op(trace, op, names[op], local, saved, scale))
+        ops.append(make_op(trace, op, names[op], local, saved, scale, first_layer))
         signature.append(
             [
                 op.target,
