@@ -114,7 +114,12 @@ def score_elements(op: OpNode, scale: Scale) -> float:
 
 
 def make_op(
-    trace: Trace, op: OpNode, name: str, inputs: tuple[str, ...], saved: set[fx.Node], scale: Scale,
+    trace: Trace,
+    op: OpNode,
+    name: str,
+    inputs: tuple[str, ...],
+    saved: set[fx.Node],
+    scale: Scale,
     first_layer: frozenset[str] = frozenset(),
 ) -> Op:
     """One Op with per-sample figures; `saved` holds the layer's already-saved tensors, `first_layer` the

@@ -2,7 +2,8 @@
 
 Produces the `Trace` the layer and block builders read (see `tracing/nodes.py`): which nodes
 are activations, which are (views of) parameters, which storage a view shares, and which op
-first reads each parameter (tied weights count once).
+first reads each parameter (tied weights count once; a later layer's op reading a parameter of the
+first layer carries its bytes in `Op.shared_param_bytes` instead, see `ops.tied_reads`).
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ def _alias(node: fx.Node, t: Trace) -> None:
 
 
 def _claim_params(t: Trace) -> None:
-    """Give each parameter to the first non-view op reading it (tied weights count once)."""
+    """Give each parameter to the first non-view op reading it (tied weights count once).
+
+    Later readers own nothing; `blocks.build_blocks` marks those outside the first layer that read one
+    of its parameters (a tied head) once layers are known (`ops.tied_reads`)."""
     claimed: set[str] = set()
     for op in t.ops:
         if op.kind is OpKind.VIEW:
