@@ -104,8 +104,8 @@ def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) ->
 def exporters_line(exporters: dict[str, str | None]) -> str:
     """Which export formats run the best plan, and why each other one does not."""
     runs = [fmt for fmt, reason in exporters.items() if reason is None]
-    refusals = "; ".join(f"{fmt}: {' '.join(reason.split())}" for fmt, reason in exporters.items()
-                         if reason is not None)
+    refusals = "; ".join(f"{fmt}: {' '.join(reason.split()).removeprefix(f'{fmt}: ')}"
+                         for fmt, reason in exporters.items() if reason is not None)
     if not runs:
         return f"no export format runs this plan ({refusals})"
     return f"runs under: {', '.join(runs)}" + (f" (not {refusals})" if refusals else "")

@@ -4,8 +4,8 @@ The search asks it of every candidate, so the plan-only checks are cheap and imp
 formats' own refusals (`megatron.plan_checks`, `deepspeed.plan_checks`) and the whole-sample rule
 (`ir.plan.check_whole_samples`) when the global batch is given. The torch program runs every
 (dp, tp) per stage, split and schedule; with a model the model-dependent checks run too (the
-torch program's per-op strategies and heads, which import torch; Megatron's layer counts and
-shapes; DeepSpeed's partition).
+torch program's per-op strategies and heads, `torch_checks`, which import no torch except to
+instantiate a user's module; Megatron's layer counts and shapes; DeepSpeed's partition).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
     Without `model` only what the plan alone decides is checked; `global_batch` adds the
     whole-sample rule (every replica a whole number of samples, at least one, per micro-batch).
     `spec` (the model's SPEC) lets the torch check build Hugging Face classes and user modules
-    (`torch_program.torch_config`); without it only the gpt and llama families pass.
+    (`torch_checks.torch_config`); without it only the gpt and llama families pass.
     ValueError for an unknown format.
     """
     if fmt not in TARGETS:
@@ -104,7 +104,7 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
                 deepspeed.deepspeed_config(model, plan, global_batch=global_batch or _batch(plan),
                                            seq_len=model.seq_len)
         elif model is not None:
-            from tagplan.export.torch_program import check_expressible, torch_config  # imports torch
+            from tagplan.export.torch_checks import check_expressible, torch_config
 
             config = torch_config(spec, seq_len=model.seq_len) if spec is not None else None
             check_expressible(plan, model, config=config)

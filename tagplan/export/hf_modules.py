@@ -40,15 +40,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tagplan.errors import SpecError
+from tagplan.export.hf_types import GPT2_TYPES
 from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind
 
 DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types laid out as `model.{embed_tokens, layers, rotary_emb, norm}` + `lm_head` whose base
 forward is embed -> (rotary, causal mask) -> layers -> norm (checked by `verify`)."""
-GPT2_TYPES = ("gpt2",)
-HEAD_NORM_TYPES = ("qwen3",)
-"""Model types whose attention normalises q and k per head with one weight shared by every head: split
-over tp ranks, that weight's gradient would need a sum over the tp group the program does not do."""
 INIT_STD = 0.02
 
 

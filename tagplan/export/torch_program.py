@@ -60,118 +60,30 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tagplan.cost.sharding import shard_block
 from tagplan.errors import SpecError
 from tagplan.export.checks import ExportError, GradReduce, check_reduce_dtype, refuse
-from tagplan.export.hf_modules import GPT2_TYPES, HEAD_NORM_TYPES
 from tagplan.export.modules import tp_ops
 from tagplan.export.node_launch import launch_scripts, rank_table
 from tagplan.export.runtime_train import PROGRAM_FORMAT
 from tagplan.export.shapes import ModelConfig, model_config, parsed
-from tagplan.export.user_modules import check_layers
+from tagplan.export.torch_checks import check_expressible, sequence_parallel, strategies_for
 from tagplan.frontends.hf_config import config_path
-from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, build_model, parse_model_spec
+from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, build_model
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph, OpKind
-from tagplan.ir.plan import Plan, Schedule, ShardStrategy, Stage, check_whole_samples
+from tagplan.ir.plan import Plan, Schedule, check_whole_samples
 from tagplan.ir.workload import DType, Optimizer
 
 FMT = "torch"
 PROGRAM_SOURCE = Path(__file__).with_name("runtime_train.py")
 PROGRAM_NAME = "train.py"
 """The name the program is copied under in the run directory (beside `plan.json`)."""
-_SPLITTABLE = (ShardStrategy.COLUMN, ShardStrategy.ROW, ShardStrategy.REPLICATE)
-_TOKEN_SPLIT = (ShardStrategy.SEQUENCE, ShardStrategy.BATCH)
-_TIED_PAIRS = {("row", "column"), ("column", "row"), ("replicate", "replicate")}
 
 
 def pipeline_ranks(plan: Plan) -> list[int]:
     """Per stage, the pipeline rank that runs it: the index of its device group among distinct groups."""
     groups = list(dict.fromkeys(s.devices for s in plan.stages))
     return [groups.index(s.devices) for s in plan.stages]
-
-
-def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | None = None) -> None:
-    """Raise ExportError listing every feature of `plan` on `model` the program cannot express.
-
-    `config` (the torch model's shape, which the graph does not record; `torch_config` reads it
-    from the SPEC) adds the check that `tp` divides the attention heads, and is what lets a Hugging
-    Face class or a user's module run: without it only the gpt and llama families are accepted (a
-    graph's name is never read as a SPEC).
-    """
-    problems = _model_problems(plan, model, config)
-    if not problems:
-        for i, stage in enumerate(plan.stages):
-            problems += _stage_problems(i, stage, model, config)
-        problems += _tied_problems(plan, model)
-        problems += _norm_problems(plan, model)
-    if problems:
-        raise ExportError("the plan cannot be exported to a torch program:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def torch_config(spec: ModelSpec, *, seq_len: int) -> ModelConfig:
-    """The ModelConfig the program builds `spec` with; ExportError naming why it cannot (a Hugging
-    Face model type it does not run, a user's module that is not an nn.Sequential of its layers)."""
-    try:
-        return model_config(spec, seq_len=seq_len)
-    except SpecError as err:
-        raise ExportError(f"the plan cannot be exported to a torch program:\n  - {err}") from None
-
-
-def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -> list[str]:
-    hf = config is not None and config.family == "hf"
-    if config is not None and config.family == "module":
-        try:
-            check_layers(parse_model_spec(config.model_spec), [layer.name for layer in model.layers])
-        except SpecError as err:
-            return [str(err)]
-    elif not hf and model.family not in ("gpt", "llama"):
-        return [f"model {model.name!r} is of family {model.family!r}; the exporter builds gpt and llama models "
-                "and Hugging Face classes (hf:...)"]
-    if hf and config is not None and len(model.layers) != config.num_layers:
-        return [f"model {model.name!r}: the traced graph has {len(model.layers)} layers but the transformers class "
-                f"has {config.num_layers} (embedding, {config.layers} decoder layers, head); the program cannot "
-                "map the plan's stages onto it"]
-    if hf and config is not None and config.model_type in GPT2_TYPES and max(s.tp for s in plan.stages) > 1:
-        return [f"model {model.name!r}: GPT-2's matmuls are transformers Conv1D modules, which the program does not "
-                "split: tensor parallelism needs tp = 1 on every stage"]
-    if hf and config is not None and config.model_type in HEAD_NORM_TYPES and max(s.tp for s in plan.stages) > 1:
-        return [f"model {model.name!r}: {config.model_type} normalises q and k per head with one weight shared by "
-                "every head, whose gradient the program does not sum over a tensor-parallel group: tensor "
-                "parallelism needs tp = 1 on every stage"]
-    end = plan.stages[-1].layers[1]
-    if plan.stages[0].layers[0] != 0 or end != len(model.layers):
-        return [f"the plan covers layers [{plan.stages[0].layers[0]}, {end}) but the model has "
-                f"{len(model.layers)} layers [0, {len(model.layers)})"]
-    return []
-
-
-def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig | None) -> list[str]:
-    out = []
-    if config is not None and stage.tp > 1 and (config.heads % stage.tp or config.kv_heads % stage.tp):
-        out.append(f"stages[{i}]: tp={stage.tp} must divide heads={config.heads} and kv_heads={config.kv_heads}: "
-                   "the program splits attention by whole heads")
-    out += _sharding_problems(i, stage, model)
-    return out
-
-
-def _sharding_problems(i: int, stage: Stage, model: ModelGraph) -> list[str]:
-    if not stage.sharding:
-        return []
-    ops = {op.name: op for j in range(*stage.layers) for op in model.block_of(j).ops}
-    out = []
-    for name, strategy in stage.sharding.items():
-        op = ops.get(name)
-        if op is None:
-            out.append(f"stages[{i}].sharding names op {name!r}, which no layer of the stage has "
-                       f"(ops: {', '.join(sorted(ops))})")
-        elif op.kind is OpKind.MATMUL and strategy not in _SPLITTABLE:
-            out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program splits matmuls as column, "
-                       "row or replicate only (token-split and expert-split matmuls are not expressed)")
-        elif op.kind is OpKind.EMBEDDING and strategy not in (*_SPLITTABLE, *_TOKEN_SPLIT):
-            out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program splits embeddings as row, "
-                       "column, replicate or sequence/batch (run replicated) only")
-    return out
 
 
 def mesh_schedule_ok(plan: Plan) -> bool:
@@ -196,57 +108,6 @@ def runtime_for(plan: Plan, ranks: list[int]) -> str:
 def runtime_on(plan: Plan, cluster: Cluster | None) -> str:
     """`runtime_for` the plan launched on `cluster`'s nodes (None: one host), as `write_torch_program` writes it."""
     return runtime_for(plan, [row["device"] for row in rank_table(plan, cluster)])
-
-
-def _tied_problems(plan: Plan, model: ModelGraph) -> list[str]:
-    head_ops = [op.name for op in model.block_of(len(model.layers) - 1).ops]
-    if "lm_head.tied" not in head_ops or plan.stages[0].tp == 1:
-        return []
-    first, last = plan.stages[0], plan.stages[-1]
-    wte = strategies_for(model, first, 0).get("wte", ShardStrategy.REPLICATE)
-    wte = ShardStrategy.REPLICATE if wte in _TOKEN_SPLIT else wte  # a token-split lookup keeps the whole table
-    head = strategies_for(model, last, len(model.layers) - 1).get("lm_head.tied", ShardStrategy.REPLICATE)
-    if (wte.value, head.value) in _TIED_PAIRS:
-        return []
-    return [f"tied embedding 'wte'={wte.value!r} and head 'lm_head.tied'={head.value!r}: the tied table must be "
-            "split alike (row with column, column with row, or both replicate) to keep its two copies equal; "
-            "tagplan's default splits the larger embedding table by rows, so a model with more positions than "
-            "vocabulary entries needs 'wte' set explicitly"]
-
-
-def _norm_strategies(plan: Plan, model: ModelGraph) -> dict[str, set[ShardStrategy]]:
-    """Strategy -> the norms (`stages[i].op`) that take it, over every stage with tp > 1."""
-    out: dict[str, set[ShardStrategy]] = {}
-    for i, stage in enumerate(plan.stages):
-        if stage.tp == 1:
-            continue
-        for j in range(*stage.layers):
-            norms = [op.name for op in model.block_of(j).ops if op.kind is OpKind.LAYERNORM]
-            resolved = strategies_for(model, stage, j)
-            for name in norms:
-                out.setdefault(f"stages[{i}].{name}", set()).add(resolved[name])
-    return out
-
-
-def sequence_parallel(plan: Plan, model: ModelGraph) -> bool:
-    """Whether the program splits the residual stream along the sequence: tp > 1 and every norm
-    `sequence` (tagplan's default, Megatron-Core's layout); all `replicate` turns it off."""
-    return any(ShardStrategy.SEQUENCE in s for s in _norm_strategies(plan, model).values())
-
-
-def _norm_problems(plan: Plan, model: ModelGraph) -> list[str]:
-    by_norm = _norm_strategies(plan, model)
-    seq = sorted(n for n, s in by_norm.items() if ShardStrategy.SEQUENCE in s)
-    other = sorted(n for n, s in by_norm.items() if s - {ShardStrategy.SEQUENCE})
-    if seq and other:
-        return [f"norms {other[:4]} are not 'sequence' while {seq[:4]} are: the residual stream is split along "
-                "the sequence (all norms 'sequence') or kept whole (all 'replicate') in the whole plan"]
-    return []
-
-
-def strategies_for(model: ModelGraph, stage: Stage, layer: int) -> dict[str, ShardStrategy]:
-    """Every op's strategy in `layer` under `stage`: tagplan's Megatron defaults, then the stage's overrides."""
-    return shard_block(model.block_of(layer), stage.sharding).strategies
 
 
 def split_ops(config: ModelConfig, model: ModelGraph, layer: int) -> list[str]:

@@ -37,7 +37,8 @@ from tagplan.export.modules import grads_by_layer
 from tagplan.export.runtime_launch import RankRun, launch
 from tagplan.export.runtime_train import loss_fn, synthetic_batch
 from tagplan.export.shapes import ModelConfig, model_config, parsed, scaled_down
-from tagplan.export.torch_program import check_expressible, torch_config, write_torch_program
+from tagplan.export.torch_checks import check_expressible, torch_config
+from tagplan.export.torch_program import write_torch_program
 from tagplan.frontends.cpu import build_cpu_cluster
 from tagplan.frontends.model_spec import ModelSpec, build_model, load_model
 from tagplan.ir.cluster import DeviceSpec

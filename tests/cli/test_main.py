@@ -156,7 +156,7 @@ def test_plan_says_which_export_formats_run_its_best_plan(capsys) -> None:
 def test_the_caption_names_the_refusals_when_no_format_runs_the_plan() -> None:
     from tagplan.cli.tables import exporters_line
 
-    line = exporters_line({"torch": "no MoE\n  here", "megatron": "zero=3", "deepspeed": None})
+    line = exporters_line({"torch": "no MoE\n  here", "megatron": "megatron: zero=3", "deepspeed": None})
     assert line == "runs under: deepspeed (not torch: no MoE here; megatron: zero=3)"
     assert exporters_line({"torch": "a", "megatron": "b"}) == "no export format runs this plan (torch: a; megatron: b)"
 

@@ -50,6 +50,24 @@ def test_the_verdicts_name_every_format_and_each_refusal() -> None:
     assert all(verdicts(HETERO, model, global_batch=6).values())  # 3 samples over 2 replicas: nobody runs it
 
 
+def test_the_verdicts_of_a_family_model_import_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from tagplan.export.capability import verdicts\n"
+            "from tagplan.frontends.model_spec import load_model, parse_model_spec\n"
+            "from tagplan.ir.plan import Plan, Stage\n"
+            "spec = 'gpt?layers=2&hidden=64&heads=4&vocab=5000'\n"
+            "plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2), "
+            "Stage(layers=(2, 4), devices=(2, 3), dp=2)))\n"
+            "said = verdicts(plan, load_model(spec, seq_len=16), global_batch=8, spec=parse_model_spec(spec))\n"
+            "assert said['torch'] is None, said\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # every `tagplan plan` asks; building the program is what needs torch
+
+
 def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() -> None:
     from tagplan.export.capability import runtime_workload
     from tagplan.ir.workload import DType, Workload

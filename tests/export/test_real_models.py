@@ -18,7 +18,8 @@ from tagplan.export.modules import build_layer, build_model, grads_by_layer, tie
 from tagplan.export.runtime_launch import launch
 from tagplan.export.runtime_parallel import layer_styles
 from tagplan.export.shapes import model_config, scaled_down
-from tagplan.export.torch_program import check_expressible, torch_config, write_torch_program
+from tagplan.export.torch_checks import check_expressible, torch_config
+from tagplan.export.torch_program import write_torch_program
 from tagplan.export.verify import verify
 from tagplan.frontends.model_spec import load_model, parse_model_spec
 from tagplan.ir.plan import Plan, Stage

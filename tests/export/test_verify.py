@@ -17,7 +17,8 @@ import torch
 from tagplan.export import ExportError
 from tagplan.export.modules import build_model
 from tagplan.export.shapes import model_config, scaled_down
-from tagplan.export.torch_program import PROGRAM_NAME, PROGRAM_SOURCE, check_expressible, write_torch_program
+from tagplan.export.torch_checks import check_expressible
+from tagplan.export.torch_program import PROGRAM_NAME, PROGRAM_SOURCE, write_torch_program
 from tagplan.export.verify import _judge, predicted_vs_measured, reference, verify
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.cluster import DeviceSpec

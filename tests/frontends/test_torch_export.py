@@ -205,7 +205,9 @@ def test_llama_rotary_higher_order_op_traces() -> None:
         ids = torch.zeros(2, SEQ, dtype=torch.long)
     g = graph_from_module(model, (), {"input_ids": ids}, name="llama", seq_len=SEQ)
     assert [layer.name for layer in g.layers] == ["embed", "layers.0", "layers.1", "head"]
-    assert any("wrap_with_set_grad_enabled" in op.name for op in g.block_of(0).ops)
+    # the rotary table is computed once, in the embedding's layer: under a set_grad_enabled higher-order op
+    # up to transformers 5.23 (which the tracer must follow), as plain cos/sin ops from 5.24
+    assert any(op.name.startswith("model.rotary_emb.") for op in g.block_of(0).ops)
     assert g.layers[1].block == g.layers[2].block  # the shared cos/sin table is not an activation edge
     assert g.params == sum(p.numel() for p in model.parameters())
 
