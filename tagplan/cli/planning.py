@@ -168,8 +168,7 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
     with _progress(problem.max_evaluations, enabled=show_progress) as tick:
         result = plan(problem, prior_factory=prior, progress=tick, admissible=admissible, correction=fix,
                       reduce_overlap=overlap)
-    return replace(result, exporters=verdicts(result.best.plan, problem.model,
-                                              global_batch=problem.workload.global_batch, spec=spec))
+    return replace(result, exporters=verdicts(result.best.plan, problem.model, problem.workload, spec=spec))
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -412,16 +412,19 @@ class Simulator:
             blocks = [b for b, _ in units]
             if stage.recompute:  # checkpointed blocks keep their input; embeddings and heads all they save
                 inputs, kept = self.coster.kept_activations(stage)
-                saved = (inputs + sum(n * b.saved_bytes for b, n in kept)) / stage.tp
-            elif stage.sharding and stage.tp > 1:
-                saved = sum(n * self._saved_split(b, stage) for b, n in units)
+                saved = inputs / stage.tp + sum(n * self._saved_of(b, stage) for b, n in kept)
             else:
-                saved = sum(n * b.saved_bytes for b, n in units) / stage.tp
+                saved = sum(n * self._saved_of(b, stage) for b, n in units)
             checkpointed = [b for b in blocks if b.kind not in CHECKPOINT_SKIPPED]
             working = (recompute_working_bytes_per_sample(checkpointed, tp=stage.tp, recompute=stage.recompute)
                        + transient_bytes_per_sample(blocks, tp=stage.tp))
             hit = self.coster.memory_memo[key] = (saved, working)
         return hit
+
+    def _saved_of(self, block: Block, stage: Stage) -> float:
+        """Bytes per sample one device of `stage` keeps of what `block` saves: split by the stage's
+        per-op strategies where it overrides them, else 1/tp (tensor + sequence parallelism)."""
+        return self._saved_split(block, stage) if stage.sharding and stage.tp > 1 else block.saved_bytes / stage.tp
 
     def _score_memory(self, stage: Stage) -> tuple[float, float]:
         """(saved, working) bytes per sample on one device that attention without a fused kernel adds.

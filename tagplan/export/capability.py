@@ -40,7 +40,7 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
     if fmt == "megatron":  # a reduction the target cannot run is refused before any search
         megatron.reduce_dtype_args(workload.dtype, workload.grad_reduce_dtype)
     elif fmt == "torch":
-        from tagplan.export.torch_program import check_reduce_dtype_of  # imports torch
+        from tagplan.export.torch_checks import check_reduce_dtype_of
 
         check_reduce_dtype_of(workload.dtype, workload.grad_reduce_dtype)
     sixteen = workload.dtype in (DType.BF16, DType.FP16)
@@ -113,11 +113,21 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
     return None
 
 
-def verdicts(plan: Plan, model: ModelGraph, *, global_batch: int,
+def verdicts(plan: Plan, model: ModelGraph, workload: Workload, *,
              spec: ModelSpec | None = None) -> dict[str, str | None]:
-    """For each export format, None when it runs `plan`, else why not (`exportable` with the model):
-    what a plan result reports, so no plan is shown as runnable without saying by which runtime."""
-    return {fmt: exportable(plan, fmt, model, global_batch=global_batch, spec=spec) for fmt in TARGETS}
+    """For each export format, None when it runs `plan` for `workload`, else why not: its runtime's
+    refusal of the workload (`runtime_workload`: a gradient reduction it cannot run), then `exportable`
+    with the model. What a plan result reports, so no plan is shown as runnable without saying by
+    which runtime."""
+    out: dict[str, str | None] = {}
+    for fmt in TARGETS:
+        try:
+            runtime_workload(fmt, workload)
+        except SpecError as err:
+            out[fmt] = str(err)
+            continue
+        out[fmt] = exportable(plan, fmt, model, global_batch=workload.global_batch, spec=spec)
+    return out
 
 
 def _batch(plan: Plan) -> int:

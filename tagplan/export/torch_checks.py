@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from tagplan.cost.sharding import shard_block
 from tagplan.errors import SpecError
-from tagplan.export.checks import ExportError
+from tagplan.export.checks import ExportError, check_reduce_dtype, refuse
 from tagplan.export.hf_types import GPT2_TYPES, HEAD_NORM_TYPES
 from tagplan.export.shapes import ModelConfig, model_config
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
 from tagplan.ir.model import ModelGraph, OpKind
 from tagplan.ir.plan import Plan, ShardStrategy, Stage
+from tagplan.ir.workload import DType
 
 _SPLITTABLE = (ShardStrategy.COLUMN, ShardStrategy.ROW, ShardStrategy.REPLICATE)
 _TOKEN_SPLIT = (ShardStrategy.SEQUENCE, ShardStrategy.BATCH)
@@ -156,3 +157,14 @@ def _norm_problems(plan: Plan, model: ModelGraph) -> list[str]:
 def strategies_for(model: ModelGraph, stage: Stage, layer: int) -> dict[str, ShardStrategy]:
     """Every op's strategy in `layer` under `stage`: tagplan's Megatron defaults, then the stage's overrides."""
     return shard_block(model.block_of(layer), stage.sharding).strategies
+
+
+def check_reduce_dtype_of(dtype: DType, grad_reduce_dtype: DType | None) -> None:
+    """ExportError unless the program reduces in `grad_reduce_dtype` under `dtype` training: it keeps
+    fp32 weights, so only fp32 (or unset)."""
+    check_reduce_dtype(grad_reduce_dtype)
+    if grad_reduce_dtype not in (None, DType.FP32):
+        raise refuse("torch", f"grad_reduce_dtype={grad_reduce_dtype.value}: the program keeps fp32 weights (dtype "
+                          f"{dtype.value}: bf16/fp16 run under autocast over them), so its gradients cross the "
+                          "data-parallel group in fp32; it accepts grad_reduce_dtype fp32 or unset (re-plan with "
+                          "--grad-reduce-dtype fp32 to cost it as it runs)")

@@ -61,12 +61,12 @@ from pathlib import Path
 from typing import Any
 
 from tagplan.errors import SpecError
-from tagplan.export.checks import ExportError, GradReduce, check_reduce_dtype, refuse
+from tagplan.export.checks import ExportError, GradReduce
 from tagplan.export.modules import tp_ops
 from tagplan.export.node_launch import launch_scripts, rank_table
 from tagplan.export.runtime_train import PROGRAM_FORMAT
 from tagplan.export.shapes import ModelConfig, model_config, parsed
-from tagplan.export.torch_checks import check_expressible, sequence_parallel, strategies_for
+from tagplan.export.torch_checks import check_expressible, check_reduce_dtype_of, sequence_parallel, strategies_for
 from tagplan.frontends.hf_config import config_path
 from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, build_model
 from tagplan.ir.cluster import Cluster
@@ -158,17 +158,6 @@ def reduce_overlaps(plan: Plan, runtime: str) -> dict[int, bool]:
         one_rank = len(set(pipeline_ranks(plan))) == 1
         return {i: one_rank for i, s in enumerate(plan.stages) if s.dp > 1}
     return {i: s.zero >= 3 for i, s in enumerate(plan.stages) if s.dp > 1}
-
-
-def check_reduce_dtype_of(dtype: DType, grad_reduce_dtype: DType | None) -> None:
-    """ExportError unless the program reduces in `grad_reduce_dtype` under `dtype` training: it keeps
-    fp32 weights, so only fp32 (or unset)."""
-    check_reduce_dtype(grad_reduce_dtype)
-    if grad_reduce_dtype not in (None, DType.FP32):
-        raise refuse(FMT, f"grad_reduce_dtype={grad_reduce_dtype.value}: the program keeps fp32 weights (dtype "
-                          f"{dtype.value}: bf16/fp16 run under autocast over them), so its gradients cross the "
-                          "data-parallel group in fp32; it accepts grad_reduce_dtype fp32 or unset (re-plan with "
-                          "--grad-reduce-dtype fp32 to cost it as it runs)")
 
 
 def grad_reduce(plan: Plan, runtime: str, *, dtype: DType, grad_reduce_dtype: DType | None = None,

@@ -71,7 +71,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from tagplan.search.polish import Climber, Neighbourhood
 
@@ -113,16 +113,21 @@ class Environment(Protocol[S, A]):
 
 
 class Prior(Protocol[S_contra, A_contra]):
-    """Scores every legal action of a state in one batch (positional arguments: any such callable fits).
-
-    A prior whose calls are expensive may carry an int attribute `after_visits`: the search then
-    asks it about a node only once the node has that many visits (the Gumbel root excepted), and
-    until then admits the node's actions in their given order with a uniform P; a node the search
-    never returns to costs no call."""
+    """Scores every legal action of a state in one batch (positional arguments: any such callable fits)."""
 
     def __call__(self, state: S_contra, actions: Sequence[A_contra], /) -> Sequence[float]:
         """Unnormalised non-negative scores, one per action, in the order of `actions`."""
         ...
+
+
+@runtime_checkable
+class DeferredPrior(Prior[S_contra, A_contra], Protocol[S_contra, A_contra]):
+    """A Prior whose calls are expensive: the search asks it about a node only once the node has
+    `after_visits` visits (the Gumbel root excepted) and still has actions to admit; until then it
+    admits the node's actions in their given order with a uniform P. A node the search never
+    returns to costs no call, and a state with one action never costs one."""
+
+    after_visits: int
 
 
 class Evaluator(Protocol[S_contra]):
@@ -345,7 +350,7 @@ class _Search(Generic[S, A]):
         climber: Climber[S] | None = None,
     ) -> None:
         self.env, self.prior, self.evaluator, self.config = env, prior, evaluator, config
-        self.after_visits = int(getattr(prior, "after_visits", 0))
+        self.after_visits = prior.after_visits if isinstance(prior, DeferredPrior) else 0
         self.rng, self.progress, self.climber = rng, progress, climber
         self.root: _Node[S, A] = _Node(root, env.is_terminal(root), prior=1.0)
         self.table: dict[S, float] = {}
@@ -432,7 +437,9 @@ class _Search(Generic[S, A]):
         node has that many visits."""
         if node.scored:
             if node.prior_due and node.visits >= self.after_visits:
-                self._rescore(node)
+                if len(node.children) < len(node.actions):  # scores still decide who is admitted next
+                    self._rescore(node)
+                node.prior_due = False
             return
         actions = tuple(self.env.actions(node.state))
         if not actions:
@@ -443,6 +450,9 @@ class _Search(Generic[S, A]):
             raise ValueError(f"env.actions returned repeated actions {list(actions)[:8]} for {_short(node.state)}")
         node.actions = actions
         node.scored = True
+        if len(actions) == 1:  # nothing to weigh: no prior call
+            node.priors, node.order = (1.0,), (0,)
+            return
         defer = self.after_visits > node.visits and not (node is self.root and self.config.gumbel)
         if defer:
             node.priors, node.order, node.prior_due = tuple([1.0 / len(actions)] * len(actions)), tuple(

@@ -89,11 +89,6 @@ class PlanResult:
     (the CLI and the service fill it in with `export.capability.verdicts`)."""
 
     @property
-    def runnable_by(self) -> list[str]:
-        """The export formats that run the best plan."""
-        return [fmt for fmt, reason in self.exporters.items() if reason is None]
-
-    @property
     def idle_devices(self) -> list[int]:
         """Devices of the cluster the best plan leaves idle (it may use a subset of the nodes)."""
         used = set(self.best.plan.devices)

@@ -444,3 +444,18 @@ def test_recompute_replays_the_blocks_but_not_the_embedding_or_the_head() -> Non
     # the head keeps every activation it saves (the logits' softmax), as without recompute; the blocks do not
     memory = plain_report.memory_per_device_bytes, replayed_report.memory_per_device_bytes
     assert memory[1][2] == pytest.approx(memory[0][2]) and memory[1][1] < memory[0][1]
+
+
+def test_a_head_recompute_does_not_checkpoint_keeps_its_own_split_of_what_it_saves() -> None:
+    model = load_model("gpt?layers=2&hidden=256&heads=4&vocab=30000", seq_len=128)
+    sim = Simulator(model, load_cluster("p3.8xlarge"), Workload(global_batch=4, seq_len=128))
+    n = len(model.layers)
+    whole = {"lm_head.tied": "replicate", "cross_entropy": "replicate"}  # the head is not split over its tp pair
+
+    def head_memory(recompute: bool) -> float:
+        plan = Plan(micro_batches=2, stages=(Stage(layers=(0, n - 1), devices=(0, 1), tp=2),
+                                             Stage(layers=(n - 1, n), devices=(2, 3), tp=2, recompute=recompute,
+                                                   sharding=whole)))
+        return sim.simulate(plan).memory_per_device_bytes[2]
+
+    assert head_memory(True) == pytest.approx(head_memory(False))

@@ -53,17 +53,3 @@ def test_every_layout_that_ran_fits_in_the_memory_model_and_most_that_failed_do_
     assert all(v["ran_predicted_to_fit"] == v["ran"] for v in verdicts)
     assert sum(v["failed_predicted_not_to_fit"] for v in verdicts) >= 5  # of 11
 
-
-def test_the_nemo_lora_rows_are_not_scored_as_full_training() -> None:
-    spec = importlib.util.spec_from_file_location("fidelity_nemo", BENCH / "fidelity_nemo.py")
-    assert spec is not None and spec.loader is not None
-    nemo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nemo)
-    rows = json.loads((BENCH / "data" / "nemo_performance_summary.json").read_text())["rows"]
-    tasks = {r["id"].rsplit("/", 1)[1]: r["config"]["task"] for r in rows if "24.07/Finetuning" in r["id"]}
-    assert tasks == {"305": "Finetuning (SFT)", "306": "Finetuning (SFT)", "307": "Finetuning (SFT)",
-                     "308": "Finetuning (LoRA)", "309": "Finetuning (LoRA)", "310": "Finetuning (LoRA)"}
-    reasons = {r["id"]: nemo._skip(r) for r in rows}
-    lora = [r["id"] for r in rows if "LoRA" in (r["config"].get("task") or "")]
-    assert len(lora) == 8 and all(reasons[i] == "LoRA fine-tuning not modelled" for i in lora)
-    assert [reasons[r["id"]] for r in rows if r["config"].get("task") == "Finetuning (SFT)"] == [None, None, None]

@@ -8,6 +8,7 @@ from tagplan.export import exportable
 from tagplan.export.checks import ExportError
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.plan import Plan, Stage
+from tagplan.ir.workload import DType, Workload
 
 HETERO = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2),
                                        Stage(layers=(2, 4), devices=(2, 3), dp=2)))
@@ -41,13 +42,17 @@ def test_the_verdicts_name_every_format_and_each_refusal() -> None:
     from tagplan.export.capability import TARGETS, verdicts
 
     model = load_model("gpt?layers=2&hidden=64&heads=4&vocab=5000", seq_len=16)
-    said = verdicts(HETERO, model, global_batch=8)
+    said = verdicts(HETERO, model, Workload(global_batch=8, seq_len=16))
     assert list(said) == list(TARGETS)
     assert said["torch"] is None  # the pipeline runtime takes a different (dp, tp) per stage
     assert "stages[1].tp = 1 but stages[0].tp = 2" in (said["megatron"] or "")
     t5 = load_model("t5?layers=2&hidden=64&heads=4&vocab=100", seq_len=16)
-    assert "is of family 't5'" in (verdicts(HETERO, t5, global_batch=8)["torch"] or "")
-    assert all(verdicts(HETERO, model, global_batch=6).values())  # 3 samples over 2 replicas: nobody runs it
+    assert "is of family 't5'" in (verdicts(HETERO, t5, Workload(global_batch=8, seq_len=16))["torch"] or "")
+    odd = Workload(global_batch=6, seq_len=16)  # 3 samples per micro-batch over 2 replicas: nobody runs it
+    assert all(verdicts(HETERO, model, odd).values())
+    # a gradient reduction the runtime cannot run is its refusal too (the torch program reduces in fp32 only)
+    bf16 = verdicts(HETERO, model, Workload(global_batch=8, seq_len=16, grad_reduce_dtype=DType.BF16))
+    assert "grad_reduce_dtype=bf16" in (bf16["torch"] or "")
 
 
 def test_the_verdicts_of_a_family_model_import_no_torch() -> None:
@@ -61,7 +66,9 @@ def test_the_verdicts_of_a_family_model_import_no_torch() -> None:
             "spec = 'gpt?layers=2&hidden=64&heads=4&vocab=5000'\n"
             "plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2), "
             "Stage(layers=(2, 4), devices=(2, 3), dp=2)))\n"
-            "said = verdicts(plan, load_model(spec, seq_len=16), global_batch=8, spec=parse_model_spec(spec))\n"
+            "from tagplan.ir.workload import Workload\n"
+            "said = verdicts(plan, load_model(spec, seq_len=16), Workload(global_batch=8, seq_len=16), "
+            "spec=parse_model_spec(spec))\n"
             "assert said['torch'] is None, said\n"
             "print('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

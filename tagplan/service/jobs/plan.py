@@ -22,6 +22,7 @@ from tagplan.frontends.json_graph import graph_from_dict
 from tagplan.frontends.model_spec import ModelSpec
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan
 from tagplan.ir.summary import cluster_summary
 from tagplan.ir.workload import DType, Workload
 from tagplan.search.planner import plan
@@ -69,12 +70,22 @@ def run_plan(data: Any, settings: Settings, progress: Progress, *, tenant_id: in
                             heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
     fix = correction(registry, problem.model, problem.cluster, problem.workload, calibration=problem.calibration)
     result = plan(problem, prior_factory=factory, progress=tick, correction=fix)
-    spec = request.model if isinstance(request.model, ModelSpec) else None
-    result = replace(result, exporters=verdicts(result.best.plan, problem.model,
-                                                global_batch=problem.workload.global_batch, spec=spec))
+    result = replace(result, exporters=exporters(request, problem, result.best.plan))
     progress(0.99, "writing the result")
     return {**result.to_json(), "timeline": result.timeline(), "request": echo(request, problem),
             "cluster": cluster_summary(problem.cluster, dtype=problem.workload.dtype), "gnn": gnn_version(registry)}
+
+
+INLINE_GRAPH_REFUSAL = ("torch: the program builds the model from its SPEC (a zoo name, FAMILY?key=value or "
+                        "hf:...); an inline graph has none")
+
+
+def exporters(request: PlanRequest, problem: PlanProblem, best: Plan) -> dict[str, str | None]:
+    """Which export formats run the best plan (`export.capability.verdicts`); an inline graph names
+    no model the torch program could build, so torch refuses it whatever the graph's family says."""
+    if isinstance(request.model, ModelSpec):
+        return verdicts(best, problem.model, problem.workload, spec=request.model)
+    return {**verdicts(best, problem.model, problem.workload), "torch": INLINE_GRAPH_REFUSAL}
 
 
 def plan_problem(request: PlanRequest, settings: Settings, calibration: Calibration) -> PlanProblem:

@@ -82,3 +82,11 @@ def test_the_result_says_which_export_formats_run_the_best_plan(settings: Settin
     t5 = run_job(JobKind.PLAN, {**TINY_PLAN, "model": "t5?layers=1&hidden=64&heads=4&vocab=100"}, settings,
                  lambda fraction, message: None)
     assert "gpt and llama" in t5["exporters"]["torch"]  # the torch program builds neither T5 nor MoE
+
+
+def test_an_inline_graph_is_refused_by_the_torch_program_whatever_family_it_names(settings: Settings) -> None:
+    from tagplan.frontends.model_spec import load_model
+
+    dumped = load_model(TINY_PLAN["model"], seq_len=16).model_dump(mode="json")  # family "gpt", as a SPEC would give
+    result = run_job(JobKind.PLAN, {**TINY_PLAN, "model": dumped}, settings, lambda fraction, message: None)
+    assert "an inline graph has none" in result["exporters"]["torch"]
