@@ -96,7 +96,7 @@ choice settles a whole region of plans and a handful of calls serve a search; th
 which compare their plans exactly."""
 
 PRIOR_AFTER_VISITS = 2
-"""The search asks the GNN prior about a node once the node has this many visits (`mcts.Prior`):
+"""The search asks the GNN prior about a node once the node has this many visits (`mcts.DeferredPrior`):
 when it must choose a second child. Most shape nodes are visited once; they cost no forward pass."""
 
 UNIFORM_MIX = 0.5
