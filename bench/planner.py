@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tagplan.cost.simulator import Simulator
-from tagplan.export.capability import TARGETS, exportable, verdicts
+from tagplan.export.capability import verdicts
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model, parse_model_spec
 from tagplan.ir.workload import Workload
@@ -114,15 +114,14 @@ def suite_row(case: tuple[str, str, str, int, int, bool], *, evaluations: int, b
     said = verdicts(r.best.plan, m, w, spec=spec)
     row["runs_under"] = [fmt for fmt, reason in said.items() if reason is None]
     row["refusals"] = {fmt: " ".join(reason.split()) for fmt, reason in said.items() if reason is not None}
+    def admissible(p: Any) -> str | None:  # None when some export format runs `p`
+        reasons = verdicts(p, m, w, spec=spec).values()
+        return None if None in reasons else "; ".join(str(x) for x in reasons)
+
     runnable = r
     if not row["runs_under"]:  # the best plan some exporter runs, costed the same way
-        def admissible(p: Any) -> str | None:
-            reasons = [exportable(p, fmt, m, global_batch=batch, spec=spec) for fmt in TARGETS]
-            return None if None in reasons else "; ".join(str(x) for x in reasons)
-
         runnable = plan(PlanProblem(m, c, w, max_evaluations=evaluations, budget_s=budget_s), admissible=admissible)
-    ok = runnable.best.report.fits and any(
-        exportable(runnable.best.plan, fmt, m, global_batch=batch, spec=spec) is None for fmt in TARGETS)
+    ok = runnable.best.report.fits and admissible(runnable.best.plan) is None
     row["runnable_s"] = runnable.best.report.iteration_time_s if ok else None
     row["runnable_vs_best"] = row["best_baseline_s"] / row["runnable_s"] if known and ok else None
     return row

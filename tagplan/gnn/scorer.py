@@ -124,6 +124,8 @@ class GNNPrior:
             raise ValueError(f"GNNPrior: temperature must be > 0, got {temperature}")
         if not 0.0 <= uniform_mix <= 1.0:
             raise ValueError(f"GNNPrior: uniform_mix must be in [0, 1], got {uniform_mix}")
+        if after_visits < 0:
+            raise ValueError(f"GNNPrior: after_visits must be an integer >= 0, got {after_visits}")
         self.space, self.temperature, self.fields, self.uniform_mix = space, temperature, fields, uniform_mix
         self.after_visits = after_visits
         self._scored = _Scored(space, scorer)

@@ -145,3 +145,5 @@ def test_the_prior_keeps_a_uniform_share_and_scores_only_the_pipeline_shape() ->
     assert GNNPrior(sp, GNNScorer(net))(later, rest) == [1.0] * len(rest) and net.calls == []  # no forward pass
     with pytest.raises(ValueError, match="uniform_mix"):
         GNNPrior(sp, ByStages(), uniform_mix=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="after_visits"):
+        GNNPrior(sp, ByStages(), after_visits=-1)  # type: ignore[arg-type]

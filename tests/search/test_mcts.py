@@ -276,6 +276,15 @@ def test_a_deferring_prior_is_asked_only_about_nodes_the_search_returns_to() -> 
         mcts(env, (), evaluator=closeness(target), max_evaluations=200, gumbel_root=False), target)
 
 
+def test_a_deferring_prior_is_not_asked_about_one_action_or_a_fully_admitted_node() -> None:
+    single = Deferred((0, 0, 0), 0)
+    mcts(Digits(1, 3), (), prior=single, evaluator=closeness((0, 0, 0)), max_evaluations=5, gumbel_root=False)
+    assert not single.seen  # every state has one action: nothing to weigh
+    late = Deferred((1, 1), 3)  # due at the root only once both its actions have been admitted
+    found = mcts(Digits(2, 2), (), prior=late, evaluator=closeness((1, 1)), max_evaluations=4, gumbel_root=False)
+    assert found.stats.simulations >= 3 and () not in late.seen
+
+
 def test_unusable_prior_scores_become_uniform() -> None:
     assert normalise_prior([1.0, 3.0], 2) == (0.25, 0.75)
     for bad in ([0.0, 0.0, 0.0], [1.0, -1.0, 2.0], [1.0, math.nan, 1.0], [math.inf, 1.0, 1.0]):
