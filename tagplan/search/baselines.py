@@ -4,8 +4,10 @@
   inside a node, every pipeline depth and data-parallel degree that divide the devices, every
   micro-batch size that divides a replica's share, recompute off and on, ZeRO 0 and 1
   (Megatron's distributed optimizer), blocks split evenly with the embedding on the first stage
-  and the head on the last, 1F1B; nodes in the cluster's order and reversed (which end of the
-  pipeline a node type takes matters on mixed clusters).
+  and the head on the last, 1F1B, and interleaved 1F1B with every virtual-stage count vp >= 2 that
+  Megatron accepts (the blocks split evenly into pp x vp chunks, a micro-batch count divisible by
+  pp); nodes in the cluster's order and reversed (which end of the pipeline a node type takes
+  matters on mixed clusters).
 - `data_parallel_best`: every device a replica, every micro-batch size, ZeRO 0-3, recompute off/on.
 - `fastest_nodes`: the best of both on the nodes of the fastest GPU type alone (mixed clusters),
   the other nodes idle.
@@ -24,10 +26,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 from tagplan.cost.memory import FRAMEWORK_OVERHEAD_BYTES, model_state_bytes
+from tagplan.cost.report import Report
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.plan import Plan, Schedule, Stage
 from tagplan.search.result import Baseline, Candidate
@@ -48,10 +51,12 @@ class GridPoint:
     recompute: bool
     zero: int
     order: str  # "cluster order" or "reversed"
+    chunks: int = 1  # virtual pipeline stages per device (Megatron's vp): 1 is 1F1B, more interleaved 1F1B
 
     def describe(self, micro_batches: int) -> str:
         """The configuration as a practitioner writes it."""
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp}, micro-batch size {self.micro_batch_size} "
+        vp = f" vp={self.chunks}" if self.chunks > 1 else ""
+        return (f"tp={self.tp} pp={self.pp}{vp} dp={self.dp}, micro-batch size {self.micro_batch_size} "
                 f"({micro_batches} micro-batches), ZeRO-{self.zero}, recompute {'on' if self.recompute else 'off'}, "
                 f"nodes in {self.order}")
 
@@ -105,7 +110,15 @@ def certainly_too_big(sim: Simulator, plan: Plan) -> bool:
 
 def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
                   deadline: float | None = None, complete: bool = False) -> Baseline:
-    """The fastest uniform Megatron configuration on `nodes` (module docstring)."""
+    """The fastest uniform Megatron configuration on `nodes` (module docstring).
+
+    1F1B first, every configuration; then interleaving, for the configurations with a pipeline whose
+    1F1B plan fits, most promising first. Unless `complete`, a virtual-stage count is skipped when
+    it cannot beat the best found: interleaving vp ways divides the 1F1B bubble by vp at most, can
+    hide the gradient reduction behind the backward, and makes nothing else faster, so it is no
+    faster than the 1F1B time less (1 - 1/vp) of its bubble and its data-parallel time. A
+    configuration whose 1F1B plan fits at no size is not interleaved (the first device holds
+    pp + (pp - 1) / vp stages' activations interleaved, pp with 1F1B)."""
     cluster = sim.cluster
     gpus = {cluster.nodes[n].gpus for n in nodes}
     tps = [t for t in (1, 2, 4, 8) if t <= min(min(gpus), MAX_TP) and all(g % t == 0 for g in gpus)]
@@ -113,16 +126,49 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
     if len({cluster.nodes[n].device.name for n in nodes}) > 1:
         orders["reversed"] = list(reversed(nodes))
     best: tuple[Candidate, str] | None = None
+    interleavable: list[tuple[float, Report, Iterator[tuple[int, Iterator[tuple[GridPoint, Plan]]]]]] = []
+
+    def keep(found: tuple[Candidate, str] | None) -> None:
+        nonlocal best
+        if found is not None and (best is None or _faster(found[0], best[0])):
+            best = found
+
+    def best_s() -> float:
+        return best[0].report.iteration_time_s if best is not None else math.inf
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
     for order_name, order in orders.items():
         devices = tuple(d for n in order for d in cluster.node_devices(n))
         for tp in tps:
             for pp in divisors(len(devices) // tp):
-                for series in _configurations(sim, devices, tp, pp, order_name):
-                    found = _walk(sim, series, judge, "megatron_grid", complete=complete)
-                    if found is not None and (best is None or _faster(found[0], best[0])):
-                        best = found
-                if deadline is not None and time.perf_counter() > deadline:
+                for by_chunks in _configurations(sim, devices, tp, pp, order_name):
+                    found = _walk(sim, next(by_chunks)[1], judge, "megatron_grid", complete=complete)
+                    keep(found)
+                    if complete:
+                        for _, series in by_chunks:
+                            keep(_walk(sim, series, judge, "megatron_grid", complete=True))
+                    elif found is not None and pp > 1:
+                        counts = _chunk_counts(sim, pp)
+                        interleavable.append((_interleaved_floor_s(found[0].report, counts[-1]), found[0].report,
+                                              by_chunks))
+                if out_of_time():
                     return _grid_result(best, "stopped at its time limit before any configuration fit")
+    for floor_s, one_f_one_b, by_chunks in sorted(interleavable, key=lambda item: item[0]):
+        if floor_s >= best_s() or out_of_time():
+            break
+        previous_s = one_f_one_b.iteration_time_s
+        for chunks, series in by_chunks:  # up the counts until one is slower than the last that fitted
+            if _interleaved_floor_s(one_f_one_b, chunks) >= best_s():
+                continue
+            found = _walk(sim, series, judge, "megatron_grid", complete=False)
+            if found is None:  # a larger count holds fewer activations: go on
+                continue
+            if found[0].report.iteration_time_s > previous_s:  # past the optimum: p2p transfers outgrow the bubble
+                break
+            previous_s = found[0].report.iteration_time_s
+            keep(found)
     return _grid_result(best, "no uniform configuration fits in memory or gives every replica a whole sample")
 
 
@@ -148,6 +194,12 @@ def _walk(sim: Simulator, series: Iterable[tuple[GridPoint, Plan]], judge: Judge
     return best
 
 
+def _interleaved_floor_s(one_f_one_b: Report, chunks: int) -> float:
+    """No plan interleaving a 1F1B plan `chunks` ways is faster than this (`megatron_grid`)."""
+    parts = one_f_one_b.breakdown
+    return one_f_one_b.iteration_time_s - parts.bubble * (1.0 - 1.0 / chunks) - parts.dp_comm
+
+
 def _faster(a: Candidate, b: Candidate) -> bool:
     return a.report.iteration_time_s < b.report.iteration_time_s
 
@@ -159,32 +211,63 @@ def _grid_result(best: tuple[Candidate, str] | None, reason: str) -> Baseline:
 
 
 def _configurations(sim: Simulator, devices: tuple[int, ...], tp: int, pp: int,
-                    order: str) -> Iterator[Iterator[tuple[GridPoint, Plan]]]:
-    """Per memory option (recompute, ZeRO), its (point, plan) series in ascending micro-batch size
-    (each plan built when the walk gets to it)."""
+                    order: str) -> Iterator[Iterator[tuple[int, Iterator[tuple[GridPoint, Plan]]]]]:
+    """Per memory option (recompute, ZeRO), per virtual-stage count (1 first, then ascending), the
+    count and its (point, plan) series in ascending micro-batch size (each plan built when a walk
+    gets to it)."""
     layers = len(sim.model.layers)
     blocks = layers - 2 if layers > 2 else layers
     batch = sim.workload.global_batch
     dp = len(devices) // (tp * pp)
     if pp > blocks or batch % dp:
         return
-    per_stage = len(devices) // pp
-    bounds = _even_bounds(layers, pp)
     for recompute in (False, True):
         for zero in ((0, 1) if dp > 1 else (0,)):
-            stages = tuple(Stage(layers=(bounds[s], bounds[s + 1]), devices=devices[s * per_stage:(s + 1) * per_stage],
-                                 dp=dp, tp=tp, zero=zero, recompute=recompute) for s in range(pp))
-            yield ((GridPoint(tp, pp, dp, size, recompute, zero, order),
-                    Plan(micro_batches=batch // (dp * size), schedule=Schedule.ONE_F_ONE_B, stages=stages))
-                   for size in divisors(batch // dp))
+            yield _by_chunks(sim, devices, GridPoint(tp, pp, dp, 0, recompute, zero, order), _chunk_counts(sim, pp))
 
 
-def _even_bounds(layers: int, pp: int) -> list[int]:
-    """Stage boundaries splitting the blocks evenly, the embedding on the first stage, the head on the last."""
+def _chunk_counts(sim: Simulator, pp: int) -> list[int]:
+    """1 (1F1B), then every virtual-stage count Megatron accepts for `pp` stages, ascending: those
+    dividing the blocks per stage."""
+    layers = len(sim.model.layers)
+    blocks = layers - 2 if layers > 2 else layers
+    return [1] + ([v for v in divisors(blocks // pp) if v > 1] if pp > 1 and blocks % pp == 0 else [])
+
+
+def _by_chunks(sim: Simulator, devices: tuple[int, ...], point: GridPoint,
+               chunk_counts: list[int]) -> Iterator[tuple[int, Iterator[tuple[GridPoint, Plan]]]]:
+    """`point`'s series, one per virtual-stage count (a function, so that a walk deferred past the
+    caller's loop still sees this point's memory option)."""
+    for chunks in chunk_counts:
+        yield chunks, _series(sim, devices, replace(point, chunks=chunks))
+
+
+def _series(sim: Simulator, devices: tuple[int, ...], point: GridPoint) -> Iterator[tuple[GridPoint, Plan]]:
+    """`point`'s plans in ascending micro-batch size: every size that divides a replica's share
+    (interleaved: whose micro-batch count pp divides, as Megatron requires)."""
+    layers, batch, pp, chunks = len(sim.model.layers), sim.workload.global_batch, point.pp, point.chunks
+    per_stage = len(devices) // pp
+    bounds = _even_bounds(layers, pp * chunks)
+    schedule = Schedule.ONE_F_ONE_B if chunks == 1 else Schedule.INTERLEAVED_1F1B
+    # virtual stage k = c * pp + s runs on device group s (Megatron's round-robin layout)
+    stages = tuple(Stage(layers=(bounds[k], bounds[k + 1]),
+                         devices=devices[(k % pp) * per_stage:(k % pp + 1) * per_stage], dp=point.dp,
+                         tp=point.tp, zero=point.zero, recompute=point.recompute)
+                   for k in range(pp * chunks))
+    for size in divisors(batch // point.dp):
+        micro_batches = batch // (point.dp * size)
+        if chunks == 1 or micro_batches % pp == 0:
+            yield replace(point, micro_batch_size=size), Plan(micro_batches=micro_batches, schedule=schedule,
+                                                              stages=stages)
+
+
+def _even_bounds(layers: int, parts: int) -> list[int]:
+    """Boundaries of `parts` consecutive stages splitting the blocks evenly, the embedding on the
+    first part, the head on the last."""
     if layers <= 2:
-        return [layers * s // pp for s in range(pp + 1)]
+        return [layers * s // parts for s in range(parts + 1)]
     blocks = layers - 2
-    bounds = [1 + blocks * s // pp for s in range(pp + 1)]
+    bounds = [1 + blocks * s // parts for s in range(parts + 1)]
     bounds[0], bounds[-1] = 0, layers
     return bounds
 

@@ -35,8 +35,8 @@ def grid_plans(sim: Simulator) -> list[Plan]:
         devices = tuple(d for n in order for d in sim.cluster.node_devices(n))
         for tp in (1, 2, 4):
             for pp in divisors(len(devices) // tp):
-                for series in _configurations(sim, devices, tp, pp, "order"):
-                    plans += [plan for _, plan in series]
+                for by_chunks in _configurations(sim, devices, tp, pp, "order"):
+                    plans += [plan for _, series in by_chunks for _, plan in series]
     return plans
 
 
@@ -84,3 +84,51 @@ def test_skipping_what_cannot_fit_picks_the_same_plans_with_fewer_simulations(
 def test_the_fastest_type_is_the_highest_peak() -> None:
     sim = simulator(*CASES[2])
     assert fastest_type_nodes(sim) == (0,)  # the A100 node, not the V100 one
+
+
+def test_interleaved_grid_points_are_megatron_layouts() -> None:
+    """Virtual stages round-robin over the pp device groups, blocks split evenly into pp x vp chunks
+    (embedding first, head last), micro-batch counts divisible by pp, vp dividing the blocks per stage."""
+    sim = simulator(*CASES[2])  # gpt3-6.7b: 32 blocks
+    devices = tuple(range(sim.cluster.num_devices))
+    seen = set()
+    for by_chunks in _configurations(sim, devices, 2, 4, "order"):
+        for chunks, series in by_chunks:
+            for point, plan in series:
+                assert point.chunks == chunks
+                seen.add(point.chunks)
+                assert len(plan.stages) == 4 * point.chunks
+                if point.chunks == 1:
+                    continue
+                assert plan.micro_batches % 4 == 0
+                assert [s.devices for s in plan.stages] == [plan.stages[k % 4].devices for k in range(len(plan.stages))]
+                sizes = [s.layers[1] - s.layers[0] for s in plan.stages]
+                assert sizes[1:-1] == [32 // (4 * point.chunks)] * (len(sizes) - 2)  # embedding, head on the ends
+                assert plan.stages[0].layers[0] == 0 and plan.stages[-1].layers[1] == len(sim.model.layers)
+    assert seen == {1, 2, 4, 8}  # the divisors of 32 / 4
+
+
+def test_the_grid_takes_an_interleaved_configuration_where_it_is_fastest() -> None:
+    """On 6.7B over an A100 and a V100 node the fastest uniform configuration is interleaved: the grid
+    must return it, faster than every 1F1B configuration of the grid."""
+    sim = simulator(*CASES[2])
+    judge = SimulatorEvaluator(PlanSpace(sim))
+    grid = baselines.megatron_grid(sim, judge.candidate, tuple(range(len(sim.cluster.nodes))))
+    assert grid.candidate is not None and "vp=" in grid.config
+    assert grid.candidate.plan.schedule.value != "1f1b"
+    one_f_one_b = [p for p in grid_plans(sim) if len(p.stages) == len({s.devices for s in p.stages})]
+    fastest = min(t for p in one_f_one_b if (r := sim.simulate(p)).fits for t in [r.iteration_time_s])
+    assert grid.candidate.report.iteration_time_s < fastest
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_quick_walk_finds_the_complete_walks_grid_optimum(case: tuple[str, str, int, int]) -> None:
+    """The planner's seeds stop walking micro-batch sizes and virtual-stage counts past a series'
+    fastest; on these cases that loses nothing against walking every one."""
+    sim = simulator(*case)
+    judge = SimulatorEvaluator(PlanSpace(sim))
+    nodes = tuple(range(len(sim.cluster.nodes)))
+    quick = baselines.megatron_grid(sim, judge.candidate, nodes)
+    complete = baselines.megatron_grid(sim, judge.candidate, nodes, complete=True)
+    assert quick.candidate is not None and complete.candidate is not None
+    assert quick.candidate.report.iteration_time_s <= complete.candidate.report.iteration_time_s * 1.01
