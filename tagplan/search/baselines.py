@@ -116,9 +116,11 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
     1F1B plan fits, most promising first. Unless `complete`, a virtual-stage count is skipped when
     it cannot beat the best found: interleaving vp ways divides the 1F1B bubble by vp at most, can
     hide the gradient reduction behind the backward, and makes nothing else faster, so it is no
-    faster than the 1F1B time less (1 - 1/vp) of its bubble and its data-parallel time. A
-    configuration whose 1F1B plan fits at no size is not interleaved (the first device holds
-    pp + (pp - 1) / vp stages' activations interleaved, pp with 1F1B)."""
+    faster than the 1F1B time less (1 - 1/vp) of its bubble and its data-parallel time. The counts
+    are walked down from the largest (the least bubble) until one is slower than the one before
+    (past the optimum, fewer chunks save less point-to-point time than the bubble they add) or fits
+    at no size (the first device holds pp + (pp - 1) / vp stages' activations, more as vp falls).
+    A configuration whose 1F1B plan fits at no size is not interleaved (1F1B holds pp stages')."""
     cluster = sim.cluster
     gpus = {cluster.nodes[n].gpus for n in nodes}
     tps = [t for t in (1, 2, 4, 8) if t <= min(min(gpus), MAX_TP) and all(g % t == 0 for g in gpus)]
@@ -158,14 +160,14 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
     for floor_s, one_f_one_b, by_chunks in sorted(interleavable, key=lambda item: item[0]):
         if floor_s >= best_s() or out_of_time():
             break
-        previous_s = one_f_one_b.iteration_time_s
-        for chunks, series in by_chunks:  # up the counts until one is slower than the last that fitted
+        previous_s = math.inf
+        for chunks, series in reversed(list(by_chunks)):  # down the counts until one is slower than the last
             if _interleaved_floor_s(one_f_one_b, chunks) >= best_s():
                 continue
             found = _walk(sim, series, judge, "megatron_grid", complete=False)
-            if found is None:  # a larger count holds fewer activations: go on
-                continue
-            if found[0].report.iteration_time_s > previous_s:  # past the optimum: p2p transfers outgrow the bubble
+            if found is None:  # a smaller count holds more activations: none of them fits
+                break
+            if found[0].report.iteration_time_s > previous_s:  # past the optimum: the bubble outgrows the p2p saved
                 break
             previous_s = found[0].report.iteration_time_s
             keep(found)
