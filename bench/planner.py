@@ -3,7 +3,8 @@
 Tables (bench/results/planner.json, docs/PLANNER_RESULTS.md):
 1. Suite: the planner at its defaults (400 evaluations, 30 s) against the reference baselines, computed
    apart with no time limit and every micro-batch size that fits: the best uniform Megatron grid
-   (every tp/pp/dp/micro-batch/recompute/ZeRO-0-1, nodes in either order), the best data-parallel plan,
+   (every tp/pp/dp/micro-batch/recompute/ZeRO-0-1, 1F1B and interleaved with every virtual-stage count,
+   nodes in either order), the best data-parallel plan,
    and the best plan on the fastest GPU type's nodes alone. "vs best" divides the best of those by the
    planner's time; every plan gives each replica whole samples.
 2. Exhaustive gaps: small cases (two- and three-node mixes) where the whole decision process is
@@ -11,11 +12,12 @@ Tables (bench/results/planner.json, docs/PLANNER_RESULTS.md):
 3. Quality against budget: 50 / 200 / 400 / 1000 / 5000 evaluations (a wall-clock cap per run); the
    search's evaluations form one sequence a budget only cuts, so each column is at least as fast.
 4. Guidance: wall-clock seconds of the search (baselines excluded) until its best plan is within 1% of
-   the best known, uniform prior against the GNN prior.
+   the best known, uniform prior against the GNN prior (the median of 3 runs to each side's hit).
 
 Run: `.venv/bin/python bench/planner.py [--quick]` (about 30 minutes on 2 cores; --quick: a smoke run).
 `--only SECTION [--cases TEXT]` runs one table (suite, exhaustive, budget or guidance) for the cases
-whose name contains TEXT and prints its rows without writing any file.
+whose name contains TEXT and prints its rows without writing any file. `--markdown` rewrites
+docs/PLANNER_RESULTS.md from bench/results/planner.json.
 """
 
 from __future__ import annotations
@@ -231,7 +233,8 @@ def markdown(results: dict[str, Any]) -> str:
            "(seconds per iteration) and every plan gives each replica whole samples.", "",
            "## Against what practitioners do by hand", "",
            "Baselines: the best uniform Megatron-LM configuration over its whole grid (tp 1-8 inside a node, every "
-           "pp and dp, every micro-batch size, recompute off/on, ZeRO 0/1, even layer split, 1F1B, nodes in either "
+           "pp and dp, every micro-batch size, recompute off/on, ZeRO 0/1, even layer split, 1F1B and interleaved "
+           "1F1B with every virtual-stage count Megatron accepts, nodes in either "
            "order); the best data-parallel plan (ZeRO 0-3, recompute, every micro-batch size); the best of both on the "
            "fastest GPU type's nodes alone. The planner runs at its defaults (400 evaluations, 30 s). \"runs under\" "
            "names the export formats that run the planner's best plan; where none does, \"runnable s\" is the best "
@@ -326,9 +329,15 @@ def main() -> None:
     parser.add_argument("--only", choices=("suite", "exhaustive", "budget", "guidance"),
                         help="run one table and print its rows; writes nothing")
     parser.add_argument("--cases", default="", help="with --only: the cases whose name contains this text")
+    parser.add_argument("--markdown", action="store_true",
+                        help="rewrite docs/PLANNER_RESULTS.md from bench/results/planner.json; runs nothing")
     parser.add_argument("--record-guidance", action="store_true",
                         help="write the measured guidance classes into the shipped GNN card (`--scorer auto` reads it)")
     args = parser.parse_args()
+    if args.markdown:
+        results = json.loads((Path(__file__).parent / "results" / "planner.json").read_text())
+        (Path(__file__).parents[1] / "docs" / "PLANNER_RESULTS.md").write_text(markdown(results))
+        return
     if args.only:
         _only(args.only, args.cases)
         return

@@ -65,8 +65,8 @@ def run_baselines(sim: Simulator, judge: Judge, *, deadline: float | None = None
                   complete: bool = False) -> dict[str, Baseline]:
     """Every practitioner baseline of this problem, each the best of its family (or why there is none).
 
-    `complete=True` walks every micro-batch size that fits instead of stopping past a series'
-    fastest (the benchmark's reference; the planner's seeds use the quicker walk).
+    `complete=True` walks every micro-batch size that fits and every virtual-stage count instead of
+    stopping past a series' fastest (the benchmark's reference; the planner's seeds use the quicker walk).
     """
     nodes = tuple(range(len(sim.cluster.nodes)))
     out = {"megatron_grid": megatron_grid(sim, judge, nodes, deadline=deadline, complete=complete),
@@ -113,14 +113,17 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
     """The fastest uniform Megatron configuration on `nodes` (module docstring).
 
     1F1B first, every configuration; then interleaving, for the configurations with a pipeline whose
-    1F1B plan fits, most promising first. Unless `complete`, a virtual-stage count is skipped when
-    it cannot beat the best found: interleaving vp ways divides the 1F1B bubble by vp at most, can
-    hide the gradient reduction behind the backward, and makes nothing else faster, so it is no
-    faster than the 1F1B time less (1 - 1/vp) of its bubble and its data-parallel time. The counts
-    are walked down from the largest (the least bubble) until one is slower than the one before
-    (past the optimum, fewer chunks save less point-to-point time than the bubble they add) or fits
-    at no size (the first device holds pp + (pp - 1) / vp stages' activations, more as vp falls).
-    A configuration whose 1F1B plan fits at no size is not interleaved (1F1B holds pp stages')."""
+    1F1B plan fits, most promising first. With `complete`, every count of every configuration.
+    Otherwise a count vp is skipped when it looks unable to beat the best found: at a given
+    micro-batch size, interleaving vp ways divides the 1F1B bubble by vp at most, can hide the
+    gradient reduction behind the backward, and makes nothing else faster, so it is no faster than
+    the 1F1B time less (1 - 1/vp) of its bubble and its data-parallel time; the floor is the least
+    of that over the sizes the 1F1B walk simulated (a heuristic: a larger size it did not reach may
+    go lower). The counts are walked down from the largest (the least bubble) until one is slower
+    than the one before (past the optimum, fewer chunks save less point-to-point time than the
+    bubble they add) or fits at no size (the first device holds pp + (pp - 1) / vp stages'
+    activations, more as vp falls). A configuration whose 1F1B plan fits at no size is not
+    interleaved (1F1B holds pp stages'). Phase 2 runs only on time left after phase 1."""
     cluster = sim.cluster
     gpus = {cluster.nodes[n].gpus for n in nodes}
     tps = [t for t in (1, 2, 4, 8) if t <= min(min(gpus), MAX_TP) and all(g % t == 0 for g in gpus)]
@@ -128,7 +131,7 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
     if len({cluster.nodes[n].device.name for n in nodes}) > 1:
         orders["reversed"] = list(reversed(nodes))
     best: tuple[Candidate, str] | None = None
-    interleavable: list[tuple[float, Report, Iterator[tuple[int, Iterator[tuple[GridPoint, Plan]]]]]] = []
+    interleavable: list[tuple[float, list[Report], Iterator[tuple[int, Iterator[tuple[GridPoint, Plan]]]]]] = []
 
     def keep(found: tuple[Candidate, str] | None) -> None:
         nonlocal best
@@ -146,23 +149,26 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
         for tp in tps:
             for pp in divisors(len(devices) // tp):
                 for by_chunks in _configurations(sim, devices, tp, pp, order_name):
-                    found = _walk(sim, next(by_chunks)[1], judge, "megatron_grid", complete=complete)
+                    fitted: list[Report] = []
+                    found = _walk(sim, next(by_chunks)[1], judge, "megatron_grid", complete=complete, fitted=fitted)
                     keep(found)
                     if complete:
                         for _, series in by_chunks:
                             keep(_walk(sim, series, judge, "megatron_grid", complete=True))
-                    elif found is not None and pp > 1:
-                        counts = _chunk_counts(sim, pp)
-                        interleavable.append((_interleaved_floor_s(found[0].report, counts[-1]), found[0].report,
-                                              by_chunks))
+                    elif fitted and pp > 1:
+                        floor_s = _interleaved_floor_s(fitted, _chunk_counts(sim, pp)[-1])
+                        interleavable.append((floor_s, fitted, by_chunks))
                 if out_of_time():
                     return _grid_result(best, "stopped at its time limit before any configuration fit")
-    for floor_s, one_f_one_b, by_chunks in sorted(interleavable, key=lambda item: item[0]):
-        if floor_s >= best_s() or out_of_time():
+    # phase 2 (quick walk): interleave the most promising first, while time is left
+    for floor_s, fitted, by_chunks in sorted(interleavable, key=lambda item: item[0]):
+        if floor_s >= best_s():
             break
         previous_s = math.inf
         for chunks, series in reversed(list(by_chunks)):  # down the counts until one is slower than the last
-            if _interleaved_floor_s(one_f_one_b, chunks) >= best_s():
+            if out_of_time():
+                return _grid_result(best, "stopped at its time limit before any configuration fit")
+            if _interleaved_floor_s(fitted, chunks) >= best_s():
                 continue
             found = _walk(sim, series, judge, "megatron_grid", complete=False)
             if found is None:  # a smaller count holds more activations: none of them fits
@@ -175,11 +181,12 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
 
 
 def _walk(sim: Simulator, series: Iterable[tuple[GridPoint, Plan]], judge: Judge, source: str, *,
-          complete: bool) -> tuple[Candidate, str] | None:
+          complete: bool, fitted: list[Report] | None = None) -> tuple[Candidate, str] | None:
     """The fastest configuration of a series ordered by micro-batch size: up the sizes until one does
     not fit (memory only grows with the size) or, unless `complete`, is slower than the one before
     (past the optimum: a larger micro-batch trades kernel efficiency for pipeline bubble). None,
-    without simulating, for a series whose model state alone does not fit."""
+    without simulating, for a series whose model state alone does not fit. `fitted` collects the
+    report of every size simulated that fits."""
     points = iter(series)
     first = next(points, None)
     if first is None or certainly_too_big(sim, first[1]):
@@ -188,6 +195,8 @@ def _walk(sim: Simulator, series: Iterable[tuple[GridPoint, Plan]], judge: Judge
     previous = math.inf
     for point, plan in chain([first], points):
         cand = judge(plan, source)
+        if fitted is not None and cand.report.fits:
+            fitted.append(cand.report)
         if not cand.report.fits or (not complete and cand.report.iteration_time_s > previous):
             break
         previous = cand.report.iteration_time_s
@@ -196,10 +205,12 @@ def _walk(sim: Simulator, series: Iterable[tuple[GridPoint, Plan]], judge: Judge
     return best
 
 
-def _interleaved_floor_s(one_f_one_b: Report, chunks: int) -> float:
-    """No plan interleaving a 1F1B plan `chunks` ways is faster than this (`megatron_grid`)."""
-    parts = one_f_one_b.breakdown
-    return one_f_one_b.iteration_time_s - parts.bubble * (1.0 - 1.0 / chunks) - parts.dp_comm
+def _interleaved_floor_s(one_f_one_b: Sequence[Report], chunks: int) -> float:
+    """The least time interleaving `chunks` ways could reach from these 1F1B reports of one
+    configuration at several micro-batch sizes (`megatron_grid`): at each size, the 1F1B time less
+    (1 - 1/chunks) of its bubble and its data-parallel time."""
+    return min(r.iteration_time_s - r.breakdown.bubble * (1.0 - 1.0 / chunks) - r.breakdown.dp_comm
+               for r in one_f_one_b)
 
 
 def _faster(a: Candidate, b: Candidate) -> bool:
