@@ -183,12 +183,12 @@ def main() -> None:
     for name, v in results["testbed"]["variants"].items():
         tau = v["kendall_tau"]
         regret = max(v["first_choice_regret"].values(), default=0.0)
-        print(f"{name:>18s}  MAPE {v['mape']:7.1%}  tau {'-' if tau is None else f'{tau:.2f}':>5s}  "
+        print(f"{name:>18s}  MAPE {v['mape']:7.1%}  tau {'-' if tau is None else f'{tau:.3f}':>5s}  "
               f"worst first-choice regret {regret:.1%}")
     local = results["local_testbed"]
     for name, v in (local or {}).get("variants", {}).items():
         regret = max(v["first_choice_regret"].values(), default=0.0)
-        print(f"testbed {name:>14s}  MAPE {v['mape']:7.1%}  tau {v['kendall_tau']:.2f}  worst first-choice regret "
+        print(f"testbed {name:>14s}  MAPE {v['mape']:7.1%}  tau {v['kendall_tau']:.3f}  worst first-choice regret "
               f"{regret:.1%}")
     m = results["published"]["megatron_core_h100"]
     for r in m["rows"]:

@@ -2,20 +2,27 @@
 
 Each plan (one and two processes: data, tensor and pipeline parallel, micro-batch counts, recompute,
 ZeRO) is exported as a torch program, run for warm-up + timed steps by `tagplan.export.measure`, and
-appended as an `iteration` record to `bench/data/testbed/` (a tagplan-traces/1 bundle that
-`bench/fidelity.py` and `tagplan calibrate` read). Run it on an otherwise idle machine: timings of
-processes sharing cores with other jobs measure the scheduler.
+written as an `iteration` record to a session bundle, `bench/data/testbed/sessions/<time>/`. Run it on
+an otherwise idle machine: timings of processes sharing cores with other jobs measure the scheduler.
 
-Run: `.venv/bin/python bench/testbed.py [--out DIR]` (about 15 minutes on 2 cores).
+One session is not enough on this VM: the same plan's median moves by up to 30-50% from one session
+to the next (other tenants, frequency), more than the differences between many plans. So
+`bench/data/testbed/` (the tagplan-traces/1 bundle that `bench/fidelity.py` and `tagplan calibrate`
+read) holds, per plan, the median of the sessions' medians, rewritten after each session
+(`--merge-only` rewrites it from the sessions kept).
+
+Run: `.venv/bin/python bench/testbed.py [--out DIR] [--merge-only]` (about 6 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 from itertools import product
 from pathlib import Path
 
-from tagplan.datasets.traces.bundle import IterationRecord, Manifest, now_iso, write_bundle
+from tagplan.datasets.traces.bundle import IterationRecord, Manifest, now_iso, read_bundle, write_bundle
 from tagplan.export.checks import ExportError
 from tagplan.export.measure import measure
 from tagplan.frontends.cpu import cpu_cluster
@@ -28,6 +35,7 @@ MODELS = [("gpt?layers=4&hidden=128&heads=4&vocab=512&max_positions=64", 64),
           ("gpt?layers=6&hidden=192&heads=6&vocab=512&max_positions=64", 64),
           ("llama?layers=4&hidden=128&heads=4&kv_heads=2&vocab=512", 64)]
 BATCH = 8
+STEPS, WARMUP = 20, 3  # timed steps (median recorded) after warm-up ones; process start-up and export dominate the run
 
 
 def plans(layers: int) -> list[Plan]:
@@ -47,7 +55,19 @@ def plans(layers: int) -> list[Plan]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(Path(__file__).parent / "data" / "testbed"))
+    parser.add_argument("--merge-only", action="store_true",
+                        help="rewrite the bundle from its sessions; measure nothing")
     args = parser.parse_args()
+    out = Path(args.out)
+    if not args.merge_only:
+        session = out / "sessions" / now_iso().replace(":", "").replace("+0000", "Z")
+        print(f"wrote {measure_session(session)}")
+    sessions = sorted(p for p in (out / "sessions").iterdir() if p.is_dir())
+    print(f"wrote {merge_sessions(sessions, out)} (the median over {len(sessions)} sessions)")
+
+
+def measure_session(directory: Path) -> Path:
+    """Measure every plan once (warm-up, then `STEPS` timed steps) into a session bundle."""
     device = cpu_device_spec(cores=1)
     records = []
     for spec_text, seq in MODELS:
@@ -55,7 +75,7 @@ def main() -> None:
         layers = (spec.blocks or 0) + 2
         for plan in plans(layers):
             try:
-                result = measure(spec, plan, seq_len=seq, global_batch=BATCH, steps=5, warmup=2)
+                result = measure(spec, plan, seq_len=seq, global_batch=BATCH, steps=STEPS, warmup=WARMUP)
             except ExportError as err:  # a plan the program cannot run: say so, measure the rest
                 print(f"{spec_text}: skipped ({str(err).splitlines()[-1][:120]})", flush=True)
                 continue
@@ -68,8 +88,36 @@ def main() -> None:
             print(f"{spec_text:55s} {len(plan.stages)} stages x{len(plan.devices)} m{plan.micro_batches}: "
                   f"{result.median_s * 1e3:.1f} ms", flush=True)
     manifest = Manifest(created=now_iso(), source="bench/testbed.py", fingerprint=fingerprint("cpu"), device=device,
-                        notes=f"{len(records)} plans measured on local gloo processes")
-    print(f"wrote {write_bundle(args.out, manifest, records)} ({len(records)} records)")
+                        notes=f"{len(records)} plans measured on local gloo processes (one session)")
+    return write_bundle(directory, manifest, records)
+
+
+def merge_sessions(sessions: list[Path], out: Path) -> Path:
+    """One record per plan measured in every session: the median of the sessions' medians (its
+    repeats: the steps of all sessions), in the newest session's order."""
+    bundles = [read_bundle(s) for s in sessions]
+    by_plan: dict[tuple[str, str], list[IterationRecord]] = {}
+    for bundle in bundles:
+        for record in bundle.iterations():
+            by_plan.setdefault(_key(record), []).append(record)
+    merged = []
+    for record in bundles[-1].iterations():
+        runs = by_plan[_key(record)]
+        if len(runs) < len(bundles):
+            continue
+        times = sorted(r.measured_s for r in runs)
+        merged.append(record.model_copy(update={
+            "measured_s": statistics.median(times), "repeats": sum(r.repeats for r in runs),
+            "source": f"bench/testbed.py (gloo; median of {len(runs)} sessions' medians: "
+                      + ", ".join(f"{t:.4g}" for t in times) + " s)"}))
+    notes = (f"{len(merged)} plans, each the median of {len(bundles)} sessions' medians "
+             f"({', '.join(s.name for s in sessions)})")
+    manifest = bundles[-1].manifest.model_copy(update={"created": now_iso(), "notes": notes})
+    return write_bundle(out, manifest, merged)
+
+
+def _key(record: IterationRecord) -> tuple[str, str]:
+    return json.dumps(record.model, sort_keys=True), json.dumps(record.plan, sort_keys=True)
 
 
 if __name__ == "__main__":
