@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-BENCH = Path(__file__).parents[2] / "bench"
+from bench_modules import BENCH, load_bench
 
 
 @pytest.fixture(scope="module")
 def amp() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fidelity_amp", BENCH / "fidelity_amp.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("fidelity_amp")
 
 
 def test_every_transcribed_run_is_a_whole_layout_of_16_gpus_and_batch_32() -> None:

@@ -3,18 +3,13 @@ bench/fidelity_nemo.py screens them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).parents[2] / "bench"
+from bench_modules import BENCH, load_bench
 
 
 def test_the_nemo_lora_rows_are_not_scored_as_full_training() -> None:
-    spec = importlib.util.spec_from_file_location("fidelity_nemo", BENCH / "fidelity_nemo.py")
-    assert spec is not None and spec.loader is not None
-    nemo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nemo)
+    nemo = load_bench("fidelity_nemo")
     rows = json.loads((BENCH / "data" / "nemo_performance_summary.json").read_text())["rows"]
     tasks = {r["id"].rsplit("/", 1)[1]: r["config"]["task"] for r in rows if "24.07/Finetuning" in r["id"]}
     assert tasks == {"305": "Finetuning (SFT)", "306": "Finetuning (SFT)", "307": "Finetuning (SFT)",

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
+
+from bench_modules import BENCH, load_bench
 
 from tagplan.datasets.traces.bundle import IterationRecord, Manifest, host_fingerprint, read_bundle, write_bundle
 from tagplan.ir.workload import Workload
-
-BENCH = Path(__file__).parents[2] / "bench"
-
-
-def _testbed() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("testbed", BENCH / "testbed.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _record(micro_batches: int, seconds: float) -> IterationRecord:
@@ -33,7 +23,7 @@ def test_a_merged_plan_takes_the_median_of_the_sessions_and_needs_every_session(
         records = [_record(m, seconds) for m, t in reversed(times.items()) if (seconds := t[index]) is not None]
         write_bundle(directory, Manifest(created="2026-01-01T00:00:00+00:00", source="test",
                                              fingerprint=host_fingerprint("cpu-test")), records)
-    _testbed().merge_sessions(sessions, tmp_path / "merged")
+    load_bench("testbed").merge_sessions(sessions, tmp_path / "merged")
     merged = read_bundle(tmp_path / "merged").iterations()
     assert [(r.plan["micro_batches"], r.measured_s, r.repeats) for r in merged] == [(2, 0.20, 15), (1, 0.12, 15)]
 
@@ -42,7 +32,7 @@ def test_the_committed_testbed_is_the_merge_of_its_committed_sessions(tmp_path: 
     root = BENCH / "data" / "testbed"
     sessions = sorted(p for p in (root / "sessions").iterdir() if p.is_dir())
     assert len(sessions) >= 2
-    _testbed().merge_sessions(sessions, tmp_path)
+    load_bench("testbed").merge_sessions(sessions, tmp_path)
     ours = [(r.model, r.plan, r.measured_s) for r in read_bundle(tmp_path).iterations()]
     assert ours == [(r.model, r.plan, r.measured_s) for r in read_bundle(root).iterations()]
     assert len(ours) >= 40

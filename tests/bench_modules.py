@@ -1,0 +1,19 @@
+"""The benchmark scripts under bench/ as modules, for tests of the data and helpers they hold
+(`from bench_modules import BENCH, load_bench`; tests/ is on the import path, as for search_toys)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+def load_bench(name: str) -> ModuleType:
+    """bench/`name`.py, imported by path (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
