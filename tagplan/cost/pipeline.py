@@ -317,7 +317,7 @@ def _compiled_schedule(num_stages: int, micro_batches: int, schedule: Schedule, 
 
 
 def _compile_schedule(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> _Compiled:
-    compiled = _compile(lane_order(num_stages, micro_batches, schedule, lanes), num_stages, micro_batches)
+    compiled = _compile_builtin(num_stages, micro_batches, schedule, lanes)
     if 2 * num_stages * micro_batches < _LEVELS_MIN_TASKS:
         return compiled
     levels = _levels(compiled)
@@ -354,6 +354,57 @@ def _compile(orders: Sequence[Sequence[TaskKey]], num_stages: int, micro_batches
     fwd_deps = [-1] * M + list(range(S * M - M))
     bwd_deps = [S * M + t for t in range(M, S * M)] + list(range(S * M - M, S * M))
     return _Compiled(S, M, tuple(flat), tuple(fwd_deps + bwd_deps), *_stage_stats(flat, S, M), tuple(stage_lane))
+
+
+def _compile_builtin(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> _Compiled:
+    """`_compile(lane_order(...))` for the built-in schedules, built as task-id arrays (no per-task
+    tuples, no checks: these orders are valid by construction; tests compare the two)."""
+    _check_count("num_stages", num_stages)
+    _check_count("micro_batches", micro_batches)
+    _check_count("lanes", lanes)
+    schedule = Schedule(schedule)
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        valid = num_stages % lanes == 0 and micro_batches % lanes == 0
+    else:
+        valid = lanes == num_stages
+    if not valid:
+        lane_order(num_stages, micro_batches, schedule, lanes)  # raises lane_order's error for this shape
+    S, M = num_stages, micro_batches
+    ids = _lane_ids(S, M, schedule, lanes)
+    orders = tuple(tuple(a.tolist()) for a in ids)
+    peak, last, stage_lane = [0] * S, [0] * S, [0] * S
+    for lane, order in enumerate(ids):
+        stage = (order // M) % S
+        step = np.where(order < S * M, 1, -1)
+        for st in np.unique(stage).tolist():
+            mine = stage == st
+            peak[st] = int(np.cumsum(step[mine]).max())
+            last[st] = int(order[mine][-1])
+            stage_lane[st] = lane
+    fwd_deps = [-1] * M + list(range(S * M - M))
+    bwd_deps = [S * M + t for t in range(M, S * M)] + list(range(S * M - M, S * M))
+    return _Compiled(S, M, orders, tuple(fwd_deps + bwd_deps), tuple(peak), tuple(last), tuple(stage_lane))
+
+
+def _lane_ids(S: int, M: int, schedule: Schedule, lanes: int) -> list[npt.NDArray[np.int64]]:
+    """Per lane, its task ids in `lane_order`'s order (forward (s, m) is s M + m, backward S M + s M + m)."""
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        v, k = S // lanes, np.arange(M * (S // lanes))
+        chunk, mb = (k // lanes) % v, (k // (lanes * v)) * lanes + k % lanes
+        return [_one_f_one_b_ids((chunk * lanes + r) * M + mb, S * M + ((v - 1 - chunk) * lanes + r) * M + mb,
+                                 warmup=min((lanes - r - 1) * 2 + (v - 1) * lanes, M * v)) for r in range(lanes)]
+    m = np.arange(M)
+    if schedule is Schedule.GPIPE:
+        return [np.concatenate([s * M + m, S * M + s * M + m]) for s in range(S)]
+    return [_one_f_one_b_ids(s * M + m, S * M + s * M + m, warmup=min(S - s - 1, M)) for s in range(S)]
+
+
+def _one_f_one_b_ids(fwd: npt.NDArray[np.int64], bwd: npt.NDArray[np.int64], *, warmup: int) -> npt.NDArray[np.int64]:
+    """`_one_f_one_b` on id arrays: `warmup` forwards, then (forward, backward) pairs, then the rest."""
+    pairs = len(fwd) - warmup
+    steady = np.empty(2 * pairs, dtype=np.int64)
+    steady[0::2], steady[1::2] = fwd[warmup:], bwd[:pairs]
+    return np.concatenate([fwd[:warmup], steady, bwd[pairs:]])
 
 
 def _stage_stats(orders: list[tuple[int, ...]], S: int, M: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

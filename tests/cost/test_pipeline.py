@@ -14,6 +14,8 @@ from tagplan.cost.pipeline import (
     Phase,
     PipelineResult,
     StageTiming,
+    _compile,
+    _compile_builtin,
     _compiled_schedule,
     _simulate,
     lane_order,
@@ -390,3 +392,18 @@ def test_the_schedule_cache_keeps_what_its_task_budget_holds_and_drops_the_least
     again = _compiled_schedule(4, 8, GPIPE, 4)
     assert again is not b and again.orders == b.orders  # compiled anew, the same schedule
     assert sum(2 * s * m for s, m, _, _ in pipeline._schedule_cache) <= 2 * 64
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_the_built_in_schedules_compile_to_what_their_lane_orders_compile_to(schedule: Schedule) -> None:
+    """The array-built compilation of a built-in schedule equals compiling its `lane_order` task by task."""
+    shapes = [(1, 1, 1), (2, 1, 2), (4, 3, 4), (4, 9, 4), (7, 16, 7), (8, 8, 2), (12, 8, 4), (16, 32, 4), (6, 6, 3)]
+    for stages, micro_batches, lanes in shapes:
+        if schedule is not Schedule.INTERLEAVED_1F1B:
+            lanes = stages
+        elif stages % lanes or micro_batches % lanes:
+            continue
+        slow = _compile(lane_order(stages, micro_batches, schedule, lanes), stages, micro_batches)
+        assert _compile_builtin(stages, micro_batches, schedule, lanes) == slow, (stages, micro_batches, lanes)
+    with pytest.raises(ValueError, match="multiple of"):
+        _compile_builtin(6, 4, Schedule.INTERLEAVED_1F1B, 4)
