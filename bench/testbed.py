@@ -62,7 +62,9 @@ def main() -> None:
     if not args.merge_only:
         session = out / "sessions" / now_iso().replace(":", "").replace("+0000", "Z")
         print(f"wrote {measure_session(session)}")
-    sessions = sorted(p for p in (out / "sessions").iterdir() if p.is_dir())
+    sessions = sorted(p for p in (out / "sessions").glob("*") if p.is_dir())
+    if not sessions:
+        raise SystemExit(f"{out / 'sessions'}: no measured session to merge (run without --merge-only first)")
     print(f"wrote {merge_sessions(sessions, out)} (the median over {len(sessions)} sessions)")
 
 

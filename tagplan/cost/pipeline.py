@@ -371,19 +371,14 @@ def _compile_builtin(num_stages: int, micro_batches: int, schedule: Schedule, la
         lane_order(num_stages, micro_batches, schedule, lanes)  # raises lane_order's error for this shape
     S, M = num_stages, micro_batches
     ids = _lane_ids(S, M, schedule, lanes)
-    orders = tuple(tuple(a.tolist()) for a in ids)
-    peak, last, stage_lane = [0] * S, [0] * S, [0] * S
+    orders = [tuple(a.tolist()) for a in ids]
+    stage_lane = [0] * S
     for lane, order in enumerate(ids):
-        stage = (order // M) % S
-        step = np.where(order < S * M, 1, -1)
-        for st in np.unique(stage).tolist():
-            mine = stage == st
-            peak[st] = int(np.cumsum(step[mine]).max())
-            last[st] = int(order[mine][-1])
+        for st in np.unique((order // M) % S).tolist():
             stage_lane[st] = lane
     fwd_deps = [-1] * M + list(range(S * M - M))
     bwd_deps = [S * M + t for t in range(M, S * M)] + list(range(S * M - M, S * M))
-    return _Compiled(S, M, orders, tuple(fwd_deps + bwd_deps), tuple(peak), tuple(last), tuple(stage_lane))
+    return _Compiled(S, M, tuple(orders), tuple(fwd_deps + bwd_deps), *_stage_stats(orders, S, M), tuple(stage_lane))
 
 
 def _lane_ids(S: int, M: int, schedule: Schedule, lanes: int) -> list[npt.NDArray[np.int64]]:
