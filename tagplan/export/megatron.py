@@ -9,8 +9,13 @@ layer each); any other split, interleaved chunks included, is written as Megatro
 `--pipeline-model-parallel-layout`. Interleaved plans with the same number of layers in every chunk
 map onto virtual stages (`--num-layers-per-virtual-pipeline-stage`). Recomputation maps to full, uniform recomputation
 of every layer (`--recompute-num-layers 1`: keep each layer's input, as the plan's `recompute`
-means) and ZeRO-1 to the distributed optimizer. Anything else is refused with the reason: GPipe
-(Megatron has only 1F1B schedules), ZeRO-2/3 (not in Megatron-Core's optimizer), recomputation on
+means), ZeRO-1 to the distributed optimizer, and ZeRO-2/3 without pipelining to Megatron FSDP
+(`--use-megatron-fsdp` with `--data-parallel-sharding-strategy optim_grads` / `optim_grads_params`
+and the flags Megatron-Core's Megatron-FSDP user guide requires: `--no-gradient-accumulation-fusion`,
+`--use-distributed-optimizer`, `--ckpt-format fsdp_dtensor`; its launcher leaves
+CUDA_DEVICE_MAX_CONNECTIONS unset, which Megatron asserts under FSDP). Anything else is refused with
+the reason: GPipe (Megatron has only 1F1B schedules), ZeRO-2/3 with pipelining (Megatron FSDP's
+documentation covers TP, EP and CP, not pipeline parallelism), recomputation on
 some stages only (Megatron's `--recompute-num-layers` applies the same count on every stage),
 per-op shardings other than Megatron's, and model families other than GPT, Llama and MoE.
 
@@ -116,6 +121,11 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     return args + reduce_args + _DTYPE_FLAG[model.dtype]
 
 
+def uses_megatron_fsdp(plan: Plan) -> bool:
+    """Whether the plan runs under Megatron FSDP (ZeRO-2/3; `megatron_arguments` has accepted it)."""
+    return any(s.zero >= 2 for s in plan.stages)
+
+
 def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int,
                    model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
                    grad_reduce_overlap: bool = True) -> list[Path]:
@@ -125,7 +135,7 @@ def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch
     out_dir.mkdir(parents=True, exist_ok=True)
     args_path, launch_path = out_dir / "megatron_args.txt", out_dir / "launch.sh"
     args_path.write_text(_one_flag_per_line(args))
-    launch_path.write_text(_launch_script(len(plan.devices)))
+    launch_path.write_text(_launch_script(len(plan.devices), fsdp=uses_megatron_fsdp(plan)))
     launch_path.chmod(0o755)
     return [args_path, launch_path]
 
@@ -150,7 +160,7 @@ def _shape(model: ModelGraph, config: dict[str, Any] | None) -> tuple[str, Trans
 
 def plan_checks(plan: Plan) -> tuple[int, int]:
     """(dp, tp) after every refusal the plan alone decides: one mesh with even shares, the schedule,
-    the rank order, recomputation on all stages or none, one ZeRO stage of at most 1."""
+    the rank order, recomputation on all stages or none, one ZeRO stage (2 and 3 without pipelining)."""
     dp, tp = uniform_mesh(plan, FMT, "Megatron-LM uses one tensor- and data-parallel degree for the whole model")
     pp, _ = _pipeline_depth(plan)
     _check_schedule(plan, pp)
@@ -276,18 +286,27 @@ def _recompute_args(plan: Plan) -> list[str]:
 
 
 def _optimizer_args(plan: Plan, dp: int, *, overlap: bool = True) -> list[str]:
-    """The distributed optimizer for ZeRO-1, and with `overlap` (as costed) and dp > 1 the overlap
-    flags (without them Megatron reduces and gathers after the backward)."""
+    """The distributed optimizer for ZeRO-1, Megatron FSDP for ZeRO-2/3 on one pipeline stage, and with
+    `overlap` (as costed) and dp > 1 the overlap flags (without them Megatron reduces and gathers
+    after the backward)."""
     zeros = {s.zero for s in plan.stages}
     if len(zeros) > 1:
         raise refuse(FMT, f"stages use ZeRO stages {sorted(zeros)}; Megatron-LM has one optimizer for all stages")
     zero = zeros.pop()
-    if zero >= 2:
-        raise refuse(FMT, f"zero={zero}: Megatron-LM's distributed optimizer shards optimizer state only "
-                          "(ZeRO-1); ZeRO-2/3 are not in Megatron-Core's optimizer")
+    pp, _ = _pipeline_depth(plan)
+    if zero >= 2 and pp > 1:
+        raise refuse(FMT, f"zero={zero} with pipeline-model-parallel-size {pp}: Megatron-LM shards gradients and "
+                          "parameters only under Megatron FSDP, whose documentation covers TP, EP and CP but not "
+                          "pipeline parallelism; re-plan with ZeRO-1 (the distributed optimizer) or one stage")
     overlapped = overlap and dp > 1
     args = ["--overlap-grad-reduce"] if overlapped else []
-    if zero == 1:
+    if zero >= 2:
+        strategy = "optim_grads" if zero == 2 else "optim_grads_params"
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy,
+                 "--no-gradient-accumulation-fusion", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+        if overlapped:
+            args.append("--overlap-param-gather")
+    elif zero == 1:
         args.append("--use-distributed-optimizer")
         if overlapped:
             args.append("--overlap-param-gather")
@@ -330,8 +349,10 @@ def _one_flag_per_line(args: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _launch_script(world: int) -> str:
+def _launch_script(world: int, *, fsdp: bool = False) -> str:
     per_node = min(world, 8)
+    connections = ("unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron FSDP asserts it is not 1" if fsdp
+                   else "export CUDA_DEVICE_MAX_CONNECTIONS=1")
     return f"""#!/usr/bin/env bash
 # Runs the plan with Megatron-LM: one torchrun per node, nodes numbered in the cluster SPEC's order
 # (the plan's device d is global rank d). Set MEGATRON_LM to a Megatron-LM checkout; append data,
@@ -341,7 +362,7 @@ HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 GPUS_PER_NODE="${{GPUS_PER_NODE:-{per_node}}}"
 NNODES="${{NNODES:-$(( {world} / GPUS_PER_NODE ))}}"
 DATA_ARGS="${{DATA_ARGS:---mock-data --tokenizer-type NullTokenizer --train-iters 100 --lr 1e-4}}"
-export CUDA_DEVICE_MAX_CONNECTIONS=1
+{connections}
 # shellcheck disable=SC2046,SC2086
 exec torchrun --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "${{NODE_RANK:-0}}" \\
     --master_addr "${{MASTER_ADDR:-localhost}}" --master_port "${{MASTER_PORT:-6000}}" \\

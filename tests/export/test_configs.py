@@ -132,7 +132,7 @@ def test_model_config_comes_from_the_spec() -> None:
 
 @pytest.mark.parametrize(("change", "match"), [
     (lambda p: p.model_copy(update={"schedule": Schedule.GPIPE}), r"schedule 'gpipe' has no Megatron-LM equivalent"),
-    (lambda p: all_stages(p, zero=3), r"zero=3: .*ZeRO-2/3 are not in Megatron-Core"),
+    (lambda p: all_stages(p, zero=3), r"zero=3 with pipeline-model-parallel-size 8: .*Megatron FSDP"),
     (lambda p: with_stage(p, 2, zero=1), r"stages use ZeRO stages \[0, 1\]"),
     (lambda p: with_stage(p, 3, tp=4, dp=2), r"stages\[3\]\.tp = 4 but stages\[0\]\.tp = 8"),
     (lambda p: with_stage(p, 1, recompute=True), r"stages \[1\] recompute but stages \[0, 2, .*same count on every"),
@@ -143,6 +143,24 @@ def test_megatron_refuses_what_it_cannot_express(gpt3: ModelGraph, change: Any, 
     plan = change(pipeline([12] * 8, tp=8))
     with pytest.raises(ExportError, match=match):
         megatron_arguments(gpt3, plan, global_batch=64, seq_len=2048)
+
+
+@pytest.mark.parametrize(("zero", "strategy"), [(2, "optim_grads"), (3, "optim_grads_params")])
+def test_megatron_runs_zero_2_and_3_on_one_stage_under_megatron_fsdp(gpt3: ModelGraph, tmp_path: Path, zero: int,
+                                                                     strategy: str) -> None:
+    plan = pipeline([96], tp=8, dp=4, micro_batches=4, zero=zero)
+    args = megatron_arguments(gpt3, plan, global_batch=64, seq_len=2048)
+    text = " ".join(args)
+    assert f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}" in text
+    for flag in ("--no-gradient-accumulation-fusion", "--use-distributed-optimizer", "--ckpt-format fsdp_dtensor",
+                 "--overlap-grad-reduce", "--overlap-param-gather"):
+        assert flag in text
+    zero1 = " ".join(megatron_arguments(gpt3, all_stages(plan, zero=1), global_batch=64, seq_len=2048))
+    assert "--use-megatron-fsdp" not in zero1 and "--ckpt-format" not in zero1
+    launch = export("gpt3-175b", plan, tmp_path, fmt="megatron", seq_len=None, global_batch=64,
+                    cluster=load_cluster("dgx-a100-80gb:nodes=4"))[1].read_text()
+    # Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS != 1 under FSDP; the ZeRO-1 launcher sets it to 1
+    assert "unset CUDA_DEVICE_MAX_CONNECTIONS" in launch and "CUDA_DEVICE_MAX_CONNECTIONS=1" not in launch
 
 
 def test_megatron_refuses_uneven_shares_and_writes_any_split_as_a_layout(gpt3: ModelGraph) -> None:
@@ -255,6 +273,7 @@ def test_export_megatron_writes_the_arguments_and_a_launcher(tmp_path: Path) -> 
     assert "--recompute-num-layers 1" in lines
     launch = paths[1].read_text()
     assert "pretrain_gpt.py" in launch and "$(cat \"$HERE/megatron_args.txt\")" in launch
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in launch
     assert os.access(paths[1], os.X_OK)
 
 
