@@ -145,6 +145,9 @@ class Calibration(Record):
                                                      description="per device type (or *): s per stage per micro-batch")
     iteration_overhead_s: dict[str, float] = Field(default_factory=dict, description="per device type (or *): s")
     p2p_overhead_s: dict[str, float] = Field(default_factory=dict, description="per device type (or *): s per send")
+    collective_overhead_s: dict[str, float] = Field(
+        default_factory=dict, description="per device type (or *): s per collective call (every rank must enter "
+        "it before any leaves: the synchronisation a pipeline send, which only waits for its data, does not pay)")
     recompute_overhead_s: dict[str, float] = Field(
         default_factory=dict, description="per device type (or *): s per recomputed layer per micro-batch (the "
         "checkpoint call's own cost: stashing and restoring RNG state, re-entering autograd)")
@@ -177,7 +180,7 @@ class Calibration(Record):
 
     def overhead_s(self, name: str, device: str) -> float:
         """Fitted overhead `name` (micro_batch_overhead_s, iteration_overhead_s, p2p_overhead_s,
-        recompute_overhead_s) on `device`:
+        collective_overhead_s, recompute_overhead_s) on `device`:
         its own figure, else the any-device one, else 0. Keyed by device type, so a calibration
         measured on one type never changes plans on another."""
         table: dict[str, float] = getattr(self, name)

@@ -42,8 +42,8 @@ no latency; its times are comparable only with each other, never with topology-m
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from itertools import pairwise
 
@@ -295,9 +295,14 @@ class CommModel:
     first call for a group every further call is O(1) arithmetic (plus hashing the key).
     """
 
-    def __init__(self, cluster: Cluster, mode: CommMode = CommMode.TOPOLOGY) -> None:
+    def __init__(self, cluster: Cluster, mode: CommMode = CommMode.TOPOLOGY,
+                 collective_overhead_s: Callable[[str], float] | None = None) -> None:
+        """`collective_overhead_s(device type)`: seconds every collective call on a group with that
+        type pays once, whatever its size (a fitted calibration's; the group pays its largest)."""
         self.cluster = cluster
         self.mode = CommMode(mode)
+        self._overhead_of = collective_overhead_s
+        self._overheads: dict[tuple[int, ...], float] = {}
         self.memo: dict[tuple[int, ...], GroupTopology] = {}
         self.pair_memo: dict[tuple[tuple[int, ...], tuple[int, ...]], PairPlan] = {}
 
@@ -316,7 +321,19 @@ class CommModel:
         topo = self.topology(devices)
         if self.mode is CommMode.BYTES_ONLY and topo.size > 1 and nbytes > 0:
             return bytes_only_cost(kind, topo.size, nbytes)
-        return collective_cost(kind, topo, nbytes)
+        cost = collective_cost(kind, topo, nbytes)
+        if self._overhead_of is None or topo.size < 2 or nbytes == 0:
+            return cost
+        return replace(cost, time_s=cost.time_s + self._group_overhead_s(tuple(devices)))
+
+    def _group_overhead_s(self, devices: tuple[int, ...]) -> float:
+        """The largest collective overhead among the group's device types (memoised per group)."""
+        hit = self._overheads.get(devices)
+        if hit is None:
+            assert self._overhead_of is not None
+            names = {self.cluster.devices[d].spec.name for d in devices}
+            hit = self._overheads[devices] = max(self._overhead_of(name) for name in names)
+        return hit
 
     def p2p(self, src: int, dst: int, nbytes: float) -> CommCost:
         """Time (s) to send `nbytes` bytes from device `src` to `dst`: latency + nbytes / bandwidth."""

@@ -74,7 +74,10 @@ class Simulator:
         self.model, self.cluster, self.workload = model, cluster, workload
         self.calibration, self.comm_mode = calibration, comm_mode
         self.reduce_overlap = reduce_overlap
-        self.comm = CommModel(calibrated_cluster(cluster, calibration), comm_mode)  # measured links, if any
+        self.comm = CommModel(calibrated_cluster(cluster, calibration), comm_mode,  # measured links, if any
+                              collective_overhead_s=(lambda device: calibration.overhead_s("collective_overhead_s",
+                                                                                           device))
+                              if calibration.collective_overhead_s else None)
         self.coster = StageCoster(model, cluster, workload, calibration, self.comm, fold=fold)
         self._dp_sync_memo: dict[tuple[tuple[int, ...], int, int, float, int], tuple[float, float]] = {}
         self._model_flops = sum(model_flops(model.block_of(i)) for i in range(len(model.layers)))

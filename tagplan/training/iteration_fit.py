@@ -4,7 +4,9 @@ The parameters (`cost.calibration.Calibration`; the defaults are the datasheet m
 
 - per device type an achieved-compute scale (compute time x scale);
 - per link class (`DEVICE/intra`, `DEVICE/inter`) an achieved-bandwidth scale and an added latency per step;
-- a fixed overhead per stage per micro-batch, one per iteration, one per pipeline send;
+- a fixed overhead per stage per micro-batch, one per iteration, one per pipeline send, one per
+  collective call (the ranks' synchronisation, which a send does not pay: without it the link latency
+  that gloo's collectives need also slowed every pipeline send);
 - an optimizer-step scale.
 
 All but the compute scales are filed under the one device type the records ran on (`*` when
@@ -150,7 +152,8 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
         params += [Param(f"bandwidth_scale/{key}/{scope}", True, max_value=BANDWIDTH_SCALE_MAX),
                    Param(f"latency_s/{key}/{scope}", False)]
     return [*params, Param(f"micro_batch_overhead_s/{key}", False), Param(f"iteration_overhead_s/{key}", False),
-            Param(f"p2p_overhead_s/{key}", False), Param(f"recompute_overhead_s/{key}", False),
+            Param(f"p2p_overhead_s/{key}", False), Param(f"collective_overhead_s/{key}", False),
+            Param(f"recompute_overhead_s/{key}", False),
             Param(f"optimizer_scale/{key}", True)]
 
 

@@ -123,3 +123,34 @@ def test_fit_recovers_the_recompute_overhead() -> None:
     assert values[f"recompute_overhead_s/{A100}"] == pytest.approx(fitted.recompute_overhead_s[A100])
     assert fitted.recompute_overhead_s[A100] == pytest.approx(2e-3, rel=0.35)
     assert f"recompute_overhead_s/{A100}" not in fit_parameters(plain, DEFAULT_CALIBRATION)[1]  # unseen: not fitted
+
+
+def test_collectives_pay_the_collective_overhead_and_pipeline_sends_do_not() -> None:
+    model = load_model("llama?layers=4&hidden=512&heads=8&kv_heads=8&vocab=4096", seq_len=WORKLOAD.seq_len)
+    cluster = load_cluster(CLUSTER)
+    sim = Simulator(model, cluster, WORKLOAD)
+    synced = DEFAULT_CALIBRATION.model_copy(update={"collective_overhead_s": {A100: 5e-3}})
+    pipeline = megatron_plan(sim, tp=1, pp=2).plan
+    tensor = megatron_plan(sim, tp=2, pp=1).plan
+    assert pipeline is not None and tensor is not None
+    pipeline = pipeline.model_copy(update={"micro_batches": 4, "stages": tuple(  # one device per stage: sends only
+        s.model_copy(update={"devices": s.devices[:1], "dp": 1, "zero": 0}) for s in pipeline.stages)})
+    tensor = tensor.model_copy(update={"stages": tuple(
+        s.model_copy(update={"devices": s.devices[:2], "dp": 1, "zero": 0}) for s in tensor.stages)})
+    before, after = (Simulator(model, cluster, WORKLOAD, calibration=c) for c in (DEFAULT_CALIBRATION, synced))
+    assert after.simulate(pipeline).iteration_time_s == pytest.approx(before.simulate(pipeline).iteration_time_s)
+    calls = 2 * 4  # at least the two all-reduces per block forward (attention and MLP outputs), 4 blocks
+    assert after.simulate(tensor).iteration_time_s - before.simulate(tensor).iteration_time_s >= calls * 5e-3
+    other = DEFAULT_CALIBRATION.model_copy(update={"collective_overhead_s": {"V100-SXM2-16GB": 5e-3}})
+    assert Simulator(model, cluster, WORKLOAD, calibration=other).simulate(tensor).iteration_time_s == pytest.approx(
+        before.simulate(tensor).iteration_time_s)  # keyed by device type: another type's overhead changes nothing
+
+
+@pytest.mark.slow
+def test_fit_tells_the_collective_overhead_from_the_link_latency() -> None:
+    """Records made with 2 ms per collective call: the fit puts it on the collectives, not on the
+    link latency that pipeline sends pay too."""
+    fitted, values = fit_parameters(cases(TRUTH.model_copy(update={"collective_overhead_s": {A100: 2e-3}})),
+                                    DEFAULT_CALIBRATION)
+    assert fitted.collective_overhead_s[A100] == pytest.approx(2e-3, rel=0.35)
+    assert values.get(f"latency_s/{A100}/intra", 0.0) < 5e-4
