@@ -150,6 +150,7 @@ def _regret(cases: list[IterationCase], calibration: Calibration) -> dict[str, f
 def _parameters(c: Calibration) -> dict[str, Any]:
     return {"compute_scale": c.compute_scale, "micro_batch_overhead_s": c.micro_batch_overhead_s,
             "link_scales": {k: v.model_dump() for k, v in c.link_scales.items()}, "p2p_overhead_s": c.p2p_overhead_s,
+            "collective_overhead_s": c.collective_overhead_s, "recompute_overhead_s": c.recompute_overhead_s,
             "iteration_overhead_s": c.iteration_overhead_s, "optimizer_scale": c.optimizer_scale,
             "layer_profiles": len(c.layers)}
 

@@ -17,8 +17,9 @@ in the same JSON shape and it replaces them.
 Named physical parameters fitted from measured iterations (`tagplan calibrate`; defaults keep the
 datasheet model: scales 1, overheads 0): an achieved-compute scale per device type (compute time
 x scale), per link class an achieved-bandwidth scale and an added latency per step, a fixed
-overhead per stage per micro-batch, per iteration, per pipeline send and per recomputed layer and
-micro-batch, and an optimizer-step scale. Measured layer times (`LayerTime`) replace the op model
+overhead per stage per micro-batch, per iteration, per pipeline send, per collective call (the
+ranks' synchronisation, which a send does not pay) and per recomputed layer and micro-batch, and an
+optimizer-step scale. Measured layer times (`LayerTime`) replace the op model
 for the blocks they cover.
 """
 

@@ -298,7 +298,8 @@ class CommModel:
     def __init__(self, cluster: Cluster, mode: CommMode = CommMode.TOPOLOGY,
                  collective_overhead_s: Callable[[str], float] | None = None) -> None:
         """`collective_overhead_s(device type)`: seconds every collective call on a group with that
-        type pays once, whatever its size (a fitted calibration's; the group pays its largest)."""
+        type pays once, whatever its size (a fitted calibration's; the group pays its largest; not in
+        the BYTES_ONLY comparison mode, which costs bytes alone)."""
         self.cluster = cluster
         self.mode = CommMode(mode)
         self._overhead_of = collective_overhead_s
@@ -322,15 +323,18 @@ class CommModel:
         if self.mode is CommMode.BYTES_ONLY and topo.size > 1 and nbytes > 0:
             return bytes_only_cost(kind, topo.size, nbytes)
         cost = collective_cost(kind, topo, nbytes)
-        if self._overhead_of is None or topo.size < 2 or nbytes == 0:
+        if topo.size < 2 or nbytes == 0:
             return cost
-        return replace(cost, time_s=cost.time_s + self._group_overhead_s(tuple(devices)))
+        overhead_s = self.collective_overhead_s(tuple(devices))
+        return replace(cost, time_s=cost.time_s + overhead_s) if overhead_s else cost
 
-    def _group_overhead_s(self, devices: tuple[int, ...]) -> float:
-        """The largest collective overhead among the group's device types (memoised per group)."""
+    def collective_overhead_s(self, devices: tuple[int, ...]) -> float:
+        """Seconds each collective call on `devices` pays beyond its transfers: the largest overhead
+        among the group's device types (0 without a fitted one; memoised per group)."""
+        if self._overhead_of is None:
+            return 0.0
         hit = self._overheads.get(devices)
         if hit is None:
-            assert self._overhead_of is not None
             names = {self.cluster.devices[d].spec.name for d in devices}
             hit = self._overheads[devices] = max(self._overhead_of(name) for name in names)
         return hit

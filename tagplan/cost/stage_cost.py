@@ -277,7 +277,8 @@ class StageCoster:
         return hit
 
     def link_class(self, group: tuple[int, ...]) -> tuple[object, ...]:
-        """What a collective's time depends on: size, node spread and the group's link figures."""
+        """What a collective's time depends on: size, node spread, the group's link figures and its
+        fitted per-call overhead (which depends on its device types)."""
         hit = self.class_memo.get(group)
         if hit is None:
             hit = self.class_memo[group] = self._link_class(group)
@@ -287,7 +288,7 @@ class StageCoster:
         topo = self.comm.topology(group)
         return (topo.size, topo.num_nodes, topo.k, topo.k_min, topo.ring_bandwidth_Bps, topo.ring_latency_s,
                 topo.slowest_intra_bandwidth_Bps, topo.slowest_intra_latency_s, topo.inter_bandwidth_Bps,
-                topo.inter_latency_s, topo.alltoall_intra_s_per_B)
+                topo.inter_latency_s, topo.alltoall_intra_s_per_B, self.comm.collective_overhead_s(group))
 
     def per_iteration_tp_s(self, stage: Stage) -> float:
         """Seconds of once-per-iteration TP collectives (weight gradients of token-split matmuls)."""

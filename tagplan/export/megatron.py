@@ -298,7 +298,9 @@ def _optimizer_args(plan: Plan, dp: int, *, overlap: bool = True) -> list[str]:
         raise refuse(FMT, f"zero={zero} with pipeline-model-parallel-size {pp}: Megatron-LM shards gradients and "
                           "parameters only under Megatron FSDP, whose documentation covers TP, EP and CP but not "
                           "pipeline parallelism; re-plan with ZeRO-1 (the distributed optimizer) or one stage")
-    overlapped = overlap and dp > 1
+    # ZeRO-3 always overlaps: the simulator costs its per-layer gathers prefetched under compute
+    # whatever `overlap` says (as DeepSpeed's `overlap_comm`)
+    overlapped = (overlap or zero >= 3) and dp > 1
     args = ["--overlap-grad-reduce"] if overlapped else []
     if zero >= 2:
         strategy = "optim_grads" if zero == 2 else "optim_grads_params"
@@ -335,8 +337,8 @@ def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = N
     dp = plan.stages[0].dp
     written = reduce_dtype_args(dtype, grad_reduce_dtype)
     written += [a for a in _optimizer_args(plan, dp, overlap=grad_reduce_overlap) if a.startswith("--overlap")]
-    return GradReduce(dtype=grad_reduce_dtype or _REDUCE_DEFAULT[dtype],
-                      overlap=grad_reduce_overlap if dp > 1 else None, written=tuple(written))
+    overlap = (grad_reduce_overlap or any(s.zero >= 3 for s in plan.stages)) if dp > 1 else None
+    return GradReduce(dtype=grad_reduce_dtype or _REDUCE_DEFAULT[dtype], overlap=overlap, written=tuple(written))
 
 
 def _one_flag_per_line(args: list[str]) -> str:

@@ -311,3 +311,14 @@ def test_refusals_are_one_class_and_the_checks_import_no_other_export_module() -
     imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [m for m in imported if m.startswith("tagplan.export")], imported
+
+
+def test_megatron_fsdp_zero3_always_overlaps_its_gathers(gpt3: ModelGraph) -> None:
+    """The simulator costs ZeRO-3's per-layer gathers prefetched under compute whatever the reduction
+    overlap says, so the export overlaps them too (as DeepSpeed's overlap_comm); ZeRO-2 follows the setting."""
+    plan = pipeline([96], tp=8, dp=4, micro_batches=4, zero=3)
+    args = megatron_arguments(gpt3, plan, global_batch=64, seq_len=2048, grad_reduce_overlap=False)
+    assert "--overlap-param-gather" in args and "--overlap-grad-reduce" in args
+    zero2 = megatron_arguments(gpt3, all_stages(plan, zero=2), global_batch=64, seq_len=2048,
+                               grad_reduce_overlap=False)
+    assert "--overlap-param-gather" not in zero2 and "--overlap-grad-reduce" not in zero2

@@ -154,3 +154,21 @@ def test_fit_tells_the_collective_overhead_from_the_link_latency() -> None:
                                     DEFAULT_CALIBRATION)
     assert fitted.collective_overhead_s[A100] == pytest.approx(2e-3, rel=0.35)
     assert values.get(f"latency_s/{A100}/intra", 0.0) < 5e-4
+
+
+def test_equal_links_with_other_device_types_do_not_share_a_collective_overhead() -> None:
+    """Tensor-parallel times are memoised per link class; the overhead of the group's device type is part of it."""
+    model = load_model("llama?layers=4&hidden=512&heads=8&kv_heads=8&vocab=4096", seq_len=WORKLOAD.seq_len)
+    cluster = load_cluster("dgx-a100-80gb+dgx-a100-80gb:gpu=A100-SXM-40GB")
+    sim = Simulator(model, cluster, WORKLOAD)
+    plan = megatron_plan(sim, tp=8, pp=1).plan
+    assert plan is not None
+    on = [plan.model_copy(update={"stages": tuple(s.model_copy(update={"devices": tuple(range(8 * n, 8 * n + 8)),
+                                                                     "dp": 1, "zero": 0}) for s in plan.stages)})
+          for n in (0, 1)]
+    synced = DEFAULT_CALIBRATION.model_copy(update={"collective_overhead_s": {"A100-SXM-40GB": 5e-3}})
+    fresh = Simulator(model, cluster, WORKLOAD, calibration=synced).simulate(on[1]).iteration_time_s
+    shared = Simulator(model, cluster, WORKLOAD, calibration=synced)
+    shared.simulate(on[0])  # the 80 GB node first: its groups have the same link figures, no overhead
+    assert shared.simulate(on[1]).iteration_time_s == pytest.approx(fresh)
+    assert fresh > Simulator(model, cluster, WORKLOAD).simulate(on[1]).iteration_time_s + 8 * 5e-3
