@@ -391,7 +391,9 @@ def _lane_ids(S: int, M: int, schedule: Schedule, lanes: int) -> list[npt.NDArra
     m = np.arange(M)
     if schedule is Schedule.GPIPE:
         return [np.concatenate([s * M + m, S * M + s * M + m]) for s in range(S)]
-    return [_one_f_one_b_ids(s * M + m, S * M + s * M + m, warmup=min(S - s - 1, M)) for s in range(S)]
+    if schedule is Schedule.ONE_F_ONE_B:
+        return [_one_f_one_b_ids(s * M + m, S * M + s * M + m, warmup=min(S - s - 1, M)) for s in range(S)]
+    raise ValueError(f"schedule {schedule.value!r} has no array-built order; add it here as in `lane_order`")
 
 
 def _one_f_one_b_ids(fwd: npt.NDArray[np.int64], bwd: npt.NDArray[np.int64], *, warmup: int) -> npt.NDArray[np.int64]:

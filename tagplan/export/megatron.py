@@ -333,12 +333,18 @@ def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = N
                 grad_reduce_overlap: bool = True) -> GradReduce:
     """How the exported run reduces gradients (`plan` already accepted by `plan_checks`, `dtype` the
     training dtype): the flags `megatron_arguments` writes for it. Megatron runs either setting as
-    costed, so there are no notes; ExportError for a reduction dtype it has no flag for."""
+    costed, except ZeRO-3 costed without overlap: its gathers must overlap (`_optimizer_args`), and
+    the reduction then overlaps too (noted: faster than costed). ExportError for a reduction dtype
+    it has no flag for."""
     dp = plan.stages[0].dp
     written = reduce_dtype_args(dtype, grad_reduce_dtype)
     written += [a for a in _optimizer_args(plan, dp, overlap=grad_reduce_overlap) if a.startswith("--overlap")]
-    overlap = (grad_reduce_overlap or any(s.zero >= 3 for s in plan.stages)) if dp > 1 else None
-    return GradReduce(dtype=grad_reduce_dtype or _REDUCE_DEFAULT[dtype], overlap=overlap, written=tuple(written))
+    overlap = "--overlap-grad-reduce" in written if dp > 1 else None
+    notes = (("ZeRO-3 under Megatron FSDP overlaps its parameter gathers (costed so whatever the setting), and "
+              "with them the gradient reduction, which was costed after the backward: the run reduces faster "
+              "than predicted",) if overlap and not grad_reduce_overlap else ())
+    return GradReduce(dtype=grad_reduce_dtype or _REDUCE_DEFAULT[dtype], overlap=overlap, written=tuple(written),
+                      notes=notes)
 
 
 def _one_flag_per_line(args: list[str]) -> str:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import pytest
 from bench_modules import BENCH, load_bench
 
 from tagplan.datasets.traces.bundle import IterationRecord, Manifest, host_fingerprint, read_bundle, write_bundle
@@ -36,3 +38,9 @@ def test_the_committed_testbed_is_the_merge_of_its_committed_sessions(tmp_path: 
     ours = [(r.model, r.plan, r.measured_s) for r in read_bundle(tmp_path).iterations()]
     assert ours == [(r.model, r.plan, r.measured_s) for r in read_bundle(root).iterations()]
     assert len(ours) >= 40
+
+
+def test_merging_without_a_measured_session_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["testbed.py", "--out", str(tmp_path), "--merge-only"])
+    with pytest.raises(SystemExit, match="no measured session to merge"):
+        load_bench("testbed").main()
