@@ -54,7 +54,7 @@ def test_predict_scores_many_plans_in_one_forward() -> None:
     torch.manual_seed(0)
     sp = space()
     net = Counting()
-    scorer = GNNScorer(net)
+    scorer = GNNScorer(net, folded=False)  # the model's own forward pass, whose calls `Counting` sees
     root = sp.on_every_node()
     plans = [sp.to_plan(sp.complete(sp.step(root, a))) for a in sp.actions(root)]
     log_ratio, fit = scorer.predict(sp.sim.model, sp.sim.cluster, WORKLOAD, plans)
@@ -71,7 +71,7 @@ def test_prior_scores_every_action_in_one_batch_and_caches() -> None:
     torch.manual_seed(1)
     sp = space()
     net = Counting()
-    prior = GNNPrior(sp, GNNScorer(net), fields=None)
+    prior = GNNPrior(sp, GNNScorer(net, folded=False), fields=None)
     root = sp.on_every_node()
     actions = sp.actions(root)
     scores = prior(root, actions)
@@ -85,7 +85,7 @@ def test_prior_scores_every_action_in_one_batch_and_caches() -> None:
 
 def test_prior_and_evaluator_follow_the_definitions() -> None:
     sp = space()
-    scorer = GNNScorer(Constant(hidden=8, layers=1, heads=1))
+    scorer = GNNScorer(Constant(hidden=8, layers=1, heads=1), folded=False)
     root = sp.on_every_node()
     actions = sp.actions(root)
     fit = 1 / (1 + math.exp(3.0))
@@ -142,7 +142,8 @@ def test_the_prior_keeps_a_uniform_share_and_scores_only_the_pipeline_shape() ->
         pytest.fail("the decision process ended before any decision the prior leaves alone")
     net = Counting()
     rest = sp.actions(later)
-    assert GNNPrior(sp, GNNScorer(net))(later, rest) == [1.0] * len(rest) and net.calls == []  # no forward pass
+    prior = GNNPrior(sp, GNNScorer(net, folded=False))
+    assert prior(later, rest) == [1.0] * len(rest) and net.calls == []  # no forward pass
     with pytest.raises(ValueError, match="uniform_mix"):
         GNNPrior(sp, ByStages(), uniform_mix=1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="after_visits"):
