@@ -3,7 +3,7 @@
 Prints tables and writes bench/results/gnn.json. Run: `.venv/bin/python bench/gnn.py`.
 - Accuracy: the shipped checkpoint on freshly generated sets of held-out families (t5, cnn) and
   held-out GPU types (H200, L4, MI300X): Kendall tau within instance groups and MAPE of time.
-- Guidance (`--only guidance` recomputes just this table): one search of the full budget per prior
+- Guidance (`--only guidance` recomputes just this table, `--only throughput` the throughput): one search of the full budget per prior
   (uniform, GNN as `--scorer gnn` builds it), the simulator as evaluator;
   the evaluations each needs before its best plan is within 1% of the uniform search's best at
   the full budget (MCTS is anytime: the best after k evaluations is what a budget of k returns,
@@ -133,13 +133,19 @@ def throughput(scorer: GNNScorer) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=("guidance",),
-                        help="recompute the guidance table only and merge it into the existing results file")
+    parser.add_argument("--only", choices=("guidance", "throughput"),
+                        help="recompute one part only and merge it into the existing results file")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, card = load_checkpoint(PACKAGED_CHECKPOINT)
     scorer = GNNScorer(model)
     out = Path(__file__).parent / "results" / "gnn.json"
+    if args.only == "throughput":
+        tput = throughput(scorer)
+        print(f"throughput: {tput:.1f} candidates/s (batched, 1 thread)")
+        out.write_text(json.dumps({**json.loads(out.read_text()), "candidates_per_s": tput}, indent=2, default=str))
+        print(f"wrote {out}")
+        return
     if args.only:
         rows = [evaluations_needed(case, scorer) for case in GUIDANCE_CASES]
         for row in rows:

@@ -103,15 +103,20 @@ gets about 1/e of its weight. Plans of one search mostly differ by percents, so 
 
 GUIDED_DECISIONS: frozenset[str] = frozenset({"nodes", "stages", "groups"})
 """The decisions the learned prior scores: the pipeline's shape (which nodes, how many stages, which
-devices each stage gets). A forward pass over the joint graph costs 5-15 ms per candidate on a CPU
-core, several simulations' worth (bench/planner.py, guidance), so the prior is spent where one
-choice settles a whole region of plans and a handful of calls serve a search; the later decisions
-(tensor-parallel degrees, layer boundaries, micro-batches, memory) are left to the evaluations,
-which compare their plans exactly."""
+devices each stage gets). A prior call over two or three candidates (featurizing, folding, the fused
+forward pass) costs 5-15 ms on a CPU core, several simulations' worth (bench/planner.py, guidance),
+so the prior is spent where one choice settles a whole region of plans and a handful of calls serve
+a search; the later decisions (tensor-parallel degrees, layer boundaries, micro-batches, memory) are
+left to the evaluations, which compare their plans exactly. Scoring the tensor-parallel degrees too
+cut the evaluations of the first five guidance cases (e.g. 195 to 99, 687 to 469) but not their
+wall-clock (geometric mean 0.97x against 1.42x without)."""
 
-PRIOR_AFTER_VISITS = 2
-"""The search asks the GNN prior about a node once the node has this many visits (`mcts.DeferredPrior`):
-when it must choose a second child. Most shape nodes are visited once; they cost no forward pass."""
+PRIOR_AFTER_VISITS = 3
+"""The search asks the GNN prior about a node once the node has this many visits (`mcts.DeferredPrior`).
+Most shape nodes are visited once or twice; they cost no forward pass. Chosen on the first five
+guidance cases of bench/planner.py with the folded, fused forward pass: 1, 2, 3, 4 and 6 tried;
+from 3 up the searches reach the best known plan in the same evaluations (507, 80, 687, 195, 460),
+and at 2 the RTX 4090 case needs 545 instead of 195."""
 
 UNIFORM_MIX = 0.5
 """The share of every scored prior that is uniform: P = (1 - mix) P_gnn + mix / n. The prior rates

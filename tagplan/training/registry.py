@@ -161,13 +161,21 @@ def prior_factory(scorer: Scorer, registry: Registry, devices: int, *,
         raise SpecError(f"scorer gnn: {err}") from None
 
 
+AUTO_WORST_SPEEDUP = 1 / 1.2
+"""`--scorer auto` may be at most 20% slower than `--scorer simulator` on any measured case of a class
+it guides (the issue's bound): a class whose gain is a geometric mean over big wins and small losses
+stays unguided when one of its cases loses more than that."""
+
+
 def guidance_pays(registry: Registry, devices: int, *, heterogeneous: bool) -> bool:
     """Whether the active checkpoint's card records that GNN guidance reached a plan within 1% of the
-    best known in less search wall-clock than the uniform prior, on problems of this class.
+    best known in less search wall-clock than the uniform prior, on problems of this class, and on
+    none of them more than 20% slower (`AUTO_WORST_SPEEDUP`).
 
     The card's `guidance` list holds what `bench/planner.py` measured: entries
-    `{"heterogeneous": bool, "max_devices": int, "speedup": float}` (uniform seconds / GNN seconds,
-    geometric mean over the class). No entry, no GNN: `--scorer auto` is then the uniform prior.
+    `{"heterogeneous": bool, "max_devices": int, "speedup": float, "worst": float}` (uniform seconds /
+    GNN seconds: the geometric mean over the class and its worst case). No entry, no GNN: `--scorer
+    auto` is then the uniform prior.
     """
     path = registry.checkpoint()
     if path is None:
@@ -178,7 +186,8 @@ def guidance_pays(registry: Registry, devices: int, *, heterogeneous: bool) -> b
     except (OSError, ValueError):
         return False
     return any(entry.get("heterogeneous") == heterogeneous and devices <= entry.get("max_devices", 0)
-               and entry.get("speedup", 0.0) > 1.0 for entry in card.get("guidance", []))
+               and (entry.get("speedup") or 0.0) > 1.0 and (entry.get("worst") or 0.0) >= AUTO_WORST_SPEEDUP
+               for entry in card.get("guidance", []))
 
 
 def gnn_prior_factory(registry: Registry, devices: int, *, required: bool = False) -> Callable[[Any], Any] | None:

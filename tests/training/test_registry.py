@@ -86,3 +86,17 @@ def test_a_correction_applies_only_to_measured_device_types(tmp_path) -> None:
     plan = space.to_plan(space.complete(PlanState()))
     assert v100.predict_s([plan])[0] > 0
     assert correction(registry, model, load_cluster("dgx-a100-80gb"), workload, calibration=DEFAULT_CALIBRATION) is None
+
+
+def test_auto_guides_only_a_class_whose_card_records_a_gain_and_no_case_20_percent_slower(tmp_path: Path) -> None:
+    from tagplan.training.registry import PACKAGED_CHECKPOINT, guidance_pays
+
+    reg = Registry(tmp_path / "registry")
+    entry = {"heterogeneous": True, "max_devices": 64, "speedup": 1.3, "worst": 0.9, "cases": 5}
+    reg.register(PACKAGED_CHECKPOINT, {"guidance": [entry]})
+    assert guidance_pays(reg, 64, heterogeneous=True)
+    assert not guidance_pays(reg, 65, heterogeneous=True)  # beyond the measured sizes
+    assert not guidance_pays(reg, 16, heterogeneous=False)  # no entry for the class
+    for worse in ({"speedup": 0.95}, {"worst": 0.75}, {"worst": None}):
+        reg.register(PACKAGED_CHECKPOINT, {"guidance": [{**entry, **worse}]}, activate=True)
+        assert not guidance_pays(reg, 16, heterogeneous=True), worse
