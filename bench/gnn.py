@@ -3,8 +3,8 @@
 Prints tables and writes bench/results/gnn.json. Run: `.venv/bin/python bench/gnn.py`.
 - Accuracy: the shipped checkpoint on freshly generated sets of held-out families (t5, cnn) and
   held-out GPU types (H200, L4, MI300X): Kendall tau within instance groups and MAPE of time.
-- Guidance (`--only guidance` recomputes just this table, `--only throughput` the throughput): one search of the full budget per prior
-  (uniform, GNN as `--scorer gnn` builds it), the simulator as evaluator;
+- Guidance (`--only guidance` recomputes just this table, `--only throughput` the throughput): one
+  search of the full budget per prior (uniform, GNN as `--scorer gnn` builds it), the simulator as evaluator;
   the evaluations each needs before its best plan is within 1% of the uniform search's best at
   the full budget (MCTS is anytime: the best after k evaluations is what a budget of k returns,
   up to the Gumbel root the search uses below 50 evaluations).

@@ -268,9 +268,10 @@ def markdown(results: dict[str, Any]) -> str:
             f"MCTS alone (no baselines, no hill climbing), the simulator judging every plan, up to "
             f"{GUIDANCE_EVALUATIONS} evaluations or {GUIDANCE_CAP_S:.0f} s per run; \"best known\" is the better of "
             "the two runs' final plans. The GNN prior is `--scorer gnn`'s: it scores only the pipeline's shape "
-            "(nodes, stages, device groups), keeps half of each prior uniform and asks about a node from its third "
-            "visit (`gnn.scorer.GUIDED_DECISIONS`, `UNIFORM_MIX`, `PRIOR_AFTER_VISITS`, chosen on the first five "
-            "cases); a prior call folds interchangeable devices and runs a fused forward pass (docs/GNN.md). \"-\" marks a run that never got within 1%: its speed-up "
+            "(nodes, stages, device groups), keeps half of each prior uniform and asks about a node once it has three "
+            "visits (`gnn.scorer.GUIDED_DECISIONS`, `UNIFORM_MIX`, `PRIOR_AFTER_VISITS`, chosen on the first five "
+            "cases); a prior call folds interchangeable devices and runs a fused forward pass (docs/GNN.md). "
+            "\"-\" marks a run that never got within 1%: its speed-up "
             "is then a bound taken at the whole run, which credits the failed side with reaching the target as its "
             "run ended.", "",
             "| case | uniform evals | uniform s | GNN evals | GNN s | GNN speed-up (wall) | evaluations ratio |",
@@ -393,7 +394,8 @@ def record_guidance(classes: list[dict[str, Any]]) -> None:
     reads (`training.registry.guidance_pays`)."""
     card_path = Path(__file__).parents[1] / "tagplan" / "gnn" / "checkpoints" / "default.card.json"
     card = json.loads(card_path.read_text())
-    card["guidance"] = [{**k, "source": "bench/planner.py guidance (uniform s / GNN s: geometric mean over the class, and its worst case)"}
+    source = "bench/planner.py guidance (uniform s / GNN s: geometric mean over the class, and its worst case)"
+    card["guidance"] = [{**k, "source": source}
                         for k in classes]
     card_path.write_text(json.dumps(card, indent=2) + "\n")
 

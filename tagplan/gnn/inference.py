@@ -11,7 +11,8 @@ weights on folded graphs, with the four relations of each round in one set of te
 - one grouped softmax over (relation, receiver) with log(multiplicity) added to the logits;
 - one scatter-sum of the messages, summed per node type over its incoming relations.
 
-Eval only: it reads the model's weights when built (build a new one after training).
+Eval only: the message-passing weights are stacked when it is built (the encoders, norms and
+heads are the model's own), so build a new one after changing the weights, e.g. by training.
 """
 
 from __future__ import annotations

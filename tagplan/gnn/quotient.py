@@ -70,24 +70,10 @@ def fold(data: HeteroData, rounds: int) -> FoldedGraph:
 
     `rounds` must be at least the network's rounds of message passing for its outputs to be exact.
     """
-    if rounds < 0:
-        raise ValueError(f"fold: rounds must be an integer >= 0, got {rounds}")
-    n_dev = int(data[DEVICE].num_nodes)
-    edges = {}
-    ids: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}  # attribute ids per tensor (hosts shares placed_on's)
-    for et in EDGE_TYPES:
-        index = data[et].edge_index.numpy()
-        attr = data[et].edge_attr.numpy()
-        if et[0] == et[2] == LAYER:  # layers are not folded: their edges among themselves stay as they are
-            edges[et] = (index, attr, np.zeros(0, dtype=np.int64))
-            continue
-        key = (data[et].edge_attr.data_ptr(), tuple(attr.shape))
-        if key not in ids:
-            ids[key] = _rows(attr)
-        edges[et] = (index, attr, ids[key])
-    colour = _refine(data[DEVICE].x.numpy(), edges, n_dev, rounds)
+    edges = _edges(data)
+    colour = _classes(data, edges, rounds)
     _, rep, count = np.unique(colour, return_index=True, return_counts=True)  # colours are 0..K-1
-    is_rep = np.zeros(n_dev, dtype=bool)
+    is_rep = np.zeros(len(colour), dtype=bool)
     is_rep[rep] = True
     folded: dict[EdgeType, FoldedEdges] = {}
     for et, (index, attr, attr_id) in edges.items():
@@ -103,6 +89,36 @@ def fold(data: HeteroData, rounds: int) -> FoldedGraph:
         folded[et] = _merge(src, dst, attr, attr_id)
     return FoldedGraph(data[LAYER].x.numpy(), data[DEVICE].x.numpy()[rep], count.astype(np.float32), folded,
                        data.graph_attr.numpy()[0])
+
+
+def device_classes(data: HeteroData, rounds: int) -> np.ndarray:
+    """The class of each device of `data` after `rounds` rounds of refinement (int64 [N], 0..K-1):
+    devices of one class have equal embeddings after each of the first `rounds` message-passing rounds."""
+    return _classes(data, _edges(data), rounds)
+
+
+def _classes(data: HeteroData, edges: dict[EdgeType, tuple[np.ndarray, np.ndarray, np.ndarray]],
+             rounds: int) -> np.ndarray:
+    if rounds < 0:
+        raise ValueError(f"fold: rounds must be an integer >= 0, got {rounds}")
+    return _refine(data[DEVICE].x.numpy(), edges, int(data[DEVICE].num_nodes), rounds)
+
+
+def _edges(data: HeteroData) -> dict[EdgeType, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per relation: edge index, attributes and an id per distinct attribute row (none between layers)."""
+    edges = {}
+    ids: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}  # attribute ids per tensor (hosts shares placed_on's)
+    for et in EDGE_TYPES:
+        index = data[et].edge_index.numpy()
+        attr = data[et].edge_attr.numpy()
+        if et[0] == et[2] == LAYER:  # layers are not folded: their edges among themselves stay as they are
+            edges[et] = (index, attr, np.zeros(0, dtype=np.int64))
+            continue
+        key = (data[et].edge_attr.data_ptr(), tuple(attr.shape))
+        if key not in ids:
+            ids[key] = _rows(attr)
+        edges[et] = (index, attr, ids[key])
+    return edges
 
 
 def _refine(x: np.ndarray, edges: dict[EdgeType, tuple[np.ndarray, np.ndarray, np.ndarray]], n_dev: int,

@@ -34,16 +34,19 @@ FIT_THRESHOLD = 0.5
 class GNNScorer:
     """Predicts log(T / T_lb) and the fit probability of candidate plans with a `PlanGNN`.
 
-    With `folded` (the default) each plan's graph is folded by symmetry (`gnn.quotient`) and run
-    through `gnn.inference.FastForward`, on the CPU: the same predictions as the model's own
-    forward pass (`folded=False`, on the model's device), several times faster on small batches.
-    The model's weights are read when the scorer is built.
+    With `folded` each plan's graph is folded by symmetry (`gnn.quotient`) and run through
+    `gnn.inference.FastForward`, on the CPU: the same predictions as the model's own forward pass
+    (`folded=False`, on the model's device), several times faster on small batches. The default
+    folds a plain `PlanGNN` on the CPU (a subclass may override `forward`). FastForward stacks the
+    message-passing weights when the scorer is built: build a new scorer after changing them.
     """
 
-    def __init__(self, model: PlanGNN, *, cache: FeatureCache | None = None, folded: bool = True) -> None:
+    def __init__(self, model: PlanGNN, *, cache: FeatureCache | None = None, folded: bool | None = None) -> None:
         self.model = model
         self.cache = cache or FeatureCache()
         self.forward_calls = 0
+        if folded is None:  # FastForward computes PlanGNN's own forward, on the CPU
+            folded = type(model).forward is PlanGNN.forward and all(p.device.type == "cpu" for p in model.parameters())
         self._fast = FastForward(model) if folded else None
 
     def predict(self, model_graph: ModelGraph, cluster: Cluster, workload: Workload, plans: Sequence[Plan], *,
@@ -109,7 +112,7 @@ so the prior is spent where one choice settles a whole region of plans and a han
 a search; the later decisions (tensor-parallel degrees, layer boundaries, micro-batches, memory) are
 left to the evaluations, which compare their plans exactly. Scoring the tensor-parallel degrees too
 cut the evaluations of the first five guidance cases (e.g. 195 to 99, 687 to 469) but not their
-wall-clock (geometric mean 0.97x against 1.42x without)."""
+wall-clock (geometric mean 0.97x against 1.42x without, in one run of each)."""
 
 PRIOR_AFTER_VISITS = 3
 """The search asks the GNN prior about a node once the node has this many visits (`mcts.DeferredPrior`).

@@ -14,10 +14,10 @@ from torch_geometric.data import Batch, HeteroData
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
-from tagplan.gnn.features import DEVICE, HOSTS, PLACED_ON, featurize
+from tagplan.gnn.features import DEVICE, HOSTS, NODE_TYPES, PLACED_ON, featurize
 from tagplan.gnn.inference import FastForward
 from tagplan.gnn.model import PlanGNN
-from tagplan.gnn.quotient import fold
+from tagplan.gnn.quotient import device_classes, fold
 from tagplan.gnn.scorer import GNNScorer
 from tagplan.ir import Plan, Schedule, Stage, Workload
 from tagplan.search.space import PlanSpace, PlanState
@@ -64,15 +64,41 @@ def test_folded_graphs_give_the_full_graphs_predictions(cluster_spec: str) -> No
     assert torch.allclose(fast_fit, full_fit, atol=1e-4, rtol=1e-4)
 
 
-def test_more_rounds_than_the_network_runs_change_nothing_and_fewer_fold_coarser() -> None:
+def device_embeddings(net: PlanGNN, data: HeteroData) -> list[torch.Tensor]:
+    """The device embeddings after each round of PlanGNN's own message passing on the full graph."""
+    with torch.no_grad():
+        x = {t: net.encoders[t](data[t].x) for t in NODE_TYPES}
+        out = [x[DEVICE]]
+        for conv, norms in zip(net.convs, net.norms, strict=True):
+            messages = conv(x, data.edge_index_dict, edge_attr_dict=data.edge_attr_dict)
+            x = {t: net._update(norms[t], x[t], messages.get(t)) for t in NODE_TYPES}  # type: ignore[index]
+            out.append(x[DEVICE])
+    return out
+
+
+def spread_within_classes(embeddings: torch.Tensor, classes: np.ndarray) -> float:
+    """The largest difference between the embeddings of two devices of one class."""
+    labels = torch.from_numpy(classes)
+    return max(float((embeddings[labels == k] - embeddings[labels == k][0]).abs().max())
+               for k in range(int(classes.max()) + 1))
+
+
+def test_each_class_holds_equal_embeddings_at_every_round_and_fewer_rounds_do_not_suffice() -> None:
     net = random_net(layers=3, seed=3)
     graphs, _ = walked_plans("p3.8xlarge:nodes=3+g4dn.12xlarge", 8, seed=5)
+    short, folding = 0.0, 0
+    for graph in graphs:
+        rounds = device_embeddings(net, graph)
+        classes = device_classes(graph, 3)
+        assert all(spread_within_classes(h, classes) < 1e-5 for h in rounds)
+        folding += len(np.unique(classes)) < graph[DEVICE].num_nodes
+        short = max(short, spread_within_classes(rounds[-1], device_classes(graph, 1)))
+    assert folding >= 2  # classes with several devices, whose embeddings were compared
+    assert short > 1e-4  # one round of refinement merges devices the third round tells apart (rounding: < 1e-6)
     with torch.no_grad():
         full, _ = net(Batch.from_data_list(graphs))
-    more, _ = FastForward(net)([fold(g, rounds=6) for g in graphs])
+    more, _ = FastForward(net)([fold(g, rounds=6) for g in graphs])  # more rounds than needed change nothing
     assert torch.allclose(more, full, atol=1e-4, rtol=1e-4)
-    folded = [fold(g, rounds=0) for g in graphs]
-    assert sum(len(f.device_x) for f in folded) <= sum(len(fold(g, rounds=3).device_x) for g in graphs)
 
 
 def symmetric_plan() -> tuple[HeteroData, Plan]:
