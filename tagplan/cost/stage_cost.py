@@ -226,7 +226,7 @@ class StageCoster:
                overrides: dict[str, ShardStrategy] | None) -> BlockTime:
         """Compute seconds of one block per micro-batch: its layer profile where one covers the point
         (and the plan keeps the default sharding), else the op model; times the device's compute scale."""
-        key = (block_hash, spec.name, self.workload.dtype, tp, samples, sharding_key(overrides))
+        key = (block_hash, _spec_key(spec), self.workload.dtype, tp, samples, sharding_key(overrides))
         hit = self.block_memo.get(key)
         if hit is None:
             measured, source = None, "ops"
@@ -247,7 +247,7 @@ class StageCoster:
         spec = self.slowest(stage.replica(0))
         sources = set()
         for block_hash, _ in self.units(stage):
-            key = (block_hash, spec.name, self.workload.dtype, stage.tp, samples, sharding_key(stage.sharding))
+            key = (block_hash, _spec_key(spec), self.workload.dtype, stage.tp, samples, sharding_key(stage.sharding))
             if key not in self.source_memo:
                 self._block(block_hash, self.sharded(block_hash, stage.sharding), spec, stage.tp, samples,
                             stage.sharding)
@@ -305,3 +305,11 @@ class StageCoster:
 
 def sharding_key(overrides: dict[str, ShardStrategy] | None) -> ShardingKey:
     return tuple(sorted((k, v.value) for k, v in overrides.items())) if overrides else ()
+
+
+def _spec_key(spec: DeviceSpec) -> tuple[object, ...]:
+    """What a block's compute time reads of a device spec. A mixed group's combined spec keeps the
+    name of its lowest-peak type (whose calibration applies) with the group's smallest figures, so
+    the name alone would let it share a memo entry with that type's own spec."""
+    return (spec.name, spec.peak_flops_bf16, spec.peak_flops_fp16, spec.peak_flops_fp8, spec.peak_flops_fp32,
+            spec.mem_bandwidth_Bps)

@@ -3,7 +3,7 @@ from collections import Counter
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
-from tagplan.ir import Stage, Workload
+from tagplan.ir import Plan, Stage, Workload
 
 
 def test_prefix_block_counts_equal_a_direct_count_for_every_range() -> None:
@@ -46,3 +46,16 @@ def test_a_mixed_group_is_paced_by_its_slowest_figure_of_each_kind() -> None:
     assert paced.mem_bandwidth_Bps == min(a40.mem_bandwidth_Bps, a80.mem_bandwidth_Bps)
     assert paced.peak_flops_bf16 == min(a40.peak_flops_bf16 or 0, a80.peak_flops_bf16 or 0)
     assert sim.coster.slowest((8, 9)) == a80  # one type: itself
+
+
+def test_a_mixed_groups_cost_does_not_depend_on_its_named_type_being_costed_first() -> None:
+    # the combined spec of an A100-80GB + A100-40GB group is named A100-80GB (equal peaks) but has the
+    # 40GB's lower memory bandwidth: it must not share the 80GB's memoised block times
+    model = load_model("gpt?layers=4&hidden=1024&heads=16&vocab=5000", seq_len=512)
+    cluster, workload = load_cluster("dgx-a100-80gb+dgx-a100-40gb"), Workload(global_batch=8, seq_len=512)
+    pure = Plan(stages=(Stage(layers=(0, len(model.layers)), devices=(0, 1), tp=2),))
+    mixed = Plan(stages=(Stage(layers=(0, len(model.layers)), devices=(0, 8), tp=2),))
+    fresh = Simulator(model, cluster, workload).simulate(mixed).iteration_time_s
+    warmed = Simulator(model, cluster, workload)
+    assert warmed.simulate(pure).iteration_time_s < fresh  # the 80GB pair is faster: the two differ
+    assert warmed.simulate(mixed).iteration_time_s == fresh
