@@ -40,7 +40,7 @@ from tagplan.search.mcts import mcts, uniform_prior
 from tagplan.search.planner import SimulatorEvaluator, plan
 from tagplan.search.problem import PlanProblem
 from tagplan.search.space import PlanSpace, PlanState
-from tagplan.training.registry import AUTO_WORST_SPEEDUP, Registry, gnn_prior_factory
+from tagplan.training.registry import Registry, class_pays, gnn_prior_factory
 
 # name, model, cluster, global batch, seq, heterogeneous
 CASES = [
@@ -308,7 +308,7 @@ def summarize(rows: list[dict[str, Any]], guidance: list[dict[str, Any]]) -> dic
             classes.append({"heterogeneous": kind, "max_devices": max(g["devices"] for g in members),
                             "speedup": _geomean(speedups), "worst": min(speedups), "cases": len(members)})
     # --scorer auto against --scorer simulator: the GNN where its class pays (training.registry.guidance_pays)
-    paying = [k["heterogeneous"] for k in classes if k["speedup"] > 1.0 and k["worst"] >= AUTO_WORST_SPEEDUP]
+    paying = [k["heterogeneous"] for k in classes if class_pays(k)]
     auto = [g["speedup"] if g["heterogeneous"] in paying else 1.0 for g in guidance]
     return {"never_worse": all(r["vs_best"] is None or r["vs_best"] >= 1 - 1e-9 for r in rows),
             "heterogeneous_geomean": _geomean(het), "heterogeneous_runnable_geomean": _geomean(het_runnable),

@@ -60,7 +60,8 @@ def add_planning_commands(sub: Subparsers) -> None:
                      help="also enumerate the whole space when it has at most this many plans")
     cmd.add_argument("--seed", type=int, default=0)
     cmd.add_argument("--scorer", choices=[s.value for s in Scorer], default=Scorer.AUTO.value,
-                     help="search prior: the GNN (auto: when a checkpoint is installed) or uniform; "
+                     help="search prior: the GNN, or uniform (simulator); auto: the GNN only where its checkpoint's "
+                          "card records a measured wall-clock gain for this class of problem (docs/PLANNER.md); "
                           "plans are always ranked by the simulator")
     _add_comm_mode(cmd)
     cmd.add_argument("--out", default=None, metavar="PLAN.json", help="write the best plan (Plan JSON v1)")

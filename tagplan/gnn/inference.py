@@ -69,6 +69,10 @@ class FastForward:
     """`model`'s (value, fit_logit) on folded graphs, as `PlanGNN.forward` gives on the full ones."""
 
     def __init__(self, model: PlanGNN) -> None:
+        off_cpu = sorted({p.device.type for p in model.parameters()} - {"cpu"})
+        if off_cpu:
+            raise ValueError(f"FastForward: runs on the CPU; the model's parameters are on {off_cpu} "
+                             "(use GNNScorer(model, folded=False) to run the model on its device)")
         self.model = model
         self.hidden = int(model.config["hidden"])
         self.heads = int(model.config["heads"])

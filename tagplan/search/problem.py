@@ -34,7 +34,7 @@ class Objective(StrEnum):
 class Scorer(StrEnum):
     """What guides the search (plans are always ranked by the simulator)."""
 
-    AUTO = "auto"  # the GNN prior where a checkpoint is installed and the cluster is in its range
+    AUTO = "auto"  # the GNN prior where its checkpoint's card records that guidance pays for the problem's class
     GNN = "gnn"  # the GNN prior; an error without a checkpoint
     SIMULATOR = "simulator"  # a uniform prior
 

@@ -17,7 +17,7 @@ import functools
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,12 @@ it guides (the issue's bound): a class whose gain is a geometric mean over big w
 stays unguided when one of its cases loses more than that."""
 
 
+def class_pays(entry: Mapping[str, Any]) -> bool:
+    """Whether one `guidance` entry of a card (a problem class as `bench/planner.py` measured it) lets
+    `--scorer auto` guide: a geometric-mean gain above 1x and no case slower than `AUTO_WORST_SPEEDUP`."""
+    return (entry.get("speedup") or 0.0) > 1.0 and (entry.get("worst") or 0.0) >= AUTO_WORST_SPEEDUP
+
+
 def guidance_pays(registry: Registry, devices: int, *, heterogeneous: bool) -> bool:
     """Whether the active checkpoint's card records that GNN guidance reached a plan within 1% of the
     best known in less search wall-clock than the uniform prior, on problems of this class, and on
@@ -186,8 +192,7 @@ def guidance_pays(registry: Registry, devices: int, *, heterogeneous: bool) -> b
     except (OSError, ValueError):
         return False
     return any(entry.get("heterogeneous") == heterogeneous and devices <= entry.get("max_devices", 0)
-               and (entry.get("speedup") or 0.0) > 1.0 and (entry.get("worst") or 0.0) >= AUTO_WORST_SPEEDUP
-               for entry in card.get("guidance", []))
+               and class_pays(entry) for entry in card.get("guidance", []))
 
 
 def gnn_prior_factory(registry: Registry, devices: int, *, required: bool = False) -> Callable[[Any], Any] | None:

@@ -143,3 +143,7 @@ def test_bad_arguments_are_refused() -> None:
     conv.concat = False  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="FastForward"):
         FastForward(net)
+    meta = random_net().to("meta")  # any device but the CPU
+    with pytest.raises(ValueError, match=r"FastForward: runs on the CPU; .*\['meta'\]"):
+        FastForward(meta)
+    assert GNNScorer(meta)._fast is None  # the default keeps the model's own forward off the CPU

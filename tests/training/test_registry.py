@@ -89,7 +89,7 @@ def test_a_correction_applies_only_to_measured_device_types(tmp_path) -> None:
 
 
 def test_auto_guides_only_a_class_whose_card_records_a_gain_and_no_case_20_percent_slower(tmp_path: Path) -> None:
-    from tagplan.training.registry import PACKAGED_CHECKPOINT, guidance_pays
+    from tagplan.training.registry import PACKAGED_CHECKPOINT, class_pays, guidance_pays
 
     reg = Registry(tmp_path / "registry")
     entry = {"heterogeneous": True, "max_devices": 64, "speedup": 1.3, "worst": 0.9, "cases": 5}
@@ -100,3 +100,5 @@ def test_auto_guides_only_a_class_whose_card_records_a_gain_and_no_case_20_perce
     for worse in ({"speedup": 0.95}, {"worst": 0.75}, {"worst": None}):
         reg.register(PACKAGED_CHECKPOINT, {"guidance": [{**entry, **worse}]}, activate=True)
         assert not guidance_pays(reg, 16, heterogeneous=True), worse
+        assert not class_pays({**entry, **worse})  # the one rule the benchmark's auto figures use too
+    assert class_pays(entry) and class_pays({**entry, "worst": 1 / 1.2})  # exactly 20% slower still pays
