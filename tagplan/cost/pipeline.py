@@ -44,7 +44,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from itertools import pairwise
 from numbers import Real
@@ -177,6 +177,8 @@ class _Compiled:
     """Per stage: the lane that runs it."""
     levels: _Levels | None = None
     """For deep schedules: the level decomposition the vectorized evaluation runs (else the event loop)."""
+    lane_tasks: _Positions | None = field(default=None, compare=False)
+    """The built-in schedules' `orders` as one (lanes x tasks per lane) array: their lanes run equally many tasks."""
 
 
 def lane_order(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> list[list[TaskKey]]:
@@ -372,13 +374,51 @@ def _compile_builtin(num_stages: int, micro_batches: int, schedule: Schedule, la
     S, M = num_stages, micro_batches
     ids = _lane_ids(S, M, schedule, lanes)
     orders = [tuple(a.tolist()) for a in ids]
+    lane_tasks = _read_only(np.stack(ids)) if len({len(a) for a in ids}) == 1 else None
     stage_lane = [0] * S
     for lane, order in enumerate(ids):
         for st in np.unique((order // M) % S).tolist():
             stage_lane[st] = lane
     fwd_deps = [-1] * M + list(range(S * M - M))
     bwd_deps = [S * M + t for t in range(M, S * M)] + list(range(S * M - M, S * M))
-    return _Compiled(S, M, tuple(orders), tuple(fwd_deps + bwd_deps), *_stage_stats(orders, S, M), tuple(stage_lane))
+    return _Compiled(S, M, tuple(orders), tuple(fwd_deps + bwd_deps), *_stage_stats(orders, S, M), tuple(stage_lane),
+                     lane_tasks=lane_tasks)
+
+
+def max_in_flight(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose forward has run and backward not yet (`PipelineResult.
+    max_in_flight`) without simulating: gpipe holds all M, 1f1b's stage s its min(S - s, M) warm-up
+    forwards and the first of its steady pairs; interleaved schedules read their compiled order."""
+    schedule = Schedule(schedule)
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        return _compiled_schedule(num_stages, micro_batches, schedule, lanes).max_in_flight
+    _check_count("num_stages", num_stages)
+    _check_count("micro_batches", micro_batches)
+    if lanes != num_stages:
+        raise ValueError(f"schedule '{schedule.value}' runs one stage per lane: lanes={lanes} != {num_stages} stages")
+    if schedule is Schedule.GPIPE:
+        return (micro_batches,) * num_stages
+    if schedule is Schedule.ONE_F_ONE_B:
+        return tuple(min(num_stages - s, micro_batches) for s in range(num_stages))
+    raise ValueError(f"schedule {schedule.value!r} has no in-flight count; add it here as in `lane_order`")
+
+
+def lane_peaks(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int,
+               weights: Sequence[float]) -> tuple[float, ...]:
+    """Per lane, the peak of a running sum over its tasks in order: a forward of stage s adds
+    `weights[s]`, its backward takes it away (e.g. the activation bytes a lane holds at its fullest,
+    with `weights` a stage's bytes per micro-batch). The sums run in the lane's order, as a loop over
+    `lane_order` would add them; the peak is at least 0 (before the first task)."""
+    if len(weights) != num_stages:
+        raise ValueError(f"{len(weights)} weights for a schedule of {num_stages} stages")
+    c = _compiled_schedule(num_stages, micro_batches, schedule, lanes)
+    M = c.micro_batches
+    signed = np.concatenate([np.asarray(weights, dtype=np.float64), -np.asarray(weights, dtype=np.float64)])
+    if c.lane_tasks is not None:  # a task id // M is phase * S + stage: its index into `signed`
+        steps = signed.take(c.lane_tasks // M)
+        return tuple(np.maximum(np.cumsum(steps, axis=1).max(axis=1, initial=0.0), 0.0).tolist())
+    return tuple(max(float(np.cumsum(signed.take(np.asarray(order, dtype=np.int64) // M)).max(initial=0.0)), 0.0)
+                 if order else 0.0 for order in c.orders)
 
 
 def _lane_ids(S: int, M: int, schedule: Schedule, lanes: int) -> list[npt.NDArray[np.int64]]:

@@ -23,7 +23,7 @@ from tagplan.cost.memory import (
     recompute_working_bytes_per_sample,
     transient_bytes_per_sample,
 )
-from tagplan.cost.pipeline import Phase, PipelineResult, StageTiming, lane_order, simulate_pipeline
+from tagplan.cost.pipeline import PipelineResult, StageTiming, lane_peaks, max_in_flight, simulate_pipeline
 from tagplan.cost.report import Breakdown, DeviceMemoryReport, Report, StageReport
 from tagplan.cost.sharding import divides
 from tagplan.cost.stage_cost import CHECKPOINT_SKIPPED, ReplicaCost, StageCoster, sharding_key
@@ -86,10 +86,31 @@ class Simulator:
         self._mem_bytes = tuple(d.spec.mem_bytes for d in cluster.devices)
         self._fused = tuple(d.spec.fused_attention for d in cluster.devices)
         self._tied_memo: dict[tuple[tuple[int, ...], tuple[int, ...], float], float] = {}
+        self._least_mem_memo: dict[tuple[int, ...], float] = {}
 
     def simulate(self, plan: Plan) -> Report:
         """The Report of one iteration of `plan`."""
         return self.run(plan, record_tasks=False).report
+
+    def fits(self, plan: Plan) -> bool:
+        """`simulate(plan).fits` from the memory terms alone (`memory_bytes`): what a walk that stops
+        at the first plan too big asks before timing one."""
+        return self._fits(self._memory_alone(plan))
+
+    def memory_bytes(self, plan: Plan) -> dict[int, float]:
+        """Per device the plan uses, its peak bytes (the report's `memory_per_device_bytes`) from the
+        memory terms alone: model state, activations held at the schedule's peak in flight and
+        transients, without stage times or the event simulation."""
+        return {d: _total(mems) for group, mems in self._memory_alone(plan).items() for d in group}
+
+    def _memory_alone(self, plan: Plan) -> dict[tuple[int, ...], list[DeviceMemory]]:
+        _check(plan, self.model, self.cluster, self.workload)
+        per_micro = self.workload.global_batch // plan.micro_batches
+        samples = [tuple(float(n) for n in s.replica_samples(per_micro)) for s in plan.stages]
+        params = [self.coster.local_params(s) for s in plan.stages]
+        lanes = len(_lanes(plan))
+        in_flight = max_in_flight(len(plan.stages), plan.micro_batches, plan.schedule, lanes)
+        return self._memory(plan, samples, params, self._in_flight(plan, in_flight, lanes))
 
     def run(self, plan: Plan, *, record_tasks: bool = True) -> Simulation:
         """Simulate `plan`; SpecError for a plan that does not apply to this model or cluster.
@@ -134,7 +155,7 @@ class Simulator:
         stage = plan.stages[index]
         per_micro = self.workload.global_batch // plan.micro_batches
         samples = tuple(float(n) for n in stage.replica_samples(per_micro))
-        replicas = [self.coster.replica(stage, r, samples[r]) for r in range(stage.dp)]
+        replicas = self.coster.replicas(stage, samples)
         # The stage waits for its slowest replica in each phase separately.
         fwd = max(replicas, key=lambda c: c.forward_s)
         bwd = max(replicas, key=lambda c: c.backward_s)
@@ -322,11 +343,15 @@ class Simulator:
         critical = max(range(len(finish)), key=lambda i: finish[i])
         iteration = finish[critical]
         breakdown = self._breakdown(plan, costs, lanes[critical][1], p2p_s, tails[critical], iteration)
-        parts = self._memory(plan, costs, pipe)
+        held = self._memory(plan, [c.samples for c in costs], [c.local_params for c in costs],
+                            self._in_flight(plan, pipe.max_in_flight, len(pipe.lane_end_s)))
+        parts = {d: mems for group, mems in held.items() for d in group}
+        group_total = {group: _total(mems) for group, mems in held.items()}
         devices = tuple(sorted(parts))
-        same: dict[tuple[int, ...], float] = {}  # devices holding the very same parts share their total
-        totals = tuple(_shared_total(parts[d], same) for d in devices)
-        ratio = {d: t / self._mem_bytes[d] for d, t in zip(devices, totals, strict=True)}
+        total_of = {d: t for group, t in group_total.items() for d in group}
+        totals = tuple(total_of[d] for d in devices)
+        ratio = {d: total_of[d] / self._mem_bytes[d] for d in devices}
+        fits = self._fits(held)
         worst = max(devices, key=ratio.__getitem__)
         stage_worst = [max(s.devices, key=ratio.__getitem__) for s in plan.stages]
         flops = 3.0 * self.workload.global_batch * self._model_flops
@@ -335,7 +360,7 @@ class Simulator:
             iteration_time_s=iteration, throughput_samples_s=self.workload.global_batch / iteration,
             tokens_per_s=self.workload.global_batch * self.model.seq_len / iteration,
             tflops_per_device=flops / iteration / len(devices) / 1e12, mfu=flops / (iteration * peak),
-            peak_memory_bytes=max(totals), worst_device=worst, fits=all(r <= 1.0 for r in ratio.values()),
+            peak_memory_bytes=max(totals), worst_device=worst, fits=fits,
             breakdown=breakdown, devices=devices, memory_per_device_bytes=totals,
             worst_device_memory=_device_report(self.cluster, worst, parts[worst]),
             stages=tuple(self._stage_report(plan, i, c, pipe, _device_report(self.cluster, d, parts[d]))
@@ -358,44 +383,61 @@ class Simulator:
         return Breakdown(compute=compute, tp_comm=tp, dp_comm=dp_exposed + zero3_exposed, pp_comm=pp, bubble=bubble,
                          optimizer=optimizer)
 
-    def _memory(self, plan: Plan, costs: list[StagePlanCost], pipe: PipelineResult) -> dict[int, list[DeviceMemory]]:
-        """Per device, the memory of each stage it holds (interleaved plans hold several)."""
-        parts: dict[int, list[DeviceMemory]] = {}
-        in_flight = self._in_flight(plan, pipe)
+    def _fits(self, held: dict[tuple[int, ...], list[DeviceMemory]]) -> bool:
+        """Whether every device's peak bytes are within its memory (a group's least memory bounds it)."""
+        return all(_total(mems) / self._least_mem(group) <= 1.0 for group, mems in held.items())
+
+    def _least_mem(self, group: tuple[int, ...]) -> float:
+        hit = self._least_mem_memo.get(group)
+        if hit is None:
+            hit = self._least_mem_memo[group] = min(self._mem_bytes[d] for d in group)
+        return hit
+
+    def _memory(self, plan: Plan, samples: list[tuple[float, ...]], params: list[float],
+                in_flight: list[float]) -> dict[tuple[int, ...], list[DeviceMemory]]:
+        """Per group of devices that hold the very same parts, the memory of each stage they hold
+        (interleaved plans hold several), in stage order, from each stage's samples per replica,
+        local parameters and micro-batches in flight at its peak. The groups are the replicas' device
+        groups, or single devices where two stages' replica groups overlap without being equal."""
+        placed: list[tuple[tuple[int, ...], DeviceMemory]] = []
         for i, stage in enumerate(plan.stages):
             fused_sample = self._activation_memory(stage)
             scores = self._score_memory(stage)
             unfused_sample = (fused_sample[0] + scores[0], fused_sample[1] + scores[1])
             memo: dict[tuple[float, bool], DeviceMemory] = {}  # replicas with equal shares hold equal memory
             for r in range(stage.dp):
-                samples = costs[i].samples[r]
+                n = samples[i][r]
                 devices = stage.replica(r)
                 fused = self._fused[devices[0]] or not (scores[0] or scores[1])
-                mem = memo.get((samples, fused))
+                mem = memo.get((n, fused))
                 if mem is None:
-                    mem = memo[samples, fused] = self._stage_memory(
-                        stage, costs[i], samples, fused_sample if fused else unfused_sample, in_flight[i])
-                for d in devices:
-                    parts.setdefault(d, []).append(mem)
-        return parts
+                    mem = memo[n, fused] = self._stage_memory(
+                        stage, params[i], n, fused_sample if fused else unfused_sample, in_flight[i])
+                placed.append((devices, mem))
+        held: dict[tuple[int, ...], list[DeviceMemory]] = {}
+        for devices, mem in placed:
+            held.setdefault(devices, []).append(mem)
+        if sum(map(len, held)) == len(set().union(*held)):  # the groups are disjoint
+            return held
+        by_device: dict[tuple[int, ...], list[DeviceMemory]] = {}
+        for devices, mem in placed:
+            for d in devices:
+                by_device.setdefault((d,), []).append(mem)
+        return by_device
 
-    def _in_flight(self, plan: Plan, pipe: PipelineResult) -> list[float]:
+    def _in_flight(self, plan: Plan, held: tuple[int, ...], lanes: int) -> list[float]:
         """Micro-batches whose activations each stage holds at its device's peak.
 
         One chunk per device: the stage's own maximum. Interleaved plans hold several chunks per
         device whose maxima fall at different times, so each chunk's count is scaled so that the
         sum over a device's chunks equals the true peak found by walking the lane's task order.
         """
-        counts = [float(c) for c in pipe.max_in_flight]
+        counts = [float(c) for c in held]
         if plan.schedule is not Schedule.INTERLEAVED_1F1B:
             return counts
-        lanes = len(pipe.lane_end_s)
         weight = [self._activation_memory(s)[0] for s in plan.stages]
-        for lane, order in enumerate(lane_order(len(plan.stages), plan.micro_batches, plan.schedule, lanes)):
-            peak = current = 0.0
-            for stage, _, phase in order:
-                current += weight[stage] if phase is Phase.FORWARD else -weight[stage]
-                peak = max(peak, current)
+        peaks = lane_peaks(len(plan.stages), plan.micro_batches, plan.schedule, lanes, weight)
+        for lane, peak in enumerate(peaks):
             members = range(lane, len(plan.stages), lanes)
             naive = sum(weight[i] * counts[i] for i in members)
             if naive > 0:
@@ -460,9 +502,9 @@ class Simulator:
         strategies = self.coster.sharded(block.hash, stage.sharding).strategies
         return sum(op.saved_bytes / (stage.tp if divides(strategies[op.name]) else 1) for op in block.ops)
 
-    def _stage_memory(self, stage: Stage, cost: StagePlanCost, samples: float, per_sample: tuple[float, float],
+    def _stage_memory(self, stage: Stage, local_params: float, samples: float, per_sample: tuple[float, float],
                       in_flight: float) -> DeviceMemory:
-        weights, grads, optim = model_state_bytes(cost.local_params, self.workload, zero=stage.zero, dp=stage.dp)
+        weights, grads, optim = model_state_bytes(local_params, self.workload, zero=stage.zero, dp=stage.dp)
         saved, working = per_sample
         return DeviceMemory(weights, grads, optim, saved * samples * in_flight, working * samples)
 
@@ -507,15 +549,6 @@ def _lanes(plan: Plan) -> list[tuple[tuple[int, ...], list[int]]]:
     for i, stage in enumerate(plan.stages):
         order.setdefault(stage.devices, []).append(i)
     return list(order.items())
-
-
-def _shared_total(mems: list[DeviceMemory], memo: dict[tuple[int, ...], float]) -> float:
-    """`_total(mems)`, computed once per distinct list of part objects (keyed by identity, as they stay alive)."""
-    key = tuple(map(id, mems))
-    hit = memo.get(key)
-    if hit is None:
-        hit = memo[key] = _total(mems)
-    return hit
 
 
 def _total(mems: list[DeviceMemory]) -> float:

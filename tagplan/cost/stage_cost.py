@@ -61,6 +61,7 @@ class StageCoster:
         self.memory_memo: dict[tuple[object, ...], tuple[float, float]] = {}
         self.params_memo: dict[tuple[object, ...], float] = {}
         self.spec_memo: dict[tuple[int, ...], DeviceSpec] = {}
+        self.spec_intern: dict[DeviceSpec, DeviceSpec] = {}
         self.counts_memo: dict[tuple[int, int], Counter[str]] = {}
         self.class_memo: dict[tuple[int, ...], tuple[object, ...]] = {}
         self.cut_memo: dict[int, float] = {}
@@ -145,6 +146,20 @@ class StageCoster:
             tp_b += count * (comm_b + (comm_f if replay else 0.0))
         return ReplicaCost(fwd, bwd, tp_f, tp_b)
 
+    def replicas(self, stage: Stage, samples: tuple[float, ...]) -> list[ReplicaCost]:
+        """`replica(stage, r, samples[r])` for every replica, each distinct one costed once: a replica's
+        cost depends only on its slowest device's figures, its group's link class and its samples."""
+        seen: dict[tuple[object, ...], ReplicaCost] = {}
+        out = []
+        for r, n in enumerate(samples):
+            group = stage.replica(r)
+            key = (id(self.slowest(group)), self.link_class(group) if len(group) > 1 else None, n)
+            hit = seen.get(key)
+            if hit is None:
+                hit = seen[key] = self.replica(stage, r, n)
+            out.append(hit)
+        return out
+
     def local_params(self, stage: Stage) -> float:
         """Parameters one device of the stage holds (before ZeRO)."""
         key = (stage.layers, stage.tp, sharding_key(stage.sharding))
@@ -219,7 +234,8 @@ class StageCoster:
                     "peak_flops_fp32": min(s.peak_flops_fp32 for s in specs),
                     "mem_bytes": min(s.mem_bytes for s in specs),
                     "mem_bandwidth_Bps": min(s.mem_bandwidth_Bps for s in specs)})
-            self.spec_memo[group] = hit
+            # equal figures, one object (the cluster keeps a spec per node): `replicas` keys on identity
+            hit = self.spec_memo[group] = self.spec_intern.setdefault(hit, hit)
         return hit
 
     def _block(self, block_hash: str, sharded: ShardedBlock, spec: DeviceSpec, tp: int, samples: float,

@@ -13,12 +13,11 @@
   the other nodes idle.
 
 Every plan gives each replica whole samples. A configuration's memory only grows with its
-micro-batch size, so the walk up the sizes stops at the first that does not fit; a configuration
-whose model state alone (weights, gradients and optimizer state after ZeRO, plus the framework's
-fixed overhead) exceeds a device's memory fits at no size, and is skipped without simulating any
-(`certainly_too_big`: exactly what the simulator counts before any activation, so the grid picks
-the same plan as without the check). The planner evaluates these first and keeps them in its pool,
-so it never returns a plan slower than any of them.
+micro-batch size, so the walk up the sizes stops at the first that does not fit, which it finds by
+counting the plan's memory alone (`Simulator.fits`: the simulator's own memory terms, without stage
+times or the event simulation), so a configuration that fits at no size costs one memory count and
+the grid picks the same plan as if it had simulated everything. The planner evaluates these first
+and keeps them in its pool, so it never returns a plan slower than any of them.
 """
 
 from __future__ import annotations
@@ -27,9 +26,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from itertools import chain
 
-from tagplan.cost.memory import FRAMEWORK_OVERHEAD_BYTES, model_state_bytes
 from tagplan.cost.report import Report
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.plan import Plan, Schedule, Stage
@@ -91,21 +88,6 @@ def fastest_type_nodes(sim: Simulator) -> tuple[int, ...]:
     dtype = sim.workload.dtype
     best = max(sim.cluster.nodes, key=lambda n: n.device.sustained_peak_flops(dtype)).device.name
     return tuple(i for i, n in enumerate(sim.cluster.nodes) if n.device.name == best)
-
-
-def certainly_too_big(sim: Simulator, plan: Plan) -> bool:
-    """Whether `plan` cannot fit whatever its activations: on some device, the model state of the
-    stages it holds (weights, gradients, optimizer state after ZeRO) plus the framework overhead
-    exceed its memory. These are the terms of the simulator's memory that do not depend on the
-    micro-batch size, so a configuration too big at one size is too big at every size."""
-    state_bytes: dict[int, float] = {}
-    for stage in plan.stages:
-        per_device = sum(model_state_bytes(sim.coster.local_params(stage), sim.workload, zero=stage.zero,
-                                           dp=stage.dp))
-        for d in stage.devices:
-            state_bytes[d] = state_bytes.get(d, 0.0) + per_device
-    devices = sim.cluster.devices
-    return any(b + FRAMEWORK_OVERHEAD_BYTES > devices[d].spec.mem_bytes for d, b in state_bytes.items())
 
 
 def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
@@ -184,16 +166,15 @@ def _walk(sim: Simulator, series: Iterable[tuple[GridPoint, Plan]], judge: Judge
           complete: bool, fitted: list[Report] | None = None) -> tuple[Candidate, str] | None:
     """The fastest configuration of a series ordered by micro-batch size: up the sizes until one does
     not fit (memory only grows with the size) or, unless `complete`, is slower than the one before
-    (past the optimum: a larger micro-batch trades kernel efficiency for pipeline bubble). None,
-    without simulating, for a series whose model state alone does not fit. `fitted` collects the
-    report of every size simulated that fits."""
-    points = iter(series)
-    first = next(points, None)
-    if first is None or certainly_too_big(sim, first[1]):
-        return None
+    (past the optimum: a larger micro-batch trades kernel efficiency for pipeline bubble). A size
+    that does not fit is found by its memory alone (`Simulator.fits`) and never timed, so a series
+    that fits at no size costs one memory count. `fitted` collects the report of every size
+    simulated that fits."""
     best: tuple[Candidate, str] | None = None
     previous = math.inf
-    for point, plan in chain([first], points):
+    for point, plan in series:
+        if not sim.fits(plan):  # memory alone decides it: no need to time a plan the walk stops at
+            break
         cand = judge(plan, source)
         if fitted is not None and cand.report.fits:
             fitted.append(cand.report)

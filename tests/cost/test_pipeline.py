@@ -19,6 +19,8 @@ from tagplan.cost.pipeline import (
     _compiled_schedule,
     _simulate,
     lane_order,
+    lane_peaks,
+    max_in_flight,
     simulate_orders,
     simulate_pipeline,
 )
@@ -407,3 +409,32 @@ def test_the_built_in_schedules_compile_to_what_their_lane_orders_compile_to(sch
         assert _compile_builtin(stages, micro_batches, schedule, lanes) == slow, (stages, micro_batches, lanes)
     with pytest.raises(ValueError, match="multiple of"):
         _compile_builtin(6, 4, Schedule.INTERLEAVED_1F1B, 4)
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_in_flight_counts_and_lane_peaks_follow_the_lane_orders(schedule: Schedule) -> None:
+    """`max_in_flight` (closed form for gpipe and 1f1b) and `lane_peaks` (running sums over the
+    compiled order) equal walking `lane_order` task by task, with random stage weights."""
+    rng = random.Random(7)
+    for stages, micro_batches, lanes in [(1, 1, 1), (2, 1, 2), (4, 3, 4), (4, 9, 4), (7, 16, 7), (8, 8, 2),
+                                         (12, 8, 4), (16, 32, 4), (6, 6, 3)]:
+        if schedule is not Schedule.INTERLEAVED_1F1B:
+            lanes = stages
+        elif stages % lanes or micro_batches % lanes:
+            continue
+        orders = lane_order(stages, micro_batches, schedule, lanes)
+        weights = [rng.uniform(0.0, 5.0) for _ in range(stages)]
+        held, peak_in_flight, peaks = [0] * stages, [0] * stages, []
+        for order in orders:
+            peak = current = 0.0
+            for stage, _, phase in order:
+                forward = phase is Phase.FORWARD
+                held[stage] += 1 if forward else -1
+                peak_in_flight[stage] = max(peak_in_flight[stage], held[stage])
+                current += weights[stage] if forward else -weights[stage]
+                peak = max(peak, current)
+            peaks.append(peak)
+        assert max_in_flight(stages, micro_batches, schedule, lanes) == tuple(peak_in_flight)
+        assert lane_peaks(stages, micro_batches, schedule, lanes, weights) == tuple(peaks)
+    with pytest.raises(ValueError, match="weights"):
+        lane_peaks(4, 4, schedule, 4 if schedule is not Schedule.INTERLEAVED_1F1B else 2, [1.0])

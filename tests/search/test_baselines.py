@@ -1,22 +1,23 @@
-"""The practitioner baselines: skipping configurations too big to fit changes nothing but the work."""
+"""The practitioner baselines: finding by memory alone what cannot fit changes nothing but the work."""
 
 from __future__ import annotations
 
 import pytest
 
+from tagplan.cost.memory import model_state_bytes
 from tagplan.cost.simulator import Simulator
 from tagplan.export.megatron import megatron_arguments
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir import Workload
-from tagplan.ir.plan import Plan
+from tagplan.ir.plan import Plan, Schedule, Stage
 from tagplan.search import baselines
-from tagplan.search.baselines import _configurations, certainly_too_big, fastest_type_nodes, run_baselines
+from tagplan.search.baselines import _configurations, fastest_type_nodes, run_baselines
 from tagplan.search.planner import SimulatorEvaluator
 from tagplan.search.result import Baseline, Candidate
 from tagplan.search.space import PlanSpace, divisors
 
-# (model, cluster, global batch, sequence): each has configurations whose model state alone overflows
+# (model, cluster, global batch, sequence): each has configurations that fit and others that do not
 CASES = [
     ("gpt3-13b", "dgx-a100-40gb:nodes=2", 64, 1024),
     ("gpt3-2.7b", "p3.8xlarge:nodes=2+g4dn.12xlarge", 48, 512),
@@ -43,23 +44,48 @@ def grid_plans(sim: Simulator) -> list[Plan]:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_configuration_certainly_too_big_never_fits(case: tuple[str, str, int, int]) -> None:
+def test_the_memory_count_alone_agrees_with_the_simulation(case: tuple[str, str, int, int]) -> None:
+    """`Simulator.fits` (memory terms only) says what `simulate(...).fits` says, on 1F1B and
+    interleaved grid plans of every memory option, plans that fit and plans that do not."""
     sim = simulator(*case)
     plans = grid_plans(sim)
-    flagged = [p for p in plans if certainly_too_big(sim, p)]
-    assert flagged and len(flagged) < len(plans)  # the check has work to do, and lets plans through
-    for plan in flagged[:: max(len(flagged) // 60, 1)]:
-        assert not sim.simulate(plan).fits
+    sample = plans[:: max(len(plans) // 150, 1)]
+    verdicts = [sim.fits(p) for p in sample]
+    assert any(verdicts) and not all(verdicts)  # both kinds are checked
+    assert any(p.schedule.value == "interleaved_1f1b" for p in sample)
+    for plan, verdict in zip(sample, verdicts, strict=True):
+        report = sim.simulate(plan)
+        assert verdict == report.fits, plan
+        assert sim.memory_bytes(plan) == dict(zip(report.devices, report.memory_per_device_bytes, strict=True))
+
+
+def test_the_memory_count_agrees_on_uneven_shares_of_mixed_groups() -> None:
+    """Replicas of unequal GPUs with unequal whole-sample shares, every ZeRO stage: the count follows
+    each replica's own samples."""
+    sim = simulator("gpt3-1.3b", "p3.8xlarge+g4dn.12xlarge", 48, 1024)
+    verdicts = set()
+    for micro_batches in (1, 2, 3, 6):
+        per_group = 48 // micro_batches // 4  # samples per micro-batch for a V100 and a T4 replica together
+        for v100 in range(1, per_group):
+            for zero in (0, 1, 3):
+                stage = Stage(layers=(0, len(sim.model.layers)), devices=tuple(range(8)), dp=8, zero=zero,
+                              batch_samples=(v100,) * 4 + (per_group - v100,) * 4)
+                plan = Plan(micro_batches=micro_batches, stages=(stage,))
+                report = sim.simulate(plan)
+                verdicts.add(report.fits)
+                assert sim.fits(plan) == report.fits, plan
+                assert sim.memory_bytes(plan) == dict(zip(report.devices, report.memory_per_device_bytes, strict=True))
+    assert verdicts == {True, False}
 
 
 def results(case: tuple[str, str, int, int], *, check: bool, complete: bool,
             monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Baseline], int]:
-    """The baselines (and the plans simulated) with the model-state check on or off."""
+    """The baselines (and the plans simulated) with the memory count first, or every plan simulated."""
     sim = simulator(*case)
     judge = SimulatorEvaluator(PlanSpace(sim))
     with monkeypatch.context() as patch:
         if not check:
-            patch.setattr(baselines, "certainly_too_big", lambda sim, plan: False)
+            patch.setattr(sim, "fits", lambda plan: True)
         found = run_baselines(sim, judge.candidate, complete=complete)
     return found, len(judge.candidates)
 
@@ -141,3 +167,20 @@ def test_the_quick_walk_finds_the_complete_walks_grid_optimum(case: tuple[str, s
     complete = baselines.megatron_grid(sim, judge.candidate, nodes, complete=True)
     assert quick.candidate is not None and complete.candidate is not None
     assert quick.candidate.report.iteration_time_s == complete.candidate.report.iteration_time_s
+
+
+def test_a_device_in_two_unequal_replica_groups_holds_both_stages() -> None:
+    """Two chunks on the same four GPUs, one as two tp-2 replicas and one as a tp-4 group: the replica
+    groups overlap without being equal, and every device holds both stages' model state."""
+    sim = simulator("gpt3-1.3b", "dgx-a100-80gb", 16, 1024)
+    layers = len(sim.model.layers)
+    first = Stage(layers=(0, layers // 2), devices=(0, 1, 2, 3), dp=2, tp=2, zero=1)
+    second = Stage(layers=(layers // 2, layers), devices=(0, 1, 2, 3), dp=1, tp=4)
+    plan = Plan(micro_batches=4, schedule=Schedule.INTERLEAVED_1F1B, stages=(first, second))
+    report = sim.simulate(plan)
+    weights = sum(model_state_bytes(sim.coster.local_params(s), sim.workload, zero=s.zero, dp=s.dp)[0]
+                  for s in plan.stages)
+    assert report.worst_device_memory.weights_bytes == pytest.approx(weights)
+    held = sim.memory_bytes(plan)
+    assert sorted(held) == [0, 1, 2, 3] and len(set(held.values())) == 1
+    assert held == dict(zip(report.devices, report.memory_per_device_bytes, strict=True))
