@@ -31,11 +31,13 @@ always for `simulate_orders`). Deep pipelines are evaluated level by level inste
 `max(end of its lane predecessor, end of its dependency + lag)`, a longest path over a DAG the
 schedule fixes, so the compiled schedule also groups the tasks by their depth in that DAG, and a
 level costs a handful of numpy calls (two gathers, an add, a maximum, an add into the level's
-slice), about 3 us however wide it is. It does the loop's additions and maxima on the same
-operands, so the times are bit-for-bit the loop's. It pays from about 16 tasks a level
-(`_LEVELS_MIN_WIDTH`): a pp64 1f1b pipeline of 256 micro-batches (32,768 tasks, 638 levels) takes
-about 2 ms instead of about 13 ms; shallow pipelines of many micro-batches (2 to 8 tasks a level)
-stay on the loop. Records (`record_tasks`) cost several times the evaluation either way.
+slice), about 3 us however wide it is; a schedule finds its levels on its third evaluation
+(finding them costs about 1.3 runs of the loop, which its first two evaluations run instead). It does
+the loop's additions and maxima on the same operands, so the times are bit-for-bit the loop's.
+It pays from about 16 tasks a level (`_LEVELS_MIN_WIDTH`): a pp64 1f1b pipeline of 256
+micro-batches (32,768 tasks, 638 levels) takes about 2 ms instead of about 13 ms; shallow
+pipelines of many micro-batches (2 to 8 tasks a level) stay on the loop. Records
+(`record_tasks`) cost several times the evaluation either way.
 """
 
 from __future__ import annotations
@@ -177,6 +179,8 @@ class _Compiled:
     """Per stage: the lane that runs it."""
     levels: _Levels | None = None
     """For deep schedules: the level decomposition the vectorized evaluation runs (else the event loop)."""
+    levels_tried: bool = False
+    """Whether `levels` was decided (`_LOOP_EVALUATIONS`: the first evaluations run the loop)."""
     lane_tasks: _Positions | None = field(default=None, compare=False)
     """The built-in schedules' `orders` as one (lanes x tasks per lane) array: their lanes run equally many tasks."""
 
@@ -260,7 +264,10 @@ def simulate_pipeline(
         lanes = len(stages)
     _check_count("micro_batches", micro_batches)  # before the memo table, where 2.0 would hit the entry for 2
     _check_count("lanes", lanes)
-    compiled = _compiled_schedule(len(stages), micro_batches, schedule, lanes)
+    key = (len(stages), micro_batches, schedule, lanes)
+    with _schedule_lock:
+        uses = _schedule_uses[key] = _schedule_uses.get(key, 0) + 1
+    compiled = _compiled_schedule(*key, levels=uses > _LOOP_EVALUATIONS)
     return _simulate(compiled, stages, record_tasks)
 
 
@@ -297,35 +304,50 @@ _SCHEDULE_CACHE_TASKS = 1_000_000
 1024 GPUs compiles about 60 distinct schedules of 585k tasks in all; a count-bounded cache of 32
 entries recompiled some of them."""
 _schedule_cache: OrderedDict[tuple[int, int, Schedule, int], _Compiled] = OrderedDict()
-_schedule_lock = threading.Lock()  # simulators in several threads share it
+_schedule_uses: dict[tuple[int, int, Schedule, int], int] = {}
+"""Evaluations of each cached schedule (`simulate_pipeline`)."""
+_LOOP_EVALUATIONS = 2
+"""A schedule's first evaluations run the loop; the next finds its levels. Finding them costs about 1.3
+runs of the loop and an evaluation over them a fifth to an eighth of one (measured on pp32-96 schedules
+of 25k-50k tasks), so levels pay from the second evaluation after the one that finds them; most shapes
+the grid and the search simulate are evaluated once or twice, which then run the loop alone."""
+_schedule_lock = threading.Lock()  # simulators in several threads share them
 
 
-def _compiled_schedule(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> _Compiled:
-    """The compiled schedule of a key, from the least-recently-used cache bounded by its tasks."""
+def _compiled_schedule(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int, *,
+                       levels: bool = False) -> _Compiled:
+    """The compiled schedule of a key, from the least-recently-used cache bounded by its tasks;
+    `levels=True` also decides its level decomposition (once per cached schedule)."""
     key = (num_stages, micro_batches, Schedule(schedule), lanes)
     with _schedule_lock:
         hit = _schedule_cache.get(key)
         if hit is not None:
             _schedule_cache.move_to_end(key)
-            return hit
-    compiled = _compile_schedule(*key)
+    compiled = hit if hit is not None else _compile_builtin(*key)
+    if levels and not compiled.levels_tried:
+        compiled = _with_levels(compiled)
+    elif hit is not None:
+        return hit
     with _schedule_lock:
         _schedule_cache[key] = compiled
+        _schedule_cache.move_to_end(key)
         held = sum(2 * s * m for s, m, _, _ in _schedule_cache)
         while held > _SCHEDULE_CACHE_TASKS and len(_schedule_cache) > 1:
-            (s, m, _, _), _ = _schedule_cache.popitem(last=False)
-            held -= 2 * s * m
+            old, _ = _schedule_cache.popitem(last=False)
+            _schedule_uses.pop(old, None)
+            held -= 2 * old[0] * old[1]
     return compiled
 
 
-def _compile_schedule(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> _Compiled:
-    compiled = _compile_builtin(num_stages, micro_batches, schedule, lanes)
-    if 2 * num_stages * micro_batches < _LEVELS_MIN_TASKS:
-        return compiled
+def _with_levels(compiled: _Compiled) -> _Compiled:
+    """`compiled` with its levels where they pay: deep enough, and wide enough on average."""
+    tasks = 2 * compiled.num_stages * compiled.micro_batches
+    if tasks < _LEVELS_MIN_TASKS:
+        return replace(compiled, levels_tried=True)
     levels = _levels(compiled)
-    if 2 * num_stages * micro_batches < _LEVELS_MIN_WIDTH * len(levels.steps):
-        return compiled
-    return replace(compiled, levels=levels)
+    if tasks < _LEVELS_MIN_WIDTH * len(levels.steps):
+        return replace(compiled, levels_tried=True)
+    return replace(compiled, levels=levels, levels_tried=True)
 
 
 def _compile(orders: Sequence[Sequence[TaskKey]], num_stages: int, micro_batches: int) -> _Compiled:

@@ -87,6 +87,7 @@ class Simulator:
         self._fused = tuple(d.spec.fused_attention for d in cluster.devices)
         self._tied_memo: dict[tuple[tuple[int, ...], tuple[int, ...], float], float] = {}
         self._least_mem_memo: dict[tuple[int, ...], float] = {}
+        self._samples_memo: dict[tuple[object, ...], tuple[float, ...]] = {}
 
     def simulate(self, plan: Plan) -> Report:
         """The Report of one iteration of `plan`."""
@@ -106,7 +107,7 @@ class Simulator:
     def _memory_alone(self, plan: Plan) -> dict[tuple[int, ...], list[DeviceMemory]]:
         _check(plan, self.model, self.cluster, self.workload)
         per_micro = self.workload.global_batch // plan.micro_batches
-        samples = [tuple(float(n) for n in s.replica_samples(per_micro)) for s in plan.stages]
+        samples = [self._samples(s, per_micro) for s in plan.stages]
         params = [self.coster.local_params(s) for s in plan.stages]
         lanes = len(_lanes(plan))
         in_flight = max_in_flight(len(plan.stages), plan.micro_batches, plan.schedule, lanes)
@@ -154,7 +155,7 @@ class Simulator:
     def _stage(self, plan: Plan, index: int) -> StagePlanCost:
         stage = plan.stages[index]
         per_micro = self.workload.global_batch // plan.micro_batches
-        samples = tuple(float(n) for n in stage.replica_samples(per_micro))
+        samples = self._samples(stage, per_micro)
         replicas = self.coster.replicas(stage, samples)
         # The stage waits for its slowest replica in each phase separately.
         fwd = max(replicas, key=lambda c: c.forward_s)
@@ -178,6 +179,14 @@ class Simulator:
         reduce, gather = self._dp_sync(stage, params)
         reduce += self.coster.per_iteration_tp_s(stage)
         return StagePlanCost(critical, samples, params, p2p, (reduce, gather), self._zero3(stage, params))
+
+    def _samples(self, stage: Stage, per_micro: int) -> tuple[float, ...]:
+        """Whole samples each replica of `stage` takes of a micro-batch of `per_micro` (memoised)."""
+        key = (stage.dp, stage.batch_samples, stage.batch_shares, per_micro)
+        hit = self._samples_memo.get(key)
+        if hit is None:
+            hit = self._samples_memo[key] = tuple(float(n) for n in stage.replica_samples(per_micro))
+        return hit
 
     def _dp_sync(self, stage: Stage, params: float) -> tuple[float, float]:
         """(gradient reduction, parameter all-gather) seconds of one stage's data-parallel sync.

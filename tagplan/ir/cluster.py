@@ -165,8 +165,19 @@ class Cluster(Record):
             raise IndexError(f"device {index} is not in cluster {self.name!r} (0..{self.num_devices - 1})")
         return self.devices[index]
 
+    @cached_property
+    def _links(self) -> dict[tuple[int, int], Link]:
+        return {}
+
     def link(self, a: int, b: int) -> Link:
-        """The connection between devices `a` and `b` (unidirectional bandwidth, latency)."""
+        """The connection between devices `a` and `b` (unidirectional bandwidth, latency); memoised
+        (the collectives query the same pairs over and over)."""
+        hit = self._links.get((a, b))
+        if hit is None:
+            hit = self._links[a, b] = self._link(a, b)
+        return hit
+
+    def _link(self, a: int, b: int) -> Link:
         da, db = self.device(a), self.device(b)
         if a == b:
             return Link(LinkKind.LOCAL, da.spec.mem_bandwidth_Bps, 0.0)

@@ -197,8 +197,11 @@ def check_plan(plan: Plan, model: ModelGraph, cluster: Cluster) -> None:
             f"plan covers layers [{first}, {last}) but model {model.name!r} has "
             f"{len(model.layers)} layers [0, {len(model.layers)})"
         )
+    n = cluster.num_devices
     for i, stage in enumerate(plan.stages):
-        bad = [d for d in stage.devices if not 0 <= d < cluster.num_devices]
+        if min(stage.devices) >= 0 and max(stage.devices) < n:
+            continue
+        bad = [d for d in stage.devices if not 0 <= d < n]
         if bad:
             raise ValueError(
                 f"stages[{i}].devices {bad[:8]} are not in cluster {cluster.name!r} "

@@ -232,7 +232,7 @@ def test_level_by_level_evaluation_equals_the_event_loop(
     schedule: Schedule, num_stages: int, lanes: int, M: int, vectorized: bool, seed: int
 ) -> None:
     stages = heterogeneous(num_stages, seed)
-    compiled = _compiled_schedule(num_stages, M, schedule, lanes)
+    compiled = _compiled_schedule(num_stages, M, schedule, lanes, levels=True)
     assert (compiled.levels is not None) == vectorized, "the cases must exercise both sides of the switch"
     reference = _simulate(replace(compiled, levels=None), stages, record_tasks=True)  # the per-task event loop
     fast = simulate_pipeline(stages, M, schedule, lanes=lanes)
@@ -252,7 +252,7 @@ def test_level_by_level_evaluation_equals_the_event_loop(
 )
 def test_levels_keep_every_edge_and_order_it(schedule: Schedule, num_stages: int, lanes: int, M: int) -> None:
     """Whatever the times: each task reads its lane predecessor and its dependency, from earlier levels."""
-    compiled = _compiled_schedule(num_stages, M, schedule, lanes)
+    compiled = _compiled_schedule(num_stages, M, schedule, lanes, levels=True)
     lv = compiled.levels
     assert lv is not None
     n = 2 * num_stages * M
@@ -280,7 +280,7 @@ def test_levels_keep_every_edge_and_order_it(schedule: Schedule, num_stages: int
 def test_custom_orders_of_a_deep_schedule_match_it() -> None:
     stages = heterogeneous(32, 3)
     orders = lane_order(32, 64, ONE_F_ONE_B, 32)
-    assert _compiled_schedule(32, 64, ONE_F_ONE_B, 32).levels is not None
+    assert _compiled_schedule(32, 64, ONE_F_ONE_B, 32, levels=True).levels is not None
     assert simulate_orders(stages, 64, orders) == simulate_pipeline(stages, 64, ONE_F_ONE_B)
 
 
@@ -438,3 +438,22 @@ def test_in_flight_counts_and_lane_peaks_follow_the_lane_orders(schedule: Schedu
         assert lane_peaks(stages, micro_batches, schedule, lanes, weights) == tuple(peaks)
     with pytest.raises(ValueError, match="weights"):
         lane_peaks(4, 4, schedule, 4 if schedule is not Schedule.INTERLEAVED_1F1B else 2, [1.0])
+
+
+def test_a_deep_schedule_finds_its_levels_after_its_first_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding the levels costs more than a run of the loop: the first evaluations run the loop, the
+    next finds them, and all give the same times."""
+    from collections import OrderedDict
+
+    from tagplan.cost import pipeline
+
+    monkeypatch.setattr(pipeline, "_schedule_cache", OrderedDict())
+    monkeypatch.setattr(pipeline, "_schedule_uses", {})
+    stages = heterogeneous(32, 5)
+    results = []
+    for _ in range(pipeline._LOOP_EVALUATIONS):
+        results.append(simulate_pipeline(stages, 64, ONE_F_ONE_B))
+        assert pipeline._schedule_cache[32, 64, ONE_F_ONE_B, 32].levels is None
+    results.append(simulate_pipeline(stages, 64, ONE_F_ONE_B))
+    assert pipeline._schedule_cache[32, 64, ONE_F_ONE_B, 32].levels is not None
+    assert all(r == results[0] for r in results)
