@@ -265,9 +265,11 @@ def simulate_pipeline(
     _check_count("micro_batches", micro_batches)  # before the memo table, where 2.0 would hit the entry for 2
     _check_count("lanes", lanes)
     key = (len(stages), micro_batches, schedule, lanes)
+    compiled = _compiled_schedule(*key)  # raises for a shape the schedule does not take, before it is counted
     with _schedule_lock:
         uses = _schedule_uses[key] = _schedule_uses.get(key, 0) + 1
-    compiled = _compiled_schedule(*key, levels=uses > _LOOP_EVALUATIONS)
+    if uses > _LOOP_EVALUATIONS and not compiled.levels_tried:
+        compiled = _compiled_schedule(*key, levels=True)
     return _simulate(compiled, stages, record_tasks)
 
 
@@ -409,8 +411,9 @@ def _compile_builtin(num_stages: int, micro_batches: int, schedule: Schedule, la
 
 def max_in_flight(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose forward has run and backward not yet (`PipelineResult.
-    max_in_flight`) without simulating: gpipe holds all M, 1f1b's stage s its min(S - s, M) warm-up
-    forwards and the first of its steady pairs; interleaved schedules read their compiled order."""
+    max_in_flight`) without simulating: gpipe holds all M; 1f1b's stage s runs min(S - s - 1, M)
+    warm-up forwards and then the first forward of its steady pairs, min(S - s, M) in all;
+    interleaved schedules read their compiled order."""
     schedule = Schedule(schedule)
     if schedule is Schedule.INTERLEAVED_1F1B:
         return _compiled_schedule(num_stages, micro_batches, schedule, lanes).max_in_flight

@@ -68,7 +68,9 @@ class Simulator:
     def __init__(self, model: ModelGraph, cluster: Cluster, workload: Workload, *,
                  calibration: Calibration = DEFAULT_CALIBRATION, comm_mode: CommMode = CommMode.TOPOLOGY,
                  fold: bool = True, reduce_overlap: ReduceOverlap | None = None) -> None:
-        """`fold=False` costs every layer on its own and keeps no memo between plans (for ablation);
+        """`fold=False` costs every layer on its own and clears the cost memos (block, tensor-parallel,
+        data-parallel and tied-gradient times) between plans (for ablation; lookups of pure values such as
+        links, device specs and sample counts stay memoised);
         `reduce_overlap`: the runtime's per-stage rule (default: `workload.grad_reduce_overlap` for all)."""
         cluster = attention_cluster(cluster, workload.fused_attention)
         self.model, self.cluster, self.workload = model, cluster, workload
@@ -434,14 +436,14 @@ class Simulator:
                 by_device.setdefault((d,), []).append(mem)
         return by_device
 
-    def _in_flight(self, plan: Plan, held: tuple[int, ...], lanes: int) -> list[float]:
+    def _in_flight(self, plan: Plan, in_flight_counts: tuple[int, ...], lanes: int) -> list[float]:
         """Micro-batches whose activations each stage holds at its device's peak.
 
         One chunk per device: the stage's own maximum. Interleaved plans hold several chunks per
         device whose maxima fall at different times, so each chunk's count is scaled so that the
         sum over a device's chunks equals the true peak found by walking the lane's task order.
         """
-        counts = [float(c) for c in held]
+        counts = [float(c) for c in in_flight_counts]
         if plan.schedule is not Schedule.INTERLEAVED_1F1B:
             return counts
         weight = [self._activation_memory(s)[0] for s in plan.stages]

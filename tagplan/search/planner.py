@@ -195,7 +195,7 @@ def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None,
             judge: SimulatorEvaluator) -> tuple[Candidate, list[str]]:
     if not pool:
         fallback = max(judge.candidates.values(), key=lambda c: judge.value(c.report))
-        return fallback, ["no plan fits in memory; the best infeasible plan is returned"]
+        return fallback, ["no plan fits in memory; the fastest infeasible plan the search simulated is returned"]
     fastest = min(pool, key=lambda c: c.report.iteration_time_s)
     if objective is Objective.TIME:
         return fastest, []

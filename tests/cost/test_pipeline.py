@@ -457,3 +457,23 @@ def test_a_deep_schedule_finds_its_levels_after_its_first_evaluations(monkeypatc
     results.append(simulate_pipeline(stages, 64, ONE_F_ONE_B))
     assert pipeline._schedule_cache[32, 64, ONE_F_ONE_B, 32].levels is not None
     assert all(r == results[0] for r in results)
+
+
+def test_an_evicted_schedule_forgets_its_evaluations_and_a_bad_shape_is_never_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections import OrderedDict
+
+    from tagplan.cost import pipeline
+
+    monkeypatch.setattr(pipeline, "_schedule_cache", OrderedDict())
+    monkeypatch.setattr(pipeline, "_schedule_uses", {})
+    monkeypatch.setattr(pipeline, "_SCHEDULE_CACHE_TASKS", 2 * 64)  # two schedules of 2 x 4 x 8 tasks
+    stages = heterogeneous(4, 1)
+    simulate_pipeline(stages, 8, ONE_F_ONE_B)
+    assert pipeline._schedule_uses == {(4, 8, ONE_F_ONE_B, 4): 1}
+    simulate_pipeline(stages, 8, GPIPE)
+    simulate_pipeline(heterogeneous(2, 1), 16, GPIPE)  # 64 more tasks: the 1f1b schedule goes, and its count
+    assert (4, 8, ONE_F_ONE_B, 4) not in pipeline._schedule_uses
+    with pytest.raises(ValueError, match="multiple of"):
+        simulate_pipeline(heterogeneous(6, 1), 4, INTERLEAVED, lanes=4)
+    assert len(pipeline._schedule_uses) == len(pipeline._schedule_cache) == 2

@@ -59,3 +59,47 @@ def test_a_mixed_groups_cost_does_not_depend_on_its_named_type_being_costed_firs
     warmed = Simulator(model, cluster, workload)
     assert warmed.simulate(pure).iteration_time_s < fresh  # the 80GB pair is faster: the two differ
     assert warmed.simulate(mixed).iteration_time_s == fresh
+
+
+def _plans_that_differ_in_what_memos_key_on(sim: Simulator) -> list[Plan]:
+    """Plans on 2 x 8 GPUs (one node of each of two types) that differ only in what a memo might
+    forget: per-replica samples, which replica is uneven, which tensor-parallel group spans the
+    nodes, the GPU types of a group, and the sharding stage."""
+    layers = len(sim.model.layers)
+    whole = (0, layers)
+    plans = []
+    for samples in [(5, 1, 1, 1), (1, 1, 1, 5), (2, 2, 2, 2), (3, 3, 1, 1)]:
+        plans.append(Plan(micro_batches=2, stages=(Stage(layers=whole, devices=(0, 1, 2, 3), dp=4,
+                                                         batch_samples=samples),)))
+    for devices in [(0, 1, 7, 8), (7, 8, 0, 1), (0, 8, 1, 9), (8, 9, 10, 11)]:  # intra / across nodes / mixed types
+        for zero in (0, 3):
+            plans.append(Plan(micro_batches=2, stages=(Stage(layers=whole, devices=devices, dp=2, tp=2, zero=zero,
+                                                             batch_samples=(3, 5)),)))
+    return plans
+
+
+def test_a_shared_simulator_gives_each_plan_what_a_fresh_one_gives() -> None:
+    """Every memo a simulator keeps between plans keys on all its value depends on: after simulating
+    plans that differ only in replica samples, link classes and GPU types, each report equals a fresh
+    simulator's (a key missing any of them hands one plan another's cost)."""
+    model = load_model("gpt?layers=4&hidden=512&heads=8&vocab=1000", seq_len=256)
+    cluster, workload = load_cluster("dgx-a100-80gb+p3.16xlarge"), Workload(global_batch=16, seq_len=256)
+    shared = Simulator(model, cluster, workload)
+    plans = _plans_that_differ_in_what_memos_key_on(shared)
+    for plan in plans + plans[::-1]:
+        assert shared.simulate(plan) == Simulator(model, cluster, workload).simulate(plan), plan
+    uneven = [shared.simulate(p).stages[0].forward_s for p in plans[:2]]
+    assert uneven[0] == uneven[1]  # the 5-sample replica paces the stage wherever it sits
+    # the same replica groups with the same samples, listed in the other order, pace the stage alike:
+    # a mixed-type pair across the nodes, an A100 (0) with a V100 (8), and two A100 pairs on different links
+    nodes = "dgx-a100-80gb:nodes=2+p3.16xlarge"
+    for cluster_spec, pair in [(cluster, [((0, 1, 7, 8), (3, 5)), ((7, 8, 0, 1), (5, 3))]),
+                               (cluster, [((0, 8), (4, 4)), ((8, 0), (4, 4))]),
+                               (load_cluster(nodes), [((0, 1, 7, 8), (4, 4)), ((7, 8, 0, 1), (4, 4))])]:
+        sim = Simulator(model, cluster_spec, workload)
+        tp = len(pair[0][0]) // 2
+        stages = [sim.simulate(Plan(micro_batches=2, stages=(Stage(layers=(0, len(model.layers)), devices=d, dp=2,
+                                                                   tp=tp, batch_samples=n),))).stages[0]
+                  for d, n in pair]
+        same = [(st.model_dump(exclude={"memory"}), st.memory.memory_bytes) for st in stages]  # not which device
+        assert same[0] == same[1], (cluster_spec.name, pair)

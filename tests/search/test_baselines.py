@@ -184,3 +184,19 @@ def test_a_device_in_two_unequal_replica_groups_holds_both_stages() -> None:
     held = sim.memory_bytes(plan)
     assert sorted(held) == [0, 1, 2, 3] and len(set(held.values())) == 1
     assert held == dict(zip(report.devices, report.memory_per_device_bytes, strict=True))
+
+
+def test_a_group_of_unequal_memories_fits_only_within_its_smallest() -> None:
+    """Tensor-parallel pairs of an 80 GB and a 40 GB A100 holding 41-79 GB each do not fit: each
+    device is held to its own memory (a count that read the pair's largest memory would pass them)."""
+    sim = simulator("gpt3-2.7b", "dgx-a100-80gb+dgx-a100-40gb", 64, 2048)
+    pairs = tuple(d for i in range(8) for d in (i, 8 + i))  # one 80 GB and one 40 GB device per group
+    checked = []
+    for micro_batches in (8, 4, 2, 1):  # 8 to 64 samples a micro-batch: 1 to 8 per pair
+        plan = Plan(micro_batches=micro_batches, stages=(Stage(layers=(0, len(sim.model.layers)), devices=pairs,
+                                                               dp=8, tp=2),))
+        held = sim.memory_bytes(plan)
+        own = all(b <= sim.cluster.devices[d].spec.mem_bytes for d, b in held.items())
+        assert sim.fits(plan) == own == sim.simulate(plan).fits
+        checked.append((own, 40e9 < max(held.values()) <= 80e9))
+    assert (True, False) in checked and (False, True) in checked  # fits, and too big only for the 40 GB ones
