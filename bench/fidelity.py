@@ -77,9 +77,12 @@ def local_testbed() -> dict[str, Any] | None:
     train = [c for i, c in enumerate(cases) if i % 3 == 0]
     test = [c for i, c in enumerate(cases) if i % 3]
     ops = fit_calibration([read_bundle(BUNDLE)], iterations=False).calibration
+    profiles = _profile_layers(read_bundle(TESTBED), cases, tps=(1, 2))
+    layered = DEFAULT_CALIBRATION.model_copy(update={"layers": layer_times(profiles)})
     variants = {"defaults": DEFAULT_CALIBRATION, "ops": ops,
                 "iterations": fit_parameters(train, DEFAULT_CALIBRATION)[0],
-                "ops+iterations": fit_parameters(train, ops)[0]}
+                "ops+iterations": fit_parameters(train, ops)[0],
+                "layers+iterations": fit_parameters(train, layered)[0]}
     truth = np.array([c.measured_s for c in test])
     out: dict[str, Any] = {"records": len(cases), "calibrated_on": len(train), "scored": len(test), "variants": {}}
     for name, calibration in variants.items():
@@ -114,8 +117,8 @@ def _gnn_correction(bundle: Any, calibration: Calibration, cases: list[Iteration
     return {"mape": s.mape, "kendall_tau": s.kendall_tau, "first_choice_regret": regret}
 
 
-def _profile_layers(bundle: Any, cases: list[IterationCase]) -> list[Any]:
-    """Layer records of every model shape in the testbed, measured now on this CPU (fp32, tp 1)."""
+def _profile_layers(bundle: Any, cases: list[IterationCase], *, tps: tuple[int, ...] = (1,)) -> list[Any]:
+    """Layer records of every model shape in the bundle, measured now on this CPU (fp32, at `tps`)."""
     import torch
 
     from tagplan.profiling.layers import layer_records
@@ -129,7 +132,7 @@ def _profile_layers(bundle: Any, cases: list[IterationCase]) -> list[Any]:
             continue
         seen.add(key)
         out += list(layer_records(record.model, device="cpu", device_type=device, seq_len=record.workload.seq_len,
-                                  micro_batches=(1, 2, 4, 8), tps=(1,), repeats=5))
+                                  micro_batches=(1, 2, 4, 8), tps=tps, repeats=5))
     return out
 
 

@@ -27,7 +27,7 @@ def add_trace_commands(sub: Subparsers) -> None:
                       help="also time real training iterations of small GPTs (CPU, one device; about a minute)")
     prof.add_argument("--layers", action="store_true",
                       help="instead: time the unique blocks of --model over micro-batch sizes and tp degrees")
-    prof.add_argument("--model", default=None, help="with --layers: the model SPEC (gpt?layers=..&hidden=..)")
+    prof.add_argument("--model", default=None, help="with --layers: the model SPEC (gpt?... or llama?...)")
     prof.add_argument("--seq", type=int, default=128, help="with --layers: sequence length")
     prof.add_argument("--micro-batches", default="1,2,4", help="with --layers: micro-batch sizes, comma-separated")
     prof.add_argument("--tps", default="1,2", help="with --layers: tp degrees, comma-separated")

@@ -1,15 +1,16 @@
 """Layer profiles: time a model's unique blocks over micro-batch sizes and tp degrees on this device.
 
-What every profile-driven planner collects. Each unique block of a `gpt?...` SPEC (the analytic
-GPT-2 style family: learned positions, pre-LN blocks with SDPA attention and a GELU MLP, tied
-head) is built as real torch modules with Megatron's per-device share of a `tp`-way group (heads,
-MLP width and vocabulary divided by tp; the all-reduces are not run: the simulator costs them on
-the real links), and its forward and backward are timed per micro-batch. The record carries the
-block's structural hash in the analytic model of the same shape, sequence length and dtype, so
-the simulator finds it (`cost.calibration.LayerTime`).
+What every profile-driven planner collects. Each unique block of a `gpt?...` or `llama?...` SPEC
+is built as real torch modules with Megatron's per-device share of a `tp`-way group (heads,
+key/value heads, MLP width and vocabulary divided by tp; the all-reduces are not run: the simulator
+costs them on the real links), and its forward and backward are timed per micro-batch:
+- gpt (the analytic GPT-2 style family): learned positions, pre-LN blocks with SDPA attention and a
+  GELU MLP, a LayerNorm head;
+- llama: RMSNorm, grouped-query SDPA attention with rotary positions, a SwiGLU MLP, an RMSNorm head.
+The record carries the block's structural hash in the analytic model of the same shape, sequence
+length and dtype, so the simulator finds it (`cost.calibration.LayerTime`).
 
-Only the gpt family is built here; layers of other models come from layer tables
-(`tagplan traces import`, docs/TRACES.md).
+Other families' layers come from layer tables (`tagplan traces import`, docs/TRACES.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from urllib.parse import parse_qsl
 
 import torch
 from torch import nn
@@ -25,8 +25,9 @@ from torch.nn import functional
 
 from tagplan.datasets.traces.bundle import LayerRecord
 from tagplan.errors import SpecError
+from tagplan.frontends.families import TransformerShape, llama_ffn
 from tagplan.frontends.model_spec import load_model
-from tagplan.frontends.parametric import FAMILY_DEFAULTS
+from tagplan.frontends.parametric import parse_shape
 from tagplan.ir.workload import DType
 
 QUICK_MICRO_BATCHES = (1, 2, 4)
@@ -34,16 +35,24 @@ QUICK_TPS = (1, 2)
 _TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
 
-def gpt_shape(spec: str) -> dict[str, int]:
-    """layers, hidden, heads, vocab of a `gpt?...` SPEC; SpecError for anything else."""
+PROFILED_FAMILIES = ("gpt", "llama")
+
+
+def profiled_shape(spec: str) -> tuple[str, TransformerShape]:
+    """The family and shape of a `gpt?...` or `llama?...` SPEC; SpecError for anything else."""
     family, _, query = spec.partition("?")
-    if family != "gpt":
-        raise SpecError(f"profile --layers: {spec!r}: only gpt-family SPECs (gpt?layers=..&hidden=..) are built "
-                        "here; import layer tables of other models with `tagplan traces import --model SPEC`")
-    values = {k: int(v) for k, v in parse_qsl(query)} if query else {}
-    default = FAMILY_DEFAULTS["gpt"]
-    return {"hidden": values.get("hidden", default.hidden), "heads": values.get("heads", default.heads),
-            "vocab": values.get("vocab", default.vocab)}
+    if family not in PROFILED_FAMILIES:
+        raise SpecError(f"profile --layers: {spec!r}: only {' and '.join(PROFILED_FAMILIES)}-family SPECs "
+                        "(e.g. gpt?layers=..&hidden=..) are built here; import layer tables of other models "
+                        "with `tagplan traces import --model SPEC`")
+    return family, parse_shape(family, query)
+
+
+def _divides(shape: TransformerShape, family: str, tp: int) -> bool:
+    """Whether a tp-way group splits the heads, key/value heads, MLP width and vocabulary evenly."""
+    ffn = shape.ffn or (4 * shape.hidden if family == "gpt" else llama_ffn(shape.hidden))
+    return not (shape.heads % tp or shape.kvh % tp or shape.vocab % tp or ffn % tp)
+
 
 class _ShardedBlock(nn.Module):
     """One pre-LN GPT block as one device of a tp-way group holds it (heads and MLP width / tp)."""
@@ -75,14 +84,64 @@ class _Embedding(nn.Module):
 
 
 class _Head(nn.Module):
-    def __init__(self, vocab: int, hidden: int, tp: int) -> None:
+    def __init__(self, vocab: int, hidden: int, tp: int, *, rms: bool = False) -> None:
         super().__init__()
-        self.norm, self.logits = nn.LayerNorm(hidden), nn.Linear(hidden, vocab // tp, bias=False)
+        self.norm = nn.RMSNorm(hidden, eps=1e-5) if rms else nn.LayerNorm(hidden)
+        self.logits = nn.Linear(hidden, vocab // tp, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.logits(self.norm(x))  # (b, s, vocab/tp)
         return functional.cross_entropy(logits.float().flatten(0, 1), torch.zeros(logits.shape[0] * logits.shape[1],
                                         dtype=torch.long, device=x.device))
+
+
+class _LlamaBlock(nn.Module):
+    """One Llama block as one device of a tp-way group holds it (query and key/value heads and the
+    SwiGLU width / tp): RMSNorm, GQA attention with rotary positions, RMSNorm, SwiGLU."""
+
+    def __init__(self, shape: TransformerShape, tp: int) -> None:
+        super().__init__()
+        h, self.head_dim = shape.hidden, shape.dh
+        self.heads, self.kv_heads = shape.heads // tp, shape.kvh // tp
+        ffn = (shape.ffn or llama_ffn(h)) // tp
+        self.input_norm, self.post_attention_norm = nn.RMSNorm(h, eps=1e-5), nn.RMSNorm(h, eps=1e-5)
+        self.q = nn.Linear(h, self.heads * self.head_dim, bias=False)
+        self.k = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.gate, self.up, self.down = nn.Linear(h, ffn, bias=False), nn.Linear(h, ffn, bias=False), nn.Linear(
+            ffn, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # x: (micro-batch, seq, hidden)
+        n = self.input_norm(x)
+        q = _rotary(self.q(n).view(b, s, self.heads, self.head_dim).transpose(1, 2))  # (b, heads/tp, s, dh)
+        k = _rotary(self.k(n).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2))  # (b, kv_heads/tp, s, dh)
+        v = self.v(n).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        attn = functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        x = x + self.o(attn.transpose(1, 2).reshape(b, s, -1))
+        m = self.post_attention_norm(x)
+        return x + self.down(functional.silu(self.gate(m)) * self.up(m))
+
+
+def _rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on (b, heads, s, dh): each pair of channels turned by its position's angle."""
+    s, dh = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dh, 2, device=x.device, dtype=torch.float32) / dh))
+    angle = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)  # (s, dh/2)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class _LlamaEmbedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, tp: int) -> None:
+        super().__init__()
+        self.vocab = vocab // tp
+        self.embed = nn.Embedding(self.vocab, hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens % self.vocab)
 
 
 def time_block(module: nn.Module, make_input: Callable[[], torch.Tensor], *, repeats: int = 5,
@@ -114,22 +173,22 @@ def _sync(cuda: bool) -> None:
 def layer_records(spec: str, *, device: str, device_type: str, seq_len: int = 128, dtype: DType = DType.FP32,
                   micro_batches: Sequence[int] = QUICK_MICRO_BATCHES, tps: Sequence[int] = QUICK_TPS,
                   repeats: int = 5, progress: Callable[[str], None] | None = None) -> Iterator[LayerRecord]:
-    """Time every unique block of the gpt `spec` for each (tp, micro-batch) and yield its record.
+    """Time every unique block of the gpt or llama `spec` for each (tp, micro-batch) and yield its record.
 
     `device` is the torch device ("cpu", "cuda"); `device_type` the name records carry (the
-    bundle's fingerprint). tp degrees that do not divide the heads are skipped.
+    bundle's fingerprint). tp degrees that do not divide the heads, key/value heads, MLP width and
+    vocabulary are skipped.
     """
-    shape = gpt_shape(spec)
+    family, shape = profiled_shape(spec)
     model = load_model(spec, seq_len=seq_len, dtype=dtype)
-    hidden, heads, vocab = shape["hidden"], shape["heads"], shape["vocab"]
     torch_dtype = _TORCH_DTYPES.get(dtype, torch.float32)
     for block in model.blocks:
         for tp in tps:
-            if heads % tp or vocab % tp:
+            if not _divides(shape, family, tp):
                 continue
-            module = _module(block.kind, hidden, heads, vocab, seq_len, tp).to(device=device, dtype=torch_dtype)
+            module = _module(family, block.kind, shape, seq_len, tp).to(device=device, dtype=torch_dtype)
             for mb in micro_batches:
-                make = _input(block.kind, mb, seq_len, hidden, vocab, device, torch_dtype)
+                make = _input(block.kind, mb, seq_len, shape.hidden, shape.vocab, device, torch_dtype)
                 fwd, bwd = time_block(module, make, repeats=repeats)
                 if progress:
                     progress(f"layer {block.kind} tp {tp} micro-batch {mb}: {fwd * 1e3:.2f} + {bwd * 1e3:.2f} ms")
@@ -138,12 +197,14 @@ def layer_records(spec: str, *, device: str, device_type: str, seq_len: int = 12
                                   repeats=repeats, source=f"tagplan.profiling.layers ({device}, torch eager)")
 
 
-def _module(kind: str, hidden: int, heads: int, vocab: int, seq_len: int, tp: int) -> nn.Module:
+def _module(family: str, kind: str, shape: TransformerShape, seq_len: int, tp: int) -> nn.Module:
+    llama = family == "llama"
     if kind == "embedding":
-        return _Embedding(vocab, hidden, seq_len, tp)
+        return _LlamaEmbedding(shape.vocab, shape.hidden, tp) if llama else _Embedding(shape.vocab, shape.hidden,
+                                                                                         seq_len, tp)
     if kind == "head":
-        return _Head(vocab, hidden, tp)
-    return _ShardedBlock(hidden, heads, tp)
+        return _Head(shape.vocab, shape.hidden, tp, rms=llama)
+    return _LlamaBlock(shape, tp) if llama else _ShardedBlock(shape.hidden, shape.heads, tp)
 
 
 def _input(kind: str, mb: int, seq_len: int, hidden: int, vocab: int, device: str,

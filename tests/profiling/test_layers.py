@@ -7,7 +7,7 @@ import pytest
 from tagplan.errors import SpecError
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.workload import DType
-from tagplan.profiling.layers import layer_records
+from tagplan.profiling.layers import _module, layer_records, profiled_shape
 
 SPEC = "gpt?layers=2&hidden=64&heads=2&vocab=256"
 
@@ -21,6 +21,32 @@ def test_every_unique_block_is_timed_per_tp_and_micro_batch() -> None:
     assert all(r.forward_s > 0 and r.backward_s > 0 and r.device == "cpu-test" for r in records)
 
 
-def test_only_gpt_specs_are_built() -> None:
-    with pytest.raises(SpecError, match="only gpt-family"):
-        list(layer_records("llama?layers=2", device="cpu", device_type="cpu"))
+LLAMA = "llama?layers=2&hidden=64&heads=4&kv_heads=2&vocab=256"
+
+
+def test_llama_blocks_are_timed_where_tp_splits_their_key_value_heads() -> None:
+    """kv_heads=2: tp 1 and 2 split every head group, tp 4 does not and is skipped."""
+    records = list(layer_records(LLAMA, device="cpu", device_type="cpu-test", seq_len=16, micro_batches=(1, 2),
+                                 tps=(1, 2, 4), repeats=1))
+    model = load_model(LLAMA, seq_len=16, dtype=DType.FP32)
+    assert {r.block_hash for r in records} == {b.hash for b in model.blocks}
+    assert {r.tp for r in records} == {1, 2} and len(records) == 3 * 2 * 2
+    assert all(r.forward_s > 0 and r.backward_s > 0 for r in records)
+
+
+def test_the_timed_llama_modules_hold_the_analytic_blocks_parameters() -> None:
+    """Embedding, block (RMSNorms, GQA projections, SwiGLU) and head: the same parameter counts as
+    the analytic model's blocks at tp 1, and the per-device share of the projections at tp 2."""
+    family, shape = profiled_shape(LLAMA)
+    model = load_model(LLAMA, seq_len=16, dtype=DType.FP32)
+    for block in model.blocks:
+        assert sum(p.numel() for p in _module(family, block.kind, shape, 16, 1).parameters()) == block.params
+    block = next(b for b in model.blocks if b.kind == "block")
+    norms = 2 * shape.hidden  # replicated in a tp group; every projection is split
+    half = sum(p.numel() for p in _module(family, "block", shape, 16, 2).parameters())
+    assert half == (block.params - norms) // 2 + norms
+
+
+def test_other_families_are_refused_by_name() -> None:
+    with pytest.raises(SpecError, match="only gpt and llama-family"):
+        list(layer_records("t5?layers=2", device="cpu", device_type="cpu"))
