@@ -180,6 +180,12 @@ def layer_records(spec: str, *, device: str, device_type: str, seq_len: int = 12
     vocabulary are skipped.
     """
     family, shape = profiled_shape(spec)
+    for name, values in (("micro_batches", micro_batches), ("tps", tps)):
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+            raise SpecError(f"profile --layers: {name}={list(values)!r}: give one or more whole numbers >= 1")
+    if not any(_divides(shape, family, tp) for tp in tps):
+        raise SpecError(f"profile --layers: tps={list(tps)!r}: none splits {spec!r} evenly (heads {shape.heads}, "
+                        f"key/value heads {shape.kvh}, vocabulary {shape.vocab}); give tp degrees dividing them")
     model = load_model(spec, seq_len=seq_len, dtype=dtype)
     torch_dtype = _TORCH_DTYPES.get(dtype, torch.float32)
     for block in model.blocks:

@@ -50,3 +50,12 @@ def test_the_timed_llama_modules_hold_the_analytic_blocks_parameters() -> None:
 def test_other_families_are_refused_by_name() -> None:
     with pytest.raises(SpecError, match="only gpt and llama-family"):
         list(layer_records("t5?layers=2", device="cpu", device_type="cpu"))
+
+
+@pytest.mark.parametrize(("field", "kwargs"), [("micro_batches", {"micro_batches": (0,)}), ("tps", {"tps": (0, 1)}),
+                                               ("tps", {"tps": ()}), ("tps", {"tps": (3,)})])
+def test_bad_grids_are_refused_naming_the_field(field: str, kwargs: dict[str, tuple[int, ...]]) -> None:
+    """A zero or empty grid, or tp degrees none of which split the heads (4 and 2 key/value heads
+    here), is refused before anything is timed, not divided by zero or answered with no records."""
+    with pytest.raises(SpecError, match=field):
+        list(layer_records(LLAMA, device="cpu", device_type="cpu", seq_len=16, **kwargs))  # type: ignore[arg-type]
