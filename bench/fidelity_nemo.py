@@ -80,7 +80,7 @@ def score_row(row: dict[str, Any]) -> dict[str, Any]:
     gpus = row["cluster"]["gpus_used"]
     preset, per_node = SYSTEMS[row["cluster"]["nodes"][0]["gpu"]]
     cluster = load_cluster(f"{preset}:nodes={-(-gpus // per_node)}")
-    workload = Workload(global_batch=c["global_batch"], seq_len=m["seq"], dtype=dtype)
+    workload = Workload(global_batch=c["global_batch"], seq_len=m["seq"], dtype=dtype, tp_comm_overlap=True)
     sim = Simulator(model, cluster, workload)
     plan = _plan(row, len(model.layers))
     report = sim.simulate(plan)

@@ -151,6 +151,9 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
     add_dtype_option(parser)
     parser.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value)
     add_grad_reduce_options(parser)
+    parser.add_argument("--tp-comm-overlap", action="store_true",
+                        help="the runtime runs tensor-parallel collectives in chunks under the GEMMs (Megatron-Core's "
+                             "--tp-comm-overlap with Transformer Engine); default: every TP collective exposed")
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
 
 
@@ -175,5 +178,6 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
     reduce = getattr(args, "grad_reduce_dtype", None)
     workload = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
                         optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None,
-                        grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True))
+                        grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True),
+                        tp_comm_overlap=getattr(args, "tp_comm_overlap", False))
     return model, load_cluster_option(args.cluster, args), workload

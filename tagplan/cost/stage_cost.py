@@ -135,10 +135,14 @@ class StageCoster:
         group = stage.replica(replica)
         spec = self.slowest(group)
         fwd = bwd = tp_f = tp_b = 0.0
+        overlap = self.workload.tp_comm_overlap and stage.tp > 1
         for block_hash, count in self.units(stage):
             sharded = self.sharded(block_hash, stage.sharding)
             t = self._block(block_hash, sharded, spec, stage.tp, samples, stage.sharding)
             comm_f, comm_b = self._tp(block_hash, sharded, group, samples, stage.sharding)
+            if overlap:
+                comm_f = exposed_tp_s(comm_f, t.forward_s, stage.tp)
+                comm_b = exposed_tp_s(comm_b, t.backward_s, stage.tp)
             replay = stage.recompute and self.model.block_by_hash[block_hash].kind not in CHECKPOINT_SKIPPED
             fwd += count * t.forward_s
             bwd += count * (t.backward_s + (t.forward_s if replay else 0.0))
@@ -317,6 +321,13 @@ class StageCoster:
                 if c.per_iteration:
                     total += count * self.comm.collective(c.collective, group, c.bytes_per_sample).time_s
         return total
+
+
+def exposed_tp_s(comm_s: float, compute_s: float, tp: int) -> float:
+    """Seconds of a block's tensor-parallel collectives left exposed when they run in `tp` chunks under the
+    block's compute (`Workload.tp_comm_overlap`): what the compute cannot cover, and at least the one chunk
+    that has nothing to overlap (the first gathered or the last reduced)."""
+    return max(comm_s - compute_s, comm_s / tp) if comm_s > 0.0 else 0.0
 
 
 def sharding_key(overrides: dict[str, ShardStrategy] | None) -> ShardingKey:

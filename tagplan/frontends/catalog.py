@@ -63,6 +63,14 @@ SUSTAINED_PEAK_FRACTION: dict[str, float] = {
     # the clock (NVIDIA developer forum, "About GPU peak performance", 2023). The shipped GEMM curve
     # gives 0.728 of peak at that size, so the capped clock leaves (24 / 65) / 0.728 = 0.51 of it.
     "T4": 0.51,
+    # The H100 SXM's 700 W cap binds under bf16/fp8 training (the clock falls with the switching the
+    # data causes; Horace He, "Strangely, matrix multiplications on GPUs run faster when given
+    # predictable data", 2024). No datasheet states the sustained clock: fitted by
+    # bench/fit_sustained_clock.py to the nine Megatron-Core H100 runs (leave-one-out |error| median
+    # 4.7%, worst 7.2%; bench/results/sustained_clock.json), the NeMo runs held out. The H200 SXM is the
+    # same GH100 die under the same 700 W cap.
+    "H100-SXM": 0.815,
+    "H200-SXM": 0.815,
 }
 """Devices whose power cap holds the clock below the boost clock the datasheet peak assumes, under a
 continuous load such as a training loop (the cap acts on the board's average power, so every

@@ -73,6 +73,11 @@ class Workload(Record):
         "runs, and ZeRO's parameter gather while the next forward runs (PyTorch DDP and FSDP, Megatron's "
         "--overlap-grad-reduce/--overlap-param-gather, DeepSpeed ZeRO's overlap_comm); False: both after the "
         "backward, exposed (DeepSpeed's pipeline engine, DeepSpeed without ZeRO, Megatron-LM before Megatron-Core)")
+    tp_comm_overlap: bool = Field(
+        default=False, description="tensor-parallel collectives run in chunks under the block's compute (Megatron-"
+        "Core's --tp-comm-overlap: Transformer Engine's userbuffers with sequence parallelism); per block and "
+        "direction the exposed part is the collective's time beyond the block's compute, and at least one of its tp "
+        "chunks. False: every TP collective is exposed (PyTorch tensor parallelism, Megatron without the flag)")
 
     @model_validator(mode="after")
     def _check_reduce_dtype(self) -> Workload:

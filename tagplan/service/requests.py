@@ -333,6 +333,9 @@ class WorkloadRequest(BaseModel):
     grad_reduce_overlap: StrictBool | None = Field(
         default=None, description="default true: gradients reduce while the backward runs; false: after it, "
         "exposed (DeepSpeed's pipeline engine)")
+    tp_comm_overlap: StrictBool | None = Field(
+        default=None, description="default false: every tensor-parallel collective exposed; true: they run in "
+        "chunks under the GEMMs (Megatron-Core's --tp-comm-overlap)")
 
 
 class PlanRequest(BaseModel):

@@ -88,6 +88,16 @@ def test_no_grad_reduce_overlap_reaches_the_workload() -> None:
     assert overlap("--no-grad-reduce-overlap") is False
 
 
+def test_tp_comm_overlap_is_off_unless_asked() -> None:
+    from tagplan.cli.planning import plan_problem
+
+    def overlap(*extra: str) -> bool:
+        return plan_problem(build_parser().parse_args(["plan", *PROBLEM, *extra])).workload.tp_comm_overlap
+
+    assert overlap() is False
+    assert overlap("--tp-comm-overlap") is True
+
+
 def test_a_plan_for_an_export_target_is_costed_as_that_runtime_reduces_gradients() -> None:
     from tagplan.cli.planning import plan_problem
     from tagplan.ir.workload import DType

@@ -103,3 +103,42 @@ def test_a_shared_simulator_gives_each_plan_what_a_fresh_one_gives() -> None:
                   for d, n in pair]
         same = [(st.model_dump(exclude={"memory"}), st.memory.memory_bytes) for st in stages]  # not which device
         assert same[0] == same[1], (cluster_spec.name, pair)
+
+
+def _tp_costs(model: str, cluster: str, *, overlap: bool, tp: int = 8, recompute: bool = False) -> tuple[
+        Simulator, Stage]:
+    m = load_model(model, seq_len=2048)
+    sim = Simulator(m, load_cluster(cluster), Workload(global_batch=8, seq_len=2048, tp_comm_overlap=overlap))
+    return sim, Stage(layers=(0, len(m.layers)), devices=tuple(range(tp)), tp=tp, recompute=recompute)
+
+
+def test_tp_comm_overlap_hides_tp_collectives_under_compute_up_to_one_chunk() -> None:
+    from tagplan.cost.stage_cost import exposed_tp_s
+
+    spec = "gpt?layers=4&hidden=4096&heads=32&vocab=5000"
+    for recompute in (False, True):
+        sim, stage = _tp_costs(spec, "dgx-a100-80gb", overlap=False, recompute=recompute)
+        plain = sim.coster.replica(stage, 0, 1.0)
+        osim, _ = _tp_costs(spec, "dgx-a100-80gb", overlap=True, recompute=recompute)
+        over = osim.coster.replica(stage, 0, 1.0)
+        # compute is untouched; exposed TP time falls but never below one of the tp chunks
+        assert (over.forward_compute_s, over.backward_compute_s) == (plain.forward_compute_s, plain.backward_compute_s)
+        assert plain.forward_tp_s / 8 - 1e-12 <= over.forward_tp_s < plain.forward_tp_s
+        assert plain.backward_tp_s / 8 - 1e-12 <= over.backward_tp_s < plain.backward_tp_s
+    # the rule itself: what the compute cannot cover, at least one chunk, nothing without a collective
+    assert exposed_tp_s(3.0, 1.0, 4) == 2.0
+    assert exposed_tp_s(1.0, 5.0, 4) == 0.25
+    assert exposed_tp_s(0.0, 5.0, 4) == 0.0
+
+
+def test_tp_comm_overlap_changes_nothing_without_tensor_parallelism_and_is_slower_over_slow_links() -> None:
+    spec = "gpt?layers=4&hidden=4096&heads=32&vocab=5000"
+    sim, stage = _tp_costs(spec, "dgx-a100-80gb", overlap=False, tp=1)
+    osim, _ = _tp_costs(spec, "dgx-a100-80gb", overlap=True, tp=1)
+    assert osim.coster.replica(stage, 0, 1.0) == sim.coster.replica(stage, 0, 1.0)
+    # over PCIe the collectives outlast the compute: overlap hides at most the compute's length
+    sim, stage = _tp_costs(spec, "p3.8xlarge", overlap=False, tp=4)
+    osim, _ = _tp_costs(spec, "p3.8xlarge", overlap=True, tp=4)
+    plain, over = sim.coster.replica(stage, 0, 1.0), osim.coster.replica(stage, 0, 1.0)
+    assert over.forward_s >= max(plain.forward_tp_s, plain.forward_compute_s) - 1e-12
+    assert over.forward_s < plain.forward_s

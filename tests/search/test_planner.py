@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from search_toys import at_boost_clock
 
 from tagplan.cli import main
 from tagplan.frontends.cluster_spec import load_cluster
@@ -183,7 +184,9 @@ def test_a_learned_correction_reranks_the_final_candidates() -> None:
     ("llama?layers=6&hidden=1024&heads=16&vocab=500", "rtx4090x4:nodes=2+g4dn.12xlarge", 32, 512),
 ])
 def test_more_evaluations_never_give_a_slower_plan(model: str, cluster: str, batch: int, seq: int) -> None:
-    args = (load_model(model, seq_len=seq), load_cluster(cluster), Workload(global_batch=batch, seq_len=seq))
+    # the H100 at its boost clock: an instance where each budget step buys a better plan
+    args = (load_model(model, seq_len=seq), at_boost_clock(load_cluster(cluster)),
+            Workload(global_batch=batch, seq_len=seq))
     times = []
     for evaluations in (50, 100, 200, 400):
         result = _plan(*args, max_evaluations=evaluations, budget_s=600)

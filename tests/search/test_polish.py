@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 
 import pytest
-from search_toys import Digits, Digits_
+from search_toys import Digits, Digits_, at_boost_clock
 
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
@@ -122,7 +122,7 @@ def test_evaluations_with_polish_are_a_prefix_of_a_larger_budgets(budget: int) -
 
 
 def space(model: str, cluster: str, batch: int, seq: int) -> PlanSpace:
-    return PlanSpace(Simulator(load_model(model, seq_len=seq), load_cluster(cluster),
+    return PlanSpace(Simulator(load_model(model, seq_len=seq), at_boost_clock(load_cluster(cluster)),
                                Workload(global_batch=batch, seq_len=seq)))
 
 
@@ -178,8 +178,8 @@ def subtree(sp: PlanSpace, root: PlanState) -> list[PlanState]:
     return out
 
 
-# H100 and A100 nodes: data parallelism over both pays only with TP 2 and a by-speed batch split
-# at once, so one decision alone from the fastest plan MCTS finds (the H100 node alone) is worse
+# H100 (at its boost clock: `space`) and A100 nodes: data parallelism over both pays only with TP 2 and
+# a by-speed batch split at once, so one decision alone from the fastest plan MCTS finds (the H100 node alone) is worse
 MIXED = ("gpt?layers=4&hidden=1024&heads=16&vocab=500", "dgx-h100+dgx-a100-80gb", 16, 1024)
 
 

@@ -1,0 +1,100 @@
+"""Fit the H100 SXM's sustained tensor-core clock (`DeviceSpec.sustained_peak_fraction`) to the
+Megatron-Core H100 table (../shared/reference/validation.md, `validate_megatron.ROWS`).
+
+A GPU's datasheet peak assumes its boost clock; under a training loop's continuous tensor-core load
+the board's power cap (700 W on the H100 SXM) holds the clock lower, by an amount that depends on the
+data the GEMMs switch (Horace He, "Strangely, matrix multiplications on GPUs run faster when given
+predictable data", 2024). No datasheet gives that sustained clock, so it is fitted here, as the one
+free parameter, to the nine published end-to-end runs: every row simulated as `validate_megatron`
+does (its TP/PP/DP, 1F1B, distributed optimizer, sequence parallelism, and the README's overlaps:
+`--overlap-grad-reduce --overlap-param-gather --tp-comm-overlap`), the fraction minimising the
+squared log error of predicted against published TFLOP/s per GPU. Leave-one-out: each row is also
+predicted by the fraction fitted on the other eight. The NeMo rows (bench/fidelity_nemo.py) are never
+used here: they are the out-of-sample check (FP8, Llama shapes, other layouts). The fitted value is
+what `frontends.catalog.SUSTAINED_PEAK_FRACTION` ships for the H100 SXM (and the H200 SXM, the same
+GH100 die under the same 700 W cap); rerun this after a change to the cost model and update it.
+
+Run: `.venv/bin/python bench/fit_sustained_clock.py` (about a minute); writes
+bench/results/sustained_clock.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from validate_megatron import ROWS, SEQ, VOCAB
+
+from tagplan.cost.baselines import megatron_plan
+from tagplan.cost.simulator import Simulator
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir.cluster import Cluster
+from tagplan.ir.workload import Workload
+
+DEVICE = "H100-SXM"
+BOUNDS = (0.5, 1.0)
+
+
+def _with_fraction(cluster: Cluster, fraction: float) -> Cluster:
+    nodes = tuple(n.model_copy(update={"device": n.device.model_copy(update={"sustained_peak_fraction": fraction})})
+                  if n.device.name == DEVICE else n for n in cluster.nodes)
+    return cluster.model_copy(update={"nodes": nodes})
+
+
+def _row_error(row: tuple[Any, ...], fraction: float) -> float:
+    """log(predicted / published TFLOP/s per GPU) of one table row at `fraction`."""
+    _name, heads, hidden, layers, tp, pp, _dp, gpus, batch, published = row
+    model = load_model(f"gpt?layers={layers}&hidden={hidden}&heads={heads}&vocab={VOCAB}", seq_len=SEQ)
+    cluster = _with_fraction(load_cluster(f"dgx-h100:nodes={gpus // 8}"), fraction)
+    sim = Simulator(model, cluster, Workload(global_batch=batch, seq_len=SEQ, tp_comm_overlap=True))
+    plan = megatron_plan(sim, tp=tp, pp=pp).plan
+    assert plan is not None
+    return math.log(sim.simulate(plan).tflops_per_device / published)
+
+
+def fit(rows: list[tuple[Any, ...]], tolerance: float = 1e-3) -> float:
+    """The fraction minimising the rows' summed squared log error (golden-section search; the loss is
+    unimodal in the fraction: a lower clock slows every row's compute monotonically)."""
+    def loss(f: float) -> float:
+        return sum(_row_error(r, f) ** 2 for r in rows)
+
+    g = (math.sqrt(5) - 1) / 2
+    a, b = BOUNDS
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = loss(c), loss(d)
+    while b - a > tolerance:
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = loss(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = loss(d)
+    return round((a + b) / 2, 3)
+
+
+def main() -> None:
+    fraction = fit(ROWS)
+    results: list[dict[str, Any]] = []
+    print(f"{'model':>6s} {'fitted error':>13s} {'held-out fraction':>18s} {'held-out error':>15s}")
+    for i, row in enumerate(ROWS):
+        held = fit([r for j, r in enumerate(ROWS) if j != i])
+        err, held_err = math.expm1(_row_error(row, fraction)), math.expm1(_row_error(row, held))
+        results.append({"model": row[0], "error": err, "held_out_fraction": held, "held_out_error": held_err})
+        print(f"{row[0]:>6s} {err:+13.1%} {held:18.3f} {held_err:+15.1%}")
+    held_abs = sorted(abs(r["held_out_error"]) for r in results)
+    summary = {"device": DEVICE, "sustained_peak_fraction": fraction, "rows": results,
+               "held_out_median_abs_error": held_abs[len(held_abs) // 2], "held_out_worst_abs_error": held_abs[-1]}
+    print(f"{DEVICE}: sustained_peak_fraction {fraction:.3f}; leave-one-out |error| median "
+          f"{summary['held_out_median_abs_error']:.1%}, worst {summary['held_out_worst_abs_error']:.1%}")
+    out = Path(__file__).parent / "results" / "sustained_clock.json"
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
