@@ -98,7 +98,8 @@ def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) ->
     else:
         when = "overlapped with the backward" if workload.grad_reduce_overlap else "after the backward"
     return (f"costed for: global batch {workload.global_batch}, sequence {workload.seq_len}, {workload.dtype.value}, "
-            f"{workload.optimizer.value}, gradients reduced in {reduce} {when}")
+            f"{workload.optimizer.value}, gradients reduced in {reduce} {when}"
+            + (", tensor-parallel collectives overlapped with compute" if workload.tp_comm_overlap else ""))
 
 
 def exporters_line(exporters: dict[str, str | None]) -> str:

@@ -6,8 +6,10 @@ in the same JSON shape and it replaces them.
 
 - Tensor-core GEMMs (bf16/fp16): cuBLAS reaches 75-80% of dense peak on large square GEMMs
   on A100 and H100 (NVIDIA's cuBLAS and Megatron-LM reports; 8192^3 bf16 on H100 SXM runs near
-  750-800 TFLOP/s), about 60% for a few GFLOP, and falls off steeply below 100 MFLOP where
-  launch and tail effects dominate. The curve is piecewise-linear in log10(FLOPs per call).
+  750-800 TFLOP/s in short benchmarks), about 60% for a few GFLOP, and falls off steeply below 100
+  MFLOP where launch and tail effects dominate. The curve is piecewise-linear in log10(FLOPs per
+  call). A device's `sustained_peak_fraction` scales the peak it applies to (T4, H100/H200 SXM: see
+  `frontends.catalog.SUSTAINED_PEAK_FRACTION`).
 - Fused attention (FlashAttention-2): 50-70% of peak forward and lower backward (Dao 2023); we
   use 0.85 x the GEMM curve, and the backward pass does 2.5x the forward FLOPs.
 - Memory-bound kernels (norms, pointwise, softmax): 80% of datasheet HBM bandwidth, as STREAM-

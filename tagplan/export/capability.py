@@ -34,6 +34,8 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
     exporter writes it, and the older `fp32_allreduce`, from `grad_reduce_dtype`).
     Where `fused_attention` is open, the torch program's attention (scaled_dot_product_attention) is
     fused on every device; Megatron and DeepSpeed keep each device's own (materialised before sm80).
+    Only Megatron-Core overlaps tensor-parallel collectives with compute (`tp_comm_overlap`, its
+    `--tp-comm-overlap`): the torch program and DeepSpeed are costed with every TP collective exposed.
     ExportError (a SpecError) for a `grad_reduce_dtype` the target cannot reduce in."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
@@ -50,6 +52,8 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
         update["grad_reduce_dtype"] = DType.FP32
     if fmt == "torch" and workload.fused_attention is None:  # SDPA's memory-efficient kernel from sm50
         update["fused_attention"] = True
+    if fmt != "megatron" and workload.tp_comm_overlap:
+        update["tp_comm_overlap"] = False
     return workload.model_copy(update=update) if update else workload
 
 

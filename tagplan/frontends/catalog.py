@@ -65,10 +65,11 @@ SUSTAINED_PEAK_FRACTION: dict[str, float] = {
     "T4": 0.51,
     # The H100 SXM's 700 W cap binds under bf16/fp8 training (the clock falls with the switching the
     # data causes; Horace He, "Strangely, matrix multiplications on GPUs run faster when given
-    # predictable data", 2024). No datasheet states the sustained clock: fitted by
-    # bench/fit_sustained_clock.py to the nine Megatron-Core H100 runs (leave-one-out |error| median
-    # 4.7%, worst 7.2%; bench/results/sustained_clock.json), the NeMo runs held out. The H200 SXM is the
-    # same GH100 die under the same 700 W cap.
+    # predictable data", 2024). No datasheet states the sustained clock, so this is an end-to-end factor
+    # on the tensor-core peak, fitted by bench/fit_sustained_clock.py to the nine Megatron-Core H100
+    # bf16 runs (leave-one-out |error| median 4.7%, worst 7.2%; bench/results/sustained_clock.json);
+    # it also absorbs what else the op model misses on H100 kernels. The NeMo fp8 runs are held out.
+    # The H200 SXM is the same GH100 die under the same 700 W cap.
     "H100-SXM": 0.815,
     "H200-SXM": 0.815,
 }

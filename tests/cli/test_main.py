@@ -169,3 +169,5 @@ def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
         "overlapped with the backward on stages [0], after it on stages [1]")
     assert workload_line(Workload(), {0: False}).endswith("after the backward")  # the runtime decided
     assert workload_line(Workload(grad_reduce_overlap=False)).endswith("after the backward")
+    assert workload_line(Workload(tp_comm_overlap=True)).endswith(
+        "overlapped with the backward, tensor-parallel collectives overlapped with compute")

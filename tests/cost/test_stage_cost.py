@@ -1,5 +1,7 @@
 from collections import Counter
 
+import pytest
+
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
@@ -105,40 +107,50 @@ def test_a_shared_simulator_gives_each_plan_what_a_fresh_one_gives() -> None:
         assert same[0] == same[1], (cluster_spec.name, pair)
 
 
-def _tp_costs(model: str, cluster: str, *, overlap: bool, tp: int = 8, recompute: bool = False) -> tuple[
-        Simulator, Stage]:
-    m = load_model(model, seq_len=2048)
+def _tp_costs(spec: str, cluster: str, *, overlap: bool, tp: int, recompute: bool) -> tuple[Simulator, Stage]:
+    m = load_model(spec, seq_len=2048)
     sim = Simulator(m, load_cluster(cluster), Workload(global_batch=8, seq_len=2048, tp_comm_overlap=overlap))
     return sim, Stage(layers=(0, len(m.layers)), devices=tuple(range(tp)), tp=tp, recompute=recompute)
 
 
-def test_tp_comm_overlap_hides_tp_collectives_under_compute_up_to_one_chunk() -> None:
-    from tagplan.cost.stage_cost import exposed_tp_s
+def test_tp_comm_overlap_exposes_per_block_what_its_compute_cannot_cover() -> None:
+    from tagplan.cost.stage_cost import CHECKPOINT_SKIPPED, exposed_tp_s
 
     spec = "gpt?layers=4&hidden=4096&heads=32&vocab=5000"
-    for recompute in (False, True):
-        sim, stage = _tp_costs(spec, "dgx-a100-80gb", overlap=False, recompute=recompute)
-        plain = sim.coster.replica(stage, 0, 1.0)
-        osim, _ = _tp_costs(spec, "dgx-a100-80gb", overlap=True, recompute=recompute)
-        over = osim.coster.replica(stage, 0, 1.0)
-        # compute is untouched; exposed TP time falls but never below one of the tp chunks
-        assert (over.forward_compute_s, over.backward_compute_s) == (plain.forward_compute_s, plain.backward_compute_s)
-        assert plain.forward_tp_s / 8 - 1e-12 <= over.forward_tp_s < plain.forward_tp_s
-        assert plain.backward_tp_s / 8 - 1e-12 <= over.backward_tp_s < plain.backward_tp_s
+    for cluster, tp in (("dgx-a100-80gb", 8), ("p3.8xlarge", 4)):  # NVSwitch; NVLink pairs over PCIe
+        for recompute in (False, True):
+            sim, stage = _tp_costs(spec, cluster, overlap=False, tp=tp, recompute=recompute)
+            plain = sim.coster.replica(stage, 0, 1.0)
+            osim, _ = _tp_costs(spec, cluster, overlap=True, tp=tp, recompute=recompute)
+            over = osim.coster.replica(stage, 0, 1.0)
+            assert (over.forward_compute_s, over.backward_compute_s) == (
+                plain.forward_compute_s, plain.backward_compute_s)
+            # block by block: forward comm under forward compute, backward under backward compute, and
+            # a recomputed block's replayed forward collectives exposed as in the forward
+            fwd = bwd = 0.0
+            for block_hash, count in osim.coster.units(stage):
+                sharded = osim.coster.sharded(block_hash, None)
+                t = osim.coster._block(block_hash, sharded, osim.coster.slowest(stage.devices), tp, 1.0, None)
+                comm_f, comm_b = osim.coster._tp(block_hash, sharded, stage.devices, 1.0, None)
+                f, b = exposed_tp_s(comm_f, t.forward_s, tp), exposed_tp_s(comm_b, t.backward_s, tp)
+                replay = recompute and osim.model.block_by_hash[block_hash].kind not in CHECKPOINT_SKIPPED
+                fwd += count * f
+                bwd += count * (b + (f if replay else 0.0))
+            assert over.forward_tp_s == fwd and over.backward_tp_s == bwd
+            assert plain.forward_tp_s / tp - 1e-12 <= over.forward_tp_s < plain.forward_tp_s
     # the rule itself: what the compute cannot cover, at least one chunk, nothing without a collective
     assert exposed_tp_s(3.0, 1.0, 4) == 2.0
     assert exposed_tp_s(1.0, 5.0, 4) == 0.25
     assert exposed_tp_s(0.0, 5.0, 4) == 0.0
 
 
-def test_tp_comm_overlap_changes_nothing_without_tensor_parallelism_and_is_slower_over_slow_links() -> None:
-    spec = "gpt?layers=4&hidden=4096&heads=32&vocab=5000"
-    sim, stage = _tp_costs(spec, "dgx-a100-80gb", overlap=False, tp=1)
-    osim, _ = _tp_costs(spec, "dgx-a100-80gb", overlap=True, tp=1)
-    assert osim.coster.replica(stage, 0, 1.0) == sim.coster.replica(stage, 0, 1.0)
-    # over PCIe the collectives outlast the compute: overlap hides at most the compute's length
-    sim, stage = _tp_costs(spec, "p3.8xlarge", overlap=False, tp=4)
-    osim, _ = _tp_costs(spec, "p3.8xlarge", overlap=True, tp=4)
-    plain, over = sim.coster.replica(stage, 0, 1.0), osim.coster.replica(stage, 0, 1.0)
-    assert over.forward_s >= max(plain.forward_tp_s, plain.forward_compute_s) - 1e-12
-    assert over.forward_s < plain.forward_s
+def test_tp_comm_overlap_shortens_the_simulated_iteration_by_the_tp_time_it_hides() -> None:
+    m = load_model("gpt?layers=4&hidden=4096&heads=32&vocab=5000", seq_len=2048)
+    cluster = load_cluster("dgx-a100-80gb")
+    plan = Plan(micro_batches=4, stages=(Stage(layers=(0, len(m.layers)), devices=tuple(range(8)), tp=8),))
+    reports = {flag: Simulator(m, cluster, Workload(global_batch=8, seq_len=2048, tp_comm_overlap=flag)).simulate(plan)
+               for flag in (False, True)}
+    off, on = reports[False].breakdown, reports[True].breakdown
+    assert on.compute == off.compute and 0.0 < on.tp_comm < off.tp_comm
+    saved = reports[False].iteration_time_s - reports[True].iteration_time_s
+    assert saved == pytest.approx(off.tp_comm - on.tp_comm, rel=1e-6)

@@ -87,6 +87,11 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     assert runtime_workload("megatron", bf16).grad_reduce_dtype is DType.FP32
     assert runtime_workload("megatron", fp16).grad_reduce_dtype is None
     assert runtime_workload("deepspeed", bf16).grad_reduce_dtype is None
+    # only Megatron-Core overlaps TP collectives with compute
+    overlapped = bf16.model_copy(update={"tp_comm_overlap": True})
+    assert runtime_workload("megatron", overlapped).tp_comm_overlap is True
+    assert runtime_workload("torch", overlapped).tp_comm_overlap is False
+    assert runtime_workload("deepspeed", overlapped).tp_comm_overlap is False
     # what the user set stays
     told = bf16.model_copy(update={"grad_reduce_dtype": DType.BF16})
     with pytest.raises(ExportError, match="grad_reduce_dtype=bf16"):  # the torch program reduces in fp32 only
