@@ -31,24 +31,17 @@ from tagplan.cost.baselines import megatron_plan
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
-from tagplan.ir.cluster import Cluster
 from tagplan.ir.workload import Workload
 
 DEVICE = "H100-SXM"
 BOUNDS = (0.5, 1.0)
 
 
-def _with_fraction(cluster: Cluster, fraction: float) -> Cluster:
-    nodes = tuple(n.model_copy(update={"device": n.device.model_copy(update={"sustained_peak_fraction": fraction})})
-                  if n.device.name == DEVICE else n for n in cluster.nodes)
-    return cluster.model_copy(update={"nodes": nodes})
-
-
 def _row_error(row: tuple[Any, ...], fraction: float) -> float:
     """log(predicted / published TFLOP/s per GPU) of one table row at `fraction`."""
     _name, heads, hidden, layers, tp, pp, _dp, gpus, batch, published = row
     model = load_model(f"gpt?layers={layers}&hidden={hidden}&heads={heads}&vocab={VOCAB}", seq_len=SEQ)
-    cluster = _with_fraction(load_cluster(f"dgx-h100:nodes={gpus // 8}"), fraction)
+    cluster = load_cluster(f"dgx-h100:nodes={gpus // 8}").with_device_figures(DEVICE, sustained_peak_fraction=fraction)
     sim = Simulator(model, cluster, Workload(global_batch=batch, seq_len=SEQ, tp_comm_overlap=True))
     plan = megatron_plan(sim, tp=tp, pp=pp).plan
     assert plan is not None

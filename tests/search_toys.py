@@ -1,12 +1,10 @@
-"""Toy decision processes (and a cluster helper) the search tests share (`from search_toys import
-Digits`; tests/ is on the test path: pyproject's `pythonpath`)."""
+"""Toy decision processes the search tests share (`from search_toys import Digits`; tests/ is on the
+test path: pyproject's `pythonpath`)."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-
-from tagplan.ir.cluster import Cluster
 
 Digits_ = tuple[int, ...]
 
@@ -32,11 +30,3 @@ class Digits:
 
     def leaves(self) -> list[Digits_]:
         return list(itertools.product(range(self.base), repeat=self.length))
-
-
-def at_boost_clock(cluster: Cluster, device: str = "H100-SXM") -> Cluster:
-    """`cluster` with `device` at the boost clock its datasheet peak assumes (sustained fraction 1), to
-    keep a search test's constructed instance independent of the catalog's fitted sustained clock."""
-    nodes = tuple(n.model_copy(update={"device": n.device.model_copy(update={"sustained_peak_fraction": 1.0})})
-                  if n.device.name == device else n for n in cluster.nodes)
-    return cluster.model_copy(update={"nodes": nodes})

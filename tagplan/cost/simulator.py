@@ -533,10 +533,7 @@ def attention_cluster(cluster: Cluster, fused: bool | None) -> Cluster:
     """`cluster` with every device's attention kernel set to `fused` (None: as each device has it)."""
     if fused is None or all(n.device.fused_attention is fused for n in cluster.nodes):
         return cluster
-    data = cluster.model_dump()
-    for node in data["nodes"]:
-        node["device"]["fused_attention"] = fused
-    return Cluster.model_validate(data)
+    return cluster.with_device_figures(fused_attention=fused)
 
 
 def _exposed_p2p_s(timings: list[StageTiming], micro_batches: int) -> float:

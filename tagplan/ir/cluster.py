@@ -43,8 +43,8 @@ class DeviceSpec(Record):
                                          "unsupported")
     sustained_peak_fraction: float = Field(
         default=1.0, gt=0, le=1, description="clock a continuous training load sustains over the boost clock the "
-        "datasheet peak assumes, where the board's power cap binds (T4); scales all tensor-core work; 1 where "
-        "none binds")
+        "datasheet peak assumes, where the board's power cap binds (T4; H100/H200 SXM, fitted); scales all "
+        "tensor-core work; 1 where none binds")
     fused_attention: bool = Field(default=True, description="a fused attention kernel (FlashAttention-2, cuDNN) runs "
                                   "here; False on NVIDIA GPUs before sm80 (V100, T4), where attention materialises "
                                   "its score matrix")
@@ -168,6 +168,18 @@ class Cluster(Record):
     @cached_property
     def _links(self) -> dict[tuple[int, int], Link]:
         return {}
+
+    def with_device_figures(self, device: str | None = None, **figures: object) -> Cluster:
+        """This cluster with `figures` (DeviceSpec fields) replaced on every device of type `device`
+        (None: on every device), validated as any DeviceSpec is; links stay as they are. ValueError
+        naming a field DeviceSpec does not have."""
+        unknown = sorted(set(figures) - set(DeviceSpec.model_fields))
+        if unknown:
+            raise ValueError(f"with_device_figures: {', '.join(unknown)} not a DeviceSpec field; accepted: "
+                             f"{', '.join(DeviceSpec.model_fields)}")
+        nodes = tuple(n.model_copy(update={"device": DeviceSpec.model_validate({**n.device.model_dump(), **figures})})
+                      if device is None or n.device.name == device else n for n in self.nodes)
+        return self.model_copy(update={"nodes": nodes})
 
     def link(self, a: int, b: int) -> Link:
         """The connection between devices `a` and `b` (unidirectional bandwidth, latency); memoised

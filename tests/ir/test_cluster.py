@@ -75,3 +75,19 @@ def test_copies_recompute_derived_tables_and_revalidate() -> None:
     assert bigger.num_devices == 6 and cluster.num_devices == 4
     with pytest.raises(ValidationError, match="gpus"):
         node.model_copy(update={"gpus": -1})
+
+
+def test_with_device_figures_replaces_figures_of_one_device_type_validated() -> None:
+    cluster = Cluster(name="mix", nodes=(
+        Node(name="a", device=FAST, gpus=2, fabric=LinkKind.NVSWITCH, fabric_bandwidth_Bps=2e11),
+        Node(name="b", device=OLD, gpus=2, fabric_bandwidth_Bps=1e10)))
+    _ = cluster.devices, cluster.link(0, 2)  # cached figures must not survive the copy
+    slowed = cluster.with_device_figures("FAST", sustained_peak_fraction=0.8)
+    assert [d.spec.sustained_peak_fraction for d in slowed.devices] == [0.8, 0.8, 1.0, 1.0]
+    assert [d.spec.sustained_peak_fraction for d in cluster.devices] == [1.0] * 4  # the original is untouched
+    assert slowed.link(0, 2) == cluster.link(0, 2)  # links stay as they are
+    assert all(not d.spec.fused_attention for d in cluster.with_device_figures(fused_attention=False).devices)
+    with pytest.raises(ValueError, match="clock_MHz not a DeviceSpec field; accepted: name, "):
+        cluster.with_device_figures("FAST", clock_MHz=1500)
+    with pytest.raises(ValidationError, match="sustained_peak_fraction"):
+        cluster.with_device_figures("FAST", sustained_peak_fraction=1.5)

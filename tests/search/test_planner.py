@@ -1,7 +1,6 @@
 import json
 
 import pytest
-from search_toys import at_boost_clock
 
 from tagplan.cli import main
 from tagplan.frontends.cluster_spec import load_cluster
@@ -185,8 +184,8 @@ def test_a_learned_correction_reranks_the_final_candidates() -> None:
 ])
 def test_more_evaluations_never_give_a_slower_plan(model: str, cluster: str, batch: int, seq: int) -> None:
     # the H100 at its boost clock: an instance where each budget step buys a better plan
-    args = (load_model(model, seq_len=seq), at_boost_clock(load_cluster(cluster)),
-            Workload(global_batch=batch, seq_len=seq))
+    at_boost_clock = load_cluster(cluster).with_device_figures("H100-SXM", sustained_peak_fraction=1.0)
+    args = (load_model(model, seq_len=seq), at_boost_clock, Workload(global_batch=batch, seq_len=seq))
     times = []
     for evaluations in (50, 100, 200, 400):
         result = _plan(*args, max_evaluations=evaluations, budget_s=600)

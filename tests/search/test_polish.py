@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 
 import pytest
-from search_toys import Digits, Digits_, at_boost_clock
+from search_toys import Digits, Digits_
 
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
@@ -122,8 +122,9 @@ def test_evaluations_with_polish_are_a_prefix_of_a_larger_budgets(budget: int) -
 
 
 def space(model: str, cluster: str, batch: int, seq: int) -> PlanSpace:
-    return PlanSpace(Simulator(load_model(model, seq_len=seq), at_boost_clock(load_cluster(cluster)),
-                               Workload(global_batch=batch, seq_len=seq)))
+    at_boost_clock = load_cluster(cluster).with_device_figures("H100-SXM", sustained_peak_fraction=1.0)
+    workload = Workload(global_batch=batch, seq_len=seq)
+    return PlanSpace(Simulator(load_model(model, seq_len=seq), at_boost_clock, workload))
 
 
 def test_plan_neighbours_are_other_plans_one_decision_away() -> None:
