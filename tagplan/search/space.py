@@ -198,7 +198,10 @@ class PlanSpace:
         return state.memory is not None
 
     def complete(self, state: PlanState) -> PlanState:
-        """The default policy: take each remaining decision's first (most natural) candidate."""
+        """The default policy: take each remaining decision's first (most natural) candidate; a
+        stage's TP just large enough for its weights (`_default_tp`), and the first memory option
+        whose plan fits (`_default_memory`): a rollout is a plan that runs wherever one of the
+        options makes it fit."""
         while not self.is_terminal(state):
             options = self.actions(state)
             if not options:
@@ -295,6 +298,16 @@ class PlanSpace:
     def _default(self, state: PlanState, options: list[Action]) -> Action:
         if state.groups is not None and len(state.tps) < len(state.groups):
             return self._default_tp(state, options)
+        if options[0].field == "memory":
+            return self._default_memory(state, options)
+        return options[0]
+
+    def _default_memory(self, state: PlanState, options: list[Action]) -> Action:
+        """The first memory option (the cheapest in time first) whose plan fits, by the closed-form
+        memory check (`Simulator.fits`, no timing); the first option when none fits."""
+        for option in options:
+            if self.sim.fits(self.to_plan(replace(state, memory=option.value))):
+                return option
         return options[0]
 
     def _default_tp(self, state: PlanState, options: list[Action]) -> Action:

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
@@ -5,7 +7,7 @@ from tagplan.ir import Workload
 from tagplan.ir.plan import check_whole_samples
 from tagplan.search.exhaustive import terminals
 from tagplan.search.groups import partitions, tp_options
-from tagplan.search.space import PlanSpace, PlanState, apportion, divisors
+from tagplan.search.space import MEMORY_OPTIONS, PlanSpace, PlanState, apportion, divisors
 
 
 def space(model: str, cluster: str, batch: int = 8, seq: int = 128) -> PlanSpace:
@@ -89,3 +91,20 @@ def test_interleaved_plans_are_proposed_and_valid() -> None:
     assert plan.schedule.value == "interleaved_1f1b" and len(plan.stages) == 4
     assert plan.stages[0].devices == plan.stages[2].devices != plan.stages[1].devices
     sp.sim.simulate(plan)  # valid and simulable
+
+
+def test_default_completion_takes_the_first_memory_option_that_fits() -> None:
+    # Llama-2-70B on two A100 nodes fits only with recompute and ZeRO-3: the rollout must say so, not
+    # complete every plan with the first option (ZeRO-1, no recompute) and value it as not fitting
+    sp = space("llama2-70b", "dgx-a100-80gb:nodes=2", batch=16, seq=4096)
+    done = sp.complete(PlanState())
+    fits = [sp.sim.fits(sp.to_plan(replace(done, memory=m))) for m in MEMORY_OPTIONS]
+    assert done.memory != MEMORY_OPTIONS[0] and True in fits
+    assert done.memory == MEMORY_OPTIONS[fits.index(True)]  # the cheapest option that fits, by its order
+
+
+def test_default_completion_keeps_the_first_memory_option_when_none_fits() -> None:
+    sp = space("gpt3-13b", "p3.8xlarge", batch=8, seq=2048)  # 13B on four 16 GB V100s
+    done = sp.complete(PlanState())
+    assert not any(sp.sim.fits(sp.to_plan(replace(done, memory=m))) for m in MEMORY_OPTIONS)
+    assert done.memory == MEMORY_OPTIONS[0]
