@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
-from typing import Any
+from typing import Any, cast
 
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.cluster import Cluster
@@ -306,7 +306,8 @@ class PlanSpace:
         """The first memory option (the cheapest in time first) whose plan fits, by the closed-form
         memory check (`Simulator.fits`, no timing); the first option when none fits."""
         for option in options:
-            if self.sim.fits(self.to_plan(replace(state, memory=option.value))):
+            memory = cast(tuple[bool, int], option.value)
+            if self.sim.fits(self.to_plan(replace(state, memory=memory))):
                 return option
         return options[0]
 
