@@ -47,6 +47,9 @@ def add_export_commands(sub: Subparsers) -> None:
     exp.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value,
                      help="the optimizer the plan was costed with (torch program)")
     add_grad_reduce_options(exp, costed=True)
+    exp.add_argument("--tp-comm-overlap", action="store_true",
+                     help="the plan was costed with tensor-parallel collectives overlapped (plan --tp-comm-overlap): "
+                          "Megatron-LM writes --tp-comm-overlap; the torch and deepspeed formats refuse a tp > 1 plan")
     exp.add_argument("--out", required=True, help="directory to write")
     add_json_option(exp, "the format, the files written and the gradient reduction written")
     exp.set_defaults(func=_export)
@@ -89,7 +92,8 @@ def _export(args: argparse.Namespace) -> int:
     reduce_dtype = DType(args.grad_reduce_dtype) if args.grad_reduce_dtype else None
     written = export(spec, plan, Path(args.out), fmt=args.fmt, seq_len=args.seq, global_batch=args.batch,
                      cluster=cluster, dtype=dtype, optimizer=Optimizer(args.optimizer),
-                     grad_reduce_dtype=reduce_dtype, grad_reduce_overlap=args.grad_reduce_overlap)
+                     grad_reduce_dtype=reduce_dtype, grad_reduce_overlap=args.grad_reduce_overlap,
+                     tp_comm_overlap=args.tp_comm_overlap)
     reduce = grad_reduce_settings(plan, fmt=args.fmt, dtype=dtype, cluster=cluster, grad_reduce_dtype=reduce_dtype,
                                   grad_reduce_overlap=args.grad_reduce_overlap)
     emit({"format": args.fmt, "files": [str(p) for p in written], "grad_reduce": reduce.as_json()}, args.json,

@@ -9,7 +9,10 @@ different plan. The torch writer is imported on first use: it imports torch.
 
 The gradient reduction the plan was costed with (`Workload.grad_reduce_dtype`, `grad_reduce_overlap`)
 is written as each format's runtime takes it; `grad_reduce_settings` says what was written and
-where the run will differ from the costing (`checks.GradReduce`).
+where the run will differ from the costing (`checks.GradReduce`). A plan costed with its
+tensor-parallel collectives overlapped (`Workload.tp_comm_overlap`) exports only to Megatron-LM
+(`--tp-comm-overlap`): the torch program and DeepSpeed run every TP collective exposed, so they
+refuse such a plan with tp > 1 rather than run it slower than predicted.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Literal
 
 from tagplan.errors import SpecError, unknown
 from tagplan.export import deepspeed, megatron
-from tagplan.export.checks import GradReduce, check_reduce_dtype, validate
+from tagplan.export.checks import GradReduce, check_reduce_dtype, refuse, validate
 from tagplan.export.deepspeed import write_deepspeed
 from tagplan.export.megatron import model_config_from_spec, write_megatron
 from tagplan.export.shapes import parsed
@@ -35,15 +38,16 @@ FORMATS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
 def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Format, seq_len: int | None,
            global_batch: int, cluster: Cluster | None = None, dtype: DType = DType.BF16,
            optimizer: Optimizer = Optimizer.ADAM, grad_reduce_dtype: DType | None = None,
-           grad_reduce_overlap: bool = True) -> list[Path]:
+           grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False) -> list[Path]:
     """Write `plan` for `model_spec` (a SPEC string or a parsed ModelSpec) in format `fmt` under
     `out_dir`; returns the paths written.
 
     The model is built at `seq_len` (None: its own) and the plan checked against it (and against
     `cluster`'s devices when given) before any file is written; `cluster` also orders the torch
     program's nodes and names their GPU types. `dtype`, `optimizer`, `grad_reduce_dtype` (None: the
-    runtime's own) and `grad_reduce_overlap`: as the plan was costed (`grad_reduce_settings` says
-    how they were written). ExportError when the format cannot express the plan; SpecError for bad input.
+    runtime's own), `grad_reduce_overlap` and `tp_comm_overlap`: as the plan was costed
+    (`grad_reduce_settings` says how the reduction was written). ExportError when the format cannot
+    express the plan or run it as costed; SpecError for bad input.
     """
     if fmt not in FORMATS:
         raise unknown("export format", str(fmt), list(FORMATS))
@@ -53,6 +57,11 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
     spec = parsed(model_spec)
     model = build_model(spec, seq_len=seq_len, dtype=dtype)
     validate(plan, model, cluster)
+    if tp_comm_overlap and fmt != "megatron" and any(s.tp > 1 for s in plan.stages):
+        raise refuse(fmt, "tp_comm_overlap = true: the plan was costed with its tensor-parallel collectives "
+                          f"overlapped with compute, which only Megatron-LM runs (--tp-comm-overlap); the {fmt} "
+                          "runtime runs them exposed, slower than predicted. Export with fmt='megatron', or re-plan "
+                          f"without the overlap (plan --exportable {fmt} does)")
     seq = model.seq_len
     if fmt == "torch":
         from tagplan.export.torch_program import write_torch_program  # imports torch
@@ -64,7 +73,8 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
     if fmt == "megatron":
         config = model_config_from_spec(spec)
         return write_megatron(model, plan, out_dir, global_batch=global_batch, seq_len=seq, model_config=config,
-                              grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
+                              grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
+                              tp_comm_overlap=tp_comm_overlap)
     return write_deepspeed(model, plan, out_dir, global_batch=global_batch, seq_len=seq,
                            grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
 

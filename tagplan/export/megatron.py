@@ -27,6 +27,10 @@ reduces bf16 and fp8 runs in fp32 (it sets `--accumulate-allreduce-grads-in-fp32
 others in their own dtype; any other pairing is refused (Megatron reduces in the parameters' dtype
 or fp32).
 
+Tensor-parallel communication as costed: `--tp-comm-overlap` (Transformer Engine's userbuffer
+overlap of the TP collectives with the GEMMs beside them; it needs `--sequence-parallel`, which every
+tp > 1 export sets) when the plan was costed with `Workload.tp_comm_overlap` and tp > 1.
+
 The flag spellings follow NVIDIA/Megatron-LM `megatron/training/arguments.py`; the simulator's
 assumptions (sequence parallelism with TP, the costed gradient reduction) are switched on so the
 run matches the prediction.
@@ -90,13 +94,14 @@ def model_config_from_spec(spec: str | ModelSpec) -> dict[str, Any]:
 
 def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int,
                        model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
-                       grad_reduce_overlap: bool = True) -> list[str]:
+                       grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False) -> list[str]:
     """The Megatron-LM command-line arguments (flags and values, in order) that run `plan`.
 
     `model_config` is `model_config_from_spec`'s dict (None: derived from `model.name`, which is
     the SPEC for zoo and parametric models). `grad_reduce_dtype` and `grad_reduce_overlap`: the
-    gradient reduction as costed (None: Megatron's own dtype). ExportError when Megatron-LM cannot
-    express the plan or the reduction.
+    gradient reduction as costed (None: Megatron's own dtype); `tp_comm_overlap`: the TP collectives
+    as costed (`Workload.tp_comm_overlap`). ExportError when Megatron-LM cannot express the plan or
+    the reduction.
     """
     validate(plan, model)
     check_reduce_dtype(grad_reduce_dtype)
@@ -114,6 +119,8 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     args += _split_args(counts, pp, chunks)
     if tp > 1:
         args.append("--sequence-parallel")  # the cost model's TP layout (tagplan.cost.sharding.BOUNDARY)
+        if tp_comm_overlap:
+            args.append("--tp-comm-overlap")  # as costed (cost.stage_cost.exposed_tp_s); needs --sequence-parallel
     args += _model_args(family, shape, seq_len)
     args += ["--micro-batch-size", str(mbs), "--global-batch-size", str(global_batch)]
     args += _recompute_args(plan)
@@ -128,10 +135,11 @@ def uses_megatron_fsdp(plan: Plan) -> bool:
 
 def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int,
                    model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
-                   grad_reduce_overlap: bool = True) -> list[Path]:
+                   grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False) -> list[Path]:
     """Write `megatron_args.txt` (one flag per line) and `launch.sh` under `out_dir`; returns both."""
     args = megatron_arguments(model, plan, global_batch=global_batch, seq_len=seq_len, model_config=model_config,
-                              grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
+                              grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
+                              tp_comm_overlap=tp_comm_overlap)
     out_dir.mkdir(parents=True, exist_ok=True)
     args_path, launch_path = out_dir / "megatron_args.txt", out_dir / "launch.sh"
     args_path.write_text(_one_flag_per_line(args))

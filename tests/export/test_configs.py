@@ -327,3 +327,28 @@ def test_megatron_fsdp_zero3_always_overlaps_its_gathers(gpt3: ModelGraph) -> No
     said = megatron_grad_reduce(plan, DType.BF16, grad_reduce_overlap=False)
     assert said.overlap is True and "faster than predicted" in said.notes[0]  # the run differs from the costing
     assert megatron_grad_reduce(all_stages(plan, zero=2), DType.BF16, grad_reduce_overlap=False).notes == ()
+
+
+def test_tp_comm_overlap_is_written_for_megatron_where_tp_splits_the_model(gpt3: ModelGraph) -> None:
+    plan = pipeline([12] * 8, tp=8)
+    args = megatron_arguments(gpt3, plan, global_batch=1536, seq_len=2048, tp_comm_overlap=True)
+    assert args[:4] == ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8"]
+    assert args.index("--tp-comm-overlap") == args.index("--sequence-parallel") + 1  # Megatron needs both
+    assert "--tp-comm-overlap" not in megatron_arguments(gpt3, plan, global_batch=1536, seq_len=2048)
+    one = pipeline([12] * 8, tp=1)  # no TP collectives: nothing to overlap, nothing written
+    assert "--tp-comm-overlap" not in megatron_arguments(gpt3, one, global_batch=1536, seq_len=2048,
+                                                         tp_comm_overlap=True)
+
+
+def test_export_refuses_tp_comm_overlap_where_the_runtime_runs_tp_exposed(tmp_path: Path) -> None:
+    tp2 = pipeline([12], tp=2, dp=1, micro_batches=4)  # gpt3-125m: 12 blocks on one stage of tp 2
+    with pytest.raises(ExportError, match=r"^torch: tp_comm_overlap = true.*fmt='megatron'"):
+        export("gpt3-125m", tp2, tmp_path / "t", fmt="torch", seq_len=None, global_batch=64, tp_comm_overlap=True)
+    assert not (tmp_path / "t").exists()
+    paths = export("gpt3-125m", tp2, tmp_path / "m", fmt="megatron", seq_len=None, global_batch=64,
+                   tp_comm_overlap=True)
+    assert "--tp-comm-overlap" in paths[0].read_text().splitlines()
+    # without tensor parallelism there is nothing the overlap would change: every format exports
+    written = export("gpt3-125m", ds_plan(), tmp_path / "d", fmt="deepspeed", seq_len=None, global_batch=64,
+                     tp_comm_overlap=True)
+    assert [p.name for p in written] == ["ds_config.json", "partition.json"]
