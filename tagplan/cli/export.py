@@ -49,7 +49,8 @@ def add_export_commands(sub: Subparsers) -> None:
     add_grad_reduce_options(exp, costed=True)
     exp.add_argument("--tp-comm-overlap", action="store_true",
                      help="the plan was costed with tensor-parallel collectives overlapped (plan --tp-comm-overlap): "
-                          "Megatron-LM writes --tp-comm-overlap; the torch and deepspeed formats refuse a tp > 1 plan")
+                          "Megatron-LM writes --tp-comm-overlap; the torch program runs them exposed (noted: slower "
+                          "than predicted)")
     exp.add_argument("--out", required=True, help="directory to write")
     add_json_option(exp, "the format, the files written and the gradient reduction written")
     exp.set_defaults(func=_export)
@@ -81,7 +82,7 @@ def add_export_commands(sub: Subparsers) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tagplan.export.dispatch import export, grad_reduce_settings
+    from tagplan.export.dispatch import export, grad_reduce_settings, tp_comm_notes
     from tagplan.frontends.model_spec import parse_model_spec
     from tagplan.frontends.plan_file import load_plan
 
@@ -96,8 +97,11 @@ def _export(args: argparse.Namespace) -> int:
                      tp_comm_overlap=args.tp_comm_overlap)
     reduce = grad_reduce_settings(plan, fmt=args.fmt, dtype=dtype, cluster=cluster, grad_reduce_dtype=reduce_dtype,
                                   grad_reduce_overlap=args.grad_reduce_overlap)
-    emit({"format": args.fmt, "files": [str(p) for p in written], "grad_reduce": reduce.as_json()}, args.json,
-         _export_text)
+    overlapped = args.tp_comm_overlap and args.fmt == "megatron" and any(s.tp > 1 for s in plan.stages)
+    tp_comm = {"overlapped": overlapped,
+               "notes": list(tp_comm_notes(plan, fmt=args.fmt, tp_comm_overlap=args.tp_comm_overlap))}
+    emit({"format": args.fmt, "files": [str(p) for p in written], "grad_reduce": reduce.as_json(), "tp_comm": tp_comm},
+         args.json, _export_text)
     return 0
 
 
@@ -106,7 +110,11 @@ def _export_text(result: dict[str, Any]) -> str:
     scripts = [f for f in result["files"] if Path(f).name.startswith("launch_node")]
     if len(scripts) > 1:
         lines.append(f"start {Path(scripts[0]).name} on the node that runs stage 0 (MASTER_ADDR), then the others")
-    return "\n".join(lines + _reduce_lines(result["grad_reduce"]))
+    tp_comm = result["tp_comm"]
+    overlap = ["tensor-parallel collectives: overlapped with compute (--tp-comm-overlap written)"] \
+        if tp_comm["overlapped"] else []
+    return "\n".join(lines + _reduce_lines(result["grad_reduce"]) + overlap
+                     + [f"note: {n}" for n in tp_comm["notes"]])
 
 
 def _reduce_lines(reduce: dict[str, Any]) -> list[str]:

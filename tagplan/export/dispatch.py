@@ -9,10 +9,10 @@ different plan. The torch writer is imported on first use: it imports torch.
 
 The gradient reduction the plan was costed with (`Workload.grad_reduce_dtype`, `grad_reduce_overlap`)
 is written as each format's runtime takes it; `grad_reduce_settings` says what was written and
-where the run will differ from the costing (`checks.GradReduce`). A plan costed with its
-tensor-parallel collectives overlapped (`Workload.tp_comm_overlap`) exports only to Megatron-LM
-(`--tp-comm-overlap`): the torch program and DeepSpeed run every TP collective exposed, so they
-refuse such a plan with tp > 1 rather than run it slower than predicted.
+where the run will differ from the costing (`checks.GradReduce`). Tensor-parallel collectives
+costed as overlapped with compute (`Workload.tp_comm_overlap`) are written for Megatron-LM
+(`--tp-comm-overlap`); the torch program runs them exposed, which `tp_comm_notes` says (slower
+than predicted, as for a gradient reduction costed overlapped that a runtime does not overlap).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Literal
 
 from tagplan.errors import SpecError, unknown
 from tagplan.export import deepspeed, megatron
-from tagplan.export.checks import GradReduce, check_reduce_dtype, refuse, validate
+from tagplan.export.checks import GradReduce, check_reduce_dtype, validate
 from tagplan.export.deepspeed import write_deepspeed
 from tagplan.export.megatron import model_config_from_spec, write_megatron
 from tagplan.export.shapes import parsed
@@ -46,8 +46,8 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
     `cluster`'s devices when given) before any file is written; `cluster` also orders the torch
     program's nodes and names their GPU types. `dtype`, `optimizer`, `grad_reduce_dtype` (None: the
     runtime's own), `grad_reduce_overlap` and `tp_comm_overlap`: as the plan was costed
-    (`grad_reduce_settings` says how the reduction was written). ExportError when the format cannot
-    express the plan or run it as costed; SpecError for bad input.
+    (`grad_reduce_settings` and `tp_comm_notes` say how they were written). ExportError when the
+    format cannot express the plan; SpecError for bad input.
     """
     if fmt not in FORMATS:
         raise unknown("export format", str(fmt), list(FORMATS))
@@ -57,11 +57,6 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
     spec = parsed(model_spec)
     model = build_model(spec, seq_len=seq_len, dtype=dtype)
     validate(plan, model, cluster)
-    if tp_comm_overlap and fmt != "megatron" and any(s.tp > 1 for s in plan.stages):
-        raise refuse(fmt, "tp_comm_overlap = true: the plan was costed with its tensor-parallel collectives "
-                          f"overlapped with compute, which only Megatron-LM runs (--tp-comm-overlap); the {fmt} "
-                          "runtime runs them exposed, slower than predicted. Export with fmt='megatron', or re-plan "
-                          f"without the overlap (plan --exportable {fmt} does)")
     seq = model.seq_len
     if fmt == "torch":
         from tagplan.export.torch_program import write_torch_program  # imports torch
@@ -93,3 +88,16 @@ def grad_reduce_settings(plan: Plan, *, fmt: Format, dtype: DType = DType.BF16, 
                            grad_reduce_overlap=grad_reduce_overlap)
     writer = megatron if fmt == "megatron" else deepspeed
     return writer.grad_reduce(plan, dtype, grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
+
+
+def tp_comm_notes(plan: Plan, *, fmt: Format, tp_comm_overlap: bool) -> tuple[str, ...]:
+    """Where `export` (same arguments) makes the run's tensor-parallel collectives differ from a
+    costing that overlapped them with compute: only Megatron-LM overlaps them (`--tp-comm-overlap`,
+    written for tp > 1); the other runtimes run them exposed. Empty when the run matches the costing."""
+    if fmt not in FORMATS:
+        raise unknown("export format", str(fmt), list(FORMATS))
+    if not tp_comm_overlap or fmt == "megatron" or all(s.tp == 1 for s in plan.stages):
+        return ()
+    return (f"the plan was costed with its tensor-parallel collectives overlapped with compute (--tp-comm-overlap), "
+            f"which only Megatron-LM runs; the {fmt} runtime runs them exposed, so the run will be slower than "
+            f"predicted (plan --exportable {fmt} costs them as {fmt} runs them)",)

@@ -303,12 +303,18 @@ class PlanSpace:
         return options[0]
 
     def _default_memory(self, state: PlanState, options: list[Action]) -> Action:
-        """The first memory option (the cheapest in time first) whose plan fits, by the closed-form
-        memory check (`Simulator.fits`, no timing); the first option when none fits."""
+        """The first memory option, in `MEMORY_OPTIONS` order (no recompute before recompute, ZeRO-1
+        first), whose plan fits by the closed-form memory check (`Simulator.fits`, no timing); each
+        distinct plan checked once (without data parallelism the ZeRO stages are one plan); the first
+        option when none fits."""
+        checked: set[tuple[object, ...]] = set()
         for option in options:
-            memory = cast(tuple[bool, int], option.value)
-            if self.sim.fits(self.to_plan(replace(state, memory=memory))):
-                return option
+            candidate = replace(state, memory=cast(tuple[bool, int], option.value))
+            key = self.plan_key(candidate)
+            if key not in checked:
+                checked.add(key)
+                if self.sim.fits(self.to_plan(candidate)):
+                    return option
         return options[0]
 
     def _default_tp(self, state: PlanState, options: list[Action]) -> Action:

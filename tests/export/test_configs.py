@@ -16,6 +16,7 @@ import pytest
 from tagplan.errors import SpecError
 from tagplan.export import ExportError, export
 from tagplan.export.deepspeed import deepspeed_config, deepspeed_partition
+from tagplan.export.dispatch import tp_comm_notes
 from tagplan.export.megatron import grad_reduce as megatron_grad_reduce
 from tagplan.export.megatron import megatron_arguments, model_config_from_spec
 from tagplan.frontends.cluster_spec import load_cluster
@@ -340,15 +341,16 @@ def test_tp_comm_overlap_is_written_for_megatron_where_tp_splits_the_model(gpt3:
                                                          tp_comm_overlap=True)
 
 
-def test_export_refuses_tp_comm_overlap_where_the_runtime_runs_tp_exposed(tmp_path: Path) -> None:
+def test_tp_comm_overlap_exports_everywhere_and_notes_the_runtimes_that_run_it_exposed(tmp_path: Path) -> None:
     tp2 = pipeline([12], tp=2, dp=1, micro_batches=4)  # gpt3-125m: 12 blocks on one stage of tp 2
-    with pytest.raises(ExportError, match=r"^torch: tp_comm_overlap = true.*fmt='megatron'"):
-        export("gpt3-125m", tp2, tmp_path / "t", fmt="torch", seq_len=None, global_batch=64, tp_comm_overlap=True)
-    assert not (tmp_path / "t").exists()
     paths = export("gpt3-125m", tp2, tmp_path / "m", fmt="megatron", seq_len=None, global_batch=64,
                    tp_comm_overlap=True)
     assert "--tp-comm-overlap" in paths[0].read_text().splitlines()
-    # without tensor parallelism there is nothing the overlap would change: every format exports
-    written = export("gpt3-125m", ds_plan(), tmp_path / "d", fmt="deepspeed", seq_len=None, global_batch=64,
-                     tp_comm_overlap=True)
-    assert [p.name for p in written] == ["ds_config.json", "partition.json"]
+    assert tp_comm_notes(tp2, fmt="megatron", tp_comm_overlap=True) == ()
+    # the torch program runs TP collectives exposed: it exports (as gradient reductions it cannot
+    # overlap), and the note says the run will be slower than predicted
+    export("gpt3-125m", tp2, tmp_path / "t", fmt="torch", seq_len=None, global_batch=64, tp_comm_overlap=True)
+    note, = tp_comm_notes(tp2, fmt="torch", tp_comm_overlap=True)
+    assert "torch runtime runs them exposed" in note and "slower than predicted" in note
+    assert tp_comm_notes(tp2, fmt="torch", tp_comm_overlap=False) == ()
+    assert tp_comm_notes(ds_plan(), fmt="deepspeed", tp_comm_overlap=True) == ()  # no TP: nothing differs

@@ -103,6 +103,21 @@ def test_default_completion_takes_the_first_memory_option_that_fits() -> None:
     assert done.memory == MEMORY_OPTIONS[fits.index(True)]  # the cheapest option that fits, by its order
 
 
+def test_default_completion_prefers_the_earlier_of_several_memory_options_that_fit() -> None:
+    # Llama-2-7B on eight 40 GB A100s at tp 1: ZeRO-1's replicated weights and gradients do not fit,
+    # ZeRO-2 and everything after it do; the rollout takes ZeRO-2 (no recompute), not a later one
+    sp = space("llama2-7b", "dgx-a100-40gb", batch=16, seq=2048)
+    state = PlanState()
+    while not state.tps:
+        options = sp.actions(state)
+        one = [a for a in options if a.field in ("stages", "tps") and a.value == 1]
+        state = sp.step(state, one[0] if one else options[0])
+    done = sp.complete(state)
+    fits = [sp.sim.fits(sp.to_plan(replace(done, memory=m))) for m in MEMORY_OPTIONS]
+    assert fits[:2] == [False, False] and all(fits[2:])
+    assert done.memory == MEMORY_OPTIONS[2] == (False, 2)
+
+
 def test_default_completion_keeps_the_first_memory_option_when_none_fits() -> None:
     sp = space("gpt3-13b", "p3.8xlarge", batch=8, seq=2048)  # 13B on four 16 GB V100s
     done = sp.complete(PlanState())
