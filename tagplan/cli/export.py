@@ -82,7 +82,7 @@ def add_export_commands(sub: Subparsers) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tagplan.export.dispatch import export, grad_reduce_settings, tp_comm_notes
+    from tagplan.export.dispatch import export, grad_reduce_settings, tp_comm_settings
     from tagplan.frontends.model_spec import parse_model_spec
     from tagplan.frontends.plan_file import load_plan
 
@@ -97,9 +97,7 @@ def _export(args: argparse.Namespace) -> int:
                      tp_comm_overlap=args.tp_comm_overlap)
     reduce = grad_reduce_settings(plan, fmt=args.fmt, dtype=dtype, cluster=cluster, grad_reduce_dtype=reduce_dtype,
                                   grad_reduce_overlap=args.grad_reduce_overlap)
-    overlapped = args.tp_comm_overlap and args.fmt == "megatron" and any(s.tp > 1 for s in plan.stages)
-    tp_comm = {"overlapped": overlapped,
-               "notes": list(tp_comm_notes(plan, fmt=args.fmt, tp_comm_overlap=args.tp_comm_overlap))}
+    tp_comm = tp_comm_settings(plan, fmt=args.fmt, tp_comm_overlap=args.tp_comm_overlap)
     emit({"format": args.fmt, "files": [str(p) for p in written], "grad_reduce": reduce.as_json(), "tp_comm": tp_comm},
          args.json, _export_text)
     return 0

@@ -11,7 +11,7 @@ The gradient reduction the plan was costed with (`Workload.grad_reduce_dtype`, `
 is written as each format's runtime takes it; `grad_reduce_settings` says what was written and
 where the run will differ from the costing (`checks.GradReduce`). Tensor-parallel collectives
 costed as overlapped with compute (`Workload.tp_comm_overlap`) are written for Megatron-LM
-(`--tp-comm-overlap`); the torch program runs them exposed, which `tp_comm_notes` says (slower
+(`--tp-comm-overlap`); the torch program runs them exposed, which `tp_comm_settings` says (slower
 than predicted, as for a gradient reduction costed overlapped that a runtime does not overlap).
 """
 
@@ -46,7 +46,7 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
     `cluster`'s devices when given) before any file is written; `cluster` also orders the torch
     program's nodes and names their GPU types. `dtype`, `optimizer`, `grad_reduce_dtype` (None: the
     runtime's own), `grad_reduce_overlap` and `tp_comm_overlap`: as the plan was costed
-    (`grad_reduce_settings` and `tp_comm_notes` say how they were written). ExportError when the
+    (`grad_reduce_settings` and `tp_comm_settings` say how they were written). ExportError when the
     format cannot express the plan; SpecError for bad input.
     """
     if fmt not in FORMATS:
@@ -90,14 +90,17 @@ def grad_reduce_settings(plan: Plan, *, fmt: Format, dtype: DType = DType.BF16, 
     return writer.grad_reduce(plan, dtype, grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
 
 
-def tp_comm_notes(plan: Plan, *, fmt: Format, tp_comm_overlap: bool) -> tuple[str, ...]:
-    """Where `export` (same arguments) makes the run's tensor-parallel collectives differ from a
-    costing that overlapped them with compute: only Megatron-LM overlaps them (`--tp-comm-overlap`,
-    written for tp > 1); the other runtimes run them exposed. Empty when the run matches the costing."""
+def tp_comm_settings(plan: Plan, *, fmt: Format, tp_comm_overlap: bool) -> dict[str, object]:
+    """How `export` (same arguments) makes the run's tensor-parallel collectives relate to the
+    costing: `overlapped` when Megatron-LM's `--tp-comm-overlap` was written (costed so, tp > 1);
+    `notes` where the run differs from a costing that overlapped them (only Megatron-LM overlaps them;
+    the other runtimes run them exposed, slower than predicted). JSON-ready."""
     if fmt not in FORMATS:
         raise unknown("export format", str(fmt), list(FORMATS))
-    if not tp_comm_overlap or fmt == "megatron" or all(s.tp == 1 for s in plan.stages):
-        return ()
-    return (f"the plan was costed with its tensor-parallel collectives overlapped with compute (--tp-comm-overlap), "
-            f"which only Megatron-LM runs; the {fmt} runtime runs them exposed, so the run will be slower than "
-            f"predicted (plan --exportable {fmt} costs them as {fmt} runs them)",)
+    split = any(s.tp > 1 for s in plan.stages)
+    overlapped = tp_comm_overlap and split and fmt == "megatron"
+    notes = [] if overlapped or not (tp_comm_overlap and split) else [
+        f"the plan was costed with its tensor-parallel collectives overlapped with compute (--tp-comm-overlap), "
+        f"which only Megatron-LM runs; the {fmt} runtime runs them exposed, so the run will be slower than "
+        f"predicted (plan --exportable {fmt} costs them as {fmt} runs them)"]
+    return {"overlapped": overlapped, "notes": notes}

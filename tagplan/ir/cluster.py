@@ -172,11 +172,15 @@ class Cluster(Record):
     def with_device_figures(self, device: str | None = None, **figures: object) -> Cluster:
         """This cluster with `figures` (DeviceSpec fields) replaced on every device of type `device`
         (None: on every device), validated as any DeviceSpec is; links stay as they are. ValueError
-        naming a field DeviceSpec does not have."""
+        naming a field DeviceSpec does not have, or a device type the cluster does not have (which
+        would otherwise change nothing without a word)."""
         unknown = sorted(set(figures) - set(DeviceSpec.model_fields))
         if unknown:
             raise ValueError(f"with_device_figures: {', '.join(unknown)} not a DeviceSpec field; accepted: "
                              f"{', '.join(DeviceSpec.model_fields)}")
+        if device is not None and device not in self.device_types:
+            raise ValueError(f"with_device_figures: device={device!r} is not a device type of this cluster; "
+                             f"accepted: {', '.join(self.device_types)}")
         nodes = tuple(n.model_copy(update={"device": DeviceSpec.model_validate({**n.device.model_dump(), **figures})})
                       if device is None or n.device.name == device else n for n in self.nodes)
         return self.model_copy(update={"nodes": nodes})

@@ -39,13 +39,24 @@ PROFILED_FAMILIES = ("gpt", "llama")
 
 
 def profiled_shape(spec: str) -> tuple[str, TransformerShape]:
-    """The family and shape of a `gpt?...` or `llama?...` SPEC; SpecError for anything else."""
+    """The family and shape of a `gpt?...` or `llama?...` SPEC; SpecError for anything else, and for
+    a gpt SPEC whose MLP width, key/value heads or head width differ from GPT's own (the timed GPT
+    block has 4 x hidden MLP, full multi-head attention and hidden / heads per head: it would time
+    another block than the one its record is keyed to)."""
     family, _, query = spec.partition("?")
     if family not in PROFILED_FAMILIES:
         raise SpecError(f"profile --layers: {spec!r}: only {' and '.join(PROFILED_FAMILIES)}-family SPECs "
                         "(e.g. gpt?layers=..&hidden=..) are built here; import layer tables of other models "
                         "with `tagplan traces import --model SPEC`")
-    return family, parse_shape(family, query)
+    shape = parse_shape(family, query)
+    if family == "gpt":
+        own = {"ffn": (shape.ffn, 4 * shape.hidden), "kv_heads": (shape.kv_heads, shape.heads),
+               "head_dim": (shape.head_dim, shape.hidden // shape.heads)}
+        for key, (value, default) in own.items():
+            if value not in (0, default):
+                raise SpecError(f"profile --layers: {spec!r}: {key}={value}, but the profiled GPT block has "
+                                f"{key}={default}; leave {key} out, or profile a llama?... SPEC")
+    return family, shape
 
 
 def _divides(shape: TransformerShape, family: str, tp: int) -> bool:
@@ -182,10 +193,14 @@ def layer_records(spec: str, *, device: str, device_type: str, seq_len: int = 12
     family, shape = profiled_shape(spec)
     for name, values in (("micro_batches", micro_batches), ("tps", tps)):
         if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-            raise SpecError(f"profile --layers: {name}={list(values)!r}: give one or more whole numbers >= 1")
+            flag = "--" + name.replace("_", "-")
+            raise SpecError(f"profile --layers: {name} ({flag}) = {list(values)!r}: give one or more whole numbers "
+                            ">= 1")
     if not any(_divides(shape, family, tp) for tp in tps):
-        raise SpecError(f"profile --layers: tps={list(tps)!r}: none splits {spec!r} evenly (heads {shape.heads}, "
-                        f"key/value heads {shape.kvh}, vocabulary {shape.vocab}); give tp degrees dividing them")
+        ffn = shape.ffn or (4 * shape.hidden if family == "gpt" else llama_ffn(shape.hidden))
+        raise SpecError(f"profile --layers: tps (--tps) = {list(tps)!r}: none splits {spec!r} evenly (heads "
+                        f"{shape.heads}, key/value heads {shape.kvh}, MLP width {ffn}, vocabulary {shape.vocab}); "
+                        "give tp degrees dividing them")
     model = load_model(spec, seq_len=seq_len, dtype=dtype)
     torch_dtype = _TORCH_DTYPES.get(dtype, torch.float32)
     for block in model.blocks:

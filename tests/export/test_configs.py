@@ -16,7 +16,7 @@ import pytest
 from tagplan.errors import SpecError
 from tagplan.export import ExportError, export
 from tagplan.export.deepspeed import deepspeed_config, deepspeed_partition
-from tagplan.export.dispatch import tp_comm_notes
+from tagplan.export.dispatch import tp_comm_settings
 from tagplan.export.megatron import grad_reduce as megatron_grad_reduce
 from tagplan.export.megatron import megatron_arguments, model_config_from_spec
 from tagplan.frontends.cluster_spec import load_cluster
@@ -346,11 +346,15 @@ def test_tp_comm_overlap_exports_everywhere_and_notes_the_runtimes_that_run_it_e
     paths = export("gpt3-125m", tp2, tmp_path / "m", fmt="megatron", seq_len=None, global_batch=64,
                    tp_comm_overlap=True)
     assert "--tp-comm-overlap" in paths[0].read_text().splitlines()
-    assert tp_comm_notes(tp2, fmt="megatron", tp_comm_overlap=True) == ()
+    assert tp_comm_settings(tp2, fmt="megatron", tp_comm_overlap=True) == {"overlapped": True, "notes": []}
     # the torch program runs TP collectives exposed: it exports (as gradient reductions it cannot
     # overlap), and the note says the run will be slower than predicted
     export("gpt3-125m", tp2, tmp_path / "t", fmt="torch", seq_len=None, global_batch=64, tp_comm_overlap=True)
-    note, = tp_comm_notes(tp2, fmt="torch", tp_comm_overlap=True)
+    torch_run = tp_comm_settings(tp2, fmt="torch", tp_comm_overlap=True)
+    note, = torch_run["notes"]
+    assert torch_run["overlapped"] is False
     assert "torch runtime runs them exposed" in note and "slower than predicted" in note
-    assert tp_comm_notes(tp2, fmt="torch", tp_comm_overlap=False) == ()
-    assert tp_comm_notes(ds_plan(), fmt="deepspeed", tp_comm_overlap=True) == ()  # no TP: nothing differs
+    assert tp_comm_settings(tp2, fmt="torch", tp_comm_overlap=False) == {"overlapped": False, "notes": []}
+    assert tp_comm_settings(tp2, fmt="megatron", tp_comm_overlap=False) == {"overlapped": False, "notes": []}
+    no_tp = {"overlapped": False, "notes": []}  # without TP nothing is written and nothing differs
+    assert tp_comm_settings(ds_plan(), fmt="deepspeed", tp_comm_overlap=True) == no_tp

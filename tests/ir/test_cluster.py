@@ -91,3 +91,6 @@ def test_with_device_figures_replaces_figures_of_one_device_type_validated() -> 
         cluster.with_device_figures("FAST", clock_MHz=1500)
     with pytest.raises(ValidationError, match="sustained_peak_fraction"):
         cluster.with_device_figures("FAST", sustained_peak_fraction=1.5)
+    # a type the cluster lacks (a typo, a renamed catalog entry) must not change nothing without a word
+    with pytest.raises(ValueError, match=r"device=.H100-SXM. is not a device type of this cluster; accepted: FAST"):
+        cluster.with_device_figures("H100-SXM", sustained_peak_fraction=0.8)

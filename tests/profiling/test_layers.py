@@ -47,6 +47,32 @@ def test_the_timed_llama_modules_hold_the_analytic_blocks_parameters() -> None:
     assert half == (block.params - norms) // 2 + norms
 
 
+def test_the_timed_gpt_block_holds_the_analytic_blocks_parameters() -> None:
+    """The transformer block, at tp 1 and as one device's share at tp 2. (GPT's embedding and head
+    differ by design: the timed embedding holds positions for the profiled sequence only, and the
+    timed head its own copy of the tied table, the same work as the analytic blocks.)"""
+    family, shape = profiled_shape(SPEC)
+    block = next(b for b in load_model(SPEC, seq_len=16, dtype=DType.FP32).blocks if b.kind == "block")
+    assert sum(p.numel() for p in _module(family, "block", shape, 16, 1).parameters()) == block.params
+    norms, biases_replicated = 4 * shape.hidden, 2 * shape.hidden  # two LayerNorms; proj and out biases
+    half = sum(p.numel() for p in _module(family, "block", shape, 16, 2).parameters())
+    assert half == (block.params - norms - biases_replicated) // 2 + norms + biases_replicated
+
+
+@pytest.mark.parametrize("option", ["ffn=128", "kv_heads=1", "head_dim=16"])
+def test_a_gpt_spec_the_profiled_block_does_not_build_is_refused(option: str) -> None:
+    """The GPT block timed here has 4 x hidden MLP and full multi-head attention: another width
+    would be timed as a different block and filed under the SPEC's block hash."""
+    with pytest.raises(SpecError, match=f"{option.split('=')[0]}=.* but the profiled GPT block has"):
+        profiled_shape(f"{SPEC}&{option}")
+
+
+def test_a_grid_no_degree_of_which_splits_the_mlp_says_so() -> None:
+    with pytest.raises(SpecError, match=r"--tps.*MLP width 102"):
+        list(layer_records("llama?layers=2&hidden=64&heads=4&vocab=256&ffn=102", device="cpu", device_type="cpu",
+                           seq_len=16, tps=(4,)))
+
+
 def test_other_families_are_refused_by_name() -> None:
     with pytest.raises(SpecError, match="only gpt and llama-family"):
         list(layer_records("t5?layers=2", device="cpu", device_type="cpu"))

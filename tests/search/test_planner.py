@@ -134,16 +134,20 @@ def test_result_carries_the_best_plans_simulation_and_timeline() -> None:
 
 
 def test_never_worse_than_a_baseline_and_exhaustive_stays_apart() -> None:
-    result = _plan(load_model("gpt?layers=6&hidden=512&heads=8&vocab=500", seq_len=256),
-                   load_cluster("p3.8xlarge+g4dn.12xlarge"), Workload(global_batch=16, seq_len=256),
-                   max_evaluations=20, exhaustive_limit=20000)
+    problem = (load_model("gpt?layers=6&hidden=512&heads=8&vocab=500", seq_len=256),
+               load_cluster("p3.8xlarge+g4dn.12xlarge"), Workload(global_batch=16, seq_len=256))
+    result = _plan(*problem, max_evaluations=20, exhaustive_limit=20000)
     for name, baseline in result.baselines.items():
         if baseline.candidate is not None and name != "exhaustive":
             assert result.best.report.iteration_time_s <= baseline.candidate.report.iteration_time_s
     exhaustive = result.baselines["exhaustive"]
     assert exhaustive.candidate is not None and "plans of the decision process" in exhaustive.config
-    # the enumeration is a yardstick: none of its plans joins the search's answers
+    # the enumeration is a yardstick: none of its plans joins the search's answers (merged, they would
+    # be labelled "search"), so the answers are those of the same search without it
     assert all(c.source != "exhaustive" for c in (result.best, *result.pareto))
+    alone = _plan(*problem, max_evaluations=20, exhaustive_limit=0)
+    assert result.best.plan == alone.best.plan
+    assert [c.plan for c in result.pareto] == [c.plan for c in alone.pareto]
 
 
 def test_time_objective_may_leave_slow_nodes_idle() -> None:

@@ -59,6 +59,14 @@ def test_the_workload_says_whether_the_runtime_overlaps_the_gradient_reduction(s
         problem({**TINY_PLAN, "workload": {"grad_reduce_overlap": "no"}}, settings)
 
 
+def test_the_workload_says_whether_the_runtime_overlaps_tensor_parallel_collectives(settings: Settings) -> None:
+    assert problem(TINY_PLAN, settings).workload.tp_comm_overlap is False
+    overlapped = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "tp_comm_overlap": True}}
+    assert problem(overlapped, settings).workload.tp_comm_overlap is True
+    with pytest.raises(SpecError, match=r"workload\.tp_comm_overlap: Input should be a valid boolean"):
+        problem({**TINY_PLAN, "workload": {"tp_comm_overlap": "yes"}}, settings)
+
+
 def test_inline_graph_and_cluster(settings: Settings) -> None:
     op = {"name": "mm", "kind": "matmul", "flops": 1e9, "bytes_read": 1e6, "bytes_written": 1e6, "param_bytes": 1e6}
     graph = {"seq_len": 16, "blocks": {"b": {"kind": "mlp", "ops": [op]}}, "layers": [{"block": "b", "repeat": 4}]}
