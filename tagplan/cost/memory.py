@@ -6,10 +6,12 @@
 - Activations: the bytes a micro-batch saves for backward on this device (1/tp of the block's
   with tensor + sequence parallelism) times the micro-batches in flight on the stage, which the
   pipeline simulation reports for the schedule (1F1B: stage s of S holds min(S - s, M); GPipe
-  all M). With recomputation a checkpointed layer keeps only its input, and one such layer's full
-  activations are live while its backward recomputes them; embeddings and heads are not
-  checkpointed (Megatron's and the torch program's recompute covers the transformer blocks), so
-  they keep what they save and their forward is not replayed.
+  all M). Under fp8 a GEMM keeps its input as the 1-byte fp8 copy it multiplied (Transformer
+  Engine), everything else in bf16 (`Simulator._op_saved_bytes`). With recomputation a
+  checkpointed layer keeps only its input, and one such layer's full activations are live while
+  its backward recomputes them; embeddings and heads are not checkpointed (Megatron's and the
+  torch program's recompute covers the transformer blocks), so they keep what they save and their
+  forward is not replayed.
 - Transient: the largest single op output of the stage (e.g. the logits) and its gradient.
 - `FRAMEWORK_OVERHEAD_BYTES`: CUDA context (0.3-0.5 GB), cuBLAS workspaces, NCCL buffers for
   the communicators, and caching-allocator fragmentation; PyTorch jobs typically show 0.7-1.5

@@ -29,9 +29,9 @@ from tagplan.cost.sharding import divides
 from tagplan.cost.stage_cost import CHECKPOINT_SKIPPED, ReplicaCost, StageCoster, sharding_key
 from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
-from tagplan.ir.model import Block, ModelGraph
+from tagplan.ir.model import Block, ModelGraph, Op, OpKind
 from tagplan.ir.plan import Plan, Schedule, Stage, check_plan, check_whole_samples
-from tagplan.ir.workload import Workload
+from tagplan.ir.workload import DType, Workload
 
 
 @dataclass(frozen=True)
@@ -480,7 +480,17 @@ class Simulator:
     def _saved_of(self, block: Block, stage: Stage) -> float:
         """Bytes per sample one device of `stage` keeps of what `block` saves: split by the stage's
         per-op strategies where it overrides them, else 1/tp (tensor + sequence parallelism)."""
-        return self._saved_split(block, stage) if stage.sharding and stage.tp > 1 else block.saved_bytes / stage.tp
+        if stage.sharding and stage.tp > 1:
+            return self._saved_split(block, stage)
+        return sum(self._op_saved_bytes(op) for op in block.ops) / stage.tp
+
+    def _op_saved_bytes(self, op: Op) -> float:
+        """Bytes per sample `op` keeps for its backward in this workload's dtype. Under fp8, Transformer
+        Engine keeps a GEMM's input as the fp8 copy it multiplied (1 byte an element, not the bf16 2 the
+        graph records); what other ops save stays in the elementwise dtype."""
+        if op.kind is OpKind.MATMUL and self.workload.dtype is DType.FP8:
+            return op.saved_bytes * DType.FP8.gemm_nbytes / DType.FP8.nbytes
+        return op.saved_bytes
 
     def _score_memory(self, stage: Stage) -> tuple[float, float]:
         """(saved, working) bytes per sample on one device that attention without a fused kernel adds.
@@ -511,7 +521,7 @@ class Simulator:
     def _saved_split(self, block: Block, stage: Stage) -> float:
         """Saved bytes per sample of one block on one device: split ops keep 1/tp, replicated ones all."""
         strategies = self.coster.sharded(block.hash, stage.sharding).strategies
-        return sum(op.saved_bytes / (stage.tp if divides(strategies[op.name]) else 1) for op in block.ops)
+        return sum(self._op_saved_bytes(op) / (stage.tp if divides(strategies[op.name]) else 1) for op in block.ops)
 
     def _stage_memory(self, stage: Stage, local_params: float, samples: float, per_sample: tuple[float, float],
                       in_flight: float) -> DeviceMemory:

@@ -25,6 +25,11 @@ class DType(StrEnum):
         return 4 if self is DType.FP32 else 2
 
     @property
+    def gemm_nbytes(self) -> int:
+        """Bytes per element of a GEMM's operands as the kernel reads them (fp8: the 1-byte cast copy)."""
+        return 1 if self is DType.FP8 else self.nbytes
+
+    @property
     def elementwise(self) -> DType:
         """The dtype of everything but the GEMMs (fp8 runs those in bf16)."""
         return DType.BF16 if self is DType.FP8 else self

@@ -459,3 +459,20 @@ def test_a_head_recompute_does_not_checkpoint_keeps_its_own_split_of_what_it_sav
         return sim.simulate(plan).memory_per_device_bytes[2]
 
     assert head_memory(True) == pytest.approx(head_memory(False))
+
+
+def test_fp8_keeps_gemm_inputs_as_fp8_copies_and_the_rest_in_bf16() -> None:
+    """Under fp8 a block keeps what its GEMMs save at 1 byte an element and what its norms,
+    attention and activations save at bf16's 2: the saving is exactly half the matmuls' share."""
+    cluster = load_cluster("dgx-h100")
+    plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 26), devices=tuple(range(8)), dp=2, tp=4),))
+    acts = {}
+    for dtype in (DType.BF16, DType.FP8):
+        model = load_model("llama?layers=24&hidden=2048&heads=16&kv_heads=8&vocab=32000", seq_len=2048, dtype=dtype)
+        report = Simulator(model, cluster, Workload(global_batch=8, seq_len=2048, dtype=dtype)).simulate(plan)
+        acts[dtype] = report.stages[0].memory.activations_bytes
+    blocks = [model.block_by_hash[layer.block] for layer in model.layers]
+    gemm = sum(op.saved_bytes for b in blocks for op in b.ops if op.kind is OpKind.MATMUL)
+    total = sum(b.saved_bytes for b in blocks)
+    assert 0.2 < gemm / total < 0.8  # the test means something: both kinds save a real share
+    assert acts[DType.FP8] / acts[DType.BF16] == pytest.approx((total - gemm / 2) / total, rel=1e-6)

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from tagplan.errors import SpecError
+from tagplan.frontends.catalog import CATALOG
 from tagplan.frontends.cluster_file import load_cluster_file, parse_cluster_data
 from tagplan.ir import LinkKind
 
@@ -32,7 +33,7 @@ def test_documented_example_parses() -> None:
     assert cluster.link(0, 8).bandwidth_Bps == 25e9  # 8 x 200 Gb/s over 8 GPUs
     assert cluster.link(0, 16).bandwidth_Bps == pytest.approx(50e9 / 8 / 4)  # g4dn's share is smaller
     custom = cluster.nodes[3]
-    assert custom.device.peak_flops_bf16 == 7e14 and custom.device.mem_bytes == 80 * 10**9
+    assert custom.device.peak_flops_bf16 == 7e14 and custom.device.mem_bytes == CATALOG["H100-SXM"].mem_bytes
     assert custom.fabric_bandwidth_Bps == pytest.approx(18 * 20.6e9)  # base H100-SXM's links
     assert cluster.network.latency_s == 5e-6
 

@@ -150,7 +150,9 @@ def test_the_grid_takes_an_interleaved_configuration_where_it_is_fastest() -> No
     launched = plan.model_copy(update={"stages": stages})
     args = megatron_arguments(sim.model, launched, global_batch=32, seq_len=1024)  # Megatron runs the layout
     vp = int(grid.config.split("vp=")[1].split()[0])
-    assert args[args.index("--num-layers-per-virtual-pipeline-stage") + 1] == str(32 // (4 * vp))
+    pp = len({st.devices for st in plan.stages})  # pipeline ranks; each runs vp chunks
+    assert len(plan.stages) == pp * vp
+    assert args[args.index("--num-layers-per-virtual-pipeline-stage") + 1] == str(32 // (pp * vp))
     one_f_one_b = [p for p in grid_plans(sim) if len(p.stages) == len({s.devices for s in p.stages})]
     fastest = min(t for p in one_f_one_b if (r := sim.simulate(p)).fits for t in [r.iteration_time_s])
     assert grid.candidate.report.iteration_time_s < fastest
