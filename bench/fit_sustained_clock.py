@@ -1,4 +1,4 @@
-"""Fit the H100 SXM's sustained tensor-core clock (`DeviceSpec.sustained_peak_fraction`) to the
+"""Fit the H100 SXM's and the GB200's sustained tensor-core clocks (`DeviceSpec.sustained_peak_fraction`) to the
 Megatron-Core H100 table (../shared/reference/validation.md, `validate_megatron.ROWS`).
 
 A GPU's datasheet peak assumes its boost clock; under a training loop's continuous tensor-core load
@@ -14,6 +14,11 @@ used here: they are the out-of-sample check (FP8, Llama shapes, other layouts). 
 what `frontends.catalog.SUSTAINED_PEAK_FRACTION` ships for the H100 SXM (and the H200 SXM, the same
 GH100 die under the same 700 W cap); rerun this after a change to the cost model and update it.
 
+The GB200 (and B200) figure is fitted the same way to the NeMo / Megatron-Bridge GB200 fp8 rows whose
+presets run without full recompute (`fidelity_nemo.NO_FULL_RECOMPUTE`), each preset's rows predicted
+by the fraction fitted on the other presets' (leave-one-preset-out: the repeated runs of one preset are
+not independent). No other table measures a Blackwell GPU, so these rows are in-sample for that figure.
+
 Run: `.venv/bin/python bench/fit_sustained_clock.py` (about a minute); writes
 bench/results/sustained_clock.json.
 """
@@ -22,9 +27,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fidelity_nemo import DATA, NO_FULL_RECOMPUTE, _skip, score_row
 from validate_megatron import ROWS, SEQ, VOCAB
 
 from tagplan.cost.baselines import megatron_plan
@@ -48,11 +55,18 @@ def _row_error(row: tuple[Any, ...], fraction: float) -> float:
     return math.log(sim.simulate(plan).tflops_per_device / published)
 
 
-def fit(rows: list[tuple[Any, ...]], tolerance: float = 1e-3) -> float:
+def _nemo_error(row: dict[str, Any], fraction: float) -> float:
+    """log(predicted / published tokens/s per GPU) of one NeMo row at `fraction`, without recompute."""
+    scored = score_row(row, sustained_peak_fraction=fraction)
+    return math.log(scored["predicted_tokens_s_gpu"] / scored["measured_tokens_s_gpu"])
+
+
+def fit(rows: list[Any], tolerance: float = 1e-3,
+        error: Callable[[Any, float], float] = _row_error) -> float:
     """The fraction minimising the rows' summed squared log error (golden-section search; the loss is
     unimodal in the fraction: a lower clock slows every row's compute monotonically)."""
     def loss(f: float) -> float:
-        return sum(_row_error(r, f) ** 2 for r in rows)
+        return sum(error(r, f) ** 2 for r in rows)
 
     g = (math.sqrt(5) - 1) / 2
     a, b = BOUNDS
@@ -70,6 +84,32 @@ def fit(rows: list[tuple[Any, ...]], tolerance: float = 1e-3) -> float:
     return round((a + b) / 2, 3)
 
 
+def nemo_rows(gpu: str) -> list[dict[str, Any]]:
+    """The scoreable NeMo rows on `gpu` whose recipe is known to run without full recompute."""
+    rows = json.loads(DATA.read_text())["rows"]
+    return [r for r in rows if r["cluster"]["nodes"][0]["gpu"] == gpu and _skip(r) is None
+            and (r["model"]["name"], gpu, r["config"].get("task") or "") in NO_FULL_RECOMPUTE]
+
+
+def fit_nemo(gpu: str) -> dict[str, Any]:
+    """`gpu`'s fraction fitted to its NeMo rows, each (model, task) group predicted by the fraction
+    fitted on the other groups (leave-one-group-out: repeated runs of one recipe are not independent)."""
+    rows = nemo_rows(gpu)
+    groups = sorted({(r["model"]["name"], r["config"]["task"]) for r in rows})
+    fraction = fit(rows, error=_nemo_error)
+    results = []
+    for group in groups:
+        held = fit([r for r in rows if (r["model"]["name"], r["config"]["task"]) != group], error=_nemo_error)
+        for r in (r for r in rows if (r["model"]["name"], r["config"]["task"]) == group):
+            results.append({"id": r["id"], "error": math.expm1(_nemo_error(r, fraction)), "held_out_fraction": held,
+                            "held_out_error": math.expm1(_nemo_error(r, held))})
+            print(f"{gpu} {r['id'][-60:]:>60s} {results[-1]['error']:+7.1%} {held:6.3f} "
+                  f"{results[-1]['held_out_error']:+7.1%}")
+    held_abs = sorted(abs(r["held_out_error"]) for r in results)
+    return {"device": gpu, "sustained_peak_fraction": fraction, "rows": results, "groups": len(groups),
+            "held_out_median_abs_error": held_abs[len(held_abs) // 2], "held_out_worst_abs_error": held_abs[-1]}
+
+
 def main() -> None:
     fraction = fit(ROWS)
     results: list[dict[str, Any]] = []
@@ -84,8 +124,12 @@ def main() -> None:
                "held_out_median_abs_error": held_abs[len(held_abs) // 2], "held_out_worst_abs_error": held_abs[-1]}
     print(f"{DEVICE}: sustained_peak_fraction {fraction:.3f}; leave-one-out |error| median "
           f"{summary['held_out_median_abs_error']:.1%}, worst {summary['held_out_worst_abs_error']:.1%}")
+    blackwell = fit_nemo("GB200")
+    print(f"GB200: sustained_peak_fraction {blackwell['sustained_peak_fraction']:.3f} over {blackwell['groups']} "
+          f"recipes; leave-one-recipe-out |error| median {blackwell['held_out_median_abs_error']:.1%}, worst "
+          f"{blackwell['held_out_worst_abs_error']:.1%}")
     out = Path(__file__).parent / "results" / "sustained_clock.json"
-    out.write_text(json.dumps(summary, indent=2) + "\n")
+    out.write_text(json.dumps({**summary, "nemo": [blackwell]}, indent=2) + "\n")
     print(f"wrote {out}")
 
 
