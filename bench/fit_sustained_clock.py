@@ -32,13 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fidelity_nemo import DATA, NO_FULL_RECOMPUTE, _skip, score_row
-from validate_megatron import ROWS, SEQ, VOCAB
-
-from tagplan.cost.baselines import megatron_plan
-from tagplan.cost.simulator import Simulator
-from tagplan.frontends.cluster_spec import load_cluster
-from tagplan.frontends.model_spec import load_model
-from tagplan.ir.workload import Workload
+from validate_megatron import ROWS, simulate_row
 
 DEVICE = "H100-SXM"
 BOUNDS = (0.5, 1.0)
@@ -47,12 +41,8 @@ BOUNDS = (0.5, 1.0)
 def _row_error(row: tuple[Any, ...], fraction: float) -> float:
     """log(predicted / published TFLOP/s per GPU) of one table row at `fraction`."""
     _name, heads, hidden, layers, tp, pp, _dp, gpus, batch, published = row
-    model = load_model(f"gpt?layers={layers}&hidden={hidden}&heads={heads}&vocab={VOCAB}", seq_len=SEQ)
-    cluster = load_cluster(f"dgx-h100:nodes={gpus // 8}").with_device_figures(DEVICE, sustained_peak_fraction=fraction)
-    sim = Simulator(model, cluster, Workload(global_batch=batch, seq_len=SEQ, tp_comm_overlap=True))
-    plan = megatron_plan(sim, tp=tp, pp=pp).plan
-    assert plan is not None
-    return math.log(sim.simulate(plan).tflops_per_device / published)
+    figures = simulate_row(heads, hidden, layers, tp, pp, gpus, batch, sustained_peak_fraction=fraction)
+    return math.log(figures["tflops_per_gpu"] / published)
 
 
 def _nemo_error(row: dict[str, Any], fraction: float) -> float:

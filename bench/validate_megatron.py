@@ -37,10 +37,14 @@ ROWS = [
 VOCAB, SEQ = 131072, 4096
 
 
-def simulate_row(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int) -> dict[str, float]:
-    """The simulator's figures for one table row."""
+def simulate_row(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int, *,
+                 sustained_peak_fraction: float | None = None) -> dict[str, float]:
+    """The simulator's figures for one table row (with the H100 at `sustained_peak_fraction` instead of
+    the catalog's, where given: `fit_sustained_clock` fits it)."""
     model = load_model(f"gpt?layers={layers}&hidden={hidden}&heads={heads}&vocab={VOCAB}", seq_len=SEQ)
     cluster = load_cluster(f"dgx-h100:nodes={gpus // 8}")
+    if sustained_peak_fraction is not None:
+        cluster = cluster.with_device_figures("H100-SXM", sustained_peak_fraction=sustained_peak_fraction)
     sim = Simulator(model, cluster, Workload(global_batch=batch, seq_len=SEQ, tp_comm_overlap=True))
     baseline = megatron_plan(sim, tp=tp, pp=pp)
     if baseline.plan is None:

@@ -37,14 +37,15 @@ class DeviceSpec(Record):
     peak_flops_bf16: float | None = Field(gt=0, description="dense FLOP/s; None where unsupported")
     peak_flops_fp16: float = Field(gt=0, description="dense FLOP/s")
     peak_flops_fp32: float = Field(gt=0, description="dense FLOP/s (non-tensor-core)")
-    mem_bytes: int = Field(gt=0)
+    mem_bytes: int = Field(gt=0, description="bytes a process can allocate: the total capacity CUDA reports "
+                           "(torch.cuda.get_device_properties().total_memory), not the datasheet's GB")
     mem_bandwidth_Bps: float = Field(gt=0)
     peak_flops_fp8: float | None = Field(default=None, gt=0, description="dense FLOP/s of fp8 GEMMs; None where "
                                          "unsupported")
     sustained_peak_fraction: float = Field(
         default=1.0, gt=0, le=1, description="clock a continuous training load sustains over the boost clock the "
-        "datasheet peak assumes, where the board's power cap binds (T4; H100/H200 SXM, fitted); scales all "
-        "tensor-core work; 1 where none binds")
+        "datasheet peak assumes, where the board's power cap binds (T4; H100/H200 SXM and GB200/B200, fitted); "
+        "scales all tensor-core work; 1 where none binds")
     fused_attention: bool = Field(default=True, description="a fused attention kernel (FlashAttention-2, cuDNN) runs "
                                   "here; False on NVIDIA GPUs before sm80 (V100, T4), where attention materialises "
                                   "its score matrix")
