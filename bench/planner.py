@@ -115,7 +115,7 @@ def suite_row(case: tuple[str, str, str, int, int, bool], *, evaluations: int, b
     row["best_baseline_s"] = min(known) if known else None
     row["vs_best"] = row["best_baseline_s"] / row["best_s"] if known else None
     spec = parse_model_spec(model)
-    said = verdicts(r.best.plan, m, w, spec=spec)
+    said = verdicts(r.best.plan, m, w, spec=spec, cluster=c)
     row["runs_under"] = [fmt for fmt, reason in said.items() if reason is None]
     row["refusals"] = {fmt: " ".join(reason.split()) for fmt, reason in said.items() if reason is not None}
     row.update(as_run(m, c, w, spec, evaluations=evaluations, budget_s=budget_s))
@@ -133,7 +133,7 @@ def as_run(m: Any, c: Any, w: Workload, spec: Any, *, evaluations: int, budget_s
         overlap = reduce_overlap(fmt, wf, c)
 
         def admissible(p: Any, fmt: str = fmt) -> str | None:
-            return exportable(p, fmt, m, global_batch=w.global_batch, spec=spec)
+            return exportable(p, fmt, m, global_batch=w.global_batch, spec=spec, cluster=c)
 
         r = plan(PlanProblem(m, c, wf, max_evaluations=evaluations, budget_s=budget_s), admissible=admissible,
                  reduce_overlap=overlap)

@@ -36,8 +36,8 @@ def add_export_commands(sub: Subparsers) -> None:
     """Add `export` and `verify` to the `tagplan` parser."""
     exp = sub.add_parser("export", help="write a plan as a torch program, Megatron-LM arguments or a DeepSpeed config")
     exp.add_argument("--model", required=True, help="model SPEC")
-    exp.add_argument("--cluster", default=None, help="cluster SPEC (checked against the plan's devices; the torch "
-                                                     "program's launch scripts take its nodes and GPU types)")
+    exp.add_argument("--cluster", default=None, help="cluster SPEC (checked against the plan's devices; each format's "
+                                                     "launch takes its nodes, in the plan's rank order, and GPU types)")
     add_cluster_options(exp)
     exp.add_argument("--plan", required=True, help="a Plan JSON file")
     exp.add_argument("--format", choices=["torch", "megatron", "deepspeed"], default="torch", dest="fmt")

@@ -158,7 +158,8 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
         from tagplan.export.capability import reduce_overlap
 
         batch = problem.workload.global_batch
-        admissible = lambda p: can_export(p, exportable, problem.model, global_batch=batch, spec=spec)  # noqa: E731
+        admissible = lambda p: can_export(p, exportable, problem.model, global_batch=batch, spec=spec,  # noqa: E731
+                                          cluster=problem.cluster)
         overlap = reduce_overlap(exportable, problem.workload, problem.cluster)
 
     prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices,
@@ -169,7 +170,8 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
     with _progress(problem.max_evaluations, enabled=show_progress) as tick:
         result = plan(problem, prior_factory=prior, progress=tick, admissible=admissible, correction=fix,
                       reduce_overlap=overlap)
-    return replace(result, exporters=verdicts(result.best.plan, problem.model, problem.workload, spec=spec))
+    return replace(result, exporters=verdicts(result.best.plan, problem.model, problem.workload, spec=spec,
+                                              cluster=problem.cluster))
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -83,14 +83,15 @@ def reduce_overlap(fmt: Target | str, workload: Workload, cluster: Cluster | Non
 
 
 def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_batch: int | None = None,
-               spec: ModelSpec | None = None) -> str | None:
+               spec: ModelSpec | None = None, cluster: Cluster | None = None) -> str | None:
     """None when format `fmt` can run `plan`, else the reason (naming the stage and the field).
 
     Without `model` only what the plan alone decides is checked; `global_batch` adds the
     whole-sample rule (every replica a whole number of samples, at least one, per micro-batch).
     `spec` (the model's SPEC) lets the torch check build Hugging Face classes and user modules
-    (`torch_checks.torch_config`); without it only the gpt and llama families pass.
-    ValueError for an unknown format.
+    (`torch_checks.torch_config`); without it only the gpt and llama families pass. `cluster`: the
+    launch on its nodes in the format's rank order (Megatron-LM and DeepSpeed number ranks stage by
+    stage, so without it stage 0 must sit on device 0's node). ValueError for an unknown format.
     """
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
@@ -98,15 +99,15 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
         if global_batch is not None:
             check_whole_samples(plan, global_batch)
         if fmt == "megatron":
-            megatron.plan_checks(plan)
+            megatron.plan_checks(plan, cluster)
             if model is not None:
                 megatron.megatron_arguments(model, plan, global_batch=global_batch or _batch(plan),
-                                            seq_len=model.seq_len)
+                                            seq_len=model.seq_len, cluster=cluster)
         elif fmt == "deepspeed":
-            deepspeed.plan_checks(plan)
+            deepspeed.plan_checks(plan, cluster)
             if model is not None:
                 deepspeed.deepspeed_config(model, plan, global_batch=global_batch or _batch(plan),
-                                           seq_len=model.seq_len)
+                                           seq_len=model.seq_len, cluster=cluster)
         elif model is not None:
             from tagplan.export.torch_checks import check_expressible, torch_config
 
@@ -118,7 +119,7 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
 
 
 def verdicts(plan: Plan, model: ModelGraph, workload: Workload, *,
-             spec: ModelSpec | None = None) -> dict[str, str | None]:
+             spec: ModelSpec | None = None, cluster: Cluster | None = None) -> dict[str, str | None]:
     """For each export format, None when it runs `plan` for `workload`, else why not: its runtime's
     refusal of the workload (`runtime_workload`: a gradient reduction it cannot run), then `exportable`
     with the model. What a plan result reports, so no plan is shown as runnable without saying by
@@ -130,7 +131,7 @@ def verdicts(plan: Plan, model: ModelGraph, workload: Workload, *,
         except SpecError as err:
             out[fmt] = str(err)
             continue
-        out[fmt] = exportable(plan, fmt, model, global_batch=workload.global_batch, spec=spec)
+        out[fmt] = exportable(plan, fmt, model, global_batch=workload.global_batch, spec=spec, cluster=cluster)
     return out
 
 

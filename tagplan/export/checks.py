@@ -98,20 +98,46 @@ def micro_batch_size(plan: Plan, global_batch: int, dp: int, fmt: str) -> int:
     return global_batch // per_step
 
 
-def check_rank_order(plan: Plan, groups: Sequence[tuple[int, ...]], *, tp: int, fmt: str, launcher: str) -> None:
-    """ExportError unless pipeline rank `p`'s devices are the launcher ranks `[p*n, (p+1)*n)` with
-    each tensor-parallel group a contiguous aligned block of `tp` ranks (`groups`: one per pipeline
-    rank). Order inside a group does not matter; which devices run which stage does."""
+def check_rank_order(plan: Plan, groups: Sequence[tuple[int, ...]], *, tp: int, fmt: str, launcher: str,
+                     cluster: Cluster | None = None) -> tuple[int, ...]:
+    """The plan's devices in `launcher`'s world-rank order (rank i runs device `[i]`); ExportError
+    where no launch gives them that order. `groups`: one device group per pipeline rank.
+
+    The launcher numbers ranks tensor-parallel fastest, then data-parallel, then pipeline: pipeline
+    rank p's replica r holds ranks `p*n + r*tp ..`. Without `cluster` the plan runs with device d
+    as rank d, so pipeline rank p's devices must be ranks `[p*n, (p+1)*n)` (order inside a group
+    does not matter) and each tensor-parallel group an aligned block of `tp`. With `cluster`, nodes
+    are launched in the order their devices first appear (`node_launch.fixed_rank_table`): torchrun
+    gives each node one contiguous range of ranks, so each node's devices must follow one another
+    in that order (a stage may start on any node, as the heterogeneous plans' fastest nodes often do).
+    """
     n = len(groups[0])
-    for p, group in enumerate(groups):
-        expected = set(range(p * n, (p + 1) * n))
-        if set(group) != expected:
-            raise refuse(fmt, f"pipeline rank {p} runs on devices {sorted(group)[:16]} but {launcher} gives it "
-                              f"ranks {p * n}..{(p + 1) * n - 1}; order the plan's stages by device, or launch "
-                              "with a host order that maps these devices to those ranks")
-        stage = plan.stages[p]
-        for r in range(stage.dp):
-            block = {d // tp for d in stage.replica(r)}
-            if len(block) != 1:
-                raise refuse(fmt, f"stages[{p}] replica {r} (devices {list(stage.replica(r))}) is not one aligned "
-                                  f"block of {tp} consecutive ranks, as {launcher} forms tensor-parallel groups")
+    if cluster is None:
+        for p, group in enumerate(groups):
+            expected = set(range(p * n, (p + 1) * n))
+            if set(group) != expected:
+                raise refuse(fmt, f"pipeline rank {p} runs on devices {sorted(group)[:16]} but {launcher} gives it "
+                                  f"ranks {p * n}..{(p + 1) * n - 1}; order the plan's stages by device, or export "
+                                  "with the cluster (--cluster), which launches the nodes in the plan's order")
+            stage = plan.stages[p]
+            for r in range(stage.dp):
+                block = {d // tp for d in stage.replica(r)}
+                if len(block) != 1:
+                    raise refuse(fmt, f"stages[{p}] replica {r} (devices {list(stage.replica(r))}) is not one "
+                                      f"aligned block of {tp} consecutive ranks, as {launcher} forms tensor-parallel "
+                                      "groups")
+        return tuple(range(n * len(groups)))
+    ranked = tuple(d for p in range(len(groups)) for r in range(plan.stages[p].dp) for d in plan.stages[p].replica(r))
+    done: list[int] = []
+    for i, d in enumerate(ranked):
+        node = cluster.device(d).node
+        if done and done[-1] == node:
+            continue
+        if node in done:
+            first = next(j for j, e in enumerate(ranked) if cluster.device(e).node == node)
+            raise refuse(fmt, f"{launcher} would run world ranks {first} (device {ranked[first]}) and {i} (device "
+                              f"{d}) on node {cluster.nodes[node].name!r} with ranks of another node between "
+                              "them, but torchrun gives each node one contiguous range of ranks; place each "
+                              "node's devices in consecutive replicas of one pipeline stage")
+        done.append(node)
+    return ranked

@@ -3,7 +3,8 @@
 DeepSpeed's PipelineEngine runs one 1F1B schedule (its TrainSchedule) over a PipelineModule whose
 layer list is cut at `parts`, on ranks ordered pipe-major, data-parallel fastest
 (PipeDataParallelTopology). A plan maps onto it when every stage has the same dp with even batch
-shares and no tensor parallelism, stages sit on ranks in that order, and ZeRO is 0 or 1 once there
+shares and no tensor parallelism, stages sit on ranks in that order (with the cluster, a `hostfile`
+lists its nodes in the plan's rank order, so the first stage may sit on any node), and ZeRO is 0 or 1 once there
 is more than one stage. Refused, with the reason: tensor parallelism (DeepSpeed's pipeline engine
 has none; it needs Megatron-DeepSpeed's `--tensor-model-parallel-size`, use fmt="megatron"),
 ZeRO-2/3 with pipeline parallelism (PipelineModule does not support them), interleaved and GPipe
@@ -39,6 +40,8 @@ from tagplan.export.checks import (
     uniform_mesh,
     validate,
 )
+from tagplan.export.node_launch import fixed_rank_table
+from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule
 from tagplan.ir.workload import DType
@@ -56,10 +59,12 @@ HOW_TO_APPLY = (
 
 
 def deepspeed_config(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int,
-                     grad_reduce_dtype: DType | None = None, grad_reduce_overlap: bool = True) -> dict[str, Any]:
-    """The DeepSpeed config dict (`ds_config.json`) that runs `plan`, reducing gradients as costed
-    (`grad_reduce_dtype` None: in the training dtype); ExportError if it cannot."""
-    dp, pp = _check(model, plan, seq_len)
+                     grad_reduce_dtype: DType | None = None, grad_reduce_overlap: bool = True,
+                     cluster: Cluster | None = None) -> dict[str, Any]:
+    """The DeepSpeed config dict (`ds_config.json`) that runs `plan` (on `cluster`'s nodes in the
+    plan's rank order when given, `rank_order`), reducing gradients as costed (`grad_reduce_dtype`
+    None: in the training dtype); ExportError if it cannot."""
+    dp, pp = _check(model, plan, seq_len, cluster)
     check_reduce_dtype(grad_reduce_dtype)
     mbs = micro_batch_size(plan, global_batch, dp, FMT)
     zero = plan.stages[0].zero
@@ -104,18 +109,44 @@ def deepspeed_partition(model: ModelGraph, plan: Plan, *, notes: Sequence[str] =
 
 
 def write_deepspeed(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int,
-                    grad_reduce_dtype: DType | None = None, grad_reduce_overlap: bool = True) -> list[Path]:
-    """Write `ds_config.json` and `partition.json` under `out_dir`; returns both paths."""
+                    grad_reduce_dtype: DType | None = None, grad_reduce_overlap: bool = True,
+                    cluster: Cluster | None = None) -> list[Path]:
+    """Write `ds_config.json` and `partition.json` under `out_dir`; with `cluster` also `hostfile`
+    (its nodes in the plan's rank order) and partition.json's `launch` (`launch`); returns the paths."""
     config = deepspeed_config(model, plan, global_batch=global_batch, seq_len=seq_len,
-                              grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
+                              grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
+                              cluster=cluster)
     reduce = grad_reduce(plan, model.dtype, grad_reduce_dtype=grad_reduce_dtype,
                          grad_reduce_overlap=grad_reduce_overlap)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path, partition_path = out_dir / "ds_config.json", out_dir / "partition.json"
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     partition = deepspeed_partition(model, plan, notes=reduce.notes)
+    paths = [config_path, partition_path]
+    if cluster is not None:
+        partition["launch"] = launch(plan, cluster)
+        hostfile = out_dir / "hostfile"
+        hostfile.write_text(partition["launch"]["hostfile_text"])
+        paths.append(hostfile)
     partition_path.write_text(json.dumps(partition, indent=2) + "\n")
-    return [config_path, partition_path]
+    return paths
+
+
+def launch(plan: Plan, cluster: Cluster) -> dict[str, Any]:
+    """How to launch `plan` on `cluster` with DeepSpeed's launcher so each rank runs the device it
+    was costed on: a hostfile listing the nodes in the plan's rank order (node names as the cluster
+    names them: put the hosts' addresses in their place), `--include` selecting each node's GPUs,
+    and the rank table (world rank -> device, node, local GPU, GPU type)."""
+    table = fixed_rank_table(rank_order(plan, cluster), cluster)
+    nodes = list(dict.fromkeys(row["node"] for row in table))
+    gpus = {n: [row["local_gpu"] for row in table if row["node"] == n] for n in nodes}
+    include = "@".join(f"{n}:{','.join(map(str, gpus[n]))}" for n in nodes)
+    return {"hostfile_text": "".join(f"{n} slots={len(gpus[n])}\n" for n in nodes), "include": include,
+            "command": f"deepspeed --hostfile hostfile --include {include} YOUR_TRAIN.py --deepspeed "
+                       "--deepspeed_config ds_config.json",
+            "note": "the hostfile names the cluster's nodes; replace each with that host's address, keeping the "
+                    "order: DeepSpeed numbers ranks host by host in hostfile order",
+            "ranks": table}
 
 
 def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = None,
@@ -165,16 +196,38 @@ def _reduce_keys(dtype: DType, grad_reduce_dtype: DType | None) -> dict[str, Any
     return keys
 
 
-def _check(model: ModelGraph, plan: Plan, seq_len: int) -> tuple[int, int]:
+def _check(model: ModelGraph, plan: Plan, seq_len: int, cluster: Cluster | None) -> tuple[int, int]:
     """(dp, pipeline depth) after every refusal check."""
-    validate(plan, model)
+    validate(plan, model, cluster)
     if seq_len != model.seq_len:
         raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
-    return plan_checks(plan)
+    return plan_checks(plan, cluster)
 
 
-def plan_checks(plan: Plan) -> tuple[int, int]:
-    """(dp, pipeline depth) after every refusal the plan alone decides (ExportError naming the stage)."""
+LAUNCHER = "DeepSpeed (ranks data-parallel fastest, then pipe)"
+
+
+def rank_order(plan: Plan, cluster: Cluster | None = None) -> tuple[int, ...]:
+    """The plan's devices in DeepSpeed's world-rank order (`checks.check_rank_order`). On `cluster`'s
+    nodes the launcher (`deepspeed --hostfile --include`) gives a node's ranks to its listed GPUs in
+    ascending order, so each node's devices must also ascend in rank order."""
+    ranked = check_rank_order(plan, [s.devices for s in plan.stages], tp=1, fmt=FMT, launcher=LAUNCHER,
+                              cluster=cluster)
+    if cluster is not None:
+        per_node: dict[int, list[int]] = {}
+        for d in ranked:
+            per_node.setdefault(cluster.device(d).node, []).append(d)
+        for node, mine in per_node.items():
+            if mine != sorted(mine, key=lambda d: cluster.device(d).local):
+                raise refuse(FMT, f"node {cluster.nodes[node].name!r} runs devices {mine} in that rank order, but "
+                                  "DeepSpeed's launcher gives a node's ranks to its GPUs in ascending order; order "
+                                  "each node's devices by GPU index within the stages")
+    return ranked
+
+
+def plan_checks(plan: Plan, cluster: Cluster | None = None) -> tuple[int, int]:
+    """(dp, pipeline depth) after every refusal the plan alone decides (ExportError naming the stage);
+    with `cluster`, the rank order on its nodes (`rank_order`)."""
     dp, tp = uniform_mesh(plan, FMT, "DeepSpeed's pipeline topology has one data-parallel degree for all stages")
     if tp > 1:
         raise refuse(FMT, f"stages[0].tp = {tp}: DeepSpeed's pipeline engine has no tensor parallelism; that needs "
@@ -192,8 +245,7 @@ def plan_checks(plan: Plan) -> tuple[int, int]:
     if pp > 1 and zeros[0] >= 2:
         raise refuse(FMT, f"zero={zeros[0]} with {pp} pipeline stages: DeepSpeed's PipelineModule is not "
                           "compatible with ZeRO-2 and ZeRO-3 (use zero 0 or 1)")
-    check_rank_order(plan, [s.devices for s in plan.stages], tp=1, fmt=FMT,
-                     launcher="DeepSpeed (ranks data-parallel fastest, then pipe)")
+    rank_order(plan, cluster)
     return dp, pp
 
 

@@ -43,8 +43,9 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
     `out_dir`; returns the paths written.
 
     The model is built at `seq_len` (None: its own) and the plan checked against it (and against
-    `cluster`'s devices when given) before any file is written; `cluster` also orders the torch
-    program's nodes and names their GPU types. `dtype`, `optimizer`, `grad_reduce_dtype` (None: the
+    `cluster`'s devices when given) before any file is written; `cluster` also launches each
+    format on the plan's nodes in its rank order (whichever node holds the first stage) and names
+    their GPU types. `dtype`, `optimizer`, `grad_reduce_dtype` (None: the
     runtime's own), `grad_reduce_overlap` and `tp_comm_overlap`: as the plan was costed
     (`grad_reduce_settings` and `tp_comm_settings` say how they were written). ExportError when the
     format cannot express the plan; SpecError for bad input.
@@ -69,9 +70,10 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
         config = model_config_from_spec(spec)
         return write_megatron(model, plan, out_dir, global_batch=global_batch, seq_len=seq, model_config=config,
                               grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
-                              tp_comm_overlap=tp_comm_overlap)
+                              tp_comm_overlap=tp_comm_overlap, cluster=cluster)
     return write_deepspeed(model, plan, out_dir, global_batch=global_batch, seq_len=seq,
-                           grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
+                           grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
+                           cluster=cluster)
 
 
 def grad_reduce_settings(plan: Plan, *, fmt: Format, dtype: DType = DType.BF16, cluster: Cluster | None = None,

@@ -3,7 +3,9 @@
 Megatron-LM runs one (tp, dp) mesh for the whole model, ranks ordered tp fastest, then dp, then
 pp; the token embedding sits on the first pipeline stage and the output head on the last, next to
 their transformer layers. A plan maps onto it when every stage has the same tp and dp with even
-batch shares, the stages sit on ranks in that order, and the transformer layers per stage are
+batch shares, the stages sit on ranks in that order (with the cluster, its nodes are launched in the
+plan's rank order, so the first stage may sit on any node: `launch_node{k}.sh` per node, GPUs pinned
+to ranks), and the transformer layers per stage are
 even except on the first and last stage (`--decoder-first/last-pipeline-num-layers`, at least one
 layer each); any other split, interleaved chunks included, is written as Megatron-Core's
 `--pipeline-model-parallel-layout`. Interleaved plans with the same number of layers in every chunk
@@ -38,6 +40,7 @@ run matches the prediction.
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -55,9 +58,11 @@ from tagplan.export.checks import (
     uniform_mesh,
     validate,
 )
+from tagplan.export.node_launch import fixed_rank_table, launch_scripts
 from tagplan.export.shapes import ffn_width, transformer_shape
 from tagplan.frontends.families import TransformerShape
 from tagplan.frontends.model_spec import ModelSpec
+from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule
 from tagplan.ir.workload import DType
@@ -94,8 +99,10 @@ def model_config_from_spec(spec: str | ModelSpec) -> dict[str, Any]:
 
 def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int,
                        model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
-                       grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False) -> list[str]:
-    """The Megatron-LM command-line arguments (flags and values, in order) that run `plan`.
+                       grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False,
+                       cluster: Cluster | None = None) -> list[str]:
+    """The Megatron-LM command-line arguments (flags and values, in order) that run `plan`
+    (launched on `cluster`'s nodes in the plan's rank order when given, `rank_order`).
 
     `model_config` is `model_config_from_spec`'s dict (None: derived from `model.name`, which is
     the SPEC for zoo and parametric models). `grad_reduce_dtype` and `grad_reduce_overlap`: the
@@ -103,13 +110,13 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     as costed (`Workload.tp_comm_overlap`). ExportError when Megatron-LM cannot express the plan or
     the reduction.
     """
-    validate(plan, model)
+    validate(plan, model, cluster)
     check_reduce_dtype(grad_reduce_dtype)
     reduce_args = reduce_dtype_args(model.dtype, grad_reduce_dtype)
     family, shape = _shape(model, model_config)
     if seq_len != model.seq_len:
         raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
-    dp, tp = plan_checks(plan)
+    dp, tp = plan_checks(plan, cluster)
     pp, chunks = _pipeline_depth(plan)
     _check_sharding(model, plan)
     counts = _layer_counts(model, plan, shape)
@@ -135,17 +142,35 @@ def uses_megatron_fsdp(plan: Plan) -> bool:
 
 def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int,
                    model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
-                   grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False) -> list[Path]:
-    """Write `megatron_args.txt` (one flag per line) and `launch.sh` under `out_dir`; returns both."""
+                   grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False,
+                   cluster: Cluster | None = None) -> list[Path]:
+    """Write `megatron_args.txt` (one flag per line) and the launch under `out_dir`; returns the paths.
+
+    Without `cluster`: `launch.sh`, device d as global rank d. With it: `launch_node{k}.sh` per node
+    (k = node rank, nodes in the plan's rank order, each GPU pinned to its rank) and `ranks.json`
+    (world rank -> cluster device, node, local GPU, GPU type), so a plan whose first stage sits on any
+    node runs as it was costed."""
     args = megatron_arguments(model, plan, global_batch=global_batch, seq_len=seq_len, model_config=model_config,
                               grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
-                              tp_comm_overlap=tp_comm_overlap)
+                              tp_comm_overlap=tp_comm_overlap, cluster=cluster)
     out_dir.mkdir(parents=True, exist_ok=True)
-    args_path, launch_path = out_dir / "megatron_args.txt", out_dir / "launch.sh"
+    args_path = out_dir / "megatron_args.txt"
     args_path.write_text(_one_flag_per_line(args))
-    launch_path.write_text(_launch_script(len(plan.devices), fsdp=uses_megatron_fsdp(plan)))
-    launch_path.chmod(0o755)
-    return [args_path, launch_path]
+    if cluster is None:
+        launch_path = out_dir / "launch.sh"
+        launch_path.write_text(_launch_script(len(plan.devices), fsdp=uses_megatron_fsdp(plan)))
+        launch_path.chmod(0o755)
+        return [args_path, launch_path]
+    table = fixed_rank_table(rank_order(plan, cluster), cluster)
+    paths = [args_path]
+    for name, text in launch_scripts(table, setup=_launch_setup(fsdp=uses_megatron_fsdp(plan)),
+                                     command=_MEGATRON_COMMAND, pin_gpus=True).items():
+        (path := out_dir / name).write_text(text)
+        path.chmod(0o755)
+        paths.append(path)
+    table_path = out_dir / "ranks.json"
+    table_path.write_text(json.dumps(table, indent=1) + "\n")
+    return [*paths, table_path]
 
 
 def _shape(model: ModelGraph, config: dict[str, Any] | None) -> tuple[str, TransformerShape]:
@@ -166,17 +191,24 @@ def _shape(model: ModelGraph, config: dict[str, Any] | None) -> tuple[str, Trans
     return family, TransformerShape(**{k: v for k, v in config.items() if k in known})
 
 
-def plan_checks(plan: Plan) -> tuple[int, int]:
+def plan_checks(plan: Plan, cluster: Cluster | None = None) -> tuple[int, int]:
     """(dp, tp) after every refusal the plan alone decides: one mesh with even shares, the schedule,
-    the rank order, recomputation on all stages or none, one ZeRO stage (2 and 3 without pipelining)."""
+    the rank order (on `cluster`'s nodes when given: `rank_order`), recomputation on all stages or
+    none, one ZeRO stage (2 and 3 without pipelining)."""
     dp, tp = uniform_mesh(plan, FMT, "Megatron-LM uses one tensor- and data-parallel degree for the whole model")
     pp, _ = _pipeline_depth(plan)
     _check_schedule(plan, pp)
-    check_rank_order(plan, [s.devices for s in plan.stages[:pp]], tp=tp, fmt=FMT,
-                     launcher="Megatron-LM (ranks tp-fastest, then dp, then pp)")
+    rank_order(plan, cluster)
     _recompute_args(plan)
     _optimizer_args(plan, dp)
     return dp, tp
+
+
+def rank_order(plan: Plan, cluster: Cluster | None = None) -> tuple[int, ...]:
+    """The plan's devices in Megatron-LM's world-rank order (`checks.check_rank_order`)."""
+    pp, _ = _pipeline_depth(plan)
+    return check_rank_order(plan, [s.devices for s in plan.stages[:pp]], tp=plan.stages[0].tp, fmt=FMT,
+                            launcher="Megatron-LM (ranks tp-fastest, then dp, then pp)", cluster=cluster)
 
 
 def _pipeline_depth(plan: Plan) -> tuple[int, int]:
@@ -365,10 +397,24 @@ def _one_flag_per_line(args: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_MEGATRON_COMMAND = ('"${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout}/pretrain_gpt.py" '
+                     '$(cat megatron_args.txt) $DATA_ARGS "$@"')
+
+
+def _launch_setup(*, fsdp: bool) -> list[str]:
+    """The lines a per-node launch runs before torchrun (in the export directory)."""
+    return ['DATA_ARGS="${DATA_ARGS:---mock-data --tokenizer-type NullTokenizer --train-iters 100 --lr 1e-4}"',
+            _connections(fsdp), "# shellcheck disable=SC2046,SC2086"]
+
+
+def _connections(fsdp: bool) -> str:
+    return ("unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron FSDP asserts it is not 1" if fsdp
+            else "export CUDA_DEVICE_MAX_CONNECTIONS=1")
+
+
 def _launch_script(world: int, *, fsdp: bool = False) -> str:
     per_node = min(world, 8)
-    connections = ("unset CUDA_DEVICE_MAX_CONNECTIONS  # Megatron FSDP asserts it is not 1" if fsdp
-                   else "export CUDA_DEVICE_MAX_CONNECTIONS=1")
+    connections = _connections(fsdp)
     return f"""#!/usr/bin/env bash
 # Runs the plan with Megatron-LM: one torchrun per node, nodes numbered in the cluster SPEC's order
 # (the plan's device d is global rank d). Set MEGATRON_LM to a Megatron-LM checkout; append data,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import re
 import shlex
+from collections.abc import Sequence
 from typing import Any
 
 from tagplan.export.runtime_layout import node_order, rank_devices
@@ -42,9 +43,26 @@ def rank_table(plan: Plan, cluster: Cluster | None) -> list[dict[str, Any]]:
     return rows
 
 
-def launch_scripts(table: list[dict[str, Any]], program: str = "train.py") -> dict[str, str]:
+def fixed_rank_table(ranked: Sequence[int], cluster: Cluster) -> list[dict[str, Any]]:
+    """`rank_table`'s rows for a launcher that fixes which device each world rank runs (`ranked[i]`:
+    rank i's device), as Megatron-LM and DeepSpeed do (`checks.check_rank_order` has checked that
+    each node's devices follow one another): the node of rank 0 is node rank 0, and so on."""
+    order = node_order(ranked, {d: cluster.device(d).node for d in ranked})
+    rows = []
+    for d in ranked:
+        dev = cluster.device(d)
+        rows.append({"device": d, "node": cluster.nodes[dev.node].name, "node_rank": order.index(dev.node),
+                     "local_gpu": dev.local, "gpu": dev.spec.name})
+    return rows
+
+
+def launch_scripts(table: list[dict[str, Any]], program: str = "train.py", *, setup: Sequence[str] = (),
+                   command: str | None = None, pin_gpus: bool = False) -> dict[str, str]:
     """File name -> text of one bash script per node (`launch_node{k}.sh`, k = node rank): torchrun
-    with `--nnodes`, `--node-rank`, `--nproc-per-node` and one static rendezvous at $MASTER_ADDR."""
+    with `--nnodes`, `--node-rank`, `--nproc-per-node` and one static rendezvous at $MASTER_ADDR,
+    running `program` with the script's arguments, or the shell text `command` (after the `setup`
+    lines). `pin_gpus`: local rank j runs the node's j-th GPU of the table (CUDA_VISIBLE_DEVICES, where
+    that is not GPU j), for programs that take their GPU from torchrun's LOCAL_RANK."""
     nodes = sorted({row["node_rank"] for row in table})
     out = {}
     for k in nodes:
@@ -62,9 +80,14 @@ def launch_scripts(table: list[dict[str, Any]], program: str = "train.py") -> di
             f': "${{MASTER_ADDR:?set MASTER_ADDR to the address of node rank 0 ({host})}}"',
             f'MASTER_PORT="${{MASTER_PORT:-{DEFAULT_PORT}}}"',
             'cd "$(dirname "$0")"',
-            f"exec torchrun --nnodes {len(nodes)} --node-rank {k} --nproc-per-node {len(mine)} "
-            f'--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" {shlex.quote(program)} "$@"',
+            *setup,
         ]
+        gpus = [row["local_gpu"] for row in mine]
+        if pin_gpus and gpus != list(range(len(gpus))):
+            lines.append(f"export CUDA_VISIBLE_DEVICES={','.join(map(str, gpus))}  # local rank j runs the j-th")
+        lines.append(f"exec torchrun --nnodes {len(nodes)} --node-rank {k} --nproc-per-node {len(mine)} "
+                     f'--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" '
+                     + (command if command is not None else f'{shlex.quote(program)} "$@"'))
         out[f"launch_node{k}.sh"] = "\n".join(lines) + "\n"
     return out
 

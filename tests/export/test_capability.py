@@ -6,6 +6,7 @@ import pytest
 
 from tagplan.export import exportable
 from tagplan.export.checks import ExportError
+from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.plan import Plan, Stage
 from tagplan.ir.workload import DType, Workload
@@ -36,6 +37,18 @@ def test_a_model_adds_the_model_checks() -> None:
     assert "tensor parallelism" in (exportable(uniform, "deepspeed", model) or "")
     with pytest.raises(ValueError, match="unknown export format"):
         exportable(uniform, "jax")
+
+
+def test_the_cluster_lets_megatron_and_deepspeed_start_the_pipeline_on_any_node() -> None:
+    """The planner's `--exportable` asks with the cluster: a plan whose first stage sits on the second
+    node runs (that node is launched first); without the cluster it is refused."""
+    cluster = load_cluster("p3.8xlarge:nodes=2")
+    model = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=16)
+    late = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(4, 5, 6, 7), dp=4),
+                                         Stage(layers=(2, 4), devices=(0, 1, 2, 3), dp=4)))
+    for fmt in ("megatron", "deepspeed"):
+        assert "pipeline rank 0 runs on devices [4, 5, 6, 7]" in (exportable(late, fmt, model) or "")
+        assert exportable(late, fmt, model, global_batch=8, cluster=cluster) is None
 
 
 def test_the_verdicts_name_every_format_and_each_refusal() -> None:

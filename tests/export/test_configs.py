@@ -268,8 +268,7 @@ def test_single_stage_deepspeed_allows_zero3(gpt_small: ModelGraph) -> None:
 
 def test_export_megatron_writes_the_arguments_and_a_launcher(tmp_path: Path) -> None:
     plan = pipeline([12] * 8, tp=8, recompute=True)
-    paths = export("gpt3-175b", plan, tmp_path / "out", fmt="megatron", seq_len=None, global_batch=1536,
-                   cluster=load_cluster("dgx-a100-80gb:nodes=8"))
+    paths = export("gpt3-175b", plan, tmp_path / "out", fmt="megatron", seq_len=None, global_batch=1536)
     assert [p.name for p in paths] == ["megatron_args.txt", "launch.sh"]
     lines = paths[0].read_text().splitlines()
     assert lines[:3] == ["--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 8", "--sequence-parallel"]
@@ -278,6 +277,70 @@ def test_export_megatron_writes_the_arguments_and_a_launcher(tmp_path: Path) -> 
     assert "pretrain_gpt.py" in launch and "$(cat \"$HERE/megatron_args.txt\")" in launch
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in launch
     assert os.access(paths[1], os.X_OK)
+
+
+MIXED = "dgx-h100:nodes=2+dgx-a100-80gb:nodes=2"  # H100 devices 0-15, A100 16-31
+
+
+def test_megatron_launches_the_nodes_in_the_plans_rank_order_on_a_cluster(tmp_path: Path) -> None:
+    """Pipeline rank 0 on the last A100 node: without the cluster Megatron-LM (rank d = device d) would
+    run it on device 0; with it, that node is launched as node rank 0 and the H100 nodes after."""
+    plan = swap_devices(pipeline([24] * 4, tp=8), 0, 3)
+    assert plan.stages[0].devices == tuple(range(24, 32))
+    with pytest.raises(ExportError, match=r"pipeline rank 0 runs on devices \[24, .*--cluster"):
+        megatron_arguments(load_model("gpt3-175b"), plan, global_batch=64, seq_len=2048)
+    paths = export("gpt3-175b", plan, tmp_path, fmt="megatron", seq_len=None, global_batch=64,
+                   cluster=load_cluster(MIXED))
+    assert [p.name for p in paths] == ["megatron_args.txt", *(f"launch_node{k}.sh" for k in range(4)), "ranks.json"]
+    table = json.loads(paths[-1].read_text())
+    assert [row["device"] for row in table] == [*range(24, 32), *range(8, 24), *range(8)]
+    assert [table[8 * k]["node"] for k in range(4)] == ["dgx-a100-80gb-1", "dgx-h100-1", "dgx-a100-80gb-0",
+                                                       "dgx-h100-0"]
+    first = paths[1].read_text()
+    assert "--nnodes 4 --node-rank 0 --nproc-per-node 8" in first and "8 x A100-SXM-80GB" in first
+    assert "pretrain_gpt.py" in first and "$(cat megatron_args.txt)" in first
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in first and "CUDA_VISIBLE_DEVICES" not in first  # GPUs 0-7 in order
+    assert "world ranks 24..31" in paths[4].read_text() and "H100" in paths[4].read_text()
+    assert os.access(paths[1], os.X_OK)
+    for script in paths[1:5]:  # valid bash
+        subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_megatron_pins_a_part_node_plans_gpus_and_refuses_a_node_split_across_ranks(tmp_path: Path) -> None:
+    # two stages of tp 4 on the upper halves of two nodes: local ranks 0-3 run GPUs 4-7
+    halves = Plan(micro_batches=8, stages=(
+        Stage(layers=(0, 50), devices=(12, 13, 14, 15), tp=4), Stage(layers=(50, 98), devices=(4, 5, 6, 7), tp=4)))
+    paths = export("gpt3-175b", halves, tmp_path, fmt="megatron", seq_len=None, global_batch=64,
+                   cluster=load_cluster("dgx-a100-80gb:nodes=2"))
+    assert "export CUDA_VISIBLE_DEVICES=4,5,6,7" in paths[1].read_text()
+    assert "--nnodes 2 --node-rank 0 --nproc-per-node 4" in paths[1].read_text()
+    # node 0's devices would hold world ranks 0-3 and 8-11 with node 1's between them
+    split = Plan(micro_batches=8, stages=(
+        Stage(layers=(0, 33), devices=(0, 1, 2, 3), tp=4), Stage(layers=(33, 66), devices=(8, 9, 10, 11), tp=4),
+        Stage(layers=(66, 98), devices=(4, 5, 6, 7), tp=4)))
+    with pytest.raises(ExportError, match=r"world ranks 0 \(device 0\) and 8 \(device 4\) on node 'dgx-a100-80gb-0'"):
+        megatron_arguments(load_model("gpt3-175b"), split, global_batch=64, seq_len=2048,
+                           cluster=load_cluster("dgx-a100-80gb:nodes=2"))
+
+
+def test_deepspeed_writes_a_hostfile_in_the_plans_rank_order(tmp_path: Path) -> None:
+    cluster = load_cluster("p3.8xlarge:nodes=2")  # two nodes of 4 V100
+    plan = Plan(micro_batches=8, stages=(Stage(layers=(0, 7), devices=(4, 5, 6, 7), dp=4),
+                                         Stage(layers=(7, 14), devices=(0, 1, 2, 3), dp=4)))
+    with pytest.raises(ExportError, match=r"pipeline rank 0 runs on devices \[4, 5, 6, 7\]"):
+        export("gpt3-125m", plan, tmp_path / "no", fmt="deepspeed", seq_len=None, global_batch=64)
+    paths = export("gpt3-125m", plan, tmp_path, fmt="deepspeed", seq_len=None, global_batch=64, cluster=cluster)
+    assert [p.name for p in paths] == ["ds_config.json", "partition.json", "hostfile"]
+    assert paths[2].read_text() == "p3.8xlarge-1 slots=4\np3.8xlarge-0 slots=4\n"
+    launch = json.loads(paths[1].read_text())["launch"]
+    assert launch["include"] == "p3.8xlarge-1:0,1,2,3@p3.8xlarge-0:0,1,2,3"
+    assert [row["device"] for row in launch["ranks"]] == [4, 5, 6, 7, 0, 1, 2, 3]
+    # DeepSpeed's launcher hands a node's ranks to its GPUs in ascending order
+    backwards = plan.model_copy(update={"stages": (plan.stages[0].model_copy(update={"devices": (7, 6, 5, 4)}),
+                                                   plan.stages[1])})
+    with pytest.raises(ExportError, match=r"node 'p3.8xlarge-1' runs devices \[7, 6, 5, 4\]"):
+        export("gpt3-125m", backwards, tmp_path / "b", fmt="deepspeed", seq_len=None, global_batch=64,
+               cluster=cluster)
 
 
 def test_export_deepspeed_writes_config_and_partition(tmp_path: Path) -> None:

@@ -84,8 +84,8 @@ def exporters(request: PlanRequest, problem: PlanProblem, best: Plan) -> dict[st
     """Which export formats run the best plan (`export.capability.verdicts`); an inline graph names
     no model the torch program could build, so torch refuses it whatever the graph's family says."""
     if isinstance(request.model, ModelSpec):
-        return verdicts(best, problem.model, problem.workload, spec=request.model)
-    return {**verdicts(best, problem.model, problem.workload), "torch": INLINE_GRAPH_REFUSAL}
+        return verdicts(best, problem.model, problem.workload, spec=request.model, cluster=problem.cluster)
+    return {**verdicts(best, problem.model, problem.workload, cluster=problem.cluster), "torch": INLINE_GRAPH_REFUSAL}
 
 
 def plan_problem(request: PlanRequest, settings: Settings, calibration: Calibration) -> PlanProblem:
