@@ -22,6 +22,11 @@ from tagplan.ir.workload import Workload
 
 CHECKPOINT_SKIPPED = frozenset({"embedding", "head"})
 """Block kinds recomputation keeps (Megatron and the torch program checkpoint the transformer blocks)."""
+TP_OVERLAP_SKIPPED = frozenset({"embedding", "head"})
+"""Block kinds whose tensor-parallel collectives `Workload.tp_comm_overlap` leaves exposed: Megatron-LM's
+`--tp-comm-overlap` runs Transformer Engine's userbuffer overlap inside the transformer blocks' linear
+layers (QKV, projection, FC1, FC2); the vocabulary-parallel embedding and output layer are Megatron's
+own layers, whose all-reduce / gathers run as plain collectives."""
 
 ShardingKey = tuple[tuple[str, str], ...]
 
@@ -140,10 +145,11 @@ class StageCoster:
             sharded = self.sharded(block_hash, stage.sharding)
             t = self._block(block_hash, sharded, spec, stage.tp, samples, stage.sharding)
             comm_f, comm_b = self._tp(block_hash, sharded, group, samples, stage.sharding)
-            if overlap:
+            kind = self.model.block_by_hash[block_hash].kind
+            if overlap and kind not in TP_OVERLAP_SKIPPED:
                 comm_f = exposed_tp_s(comm_f, t.forward_s, stage.tp)
                 comm_b = exposed_tp_s(comm_b, t.backward_s, stage.tp)
-            replay = stage.recompute and self.model.block_by_hash[block_hash].kind not in CHECKPOINT_SKIPPED
+            replay = stage.recompute and kind not in CHECKPOINT_SKIPPED
             fwd += count * t.forward_s
             bwd += count * (t.backward_s + (t.forward_s if replay else 0.0))
             tp_f += count * comm_f

@@ -89,15 +89,15 @@ SUSTAINED_PEAK_FRACTION: dict[str, float] = {
     # bf16 runs (leave-one-out |error| median 4.7%, worst 7.2%; bench/results/sustained_clock.json);
     # it also absorbs what else the op model misses on H100 kernels. The NeMo fp8 runs are held out.
     # The H200 SXM is the same GH100 die under the same 700 W cap.
-    "H100-SXM": 0.815,
-    "H200-SXM": 0.815,
+    "H100-SXM": 0.816,
+    "H200-SXM": 0.816,
     # Blackwell under its 1200 W (GB200) cap: fitted by the same script to the ten NeMo / Megatron-Bridge
     # GB200 fp8 runs whose recipes run without full recompute (three recipes: Llama 3 70B pre-training and
     # SFT, Llama 3.1 405B pre-training); leave-one-recipe-out |error| median 8.9%, worst 11.7%. Those rows
     # are in-sample for this figure. The B200 is the same die under a lower cap (1000 W): no table row
     # measures it, and it takes the GB200's figure, an upper bound on its clock.
-    "GB200": 0.728,
-    "B200": 0.728,
+    "GB200": 0.729,
+    "B200": 0.729,
 }
 """Devices whose power cap holds the clock below the boost clock the datasheet peak assumes, under a
 continuous load such as a training loop (the cap acts on the board's average power, so every
