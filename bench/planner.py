@@ -122,18 +122,26 @@ def suite_row(case: tuple[str, str, str, int, int, bool], *, evaluations: int, b
     return row
 
 
+MEGATRON_TP_OVERLAP = "megatron --tp-comm-overlap"
+
+
 def as_run(m: Any, c: Any, w: Workload, spec: Any, *, evaluations: int, budget_s: float) -> dict[str, Any]:
     """Plans as an export format's runtime runs them: per format (`export.capability.TARGETS`), the
     planner's best plan that format runs and the best baseline plan it runs, both costed with the
     workload and gradient-reduction rule of its runtime (`runtime_workload`, `reduce_overlap`: what
-    `plan --exportable FORMAT` does); then the best of each over the formats and their ratio."""
+    `plan --exportable FORMAT` does); then the best of each over the formats and their ratio. Megatron
+    runs twice: as is, and with `--tp-comm-overlap` (`plan --exportable megatron --tp-comm-overlap`),
+    which a practitioner turns on where Transformer Engine's userbuffers run (`megatron.tp_overlap_refusal`:
+    tensor-parallel groups inside an NVLink/NVSwitch node of sm80+ GPUs); every plan on either side is
+    admitted only where its format runs it."""
     per_format: dict[str, dict[str, Any]] = {}
-    for fmt in TARGETS:
-        wf = runtime_workload(fmt, w)
+    for label in (*TARGETS, MEGATRON_TP_OVERLAP):
+        fmt, tp_overlap = ("megatron", True) if label == MEGATRON_TP_OVERLAP else (label, False)
+        wf = runtime_workload(fmt, w.model_copy(update={"tp_comm_overlap": tp_overlap}))
         overlap = reduce_overlap(fmt, wf, c)
 
-        def admissible(p: Any, fmt: str = fmt) -> str | None:
-            return exportable(p, fmt, m, global_batch=w.global_batch, spec=spec, cluster=c)
+        def admissible(p: Any, fmt: str = fmt, tp_overlap: bool = tp_overlap) -> str | None:
+            return exportable(p, fmt, m, global_batch=w.global_batch, spec=spec, cluster=c, tp_comm_overlap=tp_overlap)
 
         r = plan(PlanProblem(m, c, wf, max_evaluations=evaluations, budget_s=budget_s), admissible=admissible,
                  reduce_overlap=overlap)
@@ -143,7 +151,7 @@ def as_run(m: Any, c: Any, w: Workload, spec: Any, *, evaluations: int, budget_s
         runs = {k: b for k, b in run_baselines(sim, judge.candidate, complete=True).items()
                 if b.candidate is not None and admissible(b.candidate.plan) is None}
         base = min(runs.items(), key=lambda kv: kv[1].candidate.report.iteration_time_s, default=None)  # type: ignore[union-attr]
-        per_format[fmt] = {"planner_s": r.best.report.iteration_time_s if ok else None,
+        per_format[label] = {"planner_s": r.best.report.iteration_time_s if ok else None,
                            "baseline_s": base[1].candidate.report.iteration_time_s if base else None,  # type: ignore[union-attr]
                            "baseline": f"{base[0]}: {base[1].config}" if base else None}
     planners = [(v["planner_s"], f) for f, v in per_format.items() if v["planner_s"] is not None]

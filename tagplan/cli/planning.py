@@ -159,7 +159,7 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
 
         batch = problem.workload.global_batch
         admissible = lambda p: can_export(p, exportable, problem.model, global_batch=batch, spec=spec,  # noqa: E731
-                                          cluster=problem.cluster)
+                                          cluster=problem.cluster, tp_comm_overlap=problem.workload.tp_comm_overlap)
         overlap = reduce_overlap(exportable, problem.workload, problem.cluster)
 
     prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices,

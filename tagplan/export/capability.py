@@ -83,7 +83,8 @@ def reduce_overlap(fmt: Target | str, workload: Workload, cluster: Cluster | Non
 
 
 def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_batch: int | None = None,
-               spec: ModelSpec | None = None, cluster: Cluster | None = None) -> str | None:
+               spec: ModelSpec | None = None, cluster: Cluster | None = None,
+               tp_comm_overlap: bool = False) -> str | None:
     """None when format `fmt` can run `plan`, else the reason (naming the stage and the field).
 
     Without `model` only what the plan alone decides is checked; `global_batch` adds the
@@ -91,7 +92,9 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
     `spec` (the model's SPEC) lets the torch check build Hugging Face classes and user modules
     (`torch_checks.torch_config`); without it only the gpt and llama families pass. `cluster`: the
     launch on its nodes in the format's rank order (Megatron-LM and DeepSpeed number ranks stage by
-    stage, so without it stage 0 must sit on device 0's node). ValueError for an unknown format.
+    stage, so without it stage 0 must sit on device 0's node) and, with `tp_comm_overlap` (the plan costed
+    so), where Megatron's `--tp-comm-overlap` runs (`megatron.tp_overlap_refusal`). ValueError for an
+    unknown format.
     """
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
@@ -102,7 +105,7 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
             megatron.plan_checks(plan, cluster)
             if model is not None:
                 megatron.megatron_arguments(model, plan, global_batch=global_batch or _batch(plan),
-                                            seq_len=model.seq_len, cluster=cluster)
+                                            seq_len=model.seq_len, cluster=cluster, tp_comm_overlap=tp_comm_overlap)
         elif fmt == "deepspeed":
             deepspeed.plan_checks(plan, cluster)
             if model is not None:
@@ -131,7 +134,8 @@ def verdicts(plan: Plan, model: ModelGraph, workload: Workload, *,
         except SpecError as err:
             out[fmt] = str(err)
             continue
-        out[fmt] = exportable(plan, fmt, model, global_batch=workload.global_batch, spec=spec, cluster=cluster)
+        out[fmt] = exportable(plan, fmt, model, global_batch=workload.global_batch, spec=spec, cluster=cluster,
+                              tp_comm_overlap=workload.tp_comm_overlap)
     return out
 
 

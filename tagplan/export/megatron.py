@@ -31,7 +31,9 @@ or fp32).
 
 Tensor-parallel communication as costed: `--tp-comm-overlap` (Transformer Engine's userbuffer
 overlap of the TP collectives with the GEMMs beside them; it needs `--sequence-parallel`, which every
-tp > 1 export sets) when the plan was costed with `Workload.tp_comm_overlap` and tp > 1.
+tp > 1 export sets) when the plan was costed with `Workload.tp_comm_overlap` and tp > 1. On a
+cluster it is refused where the userbuffers cannot run (`tp_overlap_refusal`): a tensor-parallel group
+across nodes or over PCIe, or on GPUs before sm80.
 
 The flag spellings follow NVIDIA/Megatron-LM `megatron/training/arguments.py`; the simulator's
 assumptions (sequence parallelism with TP, the costed gradient reduction) are switched on so the
@@ -62,7 +64,7 @@ from tagplan.export.node_launch import fixed_rank_table, launch_scripts
 from tagplan.export.shapes import ffn_width, transformer_shape
 from tagplan.frontends.families import TransformerShape
 from tagplan.frontends.model_spec import ModelSpec
-from tagplan.ir.cluster import Cluster
+from tagplan.ir.cluster import Cluster, LinkKind
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule
 from tagplan.ir.workload import DType
@@ -126,6 +128,8 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     args += _split_args(counts, pp, chunks)
     if tp > 1:
         args.append("--sequence-parallel")  # the cost model's TP layout (tagplan.cost.sharding.BOUNDARY)
+        if tp_comm_overlap and cluster is not None and (why := tp_overlap_refusal(plan, cluster)):
+            raise refuse(FMT, why)
         if tp_comm_overlap:
             args.append("--tp-comm-overlap")  # as costed (cost.stage_cost.exposed_tp_s); needs --sequence-parallel
     args += _model_args(family, shape, seq_len)
@@ -133,6 +137,29 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     args += _recompute_args(plan)
     args += _optimizer_args(plan, dp, overlap=grad_reduce_overlap)
     return args + reduce_args + _DTYPE_FLAG[model.dtype]
+
+
+def tp_overlap_refusal(plan: Plan, cluster: Cluster) -> str | None:
+    """Why `--tp-comm-overlap` cannot run `plan` on `cluster` (None: it can). Transformer Engine's
+    userbuffers (its "Overlapping Communication with GEMM" requirements) need every tensor-parallel
+    group on one node, connected over NVLink or NVSwitch, and run on the GPUs Transformer Engine
+    supports, sm80 and later (the catalog's GPUs with bf16; before sm90 over CUDA IPC, `UB_SKIPMC=1`)."""
+    for i, stage in enumerate(plan.stages):
+        if stage.tp < 2:
+            continue
+        for r in range(stage.dp):
+            group = [cluster.device(d) for d in stage.replica(r)]
+            node = cluster.nodes[group[0].node]
+            if any(d.node != group[0].node for d in group):
+                return (f"--tp-comm-overlap: stages[{i}] replica {r} spans nodes; Transformer Engine's userbuffers "
+                        "need each tensor-parallel group on one node")
+            if node.fabric not in (LinkKind.NVLINK, LinkKind.NVSWITCH):
+                return (f"--tp-comm-overlap: stages[{i}] runs on {node.name!r}, whose GPUs meet over "
+                        f"{node.fabric.value}; Transformer Engine's userbuffers need NVLink or NVSwitch")
+            if group[0].spec.peak_flops_bf16 is None:
+                return (f"--tp-comm-overlap: stages[{i}] runs on {group[0].spec.name}, older than sm80; Transformer "
+                        "Engine does not run there")
+    return None
 
 
 def uses_megatron_fsdp(plan: Plan) -> bool:

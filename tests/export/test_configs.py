@@ -421,3 +421,24 @@ def test_tp_comm_overlap_exports_everywhere_and_notes_the_runtimes_that_run_it_e
     assert tp_comm_settings(tp2, fmt="megatron", tp_comm_overlap=False) == {"overlapped": False, "notes": []}
     no_tp = {"overlapped": False, "notes": []}  # without TP nothing is written and nothing differs
     assert tp_comm_settings(ds_plan(), fmt="deepspeed", tp_comm_overlap=True) == no_tp
+
+
+def test_tp_comm_overlap_is_refused_where_transformer_engines_userbuffers_cannot_run() -> None:
+    """Userbuffers need each TP group inside one NVLink/NVSwitch node of sm80+ GPUs; `exportable` asks it
+    for plans costed with the overlap (what `plan --exportable megatron --tp-comm-overlap` searches)."""
+    from tagplan.export import exportable
+    from tagplan.export.megatron import tp_overlap_refusal
+
+    model = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=16)
+    inside = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(0, 1, 2, 3), tp=4),))
+    across = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(6, 7, 8, 9), tp=4),))
+    assert tp_overlap_refusal(inside, load_cluster("dgx-a100-80gb:nodes=2")) is None
+    assert "spans nodes" in (tp_overlap_refusal(across, load_cluster("dgx-a100-80gb:nodes=2")) or "")
+    assert "over pcie" in (tp_overlap_refusal(inside, load_cluster("rtx4090x4")) or "")
+    assert "older than sm80" in (tp_overlap_refusal(inside, load_cluster("p3.8xlarge")) or "")
+    v100 = load_cluster("p3.8xlarge")
+    assert exportable(inside, "megatron", model, global_batch=8, cluster=v100) is None
+    assert "older than sm80" in (exportable(inside, "megatron", model, global_batch=8, cluster=v100,
+                                            tp_comm_overlap=True) or "")
+    assert exportable(inside, "megatron", model, global_batch=8, cluster=load_cluster("dgx-h100"),
+                      tp_comm_overlap=True) is None
