@@ -18,7 +18,7 @@ from tagplan.export import deepspeed, megatron
 from tagplan.frontends.model_spec import ModelSpec
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
-from tagplan.ir.plan import Plan, check_whole_samples
+from tagplan.ir.plan import Plan, check_devices, check_whole_samples
 from tagplan.ir.workload import DType, Workload
 
 Target = Literal["torch", "megatron", "deepspeed"]
@@ -92,23 +92,27 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
     `spec` (the model's SPEC) lets the torch check build Hugging Face classes and user modules
     (`torch_checks.torch_config`); without it only the gpt and llama families pass. `cluster`: the
     launch on its nodes in the format's rank order (Megatron-LM and DeepSpeed number ranks stage by
-    stage, so without it stage 0 must sit on device 0's node) and, with `tp_comm_overlap` (the plan costed
-    so), where Megatron's `--tp-comm-overlap` runs (`megatron.tp_overlap_refusal`). ValueError for an
-    unknown format.
+    stage, so without it the first stage's devices must be devices 0..n-1) and, with `tp_comm_overlap`
+    (the plan costed so), where Megatron's `--tp-comm-overlap` runs (`megatron.tp_overlap_refusal`).
+    ValueError for an unknown format.
     """
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
     try:
         if global_batch is not None:
             check_whole_samples(plan, global_batch)
-        if fmt == "megatron":
-            megatron.plan_checks(plan, cluster)
-            if model is not None:
+        if cluster is not None:  # the rank order reads the plan's devices off the cluster
+            check_devices(plan, cluster)
+        if fmt == "megatron":  # with a model, the arguments run every plan check too
+            if model is None:
+                megatron.plan_checks(plan, cluster, tp_comm_overlap=tp_comm_overlap)
+            else:
                 megatron.megatron_arguments(model, plan, global_batch=global_batch or _batch(plan),
                                             seq_len=model.seq_len, cluster=cluster, tp_comm_overlap=tp_comm_overlap)
         elif fmt == "deepspeed":
-            deepspeed.plan_checks(plan, cluster)
-            if model is not None:
+            if model is None:
+                deepspeed.plan_checks(plan, cluster)
+            else:
                 deepspeed.deepspeed_config(model, plan, global_batch=global_batch or _batch(plan),
                                            seq_len=model.seq_len, cluster=cluster)
         elif model is not None:

@@ -140,12 +140,14 @@ def launch(plan: Plan, cluster: Cluster) -> dict[str, Any]:
     table = fixed_rank_table(rank_order(plan, cluster), cluster)
     nodes = list(dict.fromkeys(row["node"] for row in table))
     gpus = {n: [row["local_gpu"] for row in table if row["node"] == n] for n in nodes}
+    slots = {node.name: node.gpus for node in cluster.nodes}  # the node's GPUs: --include picks among them
     include = "@".join(f"{n}:{','.join(map(str, gpus[n]))}" for n in nodes)
-    return {"hostfile_text": "".join(f"{n} slots={len(gpus[n])}\n" for n in nodes), "include": include,
+    return {"hostfile_text": "".join(f"{n} slots={slots[n]}\n" for n in nodes), "include": include,
             "command": f"deepspeed --hostfile hostfile --include {include} YOUR_TRAIN.py --deepspeed "
                        "--deepspeed_config ds_config.json",
-            "note": "the hostfile names the cluster's nodes; replace each with that host's address, keeping the "
-                    "order: DeepSpeed numbers ranks host by host in hostfile order",
+            "note": "the hostfile and --include name the cluster's nodes: make each name resolve to its host "
+                    "(/etc/hosts or ssh config) or replace it in both, keeping the hostfile's order: DeepSpeed "
+                    "numbers ranks host by host in hostfile order",
             "ranks": table}
 
 
@@ -210,7 +212,8 @@ LAUNCHER = "DeepSpeed (ranks data-parallel fastest, then pipe)"
 def rank_order(plan: Plan, cluster: Cluster | None = None) -> tuple[int, ...]:
     """The plan's devices in DeepSpeed's world-rank order (`checks.check_rank_order`). On `cluster`'s
     nodes the launcher (`deepspeed --hostfile --include`) gives a node's ranks to its listed GPUs in
-    ascending order, so each node's devices must also ascend in rank order."""
+    ascending order (older releases sort each host's list; newer keep --include's order, where this
+    rule is stricter than needed), so each node's devices must also ascend in rank order."""
     ranked = check_rank_order(plan, [s.devices for s in plan.stages], tp=1, fmt=FMT, launcher=LAUNCHER,
                               cluster=cluster)
     if cluster is not None:

@@ -118,7 +118,7 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     family, shape = _shape(model, model_config)
     if seq_len != model.seq_len:
         raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
-    dp, tp = plan_checks(plan, cluster)
+    dp, tp = plan_checks(plan, cluster, tp_comm_overlap=tp_comm_overlap)
     pp, chunks = _pipeline_depth(plan)
     _check_sharding(model, plan)
     counts = _layer_counts(model, plan, shape)
@@ -128,8 +128,6 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     args += _split_args(counts, pp, chunks)
     if tp > 1:
         args.append("--sequence-parallel")  # the cost model's TP layout (tagplan.cost.sharding.BOUNDARY)
-        if tp_comm_overlap and cluster is not None and (why := tp_overlap_refusal(plan, cluster)):
-            raise refuse(FMT, why)
         if tp_comm_overlap:
             args.append("--tp-comm-overlap")  # as costed (cost.stage_cost.exposed_tp_s); needs --sequence-parallel
     args += _model_args(family, shape, seq_len)
@@ -143,7 +141,8 @@ def tp_overlap_refusal(plan: Plan, cluster: Cluster) -> str | None:
     """Why `--tp-comm-overlap` cannot run `plan` on `cluster` (None: it can). Transformer Engine's
     userbuffers (its "Overlapping Communication with GEMM" requirements) need every tensor-parallel
     group on one node, connected over NVLink or NVSwitch, and run on the GPUs Transformer Engine
-    supports, sm80 and later (the catalog's GPUs with bf16; before sm90 over CUDA IPC, `UB_SKIPMC=1`)."""
+    supports, sm80 and later (the catalog's GPUs with bf16; before sm90 over CUDA IPC, `UB_SKIPMC=1`).
+    The node's fabric decides (a node's explicit pair links are not consulted)."""
     for i, stage in enumerate(plan.stages):
         if stage.tp < 2:
             continue
@@ -174,7 +173,9 @@ def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch
     """Write `megatron_args.txt` (one flag per line) and the launch under `out_dir`; returns the paths.
 
     Without `cluster`: `launch.sh`, device d as global rank d. With it: `launch_node{k}.sh` per node
-    (k = node rank, nodes in the plan's rank order, each GPU pinned to its rank) and `ranks.json`
+    (k = node rank, nodes in the plan's rank order; CUDA_VISIBLE_DEVICES lists the node's GPUs in
+    rank order, so local rank j runs the GPU the plan gave it whether Megatron picks its device by
+    LOCAL_RANK or by rank modulo the visible GPUs) and `ranks.json`
     (world rank -> cluster device, node, local GPU, GPU type), so a plan whose first stage sits on any
     node runs as it was costed."""
     args = megatron_arguments(model, plan, global_batch=global_batch, seq_len=seq_len, model_config=model_config,
@@ -218,14 +219,17 @@ def _shape(model: ModelGraph, config: dict[str, Any] | None) -> tuple[str, Trans
     return family, TransformerShape(**{k: v for k, v in config.items() if k in known})
 
 
-def plan_checks(plan: Plan, cluster: Cluster | None = None) -> tuple[int, int]:
+def plan_checks(plan: Plan, cluster: Cluster | None = None, *, tp_comm_overlap: bool = False) -> tuple[int, int]:
     """(dp, tp) after every refusal the plan alone decides: one mesh with even shares, the schedule,
-    the rank order (on `cluster`'s nodes when given: `rank_order`), recomputation on all stages or
-    none, one ZeRO stage (2 and 3 without pipelining)."""
+    the rank order (on `cluster`'s nodes when given: `rank_order`), `--tp-comm-overlap` where asked
+    (on `cluster`: `tp_overlap_refusal`), recomputation on all stages or none, one ZeRO stage (2 and 3
+    without pipelining)."""
     dp, tp = uniform_mesh(plan, FMT, "Megatron-LM uses one tensor- and data-parallel degree for the whole model")
     pp, _ = _pipeline_depth(plan)
     _check_schedule(plan, pp)
     rank_order(plan, cluster)
+    if tp_comm_overlap and cluster is not None and (why := tp_overlap_refusal(plan, cluster)):
+        raise refuse(FMT, why)
     _recompute_args(plan)
     _optimizer_args(plan, dp)
     return dp, tp

@@ -61,8 +61,8 @@ def launch_scripts(table: list[dict[str, Any]], program: str = "train.py", *, se
     """File name -> text of one bash script per node (`launch_node{k}.sh`, k = node rank): torchrun
     with `--nnodes`, `--node-rank`, `--nproc-per-node` and one static rendezvous at $MASTER_ADDR,
     running `program` with the script's arguments, or the shell text `command` (after the `setup`
-    lines). `pin_gpus`: local rank j runs the node's j-th GPU of the table (CUDA_VISIBLE_DEVICES, where
-    that is not GPU j), for programs that take their GPU from torchrun's LOCAL_RANK."""
+    lines). `pin_gpus`: CUDA_VISIBLE_DEVICES lists the node's GPUs of the table in rank order, so local
+    rank j runs the j-th, for programs that take their GPU from torchrun's LOCAL_RANK."""
     nodes = sorted({row["node_rank"] for row in table})
     out = {}
     for k in nodes:
@@ -80,11 +80,11 @@ def launch_scripts(table: list[dict[str, Any]], program: str = "train.py", *, se
             f': "${{MASTER_ADDR:?set MASTER_ADDR to the address of node rank 0 ({host})}}"',
             f'MASTER_PORT="${{MASTER_PORT:-{DEFAULT_PORT}}}"',
             'cd "$(dirname "$0")"',
-            *setup,
         ]
-        gpus = [row["local_gpu"] for row in mine]
-        if pin_gpus and gpus != list(range(len(gpus))):
-            lines.append(f"export CUDA_VISIBLE_DEVICES={','.join(map(str, gpus))}  # local rank j runs the j-th")
+        if pin_gpus:
+            gpus = ",".join(str(row["local_gpu"]) for row in mine)
+            lines.append(f"export CUDA_VISIBLE_DEVICES={gpus}  # local rank j runs the j-th")
+        lines += setup
         lines.append(f"exec torchrun --nnodes {len(nodes)} --node-rank {k} --nproc-per-node {len(mine)} "
                      f'--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" '
                      + (command if command is not None else f'{shlex.quote(program)} "$@"'))

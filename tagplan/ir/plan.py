@@ -197,6 +197,11 @@ def check_plan(plan: Plan, model: ModelGraph, cluster: Cluster) -> None:
             f"plan covers layers [{first}, {last}) but model {model.name!r} has "
             f"{len(model.layers)} layers [0, {len(model.layers)})"
         )
+    check_devices(plan, cluster)
+
+
+def check_devices(plan: Plan, cluster: Cluster) -> None:
+    """Raise ValueError naming the stage unless every device of `plan` is one of `cluster`'s."""
     n = cluster.num_devices
     for i, stage in enumerate(plan.stages):
         if min(stage.devices) >= 0 and max(stage.devices) < n:

@@ -299,7 +299,7 @@ def test_megatron_launches_the_nodes_in_the_plans_rank_order_on_a_cluster(tmp_pa
     first = paths[1].read_text()
     assert "--nnodes 4 --node-rank 0 --nproc-per-node 8" in first and "8 x A100-SXM-80GB" in first
     assert "pretrain_gpt.py" in first and "$(cat megatron_args.txt)" in first
-    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in first and "CUDA_VISIBLE_DEVICES" not in first  # GPUs 0-7 in order
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in first and "export CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in first
     assert "world ranks 24..31" in paths[4].read_text() and "H100" in paths[4].read_text()
     assert os.access(paths[1], os.X_OK)
     for script in paths[1:5]:  # valid bash
@@ -335,6 +335,13 @@ def test_deepspeed_writes_a_hostfile_in_the_plans_rank_order(tmp_path: Path) -> 
     launch = json.loads(paths[1].read_text())["launch"]
     assert launch["include"] == "p3.8xlarge-1:0,1,2,3@p3.8xlarge-0:0,1,2,3"
     assert [row["device"] for row in launch["ranks"]] == [4, 5, 6, 7, 0, 1, 2, 3]
+    # on part of a node the hostfile still gives the node's GPU count: --include picks among its slots
+    half = Plan(micro_batches=8, stages=(Stage(layers=(0, 7), devices=(6, 7), dp=2),
+                                         Stage(layers=(7, 14), devices=(2, 3), dp=2)))
+    part = export("gpt3-125m", half, tmp_path / "half", fmt="deepspeed", seq_len=None, global_batch=64,
+                  cluster=cluster)
+    assert part[2].read_text() == "p3.8xlarge-1 slots=4\np3.8xlarge-0 slots=4\n"
+    assert json.loads(part[1].read_text())["launch"]["include"] == "p3.8xlarge-1:2,3@p3.8xlarge-0:2,3"
     # DeepSpeed's launcher hands a node's ranks to its GPUs in ascending order
     backwards = plan.model_copy(update={"stages": (plan.stages[0].model_copy(update={"devices": (7, 6, 5, 4)}),
                                                    plan.stages[1])})
@@ -442,3 +449,7 @@ def test_tp_comm_overlap_is_refused_where_transformer_engines_userbuffers_cannot
                                             tp_comm_overlap=True) or "")
     assert exportable(inside, "megatron", model, global_batch=8, cluster=load_cluster("dgx-h100"),
                       tp_comm_overlap=True) is None
+    # the plan alone (no model) is checked too; a device the cluster lacks is named, not an IndexError
+    assert "older than sm80" in (exportable(inside, "megatron", cluster=v100, tp_comm_overlap=True) or "")
+    far = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(0, 9), dp=2),))
+    assert "devices [9] are not in cluster" in (exportable(far, "deepspeed", cluster=v100) or "")
