@@ -275,7 +275,9 @@ def markdown(results: dict[str, Any]) -> str:
            "plans as an exporter's runtime runs them (`export.capability.runtime_workload` and `reduce_overlap`, "
            "what `plan --exportable FORMAT` does; e.g. Megatron and the torch program reduce gradients in fp32): "
            "per format the planner's best plan that format runs and the best baseline plan it runs, each the best "
-           "over the formats (the format in brackets).", "",
+           "over the formats (the format in brackets); Megatron also with `--tp-comm-overlap` where Transformer "
+           "Engine's userbuffers run (TP groups inside an NVLink/NVSwitch node of sm80+ GPUs), and Megatron and "
+           "DeepSpeed launch the nodes in the plan's rank order, so either side's pipeline may start on any node.", "",
            "| case | planner s | Megatron grid s | data parallel s | fastest nodes s | vs best | idle GPUs | wall s "
            "| runs under | planner as run s | best baseline as run s | as run vs best |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
