@@ -33,25 +33,19 @@ def rank_table(plan: Plan, cluster: Cluster | None) -> list[dict[str, Any]]:
     if cluster is None:
         return [{"device": d, "node": None, "node_rank": 0, "local_gpu": i, "gpu": None}
                 for i, d in enumerate(plan.devices)]
-    node_of = {d: cluster.device(d).node for d in plan.devices}
-    order = node_order(plan.devices, node_of)
-    rows = []
-    for d in rank_devices(plan.devices, node_of):
-        dev = cluster.device(d)
-        rows.append({"device": d, "node": cluster.nodes[dev.node].name, "node_rank": order.index(dev.node),
-                     "local_gpu": dev.local, "gpu": dev.spec.name})
-    return rows
+    return fixed_rank_table(rank_devices(plan.devices, {d: cluster.device(d).node for d in plan.devices}), cluster)
 
 
 def fixed_rank_table(ranked: Sequence[int], cluster: Cluster) -> list[dict[str, Any]]:
     """`rank_table`'s rows for a launcher that fixes which device each world rank runs (`ranked[i]`:
     rank i's device), as Megatron-LM and DeepSpeed do (`checks.check_rank_order` has checked that
-    each node's devices follow one another): the node of rank 0 is node rank 0, and so on."""
-    order = node_order(ranked, {d: cluster.device(d).node for d in ranked})
+    each node's devices follow one another), and for `rank_table`'s torchrun order: the node of rank 0
+    is node rank 0, and so on."""
+    node_rank = {node: k for k, node in enumerate(node_order(ranked, {d: cluster.device(d).node for d in ranked}))}
     rows = []
     for d in ranked:
         dev = cluster.device(d)
-        rows.append({"device": d, "node": cluster.nodes[dev.node].name, "node_rank": order.index(dev.node),
+        rows.append({"device": d, "node": cluster.nodes[dev.node].name, "node_rank": node_rank[dev.node],
                      "local_gpu": dev.local, "gpu": dev.spec.name})
     return rows
 
