@@ -86,8 +86,8 @@ class Attention(nn.Module):
 def rotate(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2021, half-split form) of x (batch, heads, seq, dh)."""
     dh, seq = x.size(-1), x.size(-2)
-    inv = base ** (-torch.arange(0, dh, 2, dtype=torch.float32) / dh)  # (dh / 2)
-    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)  # (seq, dh / 2)
+    inv = base ** (-torch.arange(0, dh, 2, device=x.device, dtype=torch.float32) / dh)  # (dh / 2)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv)  # (seq, dh / 2)
     cos, sin = angles.cos().repeat(1, 2).to(x.dtype), angles.sin().repeat(1, 2).to(x.dtype)  # (seq, dh)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

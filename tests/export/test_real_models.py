@@ -194,3 +194,13 @@ def test_an_exported_config_json_program_trains_from_its_own_folder(tmp_path: Pa
     (rank,) = launch(train, 1, [], timeout_s=120)
     assert rank.returncode == 0, rank.stderr_tail
     assert [line["step"] for line in rank.lines] == [0, 1] and all(line["loss"] > 0 for line in rank.lines)
+
+
+def test_rotary_positions_are_built_on_the_inputs_device() -> None:
+    # meta stands in for CUDA: a table built on the CPU cannot multiply a tensor on another device
+    from tagplan.export.modules import rotate
+
+    x = torch.empty(2, 4, 16, 8, device="meta")
+    assert rotate(x).device.type == "meta"
+    cpu = torch.randn(1, 1, 3, 4, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(rotate(cpu)[..., 0, :], cpu[..., 0, :])  # position 0 is not rotated
