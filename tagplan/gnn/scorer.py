@@ -9,6 +9,7 @@ The planner keeps the simulator for the final ranking; these make the search che
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,6 +46,10 @@ class GNNScorer:
         self.model = model
         self.cache = cache or FeatureCache()
         self.forward_calls = 0
+        self.plans_scored = 0
+        """Plans predicted so far, over every call."""
+        self.predict_s = 0.0
+        """Seconds spent in `predict` so far (featurizing, folding, the forward pass)."""
         if folded is None:  # FastForward computes PlanGNN's own forward, on the CPU
             folded = type(model).forward is PlanGNN.forward and all(p.device.type == "cpu" for p in model.parameters())
         self._fast = FastForward(model) if folded else None
@@ -59,6 +64,7 @@ class GNNScorer:
         """
         if not plans:
             return np.zeros(0), np.zeros(0)
+        start = time.perf_counter()
         graphs = [featurize(model_graph, cluster, workload, p, cache=self.cache, calibration=calibration)
                   for p in plans]
         if self._fast is not None:
@@ -71,7 +77,10 @@ class GNNScorer:
             with torch.no_grad():
                 value, fit_logit = self.model(batch.to(device))
         self.forward_calls += 1
-        return value.double().cpu().numpy(), torch.sigmoid(fit_logit).double().cpu().numpy()
+        self.plans_scored += len(plans)
+        out = value.double().cpu().numpy(), torch.sigmoid(fit_logit).double().cpu().numpy()
+        self.predict_s += time.perf_counter() - start
+        return out
 
     def predicted_time_s(self, model_graph: ModelGraph, cluster: Cluster, workload: Workload, plans: Sequence[Plan],
                          *, calibration: Calibration = DEFAULT_CALIBRATION) -> np.ndarray:
@@ -151,6 +160,7 @@ class GNNPrior:
             raise ValueError(f"GNNPrior: after_visits must be an integer >= 0, got {after_visits}")
         self.space, self.temperature, self.fields, self.uniform_mix = space, temperature, fields, uniform_mix
         self.after_visits = after_visits
+        self.scorer = scorer
         self._scored = _Scored(space, scorer)
 
     def __call__(self, state: PlanState, actions: Sequence[Action], /) -> list[float]:

@@ -306,6 +306,27 @@ def test_megatron_launches_the_nodes_in_the_plans_rank_order_on_a_cluster(tmp_pa
         subprocess.run(["bash", "-n", str(script)], check=True)
 
 
+def test_an_interleaved_plan_launches_its_first_chunks_node_first_on_a_cluster(tmp_path: Path) -> None:
+    """Interleaved 1F1B on the mixed cluster with pipeline rank 0 on the last A100 node: every chunk of
+    a rank stays on its rank's node, so the launch order is that of the first chunks' groups."""
+    plan = pipeline([10] * 8, tp=8, groups=4, schedule="interleaved_1f1b", micro_batches=16)
+    order = (3, 1, 2, 0)  # pipeline rank p runs on node order[p] (8 GPUs each)
+    plan = plan.model_copy(update={"stages": tuple(
+        s.model_copy(update={"devices": tuple(range(8 * order[i % 4], 8 * order[i % 4] + 8))})
+        for i, s in enumerate(plan.stages))})
+    paths = export("llama2-70b", plan, tmp_path, fmt="megatron", seq_len=4096, global_batch=16,
+                   cluster=load_cluster(MIXED))
+    args = paths[0].read_text()
+    assert "--num-layers-per-virtual-pipeline-stage 10" in args and "--pipeline-model-parallel-size 4" in args
+    table = json.loads(paths[-1].read_text())
+    assert [row["device"] for row in table] == [d for k in order for d in range(8 * k, 8 * k + 8)]
+    assert [table[8 * p]["node"] for p in range(4)] == ["dgx-a100-80gb-1", "dgx-h100-1", "dgx-a100-80gb-0",
+                                                       "dgx-h100-0"]
+    # the launch relies on every chunk of a rank sharing its group: a plan that does not is no plan
+    with pytest.raises(ValueError, match="round-robin"):
+        with_stage(plan, 4, devices=tuple(range(8)))
+
+
 def test_megatron_pins_a_part_node_plans_gpus_and_refuses_a_node_split_across_ranks(tmp_path: Path) -> None:
     # two stages of tp 4 on the upper halves of two nodes: local ranks 0-3 run GPUs 4-7
     halves = Plan(micro_batches=8, stages=(

@@ -65,6 +65,7 @@ def test_predict_scores_many_plans_in_one_forward() -> None:
     assert np.allclose(times, lower_bound_s(sp.sim.model, sp.sim.cluster, WORKLOAD) * np.exp(log_ratio))
     empty = scorer.predict(sp.sim.model, sp.sim.cluster, WORKLOAD, [])
     assert empty[0].shape == (0,) and len(net.calls) == 2  # predicted_time_s: one more call; empty: none
+    assert scorer.forward_calls == 2 and scorer.plans_scored == 2 * len(plans) and scorer.predict_s > 0.0
 
 
 def test_prior_scores_every_action_in_one_batch_and_caches() -> None:
