@@ -142,19 +142,26 @@ def tp_overlap_refusal(plan: Plan, cluster: Cluster) -> str | None:
     userbuffers (its "Overlapping Communication with GEMM" requirements) need every tensor-parallel
     group on one node, connected over NVLink or NVSwitch, and run on the GPUs Transformer Engine
     supports, sm80 and later (the catalog's GPUs with bf16; before sm90 over CUDA IPC, `UB_SKIPMC=1`).
-    The node's fabric decides (a node's explicit pair links are not consulted)."""
+    Every pair of the group is judged by its link (`Cluster.link`): a node's explicit pair links
+    override its fabric, so two bridged GPUs of a PCIe node qualify and a PCIe pair of an NVLink
+    node does not."""
     for i, stage in enumerate(plan.stages):
         if stage.tp < 2:
             continue
         for r in range(stage.dp):
-            group = [cluster.device(d) for d in stage.replica(r)]
+            members = stage.replica(r)
+            group = [cluster.device(d) for d in members]
             node = cluster.nodes[group[0].node]
             if any(d.node != group[0].node for d in group):
                 return (f"--tp-comm-overlap: stages[{i}] replica {r} spans nodes; Transformer Engine's userbuffers "
                         "need each tensor-parallel group on one node")
-            if node.fabric not in (LinkKind.NVLINK, LinkKind.NVSWITCH):
-                return (f"--tp-comm-overlap: stages[{i}] runs on {node.name!r}, whose GPUs meet over "
-                        f"{node.fabric.value}; Transformer Engine's userbuffers need NVLink or NVSwitch")
+            slow = next(((a, b) for j, a in enumerate(members) for b in members[j + 1:]
+                         if cluster.link(a, b).kind not in (LinkKind.NVLINK, LinkKind.NVSWITCH)), None)
+            if slow is not None:
+                a, b = slow
+                return (f"--tp-comm-overlap: stages[{i}] runs on {node.name!r}, whose GPUs {cluster.device(a).local} "
+                        f"and {cluster.device(b).local} meet over {cluster.link(a, b).kind.value}; Transformer "
+                        "Engine's userbuffers need NVLink or NVSwitch between every GPU of a tensor-parallel group")
             if group[0].spec.peak_flops_bf16 is None:
                 return (f"--tp-comm-overlap: stages[{i}] runs on {group[0].spec.name}, older than sm80; Transformer "
                         "Engine does not run there")

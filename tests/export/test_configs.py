@@ -474,3 +474,26 @@ def test_tp_comm_overlap_is_refused_where_transformer_engines_userbuffers_cannot
     assert "older than sm80" in (exportable(inside, "megatron", cluster=v100, tp_comm_overlap=True) or "")
     far = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(0, 9), dp=2),))
     assert "devices [9] are not in cluster" in (exportable(far, "deepspeed", cluster=v100) or "")
+
+
+def test_tp_comm_overlap_judges_each_pair_of_a_group_by_its_own_link() -> None:
+    """A node's pair links override its fabric: NVLink-bridged GPUs of a PCIe node qualify, a pair the
+    bridge does not join is named; a PCIe pair inside an NVLink node refuses the group that holds it."""
+    from tagplan.export.megatron import tp_overlap_refusal
+    from tagplan.ir.cluster import LinkKind, PairLink
+
+    bridged = load_cluster("rtx4090x4")
+    node = bridged.nodes[0]
+    bridge = PairLink(a=0, b=1, kind=LinkKind.NVLINK, bandwidth_Bps=50e9, latency_s=2e-6)
+    bridged = bridged.model_copy(update={"nodes": (node.model_copy(update={"pair_links": (bridge,)}),)})
+    pair = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(0, 1), tp=2),))
+    other = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(1, 2), tp=2),))
+    assert tp_overlap_refusal(pair, bridged) is None
+    assert "GPUs 1 and 2 meet over pcie" in (tp_overlap_refusal(other, bridged) or "")
+    assert "GPUs 0 and 1 meet over pcie" in (tp_overlap_refusal(pair, load_cluster("rtx4090x4")) or "")
+    dgx = load_cluster("dgx-a100-80gb")
+    slow = PairLink(a=2, b=3, kind=LinkKind.PCIE, bandwidth_Bps=16e9, latency_s=5e-6)
+    holed = dgx.model_copy(update={"nodes": (dgx.nodes[0].model_copy(update={"pair_links": (slow,)}),)})
+    four = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(0, 1, 2, 3), tp=4),))
+    assert tp_overlap_refusal(four, dgx) is None
+    assert "GPUs 2 and 3 meet over pcie" in (tp_overlap_refusal(four, holed) or "")
