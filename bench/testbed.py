@@ -57,6 +57,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "data" / "testbed"))
     parser.add_argument("--merge-only", action="store_true",
                         help="rewrite the bundle from its sessions; measure nothing")
+    parser.add_argument("--device-type", default=None,
+                        help="merge the sessions measured on this device type (default: the bundle's own, else "
+                             "the type most sessions ran on)")
     args = parser.parse_args()
     out = Path(args.out)
     if not args.merge_only:
@@ -65,7 +68,15 @@ def main() -> None:
     sessions = sorted(p for p in (out / "sessions").glob("*") if p.is_dir())
     if not sessions:
         raise SystemExit(f"{out / 'sessions'}: no measured session to merge (run without --merge-only first)")
-    print(f"wrote {merge_sessions(sessions, out)} (the median over {len(sessions)} sessions)")
+    device_type = args.device_type
+    if device_type is None and (out / "manifest.json").exists():
+        device_type = read_bundle(out).manifest.fingerprint.device_type
+    path, merged = merge_sessions(sessions, out, device_type=device_type)
+    for s in sessions:
+        if s not in merged:
+            print(f"not merged: {s.name} ran on {read_bundle(s).manifest.fingerprint.device_type}, not on the "
+                  f"testbed's {read_bundle(path).manifest.fingerprint.device_type}", flush=True)
+    print(f"wrote {path} (the median over {len(merged)} sessions)")
 
 
 def measure_session(directory: Path) -> Path:
@@ -94,28 +105,38 @@ def measure_session(directory: Path) -> Path:
     return write_bundle(directory, manifest, records)
 
 
-def merge_sessions(sessions: list[Path], out: Path) -> Path:
-    """One record per plan measured in every session: the median of the sessions' medians (its
-    repeats: the steps of all sessions), in the newest session's order."""
-    bundles = [read_bundle(s) for s in sessions]
+def merge_sessions(sessions: list[Path], out: Path, *, device_type: str | None = None) -> tuple[Path, list[Path]]:
+    """One record per plan measured in every session of one machine: the median of the sessions'
+    medians (its repeats: the steps of all sessions), in the newest session's order. Only sessions
+    whose fingerprint names `device_type` are merged (None: the type most sessions ran on, ties to
+    the newest): a testbed is one machine, and another CPU's times are not more samples of it.
+    Returns the bundle's path and the sessions merged."""
+    bundles = {s: read_bundle(s) for s in sessions}
+    types = [b.manifest.fingerprint.device_type for b in bundles.values()]
+    if device_type is None:
+        device_type = max(reversed(types), key=types.count)
+    chosen = [s for s in sessions if bundles[s].manifest.fingerprint.device_type == device_type]
+    if not chosen:
+        raise SystemExit(f"no session ran on {device_type!r}; the sessions ran on {sorted(set(types))}")
     by_plan: dict[tuple[str, str], list[IterationRecord]] = {}
-    for bundle in bundles:
-        for record in bundle.iterations():
+    for s in chosen:
+        for record in bundles[s].iterations():
             by_plan.setdefault(_key(record), []).append(record)
+    newest = bundles[chosen[-1]]
     merged = []
-    for record in bundles[-1].iterations():
+    for record in newest.iterations():
         runs = by_plan[_key(record)]
-        if len(runs) < len(bundles):
+        if len(runs) < len(chosen):
             continue
         times = sorted(r.measured_s for r in runs)
         merged.append(record.model_copy(update={
             "measured_s": statistics.median(times), "repeats": sum(r.repeats for r in runs),
             "source": f"bench/testbed.py (gloo; median of {len(runs)} sessions' medians: "
                       + ", ".join(f"{t:.4g}" for t in times) + " s)"}))
-    notes = (f"{len(merged)} plans, each the median of {len(bundles)} sessions' medians "
-             f"({', '.join(s.name for s in sessions)})")
-    manifest = bundles[-1].manifest.model_copy(update={"created": now_iso(), "notes": notes})
-    return write_bundle(out, manifest, merged)
+    notes = (f"{len(merged)} plans, each the median of {len(chosen)} sessions' medians "
+             f"({', '.join(s.name for s in chosen)})")
+    manifest = newest.manifest.model_copy(update={"created": now_iso(), "notes": notes})
+    return write_bundle(out, manifest, merged), chosen
 
 
 def _key(record: IterationRecord) -> tuple[str, str]:

@@ -30,6 +30,33 @@ def test_a_merged_plan_takes_the_median_of_the_sessions_and_needs_every_session(
     assert [(r.plan["micro_batches"], r.measured_s, r.repeats) for r in merged] == [(2, 0.20, 15), (1, 0.12, 15)]
 
 
+def test_only_one_machines_sessions_are_merged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # two sessions on one CPU, then one on another (a VM moved to other hardware): its times are not
+    # more samples of the first machine's plans, and its device must not describe them
+    machines = {"a": ("cpu-amd", 0.10), "b": ("cpu-amd", 0.12), "c": ("cpu-intel", 0.50)}
+    for name, (device, seconds) in machines.items():
+        write_bundle(tmp_path / "sessions" / name, Manifest(created="2026-01-01T00:00:00+00:00", source="test",
+                                                            fingerprint=host_fingerprint(device)),
+                     [_record(1, seconds)])
+    testbed = load_bench("testbed")
+    sessions = sorted((tmp_path / "sessions").iterdir())
+    _, merged = testbed.merge_sessions(sessions, tmp_path / "most")
+    bundle = read_bundle(tmp_path / "most")
+    assert [p.name for p in merged] == ["a", "b"] and bundle.manifest.fingerprint.device_type == "cpu-amd"
+    assert [r.measured_s for r in bundle.iterations()] == [pytest.approx(0.11)]
+    _, merged = testbed.merge_sessions(sessions, tmp_path / "intel", device_type="cpu-intel")
+    assert [p.name for p in merged] == ["c"] and read_bundle(tmp_path / "intel").iterations()[0].measured_s == 0.50
+    with pytest.raises(SystemExit, match="no session ran on 'cpu-arm'"):
+        testbed.merge_sessions(sessions, tmp_path / "arm", device_type="cpu-arm")
+    # main keeps the bundle on its own machine and says which session it left out
+    write_bundle(tmp_path, read_bundle(tmp_path / "intel").manifest, [])
+    monkeypatch.setattr(sys, "argv", ["testbed.py", "--out", str(tmp_path), "--merge-only"])
+    testbed.main()
+    assert "not merged: a ran on cpu-amd, not on the testbed's cpu-intel" in capsys.readouterr().out
+    assert read_bundle(tmp_path).iterations()[0].measured_s == 0.50
+
+
 def test_the_committed_testbed_is_the_merge_of_its_committed_sessions(tmp_path: Path) -> None:
     root = BENCH / "data" / "testbed"
     sessions = sorted(p for p in (root / "sessions").iterdir() if p.is_dir())
