@@ -48,17 +48,19 @@ def testbed() -> dict[str, Any]:
     train = [c for i, c in enumerate(cases) if i % 3 == 0]
     test = [c for i, c in enumerate(cases) if i % 3]
     ops = fit_calibration([bundle], iterations=False).calibration
-    layered = DEFAULT_CALIBRATION.model_copy(update={"layers": layer_times(_profile_layers(bundle, cases))})
     variants: dict[str, Calibration] = {
         "defaults": DEFAULT_CALIBRATION,
         "ops": ops,
         "iterations": fit_parameters(train, DEFAULT_CALIBRATION)[0],
         "ops+iterations": fit_parameters(train, ops)[0],
-        "layers": layered,
-        "layers+iterations": fit_parameters(train, layered)[0],
     }
+    profiles, why_not = _profile_layers(bundle, cases)
+    if profiles is not None:
+        layered = DEFAULT_CALIBRATION.model_copy(update={"layers": layer_times(profiles)})
+        variants |= {"layers": layered, "layers+iterations": fit_parameters(train, layered)[0]}
     truth = np.array([c.measured_s for c in test])
-    out: dict[str, Any] = {"records": len(cases), "calibrated_on": len(train), "scored": len(test), "variants": {}}
+    out: dict[str, Any] = {"records": len(cases), "calibrated_on": len(train), "scored": len(test), "variants": {},
+                           "layers_not_measured": why_not}
     for name, calibration in variants.items():
         s = score(predict_s(test, calibration), truth)
         out["variants"][name] = {"mape": s.mape, "kendall_tau": s.kendall_tau,
@@ -77,14 +79,16 @@ def local_testbed() -> dict[str, Any] | None:
     train = [c for i, c in enumerate(cases) if i % 3 == 0]
     test = [c for i, c in enumerate(cases) if i % 3]
     ops = fit_calibration([read_bundle(BUNDLE)], iterations=False).calibration
-    profiles = _profile_layers(read_bundle(TESTBED), cases, tps=(1, 2))
-    layered = DEFAULT_CALIBRATION.model_copy(update={"layers": layer_times(profiles)})
     variants = {"defaults": DEFAULT_CALIBRATION, "ops": ops,
                 "iterations": fit_parameters(train, DEFAULT_CALIBRATION)[0],
-                "ops+iterations": fit_parameters(train, ops)[0],
-                "layers+iterations": fit_parameters(train, layered)[0]}
+                "ops+iterations": fit_parameters(train, ops)[0]}
+    profiles, why_not = _profile_layers(read_bundle(TESTBED), cases, tps=(1, 2))
+    if profiles is not None:
+        layered = DEFAULT_CALIBRATION.model_copy(update={"layers": layer_times(profiles)})
+        variants["layers+iterations"] = fit_parameters(train, layered)[0]
     truth = np.array([c.measured_s for c in test])
-    out: dict[str, Any] = {"records": len(cases), "calibrated_on": len(train), "scored": len(test), "variants": {}}
+    out: dict[str, Any] = {"records": len(cases), "calibrated_on": len(train), "scored": len(test), "variants": {},
+                           "layers_not_measured": why_not}
     for name, calibration in variants.items():
         s = score(predict_s(test, calibration), truth)
         out["variants"][name] = {"mape": s.mape, "kendall_tau": s.kendall_tau,
@@ -117,14 +121,23 @@ def _gnn_correction(bundle: Any, calibration: Calibration, cases: list[Iteration
     return {"mape": s.mape, "kendall_tau": s.kendall_tau, "first_choice_regret": regret}
 
 
-def _profile_layers(bundle: Any, cases: list[IterationCase], *, tps: tuple[int, ...] = (1,)) -> list[Any]:
-    """Layer records of every model shape in the bundle, measured now on this CPU (fp32, at `tps`)."""
+def _profile_layers(bundle: Any, cases: list[IterationCase], *,
+                    tps: tuple[int, ...] = (1,)) -> tuple[list[Any] | None, str | None]:
+    """Layer records of every model shape in the bundle, measured now on this CPU (fp32, at `tps`);
+    (None, why) when this CPU is not the one the bundle was measured on (its profiles would describe
+    another machine under the bundle's name)."""
     import torch
 
+    from tagplan.profiling.device import fingerprint
     from tagplan.profiling.layers import layer_records
 
-    torch.set_num_threads(1)  # as the bundle's iterations were timed
     device = bundle.manifest.fingerprint.device_type
+    host = fingerprint("cpu").device_type
+    if host != device:
+        why = f"this machine is {host}; the bundle was measured on {device}"
+        print(f"layer profiles not measured: {why}", flush=True)
+        return None, why
+    torch.set_num_threads(1)  # as the bundle's iterations were timed
     seen, out = set(), []
     for record in bundle.iterations():
         key = (record.model, record.workload.seq_len)
@@ -133,7 +146,7 @@ def _profile_layers(bundle: Any, cases: list[IterationCase], *, tps: tuple[int, 
         seen.add(key)
         out += list(layer_records(record.model, device="cpu", device_type=device, seq_len=record.workload.seq_len,
                                   micro_batches=(1, 2, 4, 8), tps=tps, repeats=5))
-    return out
+    return out, None
 
 
 def _regret(cases: list[IterationCase], calibration: Calibration) -> dict[str, float]:
