@@ -111,6 +111,8 @@ def merge_sessions(sessions: list[Path], out: Path, *, device_type: str | None =
     whose fingerprint names `device_type` are merged (None: the type most sessions ran on, ties to
     the newest): a testbed is one machine, and another CPU's times are not more samples of it.
     Returns the bundle's path and the sessions merged."""
+    if not sessions:
+        raise SystemExit("merge_sessions: no session given (measure one with bench/testbed.py first)")
     bundles = {s: read_bundle(s) for s in sessions}
     types = [b.manifest.fingerprint.device_type for b in bundles.values()]
     if device_type is None:

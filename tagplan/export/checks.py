@@ -138,6 +138,7 @@ def check_rank_order(plan: Plan, groups: Sequence[tuple[int, ...]], *, tp: int, 
             raise refuse(fmt, f"{launcher} would run world ranks {first} (device {ranked[first]}) and {i} (device "
                               f"{d}) on node {cluster.nodes[node].name!r} with ranks of another node between "
                               "them, but torchrun gives each node one contiguous range of ranks; place each "
-                              "node's devices in consecutive replicas of one pipeline stage")
+                              "node's devices in consecutive ranks (consecutive replicas, or neighbouring "
+                              "pipeline stages)")
         done.append(node)
     return ranked

@@ -181,8 +181,9 @@ def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch
 
     Without `cluster`: `launch.sh`, device d as global rank d. With it: `launch_node{k}.sh` per node
     (k = node rank, nodes in the plan's rank order; CUDA_VISIBLE_DEVICES lists the node's GPUs in
-    rank order, so local rank j runs the GPU the plan gave it whether Megatron picks its device by
-    LOCAL_RANK or by rank modulo the visible GPUs) and `ranks.json`
+    rank order, so local rank j runs the GPU the plan gave it: Megatron-LM takes its device from
+    LOCAL_RANK; older releases that take rank modulo the visible GPUs agree only where each node's
+    first world rank is a multiple of its rank count, e.g. nodes holding equal numbers) and `ranks.json`
     (world rank -> cluster device, node, local GPU, GPU type), so a plan whose first stage sits on any
     node runs as it was costed."""
     args = megatron_arguments(model, plan, global_batch=global_batch, seq_len=seq_len, model_config=model_config,

@@ -47,6 +47,8 @@ def test_only_one_machines_sessions_are_merged(tmp_path: Path, monkeypatch: pyte
     assert [r.measured_s for r in bundle.iterations()] == [pytest.approx(0.11)]
     _, merged = testbed.merge_sessions(sessions, tmp_path / "intel", device_type="cpu-intel")
     assert [p.name for p in merged] == ["c"] and read_bundle(tmp_path / "intel").iterations()[0].measured_s == 0.50
+    with pytest.raises(SystemExit, match="no session given"):
+        testbed.merge_sessions([], tmp_path / "none")
     with pytest.raises(SystemExit, match="no session ran on 'cpu-arm'"):
         testbed.merge_sessions(sessions, tmp_path / "arm", device_type="cpu-arm")
     # main keeps the bundle on its own machine and says which session it left out
