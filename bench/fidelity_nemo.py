@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
@@ -30,27 +31,47 @@ from tagplan.ir.plan import Plan, Schedule, Stage
 from tagplan.ir.workload import DType, Workload
 
 DATA = Path(__file__).parent / "data" / "nemo_performance_summary.json"
-SYSTEMS = {"H100-SXM-80GB": ("dgx-h100", 8), "B200": ("dgx-b200", 8), "GB200": ("gb200-nvl72", 72)}
+SYSTEMS = {"H100-SXM-80GB": ("dgx-h100", 8), "B200": ("dgx-b200", 8), "GB200": ("gb200-nvl72", 72),
+           "B300": ("dgx-b300", 8), "GB300": ("gb300-nvl72", 72)}
 """Published GPU -> (cluster preset, GPUs per preset node): DGX H100/B200 nodes of 8, GB200 NVL72 racks of
 72 GPUs in one NVLink domain (a run on 256 GPUs takes 4 racks, the plan's devices the first 256)."""
-PRECISIONS = {"FP8": DType.FP8, "BF16": DType.BF16}
+PRECISIONS = {"FP8": DType.FP8, "BF16": DType.BF16, "FP8-CS": DType.FP8_CS, "MXFP8": DType.MXFP8,
+              "FP8-MX": DType.MXFP8, "NVFP4": DType.NVFP4}
+"""Published precision -> the recipe the cost model runs: "FP8-CS" per-tensor current scaling, "MXFP8" and
+"FP8-MX" the 32-element block scaling, "NVFP4" the 16-element fp4 block scaling. Plain "FP8" depends on the
+publisher (`dtype_of`). The 25.09 section's FP8 (two granularities, one parenthesised, which one unverified)
+is not scored."""
+BRIDGE = "NVIDIA-NeMo/Megatron-Bridge"
+BRIDGE_SCRIPTS = "scripts/performance (argument --compute_dtype: bf16, fp8_cs, fp8_mx, fp8_sc, nvfp4)"
 
 
-RECIPE = ("NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs/llama/llama3_workload_base_configs.py and "
+def dtype_of(row: dict[str, Any]) -> DType:
+    """The recipe a row ran. Megatron-Bridge's performance scripts offer per-tensor fp8 only as current scaling
+    (`BRIDGE_SCRIPTS`: no delayed scaling), so its plain "FP8" rows are fp8-cs; NeMo's own scripts (24.07 -
+    25.04) ran Transformer Engine's default, delayed scaling."""
+    precision = row["config"]["precision"]
+    if precision == "FP8" and row["provenance"]["repo"] == BRIDGE:
+        return DType.FP8_CS
+    return PRECISIONS[precision]
+
+
+RECIPE = (f"{BRIDGE} scripts/performance/configs/llama/llama3_workload_base_configs.py and "
           "llama31_workload_base_configs.py")
-NO_FULL_RECOMPUTE: dict[tuple[str, str, str], str] = {
-    ("Llama 3 70B", "H100-SXM-80GB", "Pre-Training Performance"): "tp4 pp8 vp5, no recompute",
-    ("Llama 3 70B", "H100-SXM-80GB", "SFT Performance"): "tp4 pp4, no recompute",
-    ("Llama 3 70B", "GB200", "SFT Performance"): "tp1 pp8 vp10, no recompute",
-    ("Llama 3 70B", "GB200", "Pre-Training Performance"): "Megatron FSDP, micro-batch 2, activations of 40 layers "
-                                                          "offloaded to the Grace CPU, no recompute",
-    ("Llama 3.1 405B", "GB200", "Pre-Training Performance"): "tp4 pp16 vp4, no FSDP, no offload, no recompute",
-}
-"""Rows whose published recipe (`RECIPE`, the presets with the table's parallelism, micro-batch and global
-batch) runs without full recompute: (model, GPU, task) -> what the preset sets. These rows are scored
-without recompute whatever the memory model says; where it says the layout does not fit, the row records
-that as a miss of the memory model, not a reason to charge recompute the run did not do. Activation
-offloading (70B on GB200) is not modelled: its transfers to the CPU overlap the compute."""
+
+
+def recipe(row: dict[str, Any]) -> str | None:
+    """What the published preset says of recompute, where it is known (None: not known). Every Llama 3 / 3.1
+    preset of Megatron-Bridge (`RECIPE`) runs without full recompute: none sets a full recompute; a few
+    recompute one to five layers or offload some layers' activations to the Grace CPU (Megatron FSDP on
+    GB200/GB300), neither of which the plan format expresses. Such rows are scored without recompute whatever
+    the memory model says; where it says the layout does not fit, the row records that as a miss of the memory
+    model, not a reason to charge recompute the run did not do."""
+    if row["provenance"]["repo"] == BRIDGE and row["model"]["name"].startswith("Llama 3"):
+        c = row["config"]
+        vp = f" vp{c['vp']}" if c.get("vp") else ""
+        how = "Megatron FSDP" if c.get("fsdp") else f"tp{c['tp']} pp{c['pp']}{vp}"
+        return f"{how}, no full recompute (preset)"
+    return None
 
 
 def _skip(row: dict[str, Any]) -> str | None:
@@ -59,7 +80,7 @@ def _skip(row: dict[str, Any]) -> str | None:
         return "no model shape"
     if "lora" in (c.get("task") or "").lower():
         return "LoRA fine-tuning not modelled"  # adapters only: no base-weight gradients or optimizer state
-    if c["precision"] not in PRECISIONS:
+    if c["precision"] not in PRECISIONS:  # the 25.09 section's FP8 of unverified granularity
         return f"precision {c['precision'][:12]} not modelled"
     if (c.get("cp") or 1) > 1:
         return "context parallelism not modelled"
@@ -78,8 +99,13 @@ def _plan(row: dict[str, Any], layers: int) -> Plan:
     zero = 3 if c.get("fsdp") else (1 if dp > 1 else 0)
     chunks = pp * vp
     blocks = layers - 2
-    bounds = [1 + blocks * k // chunks for k in range(chunks + 1)]
-    bounds[0], bounds[-1] = 0, layers
+    if blocks % chunks and not layers % chunks:
+        # Megatron's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split (Llama 3.1
+        # 405B's 126 blocks over pp16 x vp8): the embedding and the head each count as a layer of the split
+        bounds = [layers * k // chunks for k in range(chunks + 1)]
+    else:
+        bounds = [1 + blocks * k // chunks for k in range(chunks + 1)]
+        bounds[0], bounds[-1] = 0, layers
     per_stage = gpus // pp
     stages = tuple(Stage(layers=(bounds[k], bounds[k + 1]), dp=dp, tp=tp, zero=zero,
                          devices=tuple(range((k % pp) * per_stage, (k % pp + 1) * per_stage))) for k in range(chunks))
@@ -88,11 +114,13 @@ def _plan(row: dict[str, Any], layers: int) -> Plan:
     return Plan(micro_batches=micro_batches, schedule=schedule, stages=stages)
 
 
-def score_row(row: dict[str, Any], *, sustained_peak_fraction: float | None = None) -> dict[str, Any]:
+def score_row(row: dict[str, Any], *, sustained_peak_fraction: float | None = None,
+              calibration: Calibration = DEFAULT_CALIBRATION) -> dict[str, Any]:
     """Predicted and measured tokens/s per GPU of one published row (with the row's GPU at
-    `sustained_peak_fraction` instead of the catalog's, where given: `fit_sustained_clock` fits it)."""
+    `sustained_peak_fraction` instead of the catalog's, where given, and under `calibration`:
+    `fit_sustained_clock` fits both)."""
     m, c = row["model"], row["config"]
-    dtype = PRECISIONS[c["precision"]]
+    dtype = dtype_of(row)
     kv_heads = m.get("kv_heads") or m["heads"]
     spec = (f"llama?layers={m['layers']}&hidden={m['hidden']}&heads={m['heads']}&kv_heads={kv_heads}"
             f"&ffn={m['ffn_hidden']}&vocab={m['vocab']}")
@@ -104,12 +132,12 @@ def score_row(row: dict[str, Any], *, sustained_peak_fraction: float | None = No
         cluster = cluster.with_device_figures(cluster.devices[0].spec.name,
                                               sustained_peak_fraction=sustained_peak_fraction)
     workload = Workload(global_batch=c["global_batch"], seq_len=m["seq"], dtype=dtype, tp_comm_overlap=True)
-    sim = Simulator(model, cluster, workload)
+    sim = Simulator(model, cluster, workload, calibration=calibration)
     plan = _plan(row, len(model.layers))
     report = sim.simulate(plan)
-    recipe = NO_FULL_RECOMPUTE.get((m["name"], row["cluster"]["nodes"][0]["gpu"], c.get("task") or ""))
+    preset = recipe(row)
     recomputed = None
-    if not report.fits and recipe is None:
+    if not report.fits and preset is None:
         full = sim.simulate(plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute": True})
                                                                      for s in plan.stages)}))
         recomputed = full if full.fits else None
@@ -119,7 +147,8 @@ def score_row(row: dict[str, Any], *, sustained_peak_fraction: float | None = No
     fitting = tokens / recomputed.iteration_time_s if recomputed else predicted
     return {"id": row["id"], "model": m["name"], "gpu": row["cluster"]["nodes"][0]["gpu"], "gpus": gpus,
             "precision": c["precision"], "tp": c["tp"], "pp": c["pp"], "vp": c.get("vp"), "fits": report.fits,
-            "recompute_to_fit": recomputed is not None, "recipe": recipe, "measured_tokens_s_gpu": measured,
+            "recompute_to_fit": recomputed is not None, "recipe": preset, "dtype": dtype.value,
+            "measured_tokens_s_gpu": measured,
             "predicted_tokens_s_gpu": predicted, "error": predicted / measured - 1,
             "predicted_fitting_tokens_s_gpu": fitting, "error_fitting": fitting / measured - 1}
 

@@ -1,5 +1,7 @@
-"""Fit the H100 SXM's and the GB200's sustained tensor-core clocks (`DeviceSpec.sustained_peak_fraction`) to the
-Megatron-Core H100 table (../shared/reference/validation.md, `validate_megatron.ROWS`).
+"""Fit the H100 SXM's, the GB200's and the GB300's sustained tensor-core clocks
+(`DeviceSpec.sustained_peak_fraction`), the H100's to the Megatron-Core H100 table
+(../shared/reference/validation.md, `validate_megatron.ROWS`), and the block-scaled formats' GEMM fractions
+(`Calibration.block_scaled_gemm_fraction`, `fit_format`).
 
 A GPU's datasheet peak assumes its boost clock; under a training loop's continuous tensor-core load
 the board's power cap (700 W on the H100 SXM) holds the clock lower, by an amount that depends on the
@@ -14,10 +16,11 @@ used here: they are the out-of-sample check (FP8, Llama shapes, other layouts). 
 what `frontends.catalog.SUSTAINED_PEAK_FRACTION` ships for the H100 SXM (and the H200 SXM, the same
 GH100 die under the same 700 W cap); rerun this after a change to the cost model and update it.
 
-The GB200 (and B200) figure is fitted the same way to the NeMo / Megatron-Bridge GB200 fp8 rows whose
-presets run without full recompute (`fidelity_nemo.NO_FULL_RECOMPUTE`), each preset's rows predicted
-by the fraction fitted on the other presets' (leave-one-preset-out: the repeated runs of one preset are
-not independent). No other table measures a Blackwell GPU, so these rows are in-sample for that figure.
+The GB200 (and B200) and GB300 (and B300) figures are fitted the same way, each to its NeMo / Megatron-Bridge
+per-tensor fp8 rows (`FIT_DTYPES`) whose presets run without full recompute (`fidelity_nemo.recipe`), each
+preset's rows predicted by the fraction fitted on the other presets' (leave-one-preset-out: the repeated runs
+of one preset are not independent). No other table measures a Blackwell GPU, so these rows are in-sample for
+those figures; the block-scaled rows (mxfp8, nvfp4) on the same GPUs are not fitted on.
 
 Run: `.venv/bin/python bench/fit_sustained_clock.py` (about a minute); writes
 bench/results/sustained_clock.json.
@@ -31,8 +34,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fidelity_nemo import DATA, NO_FULL_RECOMPUTE, _skip, score_row
+from fidelity_nemo import DATA, _skip, dtype_of, recipe, score_row
 from validate_megatron import ROWS, simulate_row
+
+from tagplan.cost.calibration import DEFAULT_CALIBRATION
+from tagplan.ir.workload import DType
 
 DEVICE = "H100-SXM"
 BOUNDS = (0.5, 1.0)
@@ -52,14 +58,14 @@ def _nemo_error(row: dict[str, Any], fraction: float) -> float:
 
 
 def fit(rows: list[Any], tolerance: float = 1e-3,
-        error: Callable[[Any, float], float] = _row_error) -> float:
+        error: Callable[[Any, float], float] = _row_error, bounds: tuple[float, float] = BOUNDS) -> float:
     """The fraction minimising the rows' summed squared log error (golden-section search; the loss is
     unimodal in the fraction: a lower clock slows every row's compute monotonically)."""
     def loss(f: float) -> float:
         return sum(error(r, f) ** 2 for r in rows)
 
     g = (math.sqrt(5) - 1) / 2
-    a, b = BOUNDS
+    a, b = bounds
     c, d = b - g * (b - a), a + g * (b - a)
     fc, fd = loss(c), loss(d)
     while b - a > tolerance:
@@ -74,11 +80,20 @@ def fit(rows: list[Any], tolerance: float = 1e-3,
     return round((a + b) / 2, 3)
 
 
+FIT_DTYPES = (DType.FP8, DType.FP8_CS)
+"""The recipes a clock is fitted on: per-tensor fp8, whose GEMMs run at the datasheet fp8 rate. The block-scaled
+rows (mxfp8, nvfp4) are never fitted on: they check the recipes' model out of sample."""
+
+
+NEMO_FITTED = ("GB200", "GB300")
+"""The GPUs whose clock is fitted to their NeMo rows (no other table measures them)."""
+
+
 def nemo_rows(gpu: str) -> list[dict[str, Any]]:
-    """The scoreable NeMo rows on `gpu` whose recipe is known to run without full recompute."""
+    """The scoreable NeMo rows on `gpu` in per-tensor fp8 whose preset is known to run without full recompute."""
     rows = json.loads(DATA.read_text())["rows"]
     return [r for r in rows if r["cluster"]["nodes"][0]["gpu"] == gpu and _skip(r) is None
-            and (r["model"]["name"], gpu, r["config"].get("task") or "") in NO_FULL_RECOMPUTE]
+            and recipe(r) is not None and dtype_of(r) in FIT_DTYPES]
 
 
 def fit_nemo(gpu: str) -> dict[str, Any]:
@@ -100,6 +115,48 @@ def fit_nemo(gpu: str) -> dict[str, Any]:
             "held_out_median_abs_error": held_abs[len(held_abs) // 2], "held_out_worst_abs_error": held_abs[-1]}
 
 
+FORMATS = (DType.MXFP8, DType.NVFP4)
+"""The block-scaled formats whose GEMM fraction (`Calibration.block_scaled_gemm_fraction`) is fitted."""
+
+
+def format_rows(dtype: DType) -> list[dict[str, Any]]:
+    """The scoreable NeMo rows in `dtype` on the GPUs with fitted clocks whose preset runs without full recompute."""
+    rows = json.loads(DATA.read_text())["rows"]
+    return [r for r in rows if r["cluster"]["nodes"][0]["gpu"] in NEMO_FITTED and _skip(r) is None
+            and recipe(r) is not None and dtype_of(r) is dtype]
+
+
+def _format_error(dtype: DType) -> Callable[[dict[str, Any], float], float]:
+    def error(row: dict[str, Any], fraction: float) -> float:
+        calibration = DEFAULT_CALIBRATION.model_copy(
+            update={"block_scaled_gemm_fraction": {**DEFAULT_CALIBRATION.block_scaled_gemm_fraction, dtype: fraction}})
+        scored = score_row(row, calibration=calibration)
+        return math.log(scored["predicted_tokens_s_gpu"] / scored["measured_tokens_s_gpu"])
+    return error
+
+
+def fit_format(dtype: DType) -> dict[str, Any]:
+    """`dtype`'s GEMM fraction fitted to its rows on the clock-fitted GPUs (their clocks fixed, fitted on per-tensor
+    fp8), each (model, task, GPU) preset's rows predicted by the fraction fitted on the other presets'."""
+    rows = format_rows(dtype)
+    error = _format_error(dtype)
+    def key(r: dict[str, Any]) -> tuple[str, str, str]:
+        return r["model"]["name"], r["config"]["task"], r["cluster"]["nodes"][0]["gpu"]
+    groups = sorted({key(r) for r in rows})
+    fraction = fit(rows, error=error, bounds=(0.2, 1.0))
+    results = []
+    for group in groups:
+        held = fit([r for r in rows if key(r) != group], error=error, bounds=(0.2, 1.0))
+        for r in (r for r in rows if key(r) == group):
+            results.append({"id": r["id"], "error": math.expm1(error(r, fraction)), "held_out_fraction": held,
+                            "held_out_error": math.expm1(error(r, held))})
+            print(f"{dtype.value} {r['id'][-60:]:>60s} {results[-1]['error']:+7.1%} {held:6.3f} "
+                  f"{results[-1]['held_out_error']:+7.1%}")
+    held_abs = sorted(abs(r["held_out_error"]) for r in results)
+    return {"dtype": dtype.value, "block_scaled_gemm_fraction": fraction, "rows": results, "groups": len(groups),
+            "held_out_median_abs_error": held_abs[len(held_abs) // 2], "held_out_worst_abs_error": held_abs[-1]}
+
+
 def main() -> None:
     fraction = fit(ROWS)
     results: list[dict[str, Any]] = []
@@ -114,12 +171,18 @@ def main() -> None:
                "held_out_median_abs_error": held_abs[len(held_abs) // 2], "held_out_worst_abs_error": held_abs[-1]}
     print(f"{DEVICE}: sustained_peak_fraction {fraction:.3f}; leave-one-out |error| median "
           f"{summary['held_out_median_abs_error']:.1%}, worst {summary['held_out_worst_abs_error']:.1%}")
-    blackwell = fit_nemo("GB200")
-    print(f"GB200: sustained_peak_fraction {blackwell['sustained_peak_fraction']:.3f} over {blackwell['groups']} "
-          f"recipes; leave-one-recipe-out |error| median {blackwell['held_out_median_abs_error']:.1%}, worst "
-          f"{blackwell['held_out_worst_abs_error']:.1%}")
+    blackwell = [fit_nemo(gpu) for gpu in NEMO_FITTED]
+    for fitted in blackwell:
+        print(f"{fitted['device']}: sustained_peak_fraction {fitted['sustained_peak_fraction']:.3f} over "
+              f"{fitted['groups']} recipes; leave-one-recipe-out |error| median "
+              f"{fitted['held_out_median_abs_error']:.1%}, worst {fitted['held_out_worst_abs_error']:.1%}")
+    formats = [fit_format(dtype) for dtype in FORMATS]
+    for fitted in formats:
+        print(f"{fitted['dtype']}: block_scaled_gemm_fraction {fitted['block_scaled_gemm_fraction']:.3f} over "
+              f"{fitted['groups']} presets; leave-one-preset-out |error| median "
+              f"{fitted['held_out_median_abs_error']:.1%}, worst {fitted['held_out_worst_abs_error']:.1%}")
     out = Path(__file__).parent / "results" / "sustained_clock.json"
-    out.write_text(json.dumps({**summary, "nemo": [blackwell]}, indent=2) + "\n")
+    out.write_text(json.dumps({**summary, "nemo": blackwell, "formats": formats}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

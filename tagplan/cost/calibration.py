@@ -124,6 +124,11 @@ class LayerTime(Record):
     backward_s: float = Field(gt=0)
 
 
+BLOCK_SCALED_GEMM_FRACTION: dict[DType, float] = {DType.MXFP8: 0.909, DType.NVFP4: 0.644}
+"""Shipped `Calibration.block_scaled_gemm_fraction`: fitted by bench/fit_sustained_clock.py to the NeMo /
+Megatron-Bridge Blackwell rows of each format (docs/FIDELITY.md)."""
+
+
 class Calibration(Record):
     """Efficiencies by device type (`*` for any) and op kind; memory and launch figures; measured links.
 
@@ -138,6 +143,10 @@ class Calibration(Record):
     memory_efficiency: dict[str, float] = Field(default_factory=lambda: {ANY_DEVICE: 0.8})
     launch_overhead_s: float = Field(default=4e-6, ge=0)
     attention_backward_factor: float = Field(default=2.5, gt=0, description="backward / forward FLOPs")
+    block_scaled_gemm_fraction: dict[DType, float] = Field(
+        default_factory=lambda: dict(BLOCK_SCALED_GEMM_FRACTION), description="per block-scaled dtype (mxfp8, "
+        "nvfp4): the fraction of its datasheet rate its GEMMs reach beside what the GEMM curve gives, on devices "
+        "with block-scaled tensor cores (`DeviceSpec.peak_flops_fp4`)")
     links: dict[str, LinkFit] = Field(default_factory=dict)
     launch_by_device: dict[str, float] = Field(default_factory=dict, description="measured per device type, s")
     compute_scale: dict[str, float] = Field(default_factory=dict,

@@ -11,6 +11,15 @@ micro-batch of `samples` samples. The backward of a matmul is two GEMMs of the f
 memory-bound ops move about twice the bytes backward. Recomputation replays the forward of the
 checkpointed blocks (not embeddings or heads: `stage_cost.CHECKPOINT_SKIPPED`).
 
+Quantized GEMMs (fp8, fp8-cs, mxfp8, nvfp4) run at the device's rate for the format
+(`DeviceSpec.peak_flops`), the block-scaled ones (mxfp8, nvfp4) on Blackwell at a fitted fraction of it
+(`Calibration.block_scaled_gemm_fraction`: scale-factor traffic, and nvfp4's Hadamard transforms of the
+weight gradient's operands, inside the kernels). Their casts are fused into neighbouring kernels (Transformer Engine's
+LayerNormLinear, cast-transpose; charging each cast as a pass of its own made the NeMo H100 fp8 rows, held
+out of every fit, worse: median 3.7% -> 4.1%, worst 20% -> 25%), except the amax that scaling by the
+tensor's own maximum needs first (fp8-cs, and nvfp4's per-tensor second-level scale): one more
+memory-bound read of the input forward and of the output gradient backward (`_amax_s`).
+
 Attention on a device without a fused kernel (`DeviceSpec.fused_attention` False: NVIDIA before
 sm80, where FlashAttention-2 does not run) materialises its score matrix: the forward writes the
 scores, softmax reads and writes them, dropout reads and writes them, and the value GEMM reads the
@@ -39,6 +48,7 @@ UNFUSED_SCORE_PASSES_FORWARD = 6
 UNFUSED_SCORE_PASSES_BACKWARD = 9
 UNFUSED_KERNELS_FORWARD = 3  # scale/mask/softmax, dropout, and the second batched GEMM
 UNFUSED_KERNELS_BACKWARD = 4
+CAST_COPIES = 0  # a quantized GEMM operand's copies: for this pass's GEMM and for the weight gradient's
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,8 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
     curve = calibration.curve(spec.name, op.kind)
     if curve is not None:  # GEMMs in the compute dtype; attention and the rest in bf16 under fp8
         peak = spec.sustained_peak_flops(dtype if op.kind in _GEMM_KINDS else dtype.elementwise)
+        if op.kind in _GEMM_KINDS and dtype.block_scaled and spec.peak_flops_fp4 is not None:
+            peak *= calibration.block_scaled_gemm_fraction.get(dtype, 1.0)
         compute_s = flops / (peak * curve.at(flops)) if flops else 0.0
     else:  # pointwise work runs on the vector units
         compute_s = flops / spec.peak_flops_fp32
@@ -69,7 +81,13 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
     launch = calibration.launch_s(spec.name)
     body = max(compute_s, memory_s)
     if op.kind in _GEMM_KINDS:
-        return OpTime(body + launch, 2.0 * body + 2.0 * launch)
+        forward, backward = body + launch, 2.0 * body + 2.0 * launch
+        if op.kind is OpKind.MATMUL:
+            amax_forward, amax_backward = _amax_s(activation_read * samples / split, op.bytes_written * samples / split,
+                                                  dtype=dtype, spec=spec, calibration=calibration)
+            forward += amax_forward
+            backward += amax_backward
+        return OpTime(forward, backward)
     if op.kind is OpKind.ATTENTION:
         forward, backward = body + launch, calibration.attention_backward_factor * body + launch
         if not spec.fused_attention and op.score_elements:
@@ -79,6 +97,19 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
             backward += UNFUSED_SCORE_PASSES_BACKWARD * pass_s + UNFUSED_KERNELS_BACKWARD * launch
         return OpTime(forward, backward)
     return OpTime(body + launch, 2.0 * body + launch)
+
+
+def _amax_s(input_bytes: float, output_bytes: float, *, dtype: DType, spec: DeviceSpec,
+            calibration: Calibration) -> tuple[float, float]:
+    """(forward, backward) seconds of the amax reads a quantized GEMM's activation operands take before their
+    cast where the recipe scales by the tensor's own amax (`DType.amax_passes`): forward its input, backward
+    its output gradient (`*_bytes`: those tensors in bf16), each read once more, memory-bound."""
+    if not dtype.amax_passes:
+        return 0.0, 0.0
+    bandwidth_Bps = spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, OpKind.REDUCTION)
+    launch = calibration.launch_s(spec.name) * dtype.amax_passes
+    per_byte = dtype.amax_passes / bandwidth_Bps
+    return input_bytes * per_byte + launch, output_bytes * per_byte + launch
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import Block, ModelGraph, Op, OpKind
 from tagplan.ir.plan import Plan, Schedule, Stage, check_plan, check_whole_samples
-from tagplan.ir.workload import DType, Workload
+from tagplan.ir.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -485,11 +485,13 @@ class Simulator:
         return sum(self._op_saved_bytes(op) for op in block.ops) / stage.tp
 
     def _op_saved_bytes(self, op: Op) -> float:
-        """Bytes per sample `op` keeps for its backward in this workload's dtype. Under fp8, Transformer
-        Engine keeps a GEMM's input as the fp8 copy it multiplied (1 byte an element, not the bf16 2 the
-        graph records); what other ops save stays in the elementwise dtype."""
-        if op.kind is OpKind.MATMUL and self.workload.dtype is DType.FP8:
-            return op.saved_bytes * DType.FP8.gemm_nbytes / DType.FP8.nbytes
+        """Bytes per sample `op` keeps for its backward in this workload's dtype. Under a quantized recipe,
+        Transformer Engine keeps a GEMM's input as the cast copy it multiplied (fp8: 1 byte an element,
+        not the bf16 2 the graph records; mxfp8 and nvfp4 with their block scales, as the columnwise
+        copy the weight gradient reads); what other ops save stays in the elementwise dtype."""
+        dtype = self.workload.dtype
+        if op.kind is OpKind.MATMUL and dtype.quantized:
+            return op.saved_bytes * dtype.gemm_nbytes / dtype.nbytes
         return op.saved_bytes
 
     def _score_memory(self, stage: Stage) -> tuple[float, float]:

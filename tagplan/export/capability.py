@@ -46,7 +46,8 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
 
         check_reduce_dtype_of(workload.dtype, workload.grad_reduce_dtype)
     sixteen = workload.dtype in (DType.BF16, DType.FP16)
-    fp32 = (fmt == "torch" and sixteen) or (fmt == "megatron" and workload.dtype in (DType.BF16, DType.FP8))
+    bf16_run = workload.dtype is DType.BF16 or workload.dtype.quantized  # Megatron's --bf16 runs
+    fp32 = (fmt == "torch" and sixteen) or (fmt == "megatron" and bf16_run)
     update: dict[str, object] = {}
     if workload.grad_reduce_dtype is None and fp32:
         update["grad_reduce_dtype"] = DType.FP32

@@ -74,9 +74,9 @@ def deepspeed_config(model: ModelGraph, plan: Plan, *, global_batch: int, seq_le
         "gradient_accumulation_steps": plan.micro_batches,
         "zero_optimization": {"stage": zero, "overlap_comm": _overlap_comm(zero, dp, grad_reduce_overlap)},
     }
-    if model.dtype is DType.FP8:
-        raise refuse(FMT, "dtype fp8: DeepSpeed's config has no fp8 GEMMs (Transformer Engine); export to megatron "
-                          "or plan in bf16")
+    if model.dtype.quantized:
+        raise refuse(FMT, f"dtype {model.dtype.value}: DeepSpeed's config has no quantized GEMMs (Transformer "
+                          "Engine); export to megatron or plan in bf16")
     if model.dtype is DType.BF16:
         config["bf16"] = {"enabled": True}
     elif model.dtype is DType.FP16:

@@ -72,17 +72,23 @@ from tagplan.ir.workload import DType
 FMT = "megatron"
 DECODER_FAMILIES = ("gpt", "llama", "moe")  # the families pretrain_gpt.py builds
 _EDGE_KINDS = ("embedding", "head")
-# fp8 as costed: Transformer Engine's fp8 GEMMs (E4M3 forward, E5M2 gradients) with bf16 elsewhere
+# The quantized recipes as costed: Transformer Engine's GEMMs on cast copies with bf16 elsewhere. fp8: per-tensor
+# delayed scaling (Megatron's default --fp8-recipe), E4M3 forward and E5M2 gradients; fp8-cs: per-tensor current
+# scaling; mxfp8: E4M3 with 32-element block scales; nvfp4: E2M1 with 16-element block scales.
 _DTYPE_FLAG = {DType.BF16: ["--bf16"], DType.FP16: ["--fp16"], DType.FP32: [],
-               DType.FP8: ["--bf16", "--fp8-format", "hybrid"]}
+               DType.FP8: ["--bf16", "--fp8-format", "hybrid"],
+               DType.FP8_CS: ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+               DType.MXFP8: ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"],
+               DType.NVFP4: ["--bf16", "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]}
 # per training dtype: the dtype Megatron reduces gradients in when not told, and those it can be told
-_REDUCE_DEFAULT = {DType.BF16: DType.FP32, DType.FP8: DType.FP32, DType.FP16: DType.FP16, DType.FP32: DType.FP32}
+_REDUCE_DEFAULT = {**{d: DType.FP32 for d in DType if d.quantized}, DType.BF16: DType.FP32,
+                   DType.FP16: DType.FP16, DType.FP32: DType.FP32}
 _REDUCE_FLAG: dict[DType, dict[DType, list[str]]] = {
     DType.BF16: {DType.FP32: ["--accumulate-allreduce-grads-in-fp32"], DType.BF16: ["--grad-reduce-in-bf16"]},
     DType.FP16: {DType.FP32: ["--accumulate-allreduce-grads-in-fp32"], DType.FP16: []},
     DType.FP32: {DType.FP32: ["--accumulate-allreduce-grads-in-fp32"]},
 }
-_REDUCE_FLAG[DType.FP8] = _REDUCE_FLAG[DType.BF16]  # fp8 runs are --bf16 runs
+_REDUCE_FLAG.update({d: _REDUCE_FLAG[DType.BF16] for d in DType if d.quantized})  # quantized runs are --bf16 runs
 
 
 def model_config_from_spec(spec: str | ModelSpec) -> dict[str, Any]:
@@ -119,6 +125,8 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     if seq_len != model.seq_len:
         raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
     dp, tp = plan_checks(plan, cluster, tp_comm_overlap=tp_comm_overlap)
+    if cluster is not None and (why := block_scaling_refusal(plan, cluster, model.dtype)):
+        raise refuse(FMT, why)
     pp, chunks = _pipeline_depth(plan)
     _check_sharding(model, plan)
     counts = _layer_counts(model, plan, shape)
@@ -135,6 +143,20 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     args += _recompute_args(plan)
     args += _optimizer_args(plan, dp, overlap=grad_reduce_overlap)
     return args + reduce_args + _DTYPE_FLAG[model.dtype]
+
+
+def block_scaling_refusal(plan: Plan, cluster: Cluster, dtype: DType) -> str | None:
+    """Why Transformer Engine cannot run `dtype` on the plan's devices (None: it can): its block-scaled
+    recipes (mxfp8, nvfp4) need Blackwell's block-scaled tensor cores (sm100+; the catalog marks them by
+    an fp4 rate), which it uses in place of the fallback rate the cost model gives other devices."""
+    if not dtype.block_scaled:
+        return None
+    specs = (cluster.device(d).spec for d in plan.devices)
+    lacking = sorted({spec.name for spec in specs if spec.peak_flops_fp4 is None})
+    if not lacking:
+        return None
+    return (f"dtype {dtype.value}: Transformer Engine runs block-scaled GEMMs only on Blackwell (sm100+) GPUs; the "
+            f"plan uses {', '.join(lacking)}. Plan in fp8 or fp8-cs (per-tensor scaling) for these devices")
 
 
 def tp_overlap_refusal(plan: Plan, cluster: Cluster) -> str | None:

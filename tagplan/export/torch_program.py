@@ -230,9 +230,9 @@ def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, 
     expressed, or `global_batch` gives some replica a fraction of a sample.
     """
     text = model_spec.text if isinstance(model_spec, ModelSpec) else model_spec  # what plan.json names
-    if dtype is DType.FP8:
-        raise ExportError("dtype fp8: the torch program runs bf16/fp16 autocast, not Transformer Engine's fp8 "
-                          "GEMMs; export to megatron (--fp8-format hybrid) or plan in bf16")
+    if dtype.quantized:
+        raise ExportError(f"dtype {dtype.value}: the torch program runs bf16/fp16 autocast, not Transformer "
+                          "Engine's quantized GEMMs; export to megatron (--fp8-format/--fp4-format) or plan in bf16")
     try:
         spec = parsed(model_spec)
         config = model_config(spec, seq_len=seq_len)

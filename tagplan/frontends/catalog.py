@@ -5,7 +5,9 @@ Units follow the IR: FLOP/s (datasheet TFLOP/s x 1e12, dense, no sparsity) and b
 `torch.cuda.get_device_properties(i).total_memory` reports (and `profiling.device` records for a
 measured device), not the datasheet's number read as decimal: see `usable_memory_bytes`.
 `peak_flops_fp8` is the dense fp8 tensor rate where the device has one (Hopper, Ada,
-Blackwell, MI300). V100 and T4 have no BF16 (`peak_flops_bf16=None`; the IR then runs bf16 as fp16).
+Blackwell, MI300); `peak_flops_fp4` the dense nvfp4 rate (Blackwell only: B200 9, GB200 10, B300 13.5,
+GB300 15 PFLOP/s, the HGX/NVL72 datasheets' dense figures divided by their GPU counts). V100 and T4 have
+no BF16 (`peak_flops_bf16=None`; the IR then runs bf16 as fp16).
 The RTX 4090's fp16 figure is 165 TFLOP/s with fp16 accumulate; with fp32 accumulate, which
 mixed-precision training uses, it is 82.6, so plans for it may be optimistic by up to 2x.
 MI250X figures are per GCD (one MI250X package is two devices to the software).
@@ -49,6 +51,7 @@ def usable_memory_bytes(name: str, mem_GB: float) -> int:
 PCIE_GEN3_BPS = 12e9
 PCIE_GEN4_BPS = 24e9
 PCIE_GEN5_BPS = 48e9
+PCIE_GEN6_BPS = 96e9  # Blackwell Ultra's host link (ConnectX-8 on PCIe Gen6)
 NVLINK_SM80_BPS = 20e9  # per link, unidirectional; also V100 (sm70)
 NVLINK_SM90_BPS = 20.6e9
 NVLINK_SM100_BPS = 50e9  # NVLink 5: 1.8 TB/s bidirectional over 18 links (datasheet; no NCCL-measured figure yet)
@@ -91,13 +94,20 @@ SUSTAINED_PEAK_FRACTION: dict[str, float] = {
     # The H200 SXM is the same GH100 die under the same 700 W cap.
     "H100-SXM": 0.816,
     "H200-SXM": 0.816,
-    # Blackwell under its 1200 W (GB200) cap: fitted by the same script to the ten NeMo / Megatron-Bridge
-    # GB200 fp8 runs whose recipes run without full recompute (three recipes: Llama 3 70B pre-training and
-    # SFT, Llama 3.1 405B pre-training); leave-one-recipe-out |error| median 8.9%, worst 11.7%. Those rows
-    # are in-sample for this figure. The B200 is the same die under a lower cap (1000 W): no table row
-    # measures it, and it takes the GB200's figure, an upper bound on its clock.
-    "GB200": 0.729,
-    "B200": 0.729,
+    # Blackwell under its 1200 W (GB200) cap: fitted by the same script to the NeMo / Megatron-Bridge GB200
+    # per-tensor fp8 runs whose presets run without full recompute (four presets: Llama 3 8B and 70B
+    # pre-training, 70B SFT, Llama 3.1 405B pre-training); leave-one-preset-out |error| median 5.4%, worst
+    # 11.9%. Those rows are in-sample for this figure; the mxfp8 and nvfp4 rows are not. The B200 is the same
+    # die under a lower cap (1000 W): no table row measures it, and it takes the GB200's figure, an upper
+    # bound on its clock.
+    "GB200": 0.748,
+    "B200": 0.748,
+    # Blackwell Ultra under its 1400 W (GB300) cap, fitted the same way to the GB300 rows of the same four
+    # presets (leave-one-preset-out median 4.8%, worst 19.8%): it sustains 1.22x the GB200's fraction of the
+    # same bf16/fp8 datasheet rates (its larger power budget; the fit also absorbs its doubled exponent
+    # throughput in attention). The B300 (1100 W) takes it as an upper bound, as the B200 does the GB200's.
+    "GB300": 0.911,
+    "B300": 0.911,
 }
 """Devices whose power cap holds the clock below the boost clock the datasheet peak assumes, under a
 continuous load such as a training loop (the cap acts on the board's average power, so every
@@ -105,7 +115,7 @@ kernel of the loop runs at the lowered clock); on the others no cap binds (fract
 
 
 def _spec(name: str, bf16: float | None, fp16: float, fp32: float, mem_GB: float, bw_GBps: float,
-          fp8: float | None = None) -> DeviceSpec:
+          fp8: float | None = None, fp4: float | None = None) -> DeviceSpec:
     return DeviceSpec(
         name=name,
         peak_flops_bf16=None if bf16 is None else bf16 * _TFLOPS,
@@ -114,6 +124,7 @@ def _spec(name: str, bf16: float | None, fp16: float, fp32: float, mem_GB: float
         mem_bytes=usable_memory_bytes(name, mem_GB),
         mem_bandwidth_Bps=bw_GBps * _GB,
         peak_flops_fp8=None if fp8 is None else fp8 * _TFLOPS,
+        peak_flops_fp4=None if fp4 is None else fp4 * _TFLOPS,
         sustained_peak_fraction=SUSTAINED_PEAK_FRACTION.get(name, 1.0),
         fused_attention=bf16 is not None,  # bf16 and FlashAttention-2 both need sm80+ (AMD's CDNA has both)
     )
@@ -122,8 +133,9 @@ def _spec(name: str, bf16: float | None, fp16: float, fp32: float, mem_GB: float
 _NVL, _NVS, _XGMI = LinkKind.NVLINK, LinkKind.NVSWITCH, LinkKind.XGMI
 _MI300_LINKS = DeviceLinks(PCIE_GEN5_BPS, xgmi_pair_Bps=64e9, default_fabric=_XGMI)
 
-# name: (bf16, fp16, fp32 TFLOP/s, memory GB, memory GB/s[, fp8 TFLOP/s]), links; dense figures
-_Figures = tuple[float | None, float, float, float, float] | tuple[float | None, float, float, float, float, float]
+# name: (bf16, fp16, fp32 TFLOP/s, memory GB, memory GB/s[, fp8 TFLOP/s[, fp4 TFLOP/s]]), links; dense figures
+_Figures = (tuple[float | None, float, float, float, float] | tuple[float | None, float, float, float, float, float]
+            | tuple[float | None, float, float, float, float, float, float])
 _TABLE: dict[str, tuple[_Figures, DeviceLinks]] = {
     "V100-SXM2-16GB": ((None, 125, 15.7, 16, 900), DeviceLinks(PCIE_GEN3_BPS, 6, default_fabric=_NVL)),
     "V100-SXM2-32GB": ((None, 125, 15.7, 32, 900), DeviceLinks(PCIE_GEN3_BPS, 6, default_fabric=_NVL)),
@@ -146,8 +158,16 @@ _TABLE: dict[str, tuple[_Figures, DeviceLinks]] = {
     "MI300X": ((1307, 1307, 163.4, 192, 5300, 2615), _MI300_LINKS),
     "MI325X": ((1307, 1307, 163.4, 256, 6000, 2615), _MI300_LINKS),
     # Blackwell (per GPU; NVLink 5: 18 links of 50 GB/s each way). B200 as in DGX/HGX B200; GB200 as in NVL72.
-    "B200": ((2250, 2250, 75, 180, 7700, 4500), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM100_BPS, default_fabric=_NVS)),
-    "GB200": ((2500, 2500, 80, 186, 8000, 5000), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM100_BPS, default_fabric=_NVS)),
+    "B200": ((2250, 2250, 75, 180, 7700, 4500, 9000),
+             DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM100_BPS, default_fabric=_NVS)),
+    "GB200": ((2500, 2500, 80, 186, 8000, 5000, 10000),
+              DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM100_BPS, default_fabric=_NVS)),
+    # Blackwell Ultra: bf16/fp8 as Blackwell, 1.5x its fp4 rate, 288 GB of HBM3e at 8 TB/s (HGX B300 and
+    # GB300 NVL72 datasheets, per GPU).
+    "B300": ((2250, 2250, 75, 288, 8000, 4500, 13500),
+             DeviceLinks(PCIE_GEN6_BPS, 18, NVLINK_SM100_BPS, default_fabric=_NVS)),
+    "GB300": ((2500, 2500, 80, 288, 8000, 5000, 15000),
+              DeviceLinks(PCIE_GEN6_BPS, 18, NVLINK_SM100_BPS, default_fabric=_NVS)),
     "GH200": ((989, 989, 67, 96, 4000, 1979), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM90_BPS, default_fabric=_NVS)),
     "H20": ((148, 148, 44, 96, 4000, 296), DeviceLinks(PCIE_GEN5_BPS, 18, NVLINK_SM90_BPS, default_fabric=_NVS)),
     "L40": ((181, 181, 90.5, 48, 864, 362), DeviceLinks(PCIE_GEN4_BPS)),
@@ -171,7 +191,8 @@ _ALIASES: dict[str, str] = {
     "h100": "H100-SXM", "h100sxm5": "H100-SXM", "h10080gbhbm3": "H100-SXM", "h100sxm580gb": "H100-SXM",
     "h200": "H200-SXM", "h200141gbhbm3e": "H200-SXM",
     "rtx4090": "RTX4090", "4090": "RTX4090", "mi250": "MI250X", "mi300": "MI300X", "mi325": "MI325X",
-    "b200180gb": "B200", "dgxb200": "B200", "gb200nvl72": "GB200", "gh200480gb": "GH200", "h20": "H20",
+    "b200180gb": "B200", "dgxb200": "B200", "gb200nvl72": "GB200", "b300288gb": "B300", "dgxb300": "B300",
+    "gb300nvl72": "GB300", "gh200480gb": "GH200", "h20": "H20",
     "rtxa6000": "RTX-A6000", "a6000": "RTX-A6000", "3090": "RTX3090", "2080ti": "RTX2080Ti",
     "titanrtx": "TitanRTX",
 }

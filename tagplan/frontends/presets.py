@@ -111,6 +111,16 @@ def gb200_nvl72() -> Node:
     return _nvswitch("gb200-nvl72", "GB200", 18 * NVLINK_SM100_BPS, 72, 400, gpus=72)
 
 
+def dgx_b300() -> Node:
+    """DGX B300: as `dgx_b200` with Blackwell Ultra parts and 8 x 800 Gb/s ConnectX-8 compute NICs."""
+    return _nvswitch("dgx-b300", "B300", 18 * NVLINK_SM100_BPS, 8, 800)
+
+
+def gb300_nvl72() -> Node:
+    """GB300 NVL72: as `gb200_nvl72` with Blackwell Ultra GPUs and 72 x 800 Gb/s ConnectX-8 NICs."""
+    return _nvswitch("gb300-nvl72", "GB300", 18 * NVLINK_SM100_BPS, 72, 800, gpus=72)
+
+
 def p4d_24xlarge() -> Node:
     """AWS p4d.24xlarge: 8 x A100 40GB on NVSwitch; 400 Gb/s EFA modelled as 4 NICs x 100 Gb/s."""
     return _nvswitch("p4d.24xlarge", "A100-SXM-40GB", 12 * NVLINK_SM80_BPS, 4, 100)
@@ -178,6 +188,8 @@ _PRESETS: dict[str, tuple[Callable[[], Node], float]] = {
     "dgx-h200": (dgx_h200, IB_LATENCY_S),
     "dgx-b200": (dgx_b200, IB_LATENCY_S),
     "gb200-nvl72": (gb200_nvl72, IB_LATENCY_S),
+    "dgx-b300": (dgx_b300, IB_LATENCY_S),
+    "gb300-nvl72": (gb300_nvl72, IB_LATENCY_S),
     "p4d.24xlarge": (p4d_24xlarge, EFA_LATENCY_S),
     "p3.8xlarge": (p3_8xlarge, TCP_LATENCY_S),
     "p3.16xlarge": (p3_16xlarge, TCP_LATENCY_S),

@@ -42,6 +42,8 @@ class DeviceSpec(Record):
     mem_bandwidth_Bps: float = Field(gt=0)
     peak_flops_fp8: float | None = Field(default=None, gt=0, description="dense FLOP/s of fp8 GEMMs; None where "
                                          "unsupported")
+    peak_flops_fp4: float | None = Field(default=None, gt=0, description="dense FLOP/s of block-scaled fp4 "
+                                         "(nvfp4) GEMMs; None where unsupported (before Blackwell)")
     sustained_peak_fraction: float = Field(
         default=1.0, gt=0, le=1, description="clock a continuous training load sustains over the boost clock the "
         "datasheet peak assumes, where the board's power cap binds (T4; H100/H200 SXM and GB200/B200, fitted); "
@@ -51,12 +53,15 @@ class DeviceSpec(Record):
                                   "its score matrix")
 
     def peak_flops(self, dtype: DType) -> float:
-        """Peak dense FLOP/s in `dtype`; bf16 on a device without it runs as fp16, fp8 as bf16."""
+        """Peak dense FLOP/s in `dtype`. A device without the dtype's tensor cores runs the next wider
+        format it has: nvfp4 as fp8, the fp8 recipes (fp8, fp8-cs, mxfp8) as bf16, bf16 as fp16."""
         if dtype is DType.FP32:
             return self.peak_flops_fp32
-        if dtype is DType.FP8 and self.peak_flops_fp8 is not None:
+        if dtype is DType.NVFP4 and self.peak_flops_fp4 is not None:
+            return self.peak_flops_fp4
+        if dtype.quantized and self.peak_flops_fp8 is not None:
             return self.peak_flops_fp8
-        if dtype in (DType.BF16, DType.FP8) and self.peak_flops_bf16 is not None:
+        if (dtype is DType.BF16 or dtype.quantized) and self.peak_flops_bf16 is not None:
             return self.peak_flops_bf16
         return self.peak_flops_fp16
 

@@ -12,27 +12,62 @@ DEFAULT_GLOBAL_BATCH = 8  # samples per iteration when none is asked for (every 
 
 
 class DType(StrEnum):
-    """Compute dtype of activations and weights used in matmuls."""
+    """Compute dtype of activations and weights used in matmuls.
+
+    The four quantized recipes run their GEMMs on cast copies of the operands and everything else in
+    bf16 (Transformer Engine): `fp8` per-tensor scaling from the amax history (delayed scaling,
+    Megatron's `--fp8-recipe delayed`), `fp8-cs` per-tensor scaling from the tensor's own amax (current
+    scaling: one more read of each GEMM input before its cast), `mxfp8` E4M3 with an E8M0 scale per
+    32 elements (Blackwell's block-scaled tensor cores), `nvfp4` E2M1 with an E4M3 scale per 16
+    elements (Blackwell's fp4 tensor cores, at twice or more the fp8 rate).
+    """
 
     BF16 = "bf16"
     FP16 = "fp16"
     FP32 = "fp32"
     FP8 = "fp8"  # as Transformer Engine runs it: fp8 GEMMs, bf16 activations and everything else
+    FP8_CS = "fp8-cs"
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+
+    @property
+    def quantized(self) -> bool:
+        """GEMMs run on cast copies (fp8, fp8-cs, mxfp8, nvfp4); activations and weights stay bf16."""
+        return self in _QUANTIZED
 
     @property
     def nbytes(self) -> int:
-        """Bytes per element of activations and weights (fp8 training keeps them in bf16)."""
+        """Bytes per element of activations and weights (quantized training keeps them in bf16)."""
         return 4 if self is DType.FP32 else 2
 
     @property
-    def gemm_nbytes(self) -> int:
-        """Bytes per element of a GEMM's operands as the kernel reads them (fp8: the 1-byte cast copy)."""
-        return 1 if self is DType.FP8 else self.nbytes
+    def gemm_nbytes(self) -> float:
+        """Bytes per element of a GEMM's operand as the kernel reads it: the cast copy's element and its
+        share of the block scale (mxfp8 1 + 1/32, nvfp4 1/2 + 1/16) under the quantized recipes."""
+        return _GEMM_NBYTES.get(self, float(self.nbytes))
+
+    @property
+    def block_scaled(self) -> bool:
+        """A microscaling format (mxfp8, nvfp4): its GEMM operands are scaled along the reduction
+        dimension, so a weight keeps two cast copies (rowwise for the forward, columnwise for the
+        data gradient) where a per-tensor fp8 weight keeps one."""
+        return self in (DType.MXFP8, DType.NVFP4)
+
+    @property
+    def amax_passes(self) -> int:
+        """Extra reads of a GEMM input before its cast: scaling by the tensor's own amax needs it first
+        (1: fp8-cs, and nvfp4's per-tensor second-level scale); delayed scaling takes it from the history
+        and mxfp8's power-of-two block scales are computed inside the cast kernel (0)."""
+        return 1 if self in (DType.FP8_CS, DType.NVFP4) else 0
 
     @property
     def elementwise(self) -> DType:
-        """The dtype of everything but the GEMMs (fp8 runs those in bf16)."""
-        return DType.BF16 if self is DType.FP8 else self
+        """The dtype of everything but the GEMMs (the quantized recipes run those in bf16)."""
+        return DType.BF16 if self.quantized else self
+
+
+_QUANTIZED = frozenset({DType.FP8, DType.FP8_CS, DType.MXFP8, DType.NVFP4})
+_GEMM_NBYTES = {DType.FP8: 1.0, DType.FP8_CS: 1.0, DType.MXFP8: 1.0 + 1.0 / 32, DType.NVFP4: 0.5 + 1.0 / 16}
 
 
 class Optimizer(StrEnum):
@@ -92,9 +127,13 @@ class Workload(Record):
         return self
 
     @property
-    def weight_bytes_per_param(self) -> int:
-        """Bytes of one weight in the compute dtype; fp8 adds Transformer Engine's 1-byte fp8 copy."""
-        return self.dtype.nbytes + (1 if self.dtype is DType.FP8 else 0)
+    def weight_bytes_per_param(self) -> float:
+        """Bytes of one weight in the compute dtype; a quantized recipe adds Transformer Engine's cast
+        copy of it (two under block scaling: rowwise and columnwise)."""
+        d = self.dtype
+        if not d.quantized:
+            return float(d.nbytes)
+        return d.nbytes + d.gemm_nbytes * (2 if d.block_scaled else 1)
 
     @property
     def grad_bytes_per_param(self) -> int:

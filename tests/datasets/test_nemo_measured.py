@@ -18,3 +18,41 @@ def test_the_nemo_lora_rows_are_not_scored_as_full_training() -> None:
     lora = [r["id"] for r in rows if "LoRA" in (r["config"].get("task") or "")]
     assert len(lora) == 8 and all(reasons[i] == "LoRA fine-tuning not modelled" for i in lora)
     assert [reasons[r["id"]] for r in rows if r["config"].get("task") == "Finetuning (SFT)"] == [None, None, None]
+
+
+def test_each_row_runs_the_recipe_its_publisher_offers() -> None:
+    """Megatron-Bridge's scripts offer per-tensor fp8 only as current scaling, so its plain "FP8" is fp8-cs;
+    NeMo's own scripts ran delayed scaling. Block-scaled rows keep their format; the 25.09 FP8 of unverified
+    granularity is not scored."""
+    from tagplan.ir.workload import DType
+
+    nemo = load_bench("fidelity_nemo")
+    rows = json.loads((BENCH / "data" / "nemo_performance_summary.json").read_text())["rows"]
+    scoreable = [r for r in rows if nemo._skip(r) is None]
+    by = {(r["provenance"]["repo"], r["config"]["precision"]): nemo.dtype_of(r) for r in scoreable}
+    assert by[("NVIDIA-NeMo/Megatron-Bridge", "FP8")] is DType.FP8_CS
+    assert by[("NVIDIA/NeMo", "FP8")] is DType.FP8
+    assert by[("NVIDIA-NeMo/Megatron-Bridge", "MXFP8")] is DType.MXFP8
+    assert by[("NVIDIA-NeMo/Megatron-Bridge", "FP8-MX")] is DType.MXFP8
+    assert by[("NVIDIA-NeMo/Megatron-Bridge", "NVFP4")] is DType.NVFP4
+    unverified = [r for r in rows if r["config"]["precision"].startswith("FP8 (25.09")]
+    assert unverified and all(nemo._skip(r) for r in unverified)
+    assert any((nemo._skip(r) or "").startswith("precision FP8 (25.09") for r in unverified)
+    # the presets of Megatron-Bridge's Llama 3 rows set no full recompute; NeMo's older rows are not known
+    assert all(nemo.recipe(r) for r in scoreable if r["provenance"]["repo"].endswith("Bridge")
+               and r["model"]["name"].startswith("Llama 3"))
+    assert not any(nemo.recipe(r) for r in scoreable if r["provenance"]["repo"] == "NVIDIA/NeMo")
+
+
+def test_a_split_with_more_chunks_than_blocks_counts_the_embedding_and_head_as_layers() -> None:
+    """Llama 3.1 405B's 126 blocks over pp16 x vp8 (128 chunks): Megatron accounts for the embedding and the
+    loss in the pipeline split, one layer a chunk; the even split over blocks alone would leave chunks empty."""
+    nemo = load_bench("fidelity_nemo")
+    rows = json.loads((BENCH / "data" / "nemo_performance_summary.json").read_text())["rows"]
+    row = next(r for r in rows if r["model"]["name"] == "Llama 3.1 405B" and r["config"]["pp"] == 16
+               and r["config"].get("vp") == 8 and nemo._skip(r) is None)
+    plan = nemo._plan(row, 128)
+    assert len(plan.stages) == 128 and all(s.num_layers == 1 for s in plan.stages)
+    assert plan.stages[0].layers == (0, 1) and plan.stages[-1].layers == (127, 128)
+    # 64 chunks: the embedding shares its chunk with the first block, as before
+    assert nemo._plan({**row, "config": {**row["config"], "vp": 4}}, 128).stages[0].layers == (0, 2)

@@ -180,8 +180,8 @@ def test_generate_rejects_bad_arguments(tmp_path: Path, kwargs: dict[str, object
 
 
 def test_generate_rejects_unknown_gpu_types(tmp_path: Path) -> None:
-    with pytest.raises(SpecError, match="unknown GPU type 'B300'"):
-        generate(tmp_path, instances=1, gpu_types=("B300",))
+    with pytest.raises(SpecError, match="unknown GPU type 'R100'"):
+        generate(tmp_path, instances=1, gpu_types=("R100",))
 
 
 def test_generate_accepts_held_out_types(tmp_path: Path) -> None:

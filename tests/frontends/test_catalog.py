@@ -18,8 +18,8 @@ from tagplan.ir import DType
 
 EXPECTED = ("V100-SXM2-16GB", "V100-SXM2-32GB", "V100-PCIe-16GB", "V100-PCIe-32GB", "A100-SXM-40GB",
             "A100-SXM-80GB", "A100-PCIe-80GB", "H100-SXM", "H100-PCIe", "H200-SXM", "L40S", "L4", "T4", "A10",
-            "RTX4090", "MI250X", "MI300X", "MI325X", "B200", "GB200", "GH200", "H20", "L40", "A40", "RTX-A6000",
-            "RTX3090", "RTX2080Ti", "TitanRTX")
+            "RTX4090", "MI250X", "MI300X", "MI325X", "B200", "GB200", "B300", "GB300", "GH200", "H20", "L40", "A40",
+            "RTX-A6000", "RTX3090", "RTX2080Ti", "TitanRTX")
 
 
 def test_catalog_holds_every_datasheet_device() -> None:

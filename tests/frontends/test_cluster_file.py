@@ -72,7 +72,7 @@ def test_malformed_json_names_the_line(tmp_path: Path) -> None:
         (_group(gpu="A100", gpus_per_node=8, fabric="ib"), r"node_groups\[0\]\.fabric: unknown fabric 'ib'"),
         (_group(gpu="T4", gpus_per_node=4, fabric="nvswitch"), r"fabric: T4 has no default bandwidth"),
         (_group(gpu="T4", gpus_per_node=4, nic_speed_Gbps="fast"), r"nic_speed_Gbps: 'fast' .*positive number"),
-        (_group(gpu="B300", gpus_per_node=8), r"node_groups\[0\]\.gpu: unknown GPU type 'B300'.*Known: A10"),
+        (_group(gpu="R100", gpus_per_node=8), r"node_groups\[0\]\.gpu: unknown GPU type 'R100'.*Known: A10"),
         (_group(preset="dgx-a100", nodes=1), r"node_groups\[0\]\.preset: unknown cluster preset 'dgx-a100'"),
         (_group(preset="dgx-h100", gpus_per_node=4), r"unknown key 'gpus_per_node'; accepted keys: preset"),
         (_group(nodes=2), r"node_groups\[0\]: .*'gpu' or 'preset'"),
