@@ -1,20 +1,19 @@
 """Score the cost model on NVIDIA's published NeMo / Megatron-Bridge runs (bench/data/, copied from
 the team's reference/measured/): predicted against measured tokens/s per GPU.
 
-Scored: dense rows with a model shape, precision FP8 or BF16, no context parallelism, on DGX H100 or
-DGX B200 (8-GPU NVSwitch nodes) or GB200 NVL72 racks (72 GPUs in one NVLink domain). Each row becomes
-the plan Megatron-Core runs: tp x pp x dp with `vp` interleaved chunks (1F1B otherwise), layers split
-evenly (embedding first, head last), micro-batch size and global batch as published, FSDP as ZeRO-3,
+Scored: dense rows with a model shape, in BF16 or a quantized recipe (`dtype_of`: fp8 delayed or current
+scaling, mxfp8, nvfp4), on DGX H100 / B200 (8-GPU NVSwitch nodes) or GB200 / GB300 NVL72 racks (72 GPUs in
+one NVLink domain). Each row becomes the plan Megatron-Core runs: tp x cp x pp x dp with `vp` interleaved
+chunks (1F1B otherwise), layers split evenly (embedding first, head last; counted as layers of the split
+where the chunks outnumber the blocks), micro-batch size and global batch as published, FSDP as ZeRO-3,
 distributed optimizer (ZeRO-1) otherwise. The table does not give the recipes' recompute settings; the
-presets in Megatron-Bridge do (`NO_FULL_RECOMPUTE`): the Llama 3 / 3.1 rows ran without full recompute
-and are scored without it. For the other rows a layout that does not fit in memory in the model must
-have saved memory somehow in the published run, so it is also scored with full recompute (the plan
-format's one recompute setting, an upper bound on what any recompute costs) when that fits; the summary
-gives the errors of both rules. Not scored, with the reason: MXFP8 / NVFP4 / FP8-CS variants, context
-parallelism, GB300 (no
-B300 in the catalog), models without a shape, LoRA fine-tuning (it trains adapters only: the base weights
-take no weight-gradient GEMMs and keep no optimizer state, which the cost model does not represent; SFT
-is full fine-tuning and is scored).
+presets in Megatron-Bridge do (`recipe`): the Llama 3 / 3.1 rows ran without full recompute and are scored
+without it. For the other rows a layout that does not fit in memory in the model must have saved memory
+somehow in the published run, so it is also scored with full recompute (the plan format's one recompute
+setting, an upper bound on what any recompute costs) when that fits; the summary gives the errors of both
+rules. Not scored, with the reason: models without a shape, LoRA fine-tuning (it trains adapters only: the
+base weights take no weight-gradient GEMMs and keep no optimizer state, which the cost model does not
+represent; SFT is full fine-tuning and is scored), the 25.09 section's FP8 of unverified granularity.
 """
 
 from __future__ import annotations
@@ -82,8 +81,6 @@ def _skip(row: dict[str, Any]) -> str | None:
         return "LoRA fine-tuning not modelled"  # adapters only: no base-weight gradients or optimizer state
     if c["precision"] not in PRECISIONS:  # the 25.09 section's FP8 of unverified granularity
         return f"precision {c['precision'][:12]} not modelled"
-    if (c.get("cp") or 1) > 1:
-        return "context parallelism not modelled"
     if gpu not in SYSTEMS:
         return f"{gpu} system not modelled"
     if not all(isinstance(c.get(k), int) for k in ("tp", "pp", "micro_batch", "global_batch")):
@@ -94,9 +91,9 @@ def _skip(row: dict[str, Any]) -> str | None:
 def _plan(row: dict[str, Any], layers: int) -> Plan:
     c = row["config"]
     gpus = row["cluster"]["gpus_used"]
-    tp, pp, vp = c["tp"], c["pp"], c.get("vp") or 1
-    dp = gpus // (tp * pp)
-    zero = 3 if c.get("fsdp") else (1 if dp > 1 else 0)
+    tp, pp, vp, cp = c["tp"], c["pp"], c.get("vp") or 1, c.get("cp") or 1
+    dp = gpus // (tp * pp * cp)
+    zero = 3 if c.get("fsdp") else (1 if dp * cp > 1 else 0)
     chunks = pp * vp
     blocks = layers - 2
     if blocks % chunks and not layers % chunks:
@@ -107,7 +104,7 @@ def _plan(row: dict[str, Any], layers: int) -> Plan:
         bounds = [1 + blocks * k // chunks for k in range(chunks + 1)]
         bounds[0], bounds[-1] = 0, layers
     per_stage = gpus // pp
-    stages = tuple(Stage(layers=(bounds[k], bounds[k + 1]), dp=dp, tp=tp, zero=zero,
+    stages = tuple(Stage(layers=(bounds[k], bounds[k + 1]), dp=dp, cp=cp, tp=tp, zero=zero,
                          devices=tuple(range((k % pp) * per_stage, (k % pp + 1) * per_stage))) for k in range(chunks))
     micro_batches = c["global_batch"] // (dp * c["micro_batch"])
     schedule = Schedule.INTERLEAVED_1F1B if vp > 1 else Schedule.ONE_F_ONE_B

@@ -78,7 +78,7 @@ def report_table(report: Report, plan: Plan) -> Table:
         table.add_column(col, justify="right")
     for s, stage in zip(report.stages, plan.stages, strict=True):
         devs = stage.devices
-        table.add_row(str(s.index), f"[{s.layers[0]}, {s.layers[1]})", device_ranges(devs), f"{s.dp} x {s.tp}",
+        table.add_row(str(s.index), f"[{s.layers[0]}, {s.layers[1]})", device_ranges(devs), _mesh(s.dp, s.cp, s.tp),
                       f"{s.forward_s * 1e3:.2f} ms", f"{s.backward_s * 1e3:.2f} ms", f"{s.tp_comm_s * 1e3:.2f} ms",
                       f"{s.dp_sync_s * 1e3:.2f} ms", f"{s.p2p_s * 1e3:.3f} ms", str(s.in_flight), str(stage.zero),
                       "yes" if stage.recompute else "no")
@@ -137,7 +137,8 @@ def plan_result_table(result: PlanResult) -> Table:
         if cand is None:
             table.add_row(name, f"n/a: {reason}", "", "", "", "", "", "")
             continue
-        stages = "; ".join(f"[{s.layers[0]},{s.layers[1]}): {s.dp}x{s.tp} @ {device_ranges(s.devices)}"
+        stages = "; ".join(f"[{s.layers[0]},{s.layers[1]}): {_mesh(s.dp, s.cp, s.tp).replace(' ', '')} @ "
+                           f"{device_ranges(s.devices)}"
                            for s in cand.plan.stages)
         if reason:  # a baseline's configuration
             stages = f"{reason}\n{stages}"
@@ -208,3 +209,8 @@ def bundle_line(summary: dict[str, Any]) -> str:
         line += (f"\nmeasured on {manifest['fingerprint']['device_type']} by `{manifest['source']}` "
                  f"({manifest['created']})")
     return line
+
+
+def _mesh(dp: int, cp: int, tp: int) -> str:
+    """A stage's mesh as the tables show it: "dp x tp", or "dp x cp x tp" under context parallelism."""
+    return f"{dp} x {tp}" if cp == 1 else f"{dp} x {cp} x {tp}"

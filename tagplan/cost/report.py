@@ -46,9 +46,10 @@ class StageReport(Record):
     layers: tuple[int, int]
     dp: int
     tp: int
+    cp: int = Field(default=1, description="context-parallel degree")
     forward_s: float
     backward_s: float
-    tp_comm_s: float
+    tp_comm_s: float = Field(description="tensor- and context-parallel communication inside the stage's tasks")
     dp_sync_s: float
     p2p_s: float
     in_flight: int

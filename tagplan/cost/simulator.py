@@ -39,7 +39,7 @@ class StagePlanCost:
     """A stage's costs for one micro-batch, with its critical (slowest) replica."""
 
     critical: ReplicaCost
-    samples: tuple[float, ...]  # per replica, per micro-batch
+    samples: tuple[float, ...]  # per tensor-parallel group, per micro-batch (a replica's samples / cp)
     local_params: float
     p2p_s: float  # send one micro-batch's activations to the next stage
     dp_sync_s: tuple[float, float]  # (gradient reduction, parameter all-gather after the step) seconds
@@ -81,7 +81,7 @@ class Simulator:
                                                                                            device))
                               if calibration.collective_overhead_s else None)
         self.coster = StageCoster(model, cluster, workload, calibration, self.comm, fold=fold)
-        self._dp_sync_memo: dict[tuple[tuple[int, ...], int, int, float, int], tuple[float, float]] = {}
+        self._dp_sync_memo: dict[tuple[tuple[int, ...], int, int, int, float, int], tuple[float, float]] = {}
         self._model_flops = sum(model_flops(model.block_of(i)) for i in range(len(model.layers)))
         # per device id, for the O(devices) sums of every report
         self._peak_flops = tuple(d.spec.peak_flops(workload.dtype) for d in cluster.devices)
@@ -183,11 +183,13 @@ class Simulator:
         return StagePlanCost(critical, samples, params, p2p, (reduce, gather), self._zero3(stage, params))
 
     def _samples(self, stage: Stage, per_micro: int) -> tuple[float, ...]:
-        """Whole samples each replica of `stage` takes of a micro-batch of `per_micro` (memoised)."""
-        key = (stage.dp, stage.batch_samples, stage.batch_shares, per_micro)
+        """Per tensor-parallel group of `stage` (`Stage.tp_group`), its share of a micro-batch of `per_micro`:
+        its replica's whole samples, split by sequence over the cp groups of the replica (memoised)."""
+        key = (stage.dp, stage.cp, stage.batch_samples, stage.batch_shares, per_micro)
         hit = self._samples_memo.get(key)
         if hit is None:
-            hit = self._samples_memo[key] = tuple(float(n) for n in stage.replica_samples(per_micro))
+            hit = self._samples_memo[key] = tuple(float(n) / stage.cp for n in stage.replica_samples(per_micro)
+                                                  for _ in range(stage.cp))
         return hit
 
     def _dp_sync(self, stage: Stage, params: float) -> tuple[float, float]:
@@ -198,10 +200,10 @@ class Simulator:
         stages (ZeRO 1-3) issue one collective per layer, as FSDP's per-layer units and Megatron's
         distributed-optimizer buckets do: each pays the collective's latency (`_per_layer`).
         """
-        if stage.dp < 2 or stage.zero >= 3:
+        if stage.dp_cp < 2 or stage.zero >= 3:
             return 0.0, 0.0
         # equal stages of deep pipelines sync alike; sharded ones issue a collective per layer
-        key = (stage.devices, stage.tp, stage.zero, params, self._synced_layers(stage))
+        key = (stage.devices, stage.tp, stage.cp, stage.zero, params, self._synced_layers(stage))
         hit = self._dp_sync_memo.get(key)
         if hit is None:
             hit = self._dp_sync_memo[key] = self._dp_sync_uncached(stage, params)
@@ -211,8 +213,8 @@ class Simulator:
         grad_bytes = params * self.workload.grad_reduce_bytes_per_param
         weight_bytes = params * self.workload.weight_bytes_per_param
         reduce = gather = 0.0
-        for j in range(stage.tp):  # the tp groups' syncs run at once; the slowest paces the stage
-            group = tuple(stage.devices[r * stage.tp + j] for r in range(stage.dp))
+        for j in range(stage.tp):  # the tp ranks' syncs run at once; the slowest paces the stage
+            group = tuple(stage.devices[g * stage.tp + j] for g in range(stage.dp_cp))
             if stage.zero == 0:
                 reduce = max(reduce, self.comm.collective(Collective.ALL_REDUCE, group, grad_bytes).time_s)
             else:
@@ -233,11 +235,11 @@ class Simulator:
         return max(sum(n for h, n in self.coster.units(stage) if blocks[h].params > 0), 1)
 
     def _zero3(self, stage: Stage, params: float) -> tuple[float, float]:
-        if stage.zero < 3 or stage.dp < 2:
+        if stage.zero < 3 or stage.dp_cp < 2:
             return 0.0, 0.0
         gather = scatter = 0.0
-        for j in range(stage.tp):  # the slowest of the tp groups paces the stage
-            group = tuple(stage.devices[r * stage.tp + j] for r in range(stage.dp))
+        for j in range(stage.tp):  # the slowest of the tp ranks paces the stage
+            group = tuple(stage.devices[g * stage.tp + j] for g in range(stage.dp_cp))
             weights = params * self.workload.weight_bytes_per_param
             gather = max(gather, self._per_layer(Collective.ALL_GATHER, group, weights, stage))
             grads = params * self.workload.grad_reduce_bytes_per_param
@@ -291,7 +293,7 @@ class Simulator:
         """One tied sum: pair by pair where both stages have the same (dp, tp) (device j of one with
         device j of the other, `nbytes` each), else one all-reduce of the whole table (`whole_bytes`)
         over both stages' devices (the torch pipeline runtime's `sum_tied`)."""
-        if (first.dp, first.tp) == (holder.dp, holder.tp):
+        if (first.dp, first.cp, first.tp) == (holder.dp, holder.cp, holder.tp):
             pairs = [(a, b) for a, b in zip(first.devices, holder.devices, strict=True) if a != b]
             return max([0.0, *(self.comm.collective(Collective.ALL_REDUCE, p, nbytes).time_s for p in pairs)])
         group = tuple(dict.fromkeys((*first.devices, *holder.devices)))
@@ -342,7 +344,7 @@ class Simulator:
         for i in members:
             stage = plan.stages[i]
             spec = self.coster.slowest(stage.devices)
-            shard = stage.dp if stage.zero >= 1 else 1
+            shard = stage.dp_cp if stage.zero >= 1 else 1
             bandwidth = spec.mem_bandwidth_Bps * self.calibration.bandwidth_fraction(spec.name)
             step = costs[i].local_params / shard * traffic / bandwidth + self.calibration.launch_s(spec.name)
             seconds += step * self.calibration.optimizer_factor(spec.name)
@@ -416,9 +418,9 @@ class Simulator:
             scores = self._score_memory(stage)
             unfused_sample = (fused_sample[0] + scores[0], fused_sample[1] + scores[1])
             memo: dict[tuple[float, bool], DeviceMemory] = {}  # replicas with equal shares hold equal memory
-            for r in range(stage.dp):
-                n = samples[i][r]
-                devices = stage.replica(r)
+            for g in range(stage.dp_cp):
+                n = samples[i][g]
+                devices = stage.tp_group(g)
                 fused = self._fused[devices[0]] or not (scores[0] or scores[1])
                 mem = memo.get((n, fused))
                 if mem is None:
@@ -527,7 +529,7 @@ class Simulator:
 
     def _stage_memory(self, stage: Stage, local_params: float, samples: float, per_sample: tuple[float, float],
                       in_flight: float) -> DeviceMemory:
-        weights, grads, optim = model_state_bytes(local_params, self.workload, zero=stage.zero, dp=stage.dp)
+        weights, grads, optim = model_state_bytes(local_params, self.workload, zero=stage.zero, dp=stage.dp_cp)
         saved, working = per_sample
         return DeviceMemory(weights, grads, optim, saved * samples * in_flight, working * samples)
 
@@ -535,9 +537,10 @@ class Simulator:
                       memory: DeviceMemoryReport) -> StageReport:
         s = plan.stages[i]
         c = cost.critical
-        return StageReport(index=i, layers=s.layers, dp=s.dp, tp=s.tp, forward_s=c.forward_s, backward_s=c.backward_s,
-                           tp_comm_s=c.forward_tp_s + c.backward_tp_s, dp_sync_s=sum(cost.dp_sync_s), p2p_s=cost.p2p_s,
-                           in_flight=pipe.max_in_flight[i], samples_per_micro_batch=max(cost.samples), memory=memory,
+        return StageReport(index=i, layers=s.layers, dp=s.dp, tp=s.tp, cp=s.cp, forward_s=c.forward_s,
+                           backward_s=c.backward_s, tp_comm_s=c.forward_tp_s + c.backward_tp_s,
+                           dp_sync_s=sum(cost.dp_sync_s), p2p_s=cost.p2p_s, in_flight=pipe.max_in_flight[i],
+                           samples_per_micro_batch=max(cost.samples) * s.cp, memory=memory,
                            compute_source=self.coster.compute_source(s, cost.samples[0]))
 
 

@@ -13,10 +13,17 @@ from functools import cached_property
 
 from tagplan.cost.calibration import Calibration
 from tagplan.cost.comm import CommModel
-from tagplan.cost.compute import BlockTime, block_time, local_param_count, profiled_block_time, shared_param_count
-from tagplan.cost.sharding import ShardedBlock, collective_bytes, shard_block
+from tagplan.cost.compute import (
+    BlockTime,
+    block_time,
+    local_param_count,
+    op_time,
+    profiled_block_time,
+    shared_param_count,
+)
+from tagplan.cost.sharding import ShardedBlock, collective_bytes, divides, shard_block
 from tagplan.ir.cluster import Cluster, DeviceSpec
-from tagplan.ir.model import Block, ModelGraph
+from tagplan.ir.model import Block, ModelGraph, OpKind
 from tagplan.ir.plan import ShardStrategy, Stage
 from tagplan.ir.workload import Workload
 
@@ -33,7 +40,8 @@ ShardingKey = tuple[tuple[str, str], ...]
 
 @dataclass(frozen=True, slots=True)
 class ReplicaCost:
-    """One replica's per-micro-batch seconds (compute and TP all-reduces), forward and backward."""
+    """One tensor-parallel group's per-micro-batch seconds (compute, and the tensor- and context-parallel
+    communication inside its tasks: `*_tp_s`), forward and backward."""
 
     forward_compute_s: float
     backward_compute_s: float
@@ -135,10 +143,12 @@ class StageCoster:
                       self.params_memo):
             table.clear()
 
-    def replica(self, stage: Stage, replica: int, samples: float) -> ReplicaCost:
-        """Per-micro-batch seconds of one replica processing `samples` samples."""
-        group = stage.replica(replica)
+    def replica(self, stage: Stage, group_index: int, samples: float) -> ReplicaCost:
+        """Per-micro-batch seconds of tensor-parallel group `group_index` (`Stage.tp_group`) processing `samples`
+        samples (under context parallelism its share of its replica's tokens: samples / cp)."""
+        group = stage.tp_group(group_index)
         spec = self.slowest(group)
+        ring = _ring_next(stage, group_index)
         fwd = bwd = tp_f = tp_b = 0.0
         overlap = self.workload.tp_comm_overlap and stage.tp > 1
         for block_hash, count in self.units(stage):
@@ -149,6 +159,9 @@ class StageCoster:
             if overlap and kind not in TP_OVERLAP_SKIPPED:
                 comm_f = exposed_tp_s(comm_f, t.forward_s, stage.tp)
                 comm_b = exposed_tp_s(comm_b, t.backward_s, stage.tp)
+            if ring is not None:
+                ring_f, ring_b = self._cp(block_hash, sharded, spec, group, ring, samples, stage)
+                comm_f, comm_b = comm_f + ring_f, comm_b + ring_b
             replay = stage.recompute and kind not in CHECKPOINT_SKIPPED
             fwd += count * t.forward_s
             bwd += count * (t.backward_s + (t.forward_s if replay else 0.0))
@@ -157,18 +170,48 @@ class StageCoster:
         return ReplicaCost(fwd, bwd, tp_f, tp_b)
 
     def replicas(self, stage: Stage, samples: tuple[float, ...]) -> list[ReplicaCost]:
-        """`replica(stage, r, samples[r])` for every replica, each distinct one costed once: a replica's
-        cost depends only on its slowest device's figures, its group's link class and its samples."""
+        """`replica(stage, g, samples[g])` for every tensor-parallel group, each distinct one costed once: a
+        group's cost depends only on its slowest device's figures, its link class, its samples and, under context
+        parallelism, the ring link to its neighbour."""
         seen: dict[tuple[object, ...], ReplicaCost] = {}
         out = []
-        for r, n in enumerate(samples):
-            group = stage.replica(r)
-            key = (id(self.slowest(group)), self.link_class(group) if len(group) > 1 else None, n)
+        for g, n in enumerate(samples):
+            group = stage.tp_group(g)
+            ring = _ring_next(stage, g)
+            key = (id(self.slowest(group)), self.link_class(group) if len(group) > 1 else None, n,
+                   None if ring is None else (group, ring))
             hit = seen.get(key)
             if hit is None:
-                hit = seen[key] = self.replica(stage, r, n)
+                hit = seen[key] = self.replica(stage, g, n)
             out.append(hit)
         return out
+
+    def _cp(self, block_hash: str, sharded: ShardedBlock, spec: DeviceSpec, group: tuple[int, ...],
+            ring: tuple[int, ...], samples: float, stage: Stage) -> tuple[float, float]:
+        """(forward, backward) exposed seconds of the block's context-parallel ring (Megatron's ring attention):
+        each attention op passes its rank's key/value chunk (`samples` of the replica's tokens: the op's bytes
+        read beyond its query) to the next rank cp - 1 times forward, and the chunk with its gradient backward;
+        each send overlaps one chunk's share (1 / cp) of the op's compute, and what a send takes beyond that
+        share is exposed."""
+        key = ("cp", block_hash, _spec_key(spec), group, ring, samples, stage.cp, stage.tp,
+               sharding_key(stage.sharding))
+        hit = self.tp_memo.get(key)
+        if hit is None:
+            forward = backward = 0.0
+            for op in self.model.block_by_hash[block_hash].ops:
+                if op.kind is not OpKind.ATTENTION:
+                    continue
+                strategy = sharded.strategies[op.name]
+                split = stage.tp if stage.tp > 1 and divides(strategy) else 1
+                chunk = max(op.bytes_read - op.bytes_written, 0.0) * samples * len(group) / split
+                t = op_time(op, samples=samples, tp=stage.tp, strategy=strategy, spec=spec, dtype=self.workload.dtype,
+                            calibration=self.calibration)
+                send_f = self.comm.p2p_groups(group, ring, chunk).time_s
+                send_b = self.comm.p2p_groups(group, ring, 2.0 * chunk).time_s
+                forward += (stage.cp - 1) * max(0.0, send_f - t.forward_s / stage.cp)
+                backward += (stage.cp - 1) * max(0.0, send_b - t.backward_s / stage.cp)
+            hit = self.tp_memo[key] = (forward, backward)
+        return hit
 
     def local_params(self, stage: Stage) -> float:
         """Parameters one device of the stage holds (before ZeRO)."""
@@ -270,7 +313,7 @@ class StageCoster:
 
     def compute_source(self, stage: Stage, samples: float) -> str:
         """Where the stage's compute times come from, per block kind: "block: layer profile; head: ops"."""
-        spec = self.slowest(stage.replica(0))
+        spec = self.slowest(stage.tp_group(0))
         sources = set()
         for block_hash, _ in self.units(stage):
             key = (block_hash, _spec_key(spec), self.workload.dtype, stage.tp, samples, sharding_key(stage.sharding))
@@ -320,13 +363,21 @@ class StageCoster:
         """Seconds of once-per-iteration TP collectives (weight gradients of token-split matmuls)."""
         if stage.tp < 2:
             return 0.0
-        group = stage.replica(0)
+        group = stage.tp_group(0)
         total = 0.0
         for block_hash, count in self.block_counts(stage).items():
             for c in self.sharded(block_hash, stage.sharding).comms:
                 if c.per_iteration:
                     total += count * self.comm.collective(c.collective, group, c.bytes_per_sample).time_s
         return total
+
+
+def _ring_next(stage: Stage, g: int) -> tuple[int, ...] | None:
+    """The tensor-parallel group that group `g` sends its keys and values to in its replica's context-parallel
+    ring (None without context parallelism)."""
+    if stage.cp < 2:
+        return None
+    return stage.tp_group(g - g % stage.cp + (g + 1) % stage.cp)
 
 
 def exposed_tp_s(comm_s: float, compute_s: float, tp: int) -> float:

@@ -78,7 +78,8 @@ def uniform_mesh(plan: Plan, fmt: str, why: str) -> tuple[int, int]:
     splits its batch unevenly. `why` says what the format supports instead."""
     first = plan.stages[0]
     for i, stage in enumerate(plan.stages):
-        for field, value, expected in (("tp", stage.tp, first.tp), ("dp", stage.dp, first.dp)):
+        for field, value, expected in (("tp", stage.tp, first.tp), ("cp", stage.cp, first.cp),
+                                       ("dp", stage.dp, first.dp)):
             if value != expected:
                 raise refuse(fmt, f"stages[{i}].{field} = {value} but stages[0].{field} = {expected}; {why}")
         shares = stage.shares()
@@ -103,10 +104,11 @@ def check_rank_order(plan: Plan, groups: Sequence[tuple[int, ...]], *, tp: int, 
     """The plan's devices in `launcher`'s world-rank order (rank i runs device `[i]`); ExportError
     where no launch gives them that order. `groups`: one device group per pipeline rank.
 
-    The launcher numbers ranks tensor-parallel fastest, then data-parallel, then pipeline: pipeline
-    rank p's replica r holds ranks `p*n + r*tp ..`. Without `cluster` the plan runs with device d
-    as rank d, so pipeline rank p's devices must be ranks `[p*n, (p+1)*n)` (order inside a group
-    does not matter) and each tensor-parallel group an aligned block of `tp`. With `cluster`, nodes
+    The launcher numbers ranks tensor-parallel fastest, then context-parallel, then data-parallel, then
+    pipeline: pipeline rank p's tensor-parallel group g holds ranks `p*n + g*tp ..` (`Stage.tp_group`).
+    Without `cluster` the plan runs with device d as rank d, so pipeline rank p's devices must be ranks
+    `[p*n, (p+1)*n)` (order inside a group does not matter) and each tensor-parallel group an aligned
+    block of `tp`. With `cluster`, nodes
     are launched in the order their devices first appear (`node_launch.fixed_rank_table`): torchrun
     gives each node one contiguous range of ranks, so each node's devices must follow one another
     in that order (a stage may start on any node, as the heterogeneous plans' fastest nodes often do).
@@ -120,12 +122,12 @@ def check_rank_order(plan: Plan, groups: Sequence[tuple[int, ...]], *, tp: int, 
                                   f"ranks {p * n}..{(p + 1) * n - 1}; order the plan's stages by device, or export "
                                   "with the cluster (--cluster), which launches the nodes in the plan's order")
             stage = plan.stages[p]
-            for r in range(stage.dp):
-                block = {d // tp for d in stage.replica(r)}
+            for g in range(stage.dp_cp):
+                block = {d // tp for d in stage.tp_group(g)}
                 if len(block) != 1:
-                    raise refuse(fmt, f"stages[{p}] replica {r} (devices {list(stage.replica(r))}) is not one "
-                                      f"aligned block of {tp} consecutive ranks, as {launcher} forms tensor-parallel "
-                                      "groups")
+                    raise refuse(fmt, f"stages[{p}] tensor-parallel group {g} (devices {list(stage.tp_group(g))}) is "
+                                      f"not one aligned block of {tp} consecutive ranks, as {launcher} forms "
+                                      "tensor-parallel groups")
         return tuple(range(n * len(groups)))
     ranked = tuple(d for p in range(len(groups)) for r in range(plan.stages[p].dp) for d in plan.stages[p].replica(r))
     done: list[int] = []

@@ -232,6 +232,10 @@ def plan_checks(plan: Plan, cluster: Cluster | None = None) -> tuple[int, int]:
     """(dp, pipeline depth) after every refusal the plan alone decides (ExportError naming the stage);
     with `cluster`, the rank order on its nodes (`rank_order`)."""
     dp, tp = uniform_mesh(plan, FMT, "DeepSpeed's pipeline topology has one data-parallel degree for all stages")
+    if plan.stages[0].cp > 1:
+        raise refuse(FMT, f"stages[0].cp = {plan.stages[0].cp}: DeepSpeed's pipeline engine has no context "
+                          "parallelism (ring attention; its Ulysses sequence parallelism is another scheme); export "
+                          "with fmt='megatron' (--context-parallel-size)")
     if tp > 1:
         raise refuse(FMT, f"stages[0].tp = {tp}: DeepSpeed's pipeline engine has no tensor parallelism; that needs "
                           "Megatron-DeepSpeed (its --tensor-model-parallel-size), or export with fmt='megatron'")

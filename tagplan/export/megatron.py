@@ -133,6 +133,13 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     _check_divisible(family, shape, tp, seq_len)
     mbs = micro_batch_size(plan, global_batch, dp, FMT)
     args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    cp = plan.stages[0].cp
+    if cp > 1:
+        if seq_len % (2 * cp):
+            raise refuse(FMT, f"stages[0].cp = {cp} with seq_len {seq_len}: Megatron's context parallelism splits each "
+                              f"sequence into 2 * cp = {2 * cp} chunks (load-balanced causal attention); pick a cp "
+                              "whose 2 * cp divides the sequence length")
+        args += ["--context-parallel-size", str(cp)]
     args += _split_args(counts, pp, chunks)
     if tp > 1:
         args.append("--sequence-parallel")  # the cost model's TP layout (tagplan.cost.sharding.BOUNDARY)
@@ -170,13 +177,13 @@ def tp_overlap_refusal(plan: Plan, cluster: Cluster) -> str | None:
     for i, stage in enumerate(plan.stages):
         if stage.tp < 2:
             continue
-        for r in range(stage.dp):
-            members = stage.replica(r)
+        for g in range(stage.dp_cp):
+            members = stage.tp_group(g)
             group = [cluster.device(d) for d in members]
             node = cluster.nodes[group[0].node]
             if any(d.node != group[0].node for d in group):
-                return (f"--tp-comm-overlap: stages[{i}] replica {r} spans nodes; Transformer Engine's userbuffers "
-                        "need each tensor-parallel group on one node")
+                return (f"--tp-comm-overlap: stages[{i}] tensor-parallel group {g} spans nodes; Transformer Engine's "
+                        "userbuffers need each tensor-parallel group on one node")
             slow = next(((a, b) for j, a in enumerate(members) for b in members[j + 1:]
                          if cluster.link(a, b).kind not in (LinkKind.NVLINK, LinkKind.NVSWITCH)), None)
             if slow is not None:
@@ -269,7 +276,7 @@ def rank_order(plan: Plan, cluster: Cluster | None = None) -> tuple[int, ...]:
     """The plan's devices in Megatron-LM's world-rank order (`checks.check_rank_order`)."""
     pp, _ = _pipeline_depth(plan)
     return check_rank_order(plan, [s.devices for s in plan.stages[:pp]], tp=plan.stages[0].tp, fmt=FMT,
-                            launcher="Megatron-LM (ranks tp-fastest, then dp, then pp)", cluster=cluster)
+                            launcher="Megatron-LM (ranks tp-fastest, then cp, then dp, then pp)", cluster=cluster)
 
 
 def _pipeline_depth(plan: Plan) -> tuple[int, int]:

@@ -82,6 +82,9 @@ def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -
 
 def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig | None) -> list[str]:
     out = []
+    if stage.cp > 1:
+        out.append(f"stages[{i}].cp = {stage.cp}: the program has no context parallelism (ring attention); export "
+                   "with fmt='megatron' (--context-parallel-size)")
     if config is not None and stage.tp > 1 and (config.heads % stage.tp or config.kv_heads % stage.tp):
         out.append(f"stages[{i}]: tp={stage.tp} must divide heads={config.heads} and kv_heads={config.kv_heads}: "
                    "the program splits attention by whole heads")

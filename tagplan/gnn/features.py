@@ -378,7 +378,8 @@ def _place(plan: Plan, model: ModelGraph, workload: Workload, mt: ModelTables, c
     for s, stage in enumerate(plan.stages):
         start, end = stage.layers
         devs = np.asarray(stage.devices, dtype=np.int64)
-        shares = np.repeat(np.asarray(stage.shares()), stage.tp)  # per device, tp-fastest
+        width = stage.tp * stage.cp  # a replica's devices: context parallelism splits its tokens like tp its work
+        shares = np.repeat(np.asarray(stage.shares()), width)  # per device, tp-fastest, then cp
         layer[start:end] = _layer_rows(plan, s, workload, mt, groups[stage.devices])
         stage_of_layer[start:end] = s
         new = order[devs] == np.inf
@@ -387,7 +388,7 @@ def _place(plan: Plan, model: ModelGraph, workload: Workload, mt: ModelTables, c
         stage_state, act_per_sample = _memory(plan, s, mt, workload)
         state[devs] += stage_state
         total[devs] += stage_state + act_per_sample * per_micro * shares
-        load[devs] += (mt.cum_flops[end] - mt.cum_flops[start]) / max(mt.cum_flops[-1], 1.0) * shares / stage.tp
+        load[devs] += (mt.cum_flops[end] - mt.cum_flops[start]) / max(mt.cum_flops[-1], 1.0) * shares / width
         rows = np.repeat(np.arange(start, end), len(devs))
         index.append(np.stack([rows, np.tile(devs, end - start)]))
         edge = np.column_stack([np.full(len(devs), math.log2(stage.tp)), shares * stage.dp, shares,
@@ -413,7 +414,7 @@ def _layer_rows(plan: Plan, s: int, workload: Workload, mt: ModelTables, group: 
            math.log1p(per_micro / stage.dp), stage.num_layers / len(mt.flops), frac,
            math.log(max(load, 1e-12) / speed)]  # the stage group's share of the FLOPs over its share of the peak
     critical = per_micro * max(stage.shares())  # samples of the largest replica's micro-batch
-    work = np.log1p(mt.flops[start:end] * critical / stage.tp / 1e12)  # TFLOP per device per micro-batch
+    work = np.log1p(mt.flops[start:end] * critical / (stage.tp * stage.cp) / 1e12)  # TFLOP per device per micro-batch
     return np.column_stack([np.tile(row, (end - start, 1)), work])
 
 
@@ -438,14 +439,14 @@ def _memory(plan: Plan, s: int, mt: ModelTables, workload: Workload) -> tuple[fl
     stage = plan.stages[s]
     start, end = stage.layers
     params = (mt.cum_params[end] - mt.cum_params[start]) / stage.tp
-    state = sum(model_state_bytes(params, workload, zero=stage.zero, dp=stage.dp))
+    state = sum(model_state_bytes(params, workload, zero=stage.zero, dp=stage.dp_cp))
     if stage.recompute:
         saved = mt.cum_inputs[end] - mt.cum_inputs[start] + mt.saved[start:end].max()
     else:
         saved = mt.cum_saved[end] - mt.cum_saved[start]
     stages = len(plan.stages)
     in_flight = plan.micro_batches if plan.schedule is Schedule.GPIPE else min(stages - s, plan.micro_batches)
-    return state, saved / stage.tp * in_flight
+    return state, saved / (stage.tp * stage.cp) * in_flight
 
 
 def _flow_attr(plan: Plan, workload: Workload, mt: ModelTables, stage_of_layer: np.ndarray) -> np.ndarray:

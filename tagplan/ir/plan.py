@@ -1,8 +1,9 @@
-"""Plan: pipeline stages, each a layer range on an ordered device group with a (dp, tp) mesh.
+"""Plan: pipeline stages, each a layer range on an ordered device group with a (dp, cp, tp) mesh.
 
 This is the one type that passes between search, cost, GNN, service and export (Plan JSON v1,
-docs/PLAN_FORMAT.md). Within a stage, devices are ordered tp-fastest then dp: replica r holds
-`devices[r * tp:(r + 1) * tp]`.
+docs/PLAN_FORMAT.md). Within a stage, devices are ordered tp-fastest, then cp, then dp (Megatron's
+tp-cp-dp rank order): replica r holds `devices[r * cp * tp:(r + 1) * cp * tp]`, and its context-parallel
+rank c the tensor-parallel group `tp_group(r * cp + c)`.
 """
 
 from __future__ import annotations
@@ -40,12 +41,16 @@ class ShardStrategy(StrEnum):
 
 
 class Stage(Record):
-    """A contiguous layer range `[start, end)` on `dp * tp` devices."""
+    """A contiguous layer range `[start, end)` on `dp * cp * tp` devices."""
 
     layers: tuple[int, int]
     devices: tuple[int, ...] = Field(min_length=1)
     dp: int = Field(default=1, gt=0)
     tp: int = Field(default=1, gt=0)
+    cp: int = Field(
+        default=1, gt=0, description="context-parallel degree: each replica's samples split by sequence over cp "
+        "tensor-parallel groups, attention passing keys and values around the cp ring (Megatron's "
+        "--context-parallel-size); gradients reduce over dp * cp")
     batch_shares: tuple[float, ...] | None = Field(
         default=None, description="per data-parallel replica, summing to 1; None means even"
     )
@@ -64,11 +69,11 @@ class Stage(Record):
         start, end = self.layers
         if not 0 <= start < end:
             raise ValueError(f"layers [{start}, {end}) must satisfy 0 <= start < end")
-        if self.dp * self.tp != len(self.devices):
-            raise ValueError(
-                f"dp * tp = {self.dp} * {self.tp} = {self.dp * self.tp} but the stage has "
-                f"{len(self.devices)} devices {list(self.devices)[:16]}"
-            )
+        if self.dp * self.cp * self.tp != len(self.devices):
+            mesh = (f"dp * tp = {self.dp} * {self.tp}" if self.cp == 1
+                    else f"dp * cp * tp = {self.dp} * {self.cp} * {self.tp}")
+            raise ValueError(f"{mesh} = {self.dp * self.cp * self.tp} but the stage has "
+                             f"{len(self.devices)} devices {list(self.devices)[:16]}")
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"devices repeat within a stage: {list(self.devices)}")
         if self.batch_samples is not None:
@@ -95,8 +100,19 @@ class Stage(Record):
         return self.layers[1] - self.layers[0]
 
     def replica(self, r: int) -> tuple[int, ...]:
-        """Devices of data-parallel replica `r` (one tensor-parallel group)."""
-        return self.devices[r * self.tp : (r + 1) * self.tp]
+        """Devices of data-parallel replica `r` (its cp tensor-parallel groups; one without context parallelism)."""
+        width = self.cp * self.tp
+        return self.devices[r * width : (r + 1) * width]
+
+    @property
+    def dp_cp(self) -> int:
+        """Tensor-parallel groups of the stage (dp * cp): the devices that hold the same parameters, over which
+        gradients reduce and ZeRO shards (Megatron's data-parallel-with-context-parallel group)."""
+        return self.dp * self.cp
+
+    def tp_group(self, g: int) -> tuple[int, ...]:
+        """Devices of tensor-parallel group `g` (0 <= g < dp_cp): replica g // cp, context-parallel rank g % cp."""
+        return self.devices[g * self.tp : (g + 1) * self.tp]
 
     def shares(self) -> tuple[float, ...]:
         """Batch share of each replica (from `batch_samples`, `batch_shares`, else even)."""

@@ -1,13 +1,13 @@
 """The baselines a practitioner would run, each computed as well as we can, judged by the simulator.
 
 - `megatron_grid`: the best uniform Megatron-LM configuration over its whole grid: tp in 1, 2, 4, 8
-  inside a node, every pipeline depth and data-parallel degree that divide the devices, every
-  micro-batch size that divides a replica's share, recompute off and on, ZeRO 0 and 1
-  (Megatron's distributed optimizer), blocks split evenly with the embedding on the first stage
-  and the head on the last, 1F1B, and interleaved 1F1B with every virtual-stage count vp >= 2 that
-  Megatron accepts (the blocks split evenly into pp x vp chunks, a micro-batch count divisible by
-  pp); nodes in the cluster's order and reversed (which end of the pipeline a node type takes
-  matters on mixed clusters).
+  inside a node, context parallelism cp in 1, 2, 4, 8 from 8k-token sequences (`context_degrees`),
+  every pipeline depth and data-parallel degree that divide the devices, every micro-batch size that
+  divides a replica's share, recompute off and on, ZeRO 0 and 1 (Megatron's distributed optimizer),
+  blocks split evenly with the embedding on the first stage and the head on the last, 1F1B, and
+  interleaved 1F1B with every virtual-stage count vp >= 2 that Megatron accepts (the blocks split
+  evenly into pp x vp chunks, a micro-batch count divisible by pp); nodes in the cluster's order and
+  reversed (which end of the pipeline a node type takes matters on mixed clusters).
 - `data_parallel_best`: every device a replica, every micro-batch size, ZeRO 0-3, recompute off/on.
 - `fastest_nodes`: the best of both on the nodes of the fastest GPU type alone (mixed clusters),
   the other nodes idle.
@@ -49,11 +49,13 @@ class GridPoint:
     zero: int
     order: str  # "cluster order" or "reversed"
     chunks: int = 1  # virtual pipeline stages per device (Megatron's vp): 1 is 1F1B, more interleaved 1F1B
+    cp: int = 1  # context-parallel degree (Megatron's --context-parallel-size)
 
     def describe(self, micro_batches: int) -> str:
         """The configuration as a practitioner writes it."""
         vp = f" vp={self.chunks}" if self.chunks > 1 else ""
-        return (f"tp={self.tp} pp={self.pp}{vp} dp={self.dp}, micro-batch size {self.micro_batch_size} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"tp={self.tp}{cp} pp={self.pp}{vp} dp={self.dp}, micro-batch size {self.micro_batch_size} "
                 f"({micro_batches} micro-batches), ZeRO-{self.zero}, recompute {'on' if self.recompute else 'off'}, "
                 f"nodes in {self.order}")
 
@@ -128,9 +130,9 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
 
     for order_name, order in orders.items():
         devices = tuple(d for n in order for d in cluster.node_devices(n))
-        for tp in tps:
-            for pp in divisors(len(devices) // tp):
-                for by_chunks in _configurations(sim, devices, tp, pp, order_name):
+        for tp, cp in ((t, c) for t in tps for c in context_degrees(sim, len(devices) // t)):
+            for pp in divisors(len(devices) // (tp * cp)):
+                for by_chunks in _configurations(sim, devices, tp, pp, order_name, cp):
                     fitted: list[Report] = []
                     found = _walk(sim, next(by_chunks)[1], judge, "megatron_grid", complete=complete, fitted=fitted)
                     keep(found)
@@ -204,20 +206,37 @@ def _grid_result(best: tuple[Candidate, str] | None, reason: str) -> Baseline:
     return Baseline("megatron_grid", best[0], config=best[1])
 
 
-def _configurations(sim: Simulator, devices: tuple[int, ...], tp: int, pp: int,
-                    order: str) -> Iterator[Iterator[tuple[int, Iterator[tuple[GridPoint, Plan]]]]]:
+def _configurations(sim: Simulator, devices: tuple[int, ...], tp: int, pp: int, order: str,
+                    cp: int = 1) -> Iterator[Iterator[tuple[int, Iterator[tuple[GridPoint, Plan]]]]]:
     """Per memory option (recompute, ZeRO), per virtual-stage count (1 first, then ascending), the
     count and its (point, plan) series in ascending micro-batch size (each plan built when a walk
     gets to it)."""
     layers = len(sim.model.layers)
     blocks = layers - 2 if layers > 2 else layers
     batch = sim.workload.global_batch
-    dp = len(devices) // (tp * pp)
+    dp = len(devices) // (tp * pp * cp)
     if pp > blocks or batch % dp:
         return
     for recompute in (False, True):
-        for zero in ((0, 1) if dp > 1 else (0,)):
-            yield _by_chunks(sim, devices, GridPoint(tp, pp, dp, 0, recompute, zero, order), _chunk_counts(sim, pp))
+        for zero in ((0, 1) if dp * cp > 1 else (0,)):
+            yield _by_chunks(sim, devices, GridPoint(tp, pp, dp, 0, recompute, zero, order, cp=cp),
+                             _chunk_counts(sim, pp))
+
+
+LONG_CONTEXT_TOKENS = 8192
+"""Sequence length from which the grid also tries context parallelism: Megatron-Bridge's presets use it from
+8k tokens (Llama 3 8B and 70B, Llama 3.1 405B at 8192), never at 2k-4k, where each rank's attention chunk is
+too short to hide the ring."""
+
+
+def context_degrees(sim: Simulator, devices: int) -> list[int]:
+    """The context-parallel degrees the grid tries on `devices` GPUs per tensor-parallel rank: 1, and from
+    `LONG_CONTEXT_TOKENS` every power of two up to 8 that divides them and whose 2 * cp divides the sequence
+    (Megatron's load-balanced split)."""
+    seq = sim.workload.seq_len
+    if seq < LONG_CONTEXT_TOKENS:
+        return [1]
+    return [cp for cp in (1, 2, 4, 8) if devices % cp == 0 and seq % (2 * cp) == 0]
 
 
 def _chunk_counts(sim: Simulator, pp: int) -> list[int]:
@@ -246,7 +265,7 @@ def _series(sim: Simulator, devices: tuple[int, ...], point: GridPoint) -> Itera
     # virtual stage k = c * pp + s runs on device group s (Megatron's round-robin layout)
     stages = tuple(Stage(layers=(bounds[k], bounds[k + 1]),
                          devices=devices[(k % pp) * per_stage:(k % pp + 1) * per_stage], dp=point.dp,
-                         tp=point.tp, zero=point.zero, recompute=point.recompute)
+                         cp=point.cp, tp=point.tp, zero=point.zero, recompute=point.recompute)
                    for k in range(pp * chunks))
     for size in divisors(batch // point.dp):
         micro_batches = batch // (point.dp * size)

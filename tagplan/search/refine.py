@@ -26,8 +26,8 @@ def refine_sharding(sim: Simulator, plan: Plan) -> tuple[Plan | None, int, int]:
         if stage.tp < 2:
             stages.append(stage)
             continue
-        samples = sim.workload.global_batch / plan.micro_batches / stage.dp
-        group = stage.replica(0)
+        samples = sim.workload.global_batch / plan.micro_batches / stage.dp_cp  # a group's share of its tokens
+        group = stage.tp_group(0)
         spec = sim.coster.slowest(group)
         overrides: dict[str, ShardStrategy] = {}
         names_seen: dict[str, int] = {}
@@ -55,7 +55,7 @@ def refine_sharding(sim: Simulator, plan: Plan) -> tuple[Plan | None, int, int]:
 
 
 def _solve(sim: Simulator, block_hash: str, stage: Stage, samples: float, micro_batches: int) -> IntraSolution | None:
-    group = stage.replica(0)
+    group = stage.tp_group(0)
     block = sim.model.block_by_hash[block_hash]
 
     def comm(collective: object, nbytes: float) -> float:
