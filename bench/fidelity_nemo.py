@@ -73,6 +73,28 @@ def recipe(row: dict[str, Any]) -> str | None:
     return None
 
 
+CLOCK_FITTED = ("GB200", "GB300")
+"""The GPUs whose sustained clock is fitted to their rows here (bench/fit_sustained_clock.py): no other table
+measures them."""
+CLOCK_DTYPES = (DType.FP8, DType.FP8_CS)
+"""The recipes a clock is fitted on: per-tensor fp8, whose GEMMs run at the datasheet fp8 rate."""
+FRACTION_DTYPES = (DType.MXFP8, DType.NVFP4)
+"""The block-scaled recipes whose GEMM fraction (`Calibration.block_scaled_gemm_fraction`) is fitted to their rows
+on the clock-fitted GPUs, the clocks fixed."""
+
+
+def fit_role(row: dict[str, Any]) -> str | None:
+    """Which shipped figure a row is fitted into ("GB200 clock", "nvfp4 fraction", ...), None for a row no fit
+    sees (every H100 and B200 row, and rows whose preset's recompute is not known): the out-of-sample rows."""
+    gpu = row["cluster"]["nodes"][0]["gpu"]
+    if _skip(row) is not None or recipe(row) is None or gpu not in CLOCK_FITTED:
+        return None
+    dtype = dtype_of(row)
+    if dtype in CLOCK_DTYPES:
+        return f"{gpu} clock"
+    return f"{dtype.value} fraction" if dtype in FRACTION_DTYPES else None
+
+
 def _skip(row: dict[str, Any]) -> str | None:
     c, gpu = row["config"], row["cluster"]["nodes"][0]["gpu"]
     if "layers" not in row["model"]:
@@ -145,6 +167,7 @@ def score_row(row: dict[str, Any], *, sustained_peak_fraction: float | None = No
     return {"id": row["id"], "model": m["name"], "gpu": row["cluster"]["nodes"][0]["gpu"], "gpus": gpus,
             "precision": c["precision"], "tp": c["tp"], "pp": c["pp"], "vp": c.get("vp"), "fits": report.fits,
             "recompute_to_fit": recomputed is not None, "recipe": preset, "dtype": dtype.value,
+            "cp": c.get("cp") or 1, "fit_role": fit_role(row),
             "measured_tokens_s_gpu": measured,
             "predicted_tokens_s_gpu": predicted, "error": predicted / measured - 1,
             "predicted_fitting_tokens_s_gpu": fitting, "error_fitting": fitting / measured - 1}
@@ -163,10 +186,18 @@ def nemo() -> dict[str, Any]:
             except (ValueError, ZeroDivisionError) as err:  # a published layout the plan format cannot express
                 reason = f"plan not expressible: {str(err)[:60]}"
         skipped[reason] = skipped.get(reason, 0) + 1
-    errors = sorted(abs(r["error"]) for r in scored)
-    fitting = sorted(abs(r["error_fitting"]) for r in scored)
+    def summary(rows: list[dict[str, Any]], key: str = "error") -> dict[str, Any]:
+        errors = sorted(abs(r[key]) for r in rows)
+        return {"rows": len(rows), "median_abs_error": errors[len(errors) // 2] if errors else None,
+                "worst_abs_error": errors[-1] if errors else None}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in scored:
+        groups.setdefault(f"{r['gpu']} {r['dtype']}", []).append(r)
+    whole, fitting = summary(scored), summary(scored, "error_fitting")
     return {"rows": len(rows), "scored": scored, "skipped": skipped,
-            "median_abs_error": errors[len(errors) // 2] if errors else None,
-            "worst_abs_error": errors[-1] if errors else None,
-            "median_abs_error_fitting": fitting[len(fitting) // 2] if fitting else None,
-            "worst_abs_error_fitting": fitting[-1] if fitting else None}
+            "median_abs_error": whole["median_abs_error"], "worst_abs_error": whole["worst_abs_error"],
+            "median_abs_error_fitting": fitting["median_abs_error"],
+            "worst_abs_error_fitting": fitting["worst_abs_error"],
+            "out_of_sample": summary([r for r in scored if r["fit_role"] is None]),
+            "in_sample": summary([r for r in scored if r["fit_role"] is not None]),
+            "groups": {name: summary(members) for name, members in sorted(groups.items())}}

@@ -17,12 +17,14 @@ what `frontends.catalog.SUSTAINED_PEAK_FRACTION` ships for the H100 SXM (and the
 GH100 die under the same 700 W cap); rerun this after a change to the cost model and update it.
 
 The GB200 (and B200) and GB300 (and B300) figures are fitted the same way, each to its NeMo / Megatron-Bridge
-per-tensor fp8 rows (`FIT_DTYPES`) whose presets run without full recompute (`fidelity_nemo.recipe`), each
-preset's rows predicted by the fraction fitted on the other presets' (leave-one-preset-out: the repeated runs
-of one preset are not independent). No other table measures a Blackwell GPU, so these rows are in-sample for
-those figures; the block-scaled rows (mxfp8, nvfp4) on the same GPUs are not fitted on.
+per-tensor fp8 rows (`fidelity_nemo.CLOCK_DTYPES`) whose presets run without full recompute
+(`fidelity_nemo.recipe`; the rows `fidelity_nemo.fit_role` names), each preset's rows predicted by the
+fraction fitted on the other presets' (leave-one-preset-out: the repeated runs of one preset are not
+independent). No other table measures a Blackwell GPU, so these rows are in-sample for those figures. The
+block-scaled rows (mxfp8, nvfp4) on the same GPUs are not fitted on for a clock: with the clocks fixed, each
+format's GEMM fraction is fitted to them the same way (`fit_format`).
 
-Run: `.venv/bin/python bench/fit_sustained_clock.py` (about a minute); writes
+Run: `.venv/bin/python bench/fit_sustained_clock.py` (about five minutes); writes
 bench/results/sustained_clock.json.
 """
 
@@ -34,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fidelity_nemo import DATA, _skip, dtype_of, recipe, score_row
+from fidelity_nemo import CLOCK_FITTED, DATA, FRACTION_DTYPES, fit_role, score_row
 from validate_megatron import ROWS, simulate_row
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION
@@ -80,20 +82,11 @@ def fit(rows: list[Any], tolerance: float = 1e-3,
     return round((a + b) / 2, 3)
 
 
-FIT_DTYPES = (DType.FP8, DType.FP8_CS)
-"""The recipes a clock is fitted on: per-tensor fp8, whose GEMMs run at the datasheet fp8 rate. The block-scaled
-rows (mxfp8, nvfp4) are never fitted on: they check the recipes' model out of sample."""
-
-
-NEMO_FITTED = ("GB200", "GB300")
-"""The GPUs whose clock is fitted to their NeMo rows (no other table measures them)."""
-
-
 def nemo_rows(gpu: str) -> list[dict[str, Any]]:
-    """The scoreable NeMo rows on `gpu` in per-tensor fp8 whose preset is known to run without full recompute."""
+    """The scoreable NeMo rows on `gpu` in per-tensor fp8 whose preset is known to run without full recompute
+    (`fidelity_nemo.fit_role`: the block-scaled rows are never fitted on for a clock)."""
     rows = json.loads(DATA.read_text())["rows"]
-    return [r for r in rows if r["cluster"]["nodes"][0]["gpu"] == gpu and _skip(r) is None
-            and recipe(r) is not None and dtype_of(r) in FIT_DTYPES]
+    return [r for r in rows if fit_role(r) == f"{gpu} clock"]
 
 
 def fit_nemo(gpu: str) -> dict[str, Any]:
@@ -115,15 +108,10 @@ def fit_nemo(gpu: str) -> dict[str, Any]:
             "held_out_median_abs_error": held_abs[len(held_abs) // 2], "held_out_worst_abs_error": held_abs[-1]}
 
 
-FORMATS = (DType.MXFP8, DType.NVFP4)
-"""The block-scaled formats whose GEMM fraction (`Calibration.block_scaled_gemm_fraction`) is fitted."""
-
-
 def format_rows(dtype: DType) -> list[dict[str, Any]]:
-    """The scoreable NeMo rows in `dtype` on the GPUs with fitted clocks whose preset runs without full recompute."""
+    """The scoreable NeMo rows in `dtype` on the clock-fitted GPUs whose preset runs without full recompute."""
     rows = json.loads(DATA.read_text())["rows"]
-    return [r for r in rows if r["cluster"]["nodes"][0]["gpu"] in NEMO_FITTED and _skip(r) is None
-            and recipe(r) is not None and dtype_of(r) is dtype]
+    return [r for r in rows if fit_role(r) == f"{dtype.value} fraction"]
 
 
 def _format_error(dtype: DType) -> Callable[[dict[str, Any], float], float]:
@@ -171,12 +159,12 @@ def main() -> None:
                "held_out_median_abs_error": held_abs[len(held_abs) // 2], "held_out_worst_abs_error": held_abs[-1]}
     print(f"{DEVICE}: sustained_peak_fraction {fraction:.3f}; leave-one-out |error| median "
           f"{summary['held_out_median_abs_error']:.1%}, worst {summary['held_out_worst_abs_error']:.1%}")
-    blackwell = [fit_nemo(gpu) for gpu in NEMO_FITTED]
+    blackwell = [fit_nemo(gpu) for gpu in CLOCK_FITTED]
     for fitted in blackwell:
         print(f"{fitted['device']}: sustained_peak_fraction {fitted['sustained_peak_fraction']:.3f} over "
               f"{fitted['groups']} recipes; leave-one-recipe-out |error| median "
               f"{fitted['held_out_median_abs_error']:.1%}, worst {fitted['held_out_worst_abs_error']:.1%}")
-    formats = [fit_format(dtype) for dtype in FORMATS]
+    formats = [fit_format(dtype) for dtype in FRACTION_DTYPES]
     for fitted in formats:
         print(f"{fitted['dtype']}: block_scaled_gemm_fraction {fitted['block_scaled_gemm_fraction']:.3f} over "
               f"{fitted['groups']} presets; leave-one-preset-out |error| median "

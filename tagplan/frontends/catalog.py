@@ -89,25 +89,25 @@ SUSTAINED_PEAK_FRACTION: dict[str, float] = {
     # data causes; Horace He, "Strangely, matrix multiplications on GPUs run faster when given
     # predictable data", 2024). No datasheet states the sustained clock, so this is an end-to-end factor
     # on the tensor-core peak, fitted by bench/fit_sustained_clock.py to the nine Megatron-Core H100
-    # bf16 runs (leave-one-out |error| median 4.7%, worst 7.2%; bench/results/sustained_clock.json);
+    # bf16 runs (leave-one-out |error| median 4.9%, worst 7.4%; bench/results/sustained_clock.json);
     # it also absorbs what else the op model misses on H100 kernels. The NeMo fp8 runs are held out.
     # The H200 SXM is the same GH100 die under the same 700 W cap.
     "H100-SXM": 0.816,
     "H200-SXM": 0.816,
     # Blackwell under its 1200 W (GB200) cap: fitted by the same script to the NeMo / Megatron-Bridge GB200
     # per-tensor fp8 runs whose presets run without full recompute (four presets: Llama 3 8B and 70B
-    # pre-training, 70B SFT, Llama 3.1 405B pre-training); leave-one-preset-out |error| median 5.4%, worst
-    # 11.9%. Those rows are in-sample for this figure; the mxfp8 and nvfp4 rows are not. The B200 is the same
+    # pre-training, 70B SFT, Llama 3.1 405B pre-training); leave-one-preset-out |error| median 2.5%, worst
+    # 8.5%. Those rows are in-sample for this figure; the mxfp8 and nvfp4 rows are not. The B200 is the same
     # die under a lower cap (1000 W): no table row measures it, and it takes the GB200's figure, an upper
     # bound on its clock.
-    "GB200": 0.748,
-    "B200": 0.748,
+    "GB200": 0.718,
+    "B200": 0.718,
     # Blackwell Ultra under its 1400 W (GB300) cap, fitted the same way to the GB300 rows of the same four
-    # presets (leave-one-preset-out median 4.8%, worst 19.8%): it sustains 1.22x the GB200's fraction of the
+    # presets (leave-one-preset-out median 2.0%, worst 15.1%): it sustains 1.24x the GB200's fraction of the
     # same bf16/fp8 datasheet rates (its larger power budget; the fit also absorbs its doubled exponent
     # throughput in attention). The B300 (1100 W) takes it as an upper bound, as the B200 does the GB200's.
-    "GB300": 0.911,
-    "B300": 0.911,
+    "GB300": 0.891,
+    "B300": 0.891,
 }
 """Devices whose power cap holds the clock below the boost clock the datasheet peak assumes, under a
 continuous load such as a training loop (the cap acts on the board's average power, so every

@@ -56,3 +56,20 @@ def test_a_split_with_more_chunks_than_blocks_counts_the_embedding_and_head_as_l
     assert plan.stages[0].layers == (0, 1) and plan.stages[-1].layers == (127, 128)
     # 64 chunks: the embedding shares its chunk with the first block, as before
     assert nemo._plan({**row, "config": {**row["config"], "vp": 4}}, 128).stages[0].layers == (0, 2)
+
+
+def test_the_fits_see_only_blackwell_rows_and_keep_every_other_row_out_of_sample() -> None:
+    """A clock is fitted to its GPU's per-tensor fp8 rows, a block-scaled format's fraction to its rows on those
+    GPUs; every H100 and B200 row, and every row whose preset's recompute is unknown, is seen by no fit."""
+    nemo = load_bench("fidelity_nemo")
+    rows = json.loads((BENCH / "data" / "nemo_performance_summary.json").read_text())["rows"]
+    roles = {r["id"]: nemo.fit_role(r) for r in rows}
+    gpu = {r["id"]: r["cluster"]["nodes"][0]["gpu"] for r in rows}
+    assert {roles[i] for i in roles if gpu[i] in ("H100-SXM-80GB", "B200")} == {None}
+    assert {role for role in roles.values() if role} == {"GB200 clock", "GB300 clock", "mxfp8 fraction",
+                                                          "nvfp4 fraction"}
+    for r in rows:
+        role = roles[r["id"]]
+        if role is not None:
+            assert nemo._skip(r) is None and nemo.recipe(r) is not None
+            assert role.startswith(gpu[r["id"]]) or role.startswith(nemo.dtype_of(r).value)
