@@ -73,7 +73,7 @@ def report_table(report: Report, plan: Plan) -> Table:
              f"bubble {b.bubble:.3f} s, optimizer {b.optimizer:.3f} s | {plan.micro_batches} micro-batches, "
              f"{plan.schedule.value}")
     table = Table(title=title)
-    for col in ("stage", "layers", "devices", "dp x tp", "fwd/mb", "bwd/mb", "tp comm/mb", "dp sync", "p2p",
+    for col in ("stage", "layers", "devices", "dp x (cp x) tp", "fwd/mb", "bwd/mb", "tp/cp comm/mb", "dp sync", "p2p",
                 "in flight", "zero", "recompute"):
         table.add_column(col, justify="right")
     for s, stage in zip(report.stages, plan.stages, strict=True):
@@ -127,7 +127,7 @@ def plan_result_table(result: PlanResult) -> Table:
         lines.append(exporters_line(result.exporters))
     caption = "\n".join(lines) or None
     table = Table(title=title, caption=caption)
-    for col in ("plan", "stages (layers: dp x tp @ devices)", "micro-batches", "iteration", "samples/s",
+    for col in ("plan", "stages (layers: dp x (cp x) tp @ devices)", "micro-batches", "iteration", "samples/s",
                 "peak memory", "GPUs", "vs best"):
         table.add_column(col)
     rows: list[tuple[str, Candidate | None, str]] = [("best", best, "")]

@@ -211,7 +211,7 @@ class Simulator:
 
     def _dp_sync_uncached(self, stage: Stage, params: float) -> tuple[float, float]:
         grad_bytes = params * self.workload.grad_reduce_bytes_per_param
-        weight_bytes = params * self.workload.weight_bytes_per_param
+        weight_bytes = params * self.workload.stored_weight_bytes_per_param
         reduce = gather = 0.0
         for j in range(stage.tp):  # the tp ranks' syncs run at once; the slowest paces the stage
             group = tuple(stage.devices[g * stage.tp + j] for g in range(stage.dp_cp))
@@ -240,7 +240,7 @@ class Simulator:
         gather = scatter = 0.0
         for j in range(stage.tp):  # the slowest of the tp ranks paces the stage
             group = tuple(stage.devices[g * stage.tp + j] for g in range(stage.dp_cp))
-            weights = params * self.workload.weight_bytes_per_param
+            weights = params * self.workload.stored_weight_bytes_per_param
             gather = max(gather, self._per_layer(Collective.ALL_GATHER, group, weights, stage))
             grads = params * self.workload.grad_reduce_bytes_per_param
             scatter = max(scatter, self._per_layer(Collective.REDUCE_SCATTER, group, grads, stage))
@@ -339,7 +339,7 @@ class Simulator:
     def _optimizer_s(self, plan: Plan, members: list[int], costs: list[StagePlanCost]) -> float:
         """Memory-bound optimizer step: read and write weights, gradients and state once."""
         w = self.workload
-        traffic = 2.0 * (w.weight_bytes_per_param + w.grad_bytes_per_param + w.optimizer_bytes_per_param)
+        traffic = 2.0 * (w.stored_weight_bytes_per_param + w.grad_bytes_per_param + w.optimizer_bytes_per_param)
         seconds = 0.0
         for i in members:
             stage = plan.stages[i]

@@ -135,10 +135,11 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     cp = plan.stages[0].cp
     if cp > 1:
-        if seq_len % (2 * cp):
-            raise refuse(FMT, f"stages[0].cp = {cp} with seq_len {seq_len}: Megatron's context parallelism splits each "
-                              f"sequence into 2 * cp = {2 * cp} chunks (load-balanced causal attention); pick a cp "
-                              "whose 2 * cp divides the sequence length")
+        if seq_len % (2 * cp) or (tp > 1 and (seq_len // cp) % tp):
+            raise refuse(FMT, f"stages[0].cp = {cp} with seq_len {seq_len} and tp {tp}: Megatron's context parallelism "
+                              f"splits each sequence into 2 * cp = {2 * cp} chunks (load-balanced causal attention), "
+                              "and sequence parallelism splits each rank's seq_len / cp tokens over tp; pick a cp "
+                              "whose 2 * cp divides the sequence length and whose share tp divides")
         args += ["--context-parallel-size", str(cp)]
     args += _split_args(counts, pp, chunks)
     if tp > 1:
@@ -395,8 +396,10 @@ def _recompute_args(plan: Plan) -> list[str]:
 
 def _optimizer_args(plan: Plan, dp: int, *, overlap: bool = True) -> list[str]:
     """The distributed optimizer for ZeRO-1, Megatron FSDP for ZeRO-2/3 on one pipeline stage, and with
-    `overlap` (as costed) and dp > 1 the overlap flags (without them Megatron reduces and gathers
-    after the backward)."""
+    `overlap` (as costed) and more than one device per parameter shard (dp x cp > 1: gradients reduce over
+    the context-parallel ranks too) the overlap flags (without them Megatron reduces and gathers after the
+    backward)."""
+    reducing = dp * plan.stages[0].cp
     zeros = {s.zero for s in plan.stages}
     if len(zeros) > 1:
         raise refuse(FMT, f"stages use ZeRO stages {sorted(zeros)}; Megatron-LM has one optimizer for all stages")
@@ -408,7 +411,7 @@ def _optimizer_args(plan: Plan, dp: int, *, overlap: bool = True) -> list[str]:
                           "pipeline parallelism; re-plan with ZeRO-1 (the distributed optimizer) or one stage")
     # ZeRO-3 always overlaps: the simulator costs its per-layer gathers prefetched under compute
     # whatever `overlap` says (as DeepSpeed's `overlap_comm`)
-    overlapped = (overlap or zero >= 3) and dp > 1
+    overlapped = (overlap or zero >= 3) and reducing > 1
     args = ["--overlap-grad-reduce"] if overlapped else []
     if zero >= 2:
         strategy = "optim_grads" if zero == 2 else "optim_grads_params"
@@ -447,7 +450,7 @@ def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = N
     dp = plan.stages[0].dp
     written = reduce_dtype_args(dtype, grad_reduce_dtype)
     written += [a for a in _optimizer_args(plan, dp, overlap=grad_reduce_overlap) if a.startswith("--overlap")]
-    overlap = "--overlap-grad-reduce" in written if dp > 1 else None
+    overlap = "--overlap-grad-reduce" in written if plan.stages[0].dp_cp > 1 else None
     notes = (("ZeRO-3 under Megatron FSDP overlaps its parameter gathers (costed so whatever the setting), and "
               "with them the gradient reduction, which was costed after the backward: the run reduces faster "
               "than predicted",) if overlap and not grad_reduce_overlap else ())

@@ -96,18 +96,18 @@ SUSTAINED_PEAK_FRACTION: dict[str, float] = {
     "H200-SXM": 0.816,
     # Blackwell under its 1200 W (GB200) cap: fitted by the same script to the NeMo / Megatron-Bridge GB200
     # per-tensor fp8 runs whose presets run without full recompute (four presets: Llama 3 8B and 70B
-    # pre-training, 70B SFT, Llama 3.1 405B pre-training); leave-one-preset-out |error| median 2.5%, worst
+    # pre-training, 70B SFT, Llama 3.1 405B pre-training); leave-one-preset-out |error| median 2.6%, worst
     # 8.5%. Those rows are in-sample for this figure; the mxfp8 and nvfp4 rows are not. The B200 is the same
     # die under a lower cap (1000 W): no table row measures it, and it takes the GB200's figure, an upper
     # bound on its clock.
     "GB200": 0.718,
     "B200": 0.718,
     # Blackwell Ultra under its 1400 W (GB300) cap, fitted the same way to the GB300 rows of the same four
-    # presets (leave-one-preset-out median 2.0%, worst 15.1%): it sustains 1.24x the GB200's fraction of the
+    # presets (leave-one-preset-out median 2.2%, worst 14.4%): it sustains 1.24x the GB200's fraction of the
     # same bf16/fp8 datasheet rates (its larger power budget; the fit also absorbs its doubled exponent
     # throughput in attention). The B300 (1100 W) takes it as an upper bound, as the B200 does the GB200's.
-    "GB300": 0.891,
-    "B300": 0.891,
+    "GB300": 0.887,
+    "B300": 0.887,
 }
 """Devices whose power cap holds the clock below the boost clock the datasheet peak assumes, under a
 continuous load such as a training loop (the cap acts on the board's average power, so every

@@ -392,7 +392,7 @@ def _place(plan: Plan, model: ModelGraph, workload: Workload, mt: ModelTables, c
         rows = np.repeat(np.arange(start, end), len(devs))
         index.append(np.stack([rows, np.tile(devs, end - start)]))
         edge = np.column_stack([np.full(len(devs), math.log2(stage.tp)), shares * stage.dp, shares,
-                                np.arange(len(devs)) < stage.tp, np.full(len(devs), s / stages)])
+                                np.arange(len(devs)) < width, np.full(len(devs), s / stages)])
         attr.append(np.tile(edge, (end - start, 1)))
     used = order < np.inf
     total[used] += FRAMEWORK_OVERHEAD_BYTES

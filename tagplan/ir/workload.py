@@ -136,6 +136,13 @@ class Workload(Record):
         return d.nbytes + d.gemm_nbytes * (2 if d.block_scaled else 1)
 
     @property
+    def stored_weight_bytes_per_param(self) -> int:
+        """Bytes of one weight as the runtime stores, gathers (ZeRO) and updates it: the compute dtype. A quantized
+        recipe's cast copies are made from it in the forward, and cross no link (Megatron gathers parameters
+        before casting them, as tagplan's exports run it: no `--fp8-param-gather`)."""
+        return self.dtype.nbytes
+
+    @property
     def grad_bytes_per_param(self) -> int:
         """Bytes of one gradient (kept in the compute dtype)."""
         return self.dtype.nbytes

@@ -130,7 +130,7 @@ def megatron_grid(sim: Simulator, judge: Judge, nodes: Sequence[int], *,
 
     for order_name, order in orders.items():
         devices = tuple(d for n in order for d in cluster.node_devices(n))
-        for tp, cp in ((t, c) for t in tps for c in context_degrees(sim, len(devices) // t)):
+        for tp, cp in ((t, c) for t in tps for c in context_degrees(sim, len(devices) // t, t)):
             for pp in divisors(len(devices) // (tp * cp)):
                 for by_chunks in _configurations(sim, devices, tp, pp, order_name, cp):
                     fitted: list[Report] = []
@@ -229,14 +229,14 @@ LONG_CONTEXT_TOKENS = 8192
 too short to hide the ring."""
 
 
-def context_degrees(sim: Simulator, devices: int) -> list[int]:
-    """The context-parallel degrees the grid tries on `devices` GPUs per tensor-parallel rank: 1, and from
-    `LONG_CONTEXT_TOKENS` every power of two up to 8 that divides them and whose 2 * cp divides the sequence
-    (Megatron's load-balanced split)."""
+def context_degrees(sim: Simulator, devices: int, tp: int = 1) -> list[int]:
+    """The context-parallel degrees the grid tries on `devices` GPUs per tensor-parallel rank at `tp`: 1, and
+    from `LONG_CONTEXT_TOKENS` every power of two up to 8 that divides them, whose 2 * cp divides the sequence
+    (Megatron's load-balanced split) and whose share of the sequence tp divides (sequence parallelism)."""
     seq = sim.workload.seq_len
     if seq < LONG_CONTEXT_TOKENS:
         return [1]
-    return [cp for cp in (1, 2, 4, 8) if devices % cp == 0 and seq % (2 * cp) == 0]
+    return [cp for cp in (1, 2, 4, 8) if devices % cp == 0 and seq % (2 * cp) == 0 and (seq // cp) % tp == 0]
 
 
 def _chunk_counts(sim: Simulator, pp: int) -> list[int]:

@@ -152,7 +152,7 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                       objective=problem.objective, notes=tuple(notes), simulation=simulation,
                       cluster_devices=problem.cluster.num_devices, workload=problem.workload,
                       reduce_overlap={i: hidden for i, hidden in enumerate(sim.overlapped(best.plan))
-                                      if best.plan.stages[i].dp > 1},
+                                      if best.plan.stages[i].dp_cp > 1},
                       predictor=Predictor(problem.calibration.name, correction.version if correction else None,
                                           applied))
 

@@ -132,3 +132,33 @@ def test_the_gnn_features_a_context_parallel_plan() -> None:
     data = featurize(model, cluster, workload, plan)
     flat = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=tuple(range(8)), dp=4, tp=2),))
     assert data["device"].x.shape == featurize(model, cluster, workload, flat)["device"].x.shape
+
+
+def test_context_parallel_ranks_reduce_gradients_so_megatron_overlaps_them_at_dp_1() -> None:
+    """With dp 1 and cp 2 the two context-parallel ranks still reduce their gradients (and ZeRO-1 shards over
+    them): the export keeps the overlap it was costed with, and says the reduction overlaps."""
+    from tagplan.export.megatron import grad_reduce, megatron_arguments
+
+    model = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=16)
+    plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(0, 1, 2, 3), cp=2, tp=2, zero=1),))
+    args = megatron_arguments(model, plan, global_batch=8, seq_len=16)
+    assert "--overlap-grad-reduce" in args and "--overlap-param-gather" in args
+    assert grad_reduce(plan, model.dtype).overlap is True
+    sim = Simulator(model, load_cluster("dgx-h100"), Workload(global_batch=8, seq_len=16))
+    assert sim.simulate(plan).stages[0].dp_sync_s > 0
+
+
+def test_sequence_parallelism_must_split_each_context_rank_s_tokens() -> None:
+    from tagplan.export import ExportError
+    from tagplan.export.megatron import megatron_arguments
+    from tagplan.search.baselines import context_degrees
+
+    model = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=12)
+    plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=tuple(range(8)), cp=2, tp=4),))
+    with pytest.raises(ExportError, match=r"seq_len / cp tokens over tp"):  # 12 / 2 = 6 tokens over tp 4
+        megatron_arguments(model, plan, global_batch=8, seq_len=12)
+    sim = Simulator(load_model(SPEC, seq_len=8200), load_cluster("dgx-h100"), Workload(global_batch=4, seq_len=8200))
+    assert context_degrees(sim, 8, 1) == [1, 2, 4]  # 16 does not divide 8200
+    assert context_degrees(sim, 8, 8) == [1]  # 8200 / 2 = 4100 tokens do not split over tp 8
+    short = Simulator(load_model(SPEC, seq_len=4096), load_cluster("dgx-h100"), Workload(global_batch=4, seq_len=4096))
+    assert context_degrees(short, 8, 1) == [1]  # below 8k tokens the grid does not try cp

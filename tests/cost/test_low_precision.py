@@ -114,3 +114,19 @@ def test_blackwell_ultra_presets() -> None:
     assert [n.device.name for n in b300.nodes] == ["B300", "B300"] and b300.nodes[0].gpus == 8
     # the fitted sustained clock: a 1400 W GB300 above a 1200 W GB200
     assert CATALOG["GB300"].sustained_peak_fraction > CATALOG["GB200"].sustained_peak_fraction
+
+
+def test_zero_gathers_and_the_optimizer_move_weights_as_stored_not_their_cast_copies() -> None:
+    """Megatron gathers the bf16 parameters and casts them afterwards (tagplan's exports write no
+    --fp8-param-gather), so a quantized recipe's sync costs what bf16's does; only memory holds the copies."""
+    spec = "llama?layers=4&hidden=2048&heads=16&kv_heads=8&vocab=32000"
+    plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 6), devices=tuple(range(8)), dp=8, zero=1),))
+    reports = {}
+    for dtype in (DType.BF16, DType.MXFP8):
+        model = load_model(spec, seq_len=2048, dtype=dtype)
+        reports[dtype] = Simulator(model, load_cluster("dgx-b300"),
+                                   Workload(global_batch=16, seq_len=2048, dtype=dtype)).simulate(plan)
+    bf16, mxfp8 = (reports[d].stages[0] for d in (DType.BF16, DType.MXFP8))
+    assert mxfp8.dp_sync_s == pytest.approx(bf16.dp_sync_s, rel=1e-12)
+    assert mxfp8.memory.weights_bytes > 1.9 * bf16.memory.weights_bytes  # bf16 + two ~1-byte copies
+    assert Workload(dtype=DType.NVFP4).stored_weight_bytes_per_param == 2

@@ -160,9 +160,15 @@
     return (candidate && candidate.report) || {};
   }
 
-  /** "2 × 2" (dp × tp) and extras of a stage. */
+  /** "dp × [cp ×] tp" of a stage, compact ("2×4", "2×2×4" under context parallelism). */
+  function mesh(stage) {
+    return (stage.dp || 1) + "×" + ((stage.cp || 1) > 1 ? stage.cp + "×" : "") + (stage.tp || 1);
+  }
+
+  /** "dp 2 × tp 2" (and cp under context parallelism) and extras of a stage. */
   function stageShape(stage) {
-    const bits = ["dp " + (stage.dp || 1) + " × tp " + (stage.tp || 1)];
+    const cp = (stage.cp || 1) > 1 ? " × cp " + stage.cp : "";
+    const bits = ["dp " + (stage.dp || 1) + cp + " × tp " + (stage.tp || 1)];
     if (stage.zero) bits.push("ZeRO-" + stage.zero);
     if (stage.recompute) bits.push("recompute");
     return bits.join(" · ");
@@ -171,22 +177,25 @@
   /** One line describing a plan: stages and their meshes, micro-batches, schedule. */
   function describePlan(plan) {
     const stages = plan.stages || [];
-    const meshes = stages.map((s) => (s.dp || 1) + "×" + (s.tp || 1));
+    const meshes = stages.map(mesh);
     const uniq = Array.from(new Set(meshes));
-    const mesh = uniq.length === 1 ? "dp×tp " + uniq[0] : "dp×tp " + meshes.join(", ");
-    return stages.length + (stages.length === 1 ? " stage" : " stages") + " (" + mesh + "), " +
+    const label = stages.some((s) => (s.cp || 1) > 1) ? "dp×[cp×]tp " : "dp×tp ";
+    const shown = label + (uniq.length === 1 ? uniq[0] : meshes.join(", "));
+    return stages.length + (stages.length === 1 ? " stage" : " stages") + " (" + shown + "), " +
       (plan.micro_batches || 1) + " micro-batch" + ((plan.micro_batches || 1) === 1 ? "" : "es") +
       ", " + (plan.schedule || "1f1b");
   }
 
-  /** device id -> [{stage, replica, rank}] (a device may serve several stages when interleaved). */
+  /** device id -> [{stage, replica, rank}] (a device may serve several stages when interleaved); devices are
+   * ordered tp-fastest, then cp, then dp, so a replica spans cp × tp devices. */
   function deviceRoles(plan) {
     const roles = new Map();
     (plan.stages || []).forEach((stage, s) => {
       const tp = stage.tp || 1;
+      const width = tp * (stage.cp || 1);
       (stage.devices || []).forEach((d, k) => {
         if (!roles.has(d)) roles.set(d, []);
-        roles.get(d).push({ stage: s, replica: Math.floor(k / tp), rank: k % tp });
+        roles.get(d).push({ stage: s, replica: Math.floor(k / width), rank: k % tp });
       });
     });
     return roles;
@@ -403,7 +412,8 @@
     rows.push(["Schedule", esc(plan.schedule || "–")]);
     rows.push(["Micro-batches", esc(plan.micro_batches || 1)]);
     rows.push(["Stages", esc((plan.stages || []).length) + " · " +
-      esc((plan.stages || []).map((s) => (s.dp || 1) + "×" + (s.tp || 1)).join(", ")) + " (dp×tp)"]);
+      esc((plan.stages || []).map(mesh).join(", ")) +
+      ((plan.stages || []).some((s) => (s.cp || 1) > 1) ? " (dp×[cp×]tp)" : " (dp×tp)")]);
     rows.push(["Devices used", esc(isNum(r.devices_used) ? r.devices_used : (r.devices || []).length)]);
     if (best.source) rows.push(["Found by", esc(best.source)]);
     if (result.objective) rows.push(["Objective", esc(result.objective)]);
@@ -618,9 +628,11 @@
       }
       seen.add(key);
       if ((st.tp || 1) > 1) {
-        for (let r = 0; r < (st.dp || 1); r++) {
-          outlines += outline(st.devices.slice(r * st.tp, (r + 1) * st.tp), compact ? 1 : 2, "tp-group",
-            "stage " + s + ", replica " + r + ": tensor-parallel group of " + st.tp);
+        const cp = st.cp || 1;
+        for (let g = 0; g < (st.dp || 1) * cp; g++) {  // one per replica and context-parallel rank
+          const where = "replica " + Math.floor(g / cp) + (cp > 1 ? ", cp rank " + (g % cp) : "");
+          outlines += outline(st.devices.slice(g * st.tp, (g + 1) * st.tp), compact ? 1 : 2, "tp-group",
+            "stage " + s + ", " + where + ": tensor-parallel group of " + st.tp);
         }
       }
     });
