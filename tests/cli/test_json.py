@@ -78,3 +78,23 @@ def test_plan_and_simulate_with_a_topology_file_and_an_nccl_tests_log(capsys: py
     assert main(["simulate", *base, "--plan", "dp", "--nccl-tests", str(fixtures / "nccl_tests_2nodes.log")]) == 0
     measured = _json(capsys)["iteration_time_s"]
     assert measured != catalog  # the measured inter-node bandwidth replaced the datasheet figure
+
+
+def test_a_context_parallel_plan_simulates_with_a_timeline_and_exports_to_megatron(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A hand-written Plan JSON with cp 2 runs through `simulate` (report and trace) and `export`: the report
+    carries the mesh and whole samples per replica, Megatron's arguments the context-parallel size."""
+    plan = {"micro_batches": 2, "stages": [{"layers": [0, 4], "devices": [0, 1, 2, 3], "dp": 1, "cp": 2, "tp": 2}]}
+    path, trace, out = tmp_path / "cp.json", tmp_path / "trace.json", tmp_path / "run"
+    path.write_text(json.dumps(plan))
+    common = ["--model", TINY, "--seq", "64", "--batch", "4"]
+    assert main(["simulate", *common, "--cluster", "p3.8xlarge", "--plan", str(path), "--timeline", str(trace),
+                 "--json"]) == 0
+    stage = _json(capsys)["stages"][0]
+    assert (stage["dp"], stage["cp"], stage["tp"], stage["samples_per_micro_batch"]) == (1, 2, 2, 2)
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert main(["export", *common, "--plan", str(path), "--format", "megatron", "--out", str(out)]) == 0
+    capsys.readouterr()
+    args = (out / "megatron_args.txt").read_text().split()
+    assert args[args.index("--context-parallel-size") + 1] == "2"
+    assert "--overlap-grad-reduce" in args  # the two context-parallel ranks reduce gradients
