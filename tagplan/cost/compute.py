@@ -11,14 +11,14 @@ micro-batch of `samples` samples. The backward of a matmul is two GEMMs of the f
 memory-bound ops move about twice the bytes backward. Recomputation replays the forward of the
 checkpointed blocks (not embeddings or heads: `stage_cost.CHECKPOINT_SKIPPED`).
 
-Quantized GEMMs (fp8, fp8-cs, mxfp8, nvfp4) run at the device's rate for the format
-(`DeviceSpec.peak_flops`), the block-scaled ones (mxfp8, nvfp4) on Blackwell at a fitted fraction of it
-(`Calibration.block_scaled_gemm_fraction`: scale-factor traffic, and nvfp4's Hadamard transforms of the
-weight gradient's operands, inside the kernels). Their casts are fused into neighbouring kernels (Transformer Engine's
-LayerNormLinear, cast-transpose; charging each cast as a pass of its own made the NeMo H100 fp8 rows, held
-out of every fit, worse: median 3.7% -> 4.1%, worst 20% -> 25%), except the amax that scaling by the
-tensor's own maximum needs first (fp8-cs, and nvfp4's per-tensor second-level scale): one more
-memory-bound read of the input forward and of the output gradient backward (`_amax_s`).
+Quantized GEMMs (fp8, fp8-cs, mxfp8, nvfp4) run at the device's rate for the format (`DeviceSpec.peak_flops`),
+the block-scaled ones (mxfp8, nvfp4) on Blackwell at a fitted fraction of it
+(`Calibration.block_scaled_gemm_fraction`: scale-factor traffic, and nvfp4's Hadamard transforms of the weight
+gradient's operands, inside the kernels). Their casts are fused into neighbouring kernels (Transformer
+Engine's LayerNormLinear, cast-transpose; charging each cast as a pass of its own made the NeMo H100 fp8 rows,
+held out of every fit, worse: median 3.7% -> 4.1%, worst 20% -> 25%), except the amax that scaling by the
+tensor's own maximum needs first (fp8-cs, and nvfp4's per-tensor second-level scale): one more memory-bound
+read of the input forward and of the output gradient backward (`_amax_s`).
 
 Attention on a device without a fused kernel (`DeviceSpec.fused_attention` False: NVIDIA before
 sm80, where FlashAttention-2 does not run) materialises its score matrix: the forward writes the
@@ -48,7 +48,6 @@ UNFUSED_SCORE_PASSES_FORWARD = 6
 UNFUSED_SCORE_PASSES_BACKWARD = 9
 UNFUSED_KERNELS_FORWARD = 3  # scale/mask/softmax, dropout, and the second batched GEMM
 UNFUSED_KERNELS_BACKWARD = 4
-CAST_COPIES = 0  # a quantized GEMM operand's copies: for this pass's GEMM and for the weight gradient's
 
 
 @dataclass(frozen=True, slots=True)

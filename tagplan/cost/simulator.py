@@ -26,7 +26,7 @@ from tagplan.cost.memory import (
 from tagplan.cost.pipeline import PipelineResult, StageTiming, lane_peaks, max_in_flight, simulate_pipeline
 from tagplan.cost.report import Breakdown, DeviceMemoryReport, Report, StageReport
 from tagplan.cost.sharding import divides
-from tagplan.cost.stage_cost import CHECKPOINT_SKIPPED, ReplicaCost, StageCoster, sharding_key
+from tagplan.cost.stage_cost import CHECKPOINT_SKIPPED, GroupCost, StageCoster, sharding_key
 from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import Block, ModelGraph, Op, OpKind
@@ -36,9 +36,9 @@ from tagplan.ir.workload import Workload
 
 @dataclass(frozen=True)
 class StagePlanCost:
-    """A stage's costs for one micro-batch, with its critical (slowest) replica."""
+    """A stage's costs for one micro-batch, with its critical (slowest) tensor-parallel group."""
 
-    critical: ReplicaCost
+    critical: GroupCost
     samples: tuple[float, ...]  # per tensor-parallel group, per micro-batch (a replica's samples / cp)
     local_params: float
     p2p_s: float  # send one micro-batch's activations to the next stage
@@ -158,10 +158,10 @@ class Simulator:
         stage = plan.stages[index]
         per_micro = self.workload.global_batch // plan.micro_batches
         samples = self._samples(stage, per_micro)
-        replicas = self.coster.replicas(stage, samples)
-        # The stage waits for its slowest replica in each phase separately.
-        fwd = max(replicas, key=lambda c: c.forward_s)
-        bwd = max(replicas, key=lambda c: c.backward_s)
+        groups = self.coster.group_costs(stage, samples)
+        # The stage waits for its slowest tensor-parallel group in each phase separately.
+        fwd = max(groups, key=lambda c: c.forward_s)
+        bwd = max(groups, key=lambda c: c.backward_s)
         # fixed per-micro-batch cost (host dispatch, data, launches the op model misses), counted with compute
         device = self.coster.slowest(stage.devices).name
         overhead = self.calibration.overhead_s("micro_batch_overhead_s", device)
@@ -169,8 +169,8 @@ class Simulator:
         # (the runtimes checkpoint the repeated blocks, not the embedding or head) and micro-batch
         replay = (self.coster.checkpointed_layers(stage) * self.calibration.overhead_s("recompute_overhead_s", device)
                   if stage.recompute else 0.0)
-        critical = ReplicaCost(fwd.forward_compute_s + overhead, bwd.backward_compute_s + replay, fwd.forward_tp_s,
-                               bwd.backward_tp_s)
+        critical = GroupCost(fwd.forward_compute_s + overhead, bwd.backward_compute_s + replay, fwd.forward_tp_s,
+                             bwd.backward_tp_s)
         params = self.coster.local_params(stage)
         p2p = 0.0
         if index + 1 < len(plan.stages):

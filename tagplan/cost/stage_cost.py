@@ -39,7 +39,7 @@ ShardingKey = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaCost:
+class GroupCost:
     """One tensor-parallel group's per-micro-batch seconds (compute, and the tensor- and context-parallel
     communication inside its tasks: `*_tp_s`), forward and backward."""
 
@@ -143,7 +143,7 @@ class StageCoster:
                       self.params_memo):
             table.clear()
 
-    def replica(self, stage: Stage, group_index: int, samples: float) -> ReplicaCost:
+    def group_cost(self, stage: Stage, group_index: int, samples: float) -> GroupCost:
         """Per-micro-batch seconds of tensor-parallel group `group_index` (`Stage.tp_group`) processing `samples`
         samples (under context parallelism its share of its replica's tokens: samples / cp)."""
         group = stage.tp_group(group_index)
@@ -167,13 +167,13 @@ class StageCoster:
             bwd += count * (t.backward_s + (t.forward_s if replay else 0.0))
             tp_f += count * comm_f
             tp_b += count * (comm_b + (comm_f if replay else 0.0))
-        return ReplicaCost(fwd, bwd, tp_f, tp_b)
+        return GroupCost(fwd, bwd, tp_f, tp_b)
 
-    def replicas(self, stage: Stage, samples: tuple[float, ...]) -> list[ReplicaCost]:
-        """`replica(stage, g, samples[g])` for every tensor-parallel group, each distinct one costed once: a
+    def group_costs(self, stage: Stage, samples: tuple[float, ...]) -> list[GroupCost]:
+        """`group_cost(stage, g, samples[g])` for every tensor-parallel group, each distinct one costed once: a
         group's cost depends only on its slowest device's figures, its link class, its samples and, under context
         parallelism, the ring link to its neighbour."""
-        seen: dict[tuple[object, ...], ReplicaCost] = {}
+        seen: dict[tuple[object, ...], GroupCost] = {}
         out = []
         for g, n in enumerate(samples):
             group = stage.tp_group(g)
@@ -182,7 +182,7 @@ class StageCoster:
                    None if ring is None else (group, ring))
             hit = seen.get(key)
             if hit is None:
-                hit = seen[key] = self.replica(stage, g, n)
+                hit = seen[key] = self.group_cost(stage, g, n)
             out.append(hit)
         return out
 
@@ -287,7 +287,7 @@ class StageCoster:
                     "peak_flops_fp32": min(s.peak_flops_fp32 for s in specs),
                     "mem_bytes": min(s.mem_bytes for s in specs),
                     "mem_bandwidth_Bps": min(s.mem_bandwidth_Bps for s in specs)})
-            # equal figures, one object (the cluster keeps a spec per node): `replicas` keys on identity
+            # equal figures, one object (the cluster keeps a spec per node): `group_costs` keys on identity
             hit = self.spec_memo[group] = self.spec_intern.setdefault(hit, hit)
         return hit
 

@@ -106,12 +106,12 @@ def check_rank_order(plan: Plan, groups: Sequence[tuple[int, ...]], *, tp: int, 
 
     The launcher numbers ranks tensor-parallel fastest, then context-parallel, then data-parallel, then
     pipeline: pipeline rank p's tensor-parallel group g holds ranks `p*n + g*tp ..` (`Stage.tp_group`).
-    Without `cluster` the plan runs with device d as rank d, so pipeline rank p's devices must be ranks
-    `[p*n, (p+1)*n)` (order inside a group does not matter) and each tensor-parallel group an aligned
-    block of `tp`. With `cluster`, nodes
-    are launched in the order their devices first appear (`node_launch.fixed_rank_table`): torchrun
-    gives each node one contiguous range of ranks, so each node's devices must follow one another
-    in that order (a stage may start on any node, as the heterogeneous plans' fastest nodes often do).
+    Without `cluster` the plan runs with device d as rank d, so pipeline rank p's devices must be ranks `[p*n,
+    (p+1)*n)` (order inside a group does not matter) and each tensor-parallel group an aligned block of `tp`.
+    With `cluster`, nodes are launched in the order their devices first appear
+    (`node_launch.fixed_rank_table`): torchrun gives each node one contiguous range of ranks, so each node's
+    devices must follow one another in that order (a stage may start on any node, as the heterogeneous plans'
+    fastest nodes often do).
     """
     n = len(groups[0])
     if cluster is None:

@@ -66,7 +66,7 @@ from tagplan.frontends.families import TransformerShape
 from tagplan.frontends.model_spec import ModelSpec
 from tagplan.ir.cluster import Cluster, LinkKind
 from tagplan.ir.model import ModelGraph
-from tagplan.ir.plan import Plan, Schedule
+from tagplan.ir.plan import Plan, Schedule, context_split_whole
 from tagplan.ir.workload import DType
 
 FMT = "megatron"
@@ -135,7 +135,7 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     cp = plan.stages[0].cp
     if cp > 1:
-        if seq_len % (2 * cp) or (tp > 1 and (seq_len // cp) % tp):
+        if not context_split_whole(seq_len, cp, tp):
             raise refuse(FMT, f"stages[0].cp = {cp} with seq_len {seq_len} and tp {tp}: Megatron's context parallelism "
                               f"splits each sequence into 2 * cp = {2 * cp} chunks (load-balanced causal attention), "
                               "and sequence parallelism splits each rank's seq_len / cp tokens over tp; pick a cp "

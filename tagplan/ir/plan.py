@@ -192,6 +192,13 @@ class Plan(Record):
         return tuple(dict.fromkeys(d for s in self.stages for d in s.devices))
 
 
+def context_split_whole(seq_len: int, cp: int, tp: int) -> bool:
+    """Whether `seq_len` tokens split whole over `cp` context-parallel ranks as Megatron splits them: into
+    2 * cp chunks (each rank a mirrored pair, balancing causal attention), each rank's seq_len / cp tokens
+    then over `tp` (sequence parallelism)."""
+    return seq_len % (2 * cp) == 0 and (seq_len // cp) % tp == 0 if cp > 1 else True
+
+
 def check_whole_samples(plan: Plan, global_batch: int) -> None:
     """ValueError naming the stage unless `plan` gives every replica whole samples of every micro-batch."""
     if global_batch % plan.micro_batches:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from tagplan.cost.report import Report
 from tagplan.cost.simulator import Simulator
-from tagplan.ir.plan import Plan, Schedule, Stage
+from tagplan.ir.plan import Plan, Schedule, Stage, context_split_whole
 from tagplan.search.result import Baseline, Candidate
 from tagplan.search.space import divisors
 
@@ -236,7 +236,7 @@ def context_degrees(sim: Simulator, devices: int, tp: int = 1) -> list[int]:
     seq = sim.workload.seq_len
     if seq < LONG_CONTEXT_TOKENS:
         return [1]
-    return [cp for cp in (1, 2, 4, 8) if devices % cp == 0 and seq % (2 * cp) == 0 and (seq // cp) % tp == 0]
+    return [cp for cp in (1, 2, 4, 8) if devices % cp == 0 and context_split_whole(seq, cp, tp)]
 
 
 def _chunk_counts(sim: Simulator, pp: int) -> list[int]:

@@ -160,5 +160,7 @@ def test_sequence_parallelism_must_split_each_context_rank_s_tokens() -> None:
     sim = Simulator(load_model(SPEC, seq_len=8200), load_cluster("dgx-h100"), Workload(global_batch=4, seq_len=8200))
     assert context_degrees(sim, 8, 1) == [1, 2, 4]  # 16 does not divide 8200
     assert context_degrees(sim, 8, 8) == [1]  # 8200 / 2 = 4100 tokens do not split over tp 8
+    from tagplan.ir.plan import context_split_whole  # the one rule both use
+    assert context_split_whole(12, 2, 2) and not context_split_whole(12, 2, 4) and context_split_whole(7, 1, 1)
     short = Simulator(load_model(SPEC, seq_len=4096), load_cluster("dgx-h100"), Workload(global_batch=4, seq_len=4096))
     assert context_degrees(short, 8, 1) == [1]  # below 8k tokens the grid does not try cp

@@ -23,9 +23,9 @@ def test_equal_blocks_on_equal_links_are_costed_once() -> None:
     sim = Simulator(model, load_cluster("dgx-a100-80gb:nodes=2"), Workload(global_batch=8, seq_len=64))
     a = Stage(layers=(0, 10), devices=(0, 1, 2, 3), tp=4)
     b = Stage(layers=(0, 10), devices=(8, 9, 10, 11), tp=4)  # another node, same link class
-    sim.coster.replica(a, 0, 1.0)
+    sim.coster.group_cost(a, 0, 1.0)
     before = (len(sim.coster.block_memo), len(sim.coster.tp_memo))
-    sim.coster.replica(b, 0, 1.0)
+    sim.coster.group_cost(b, 0, 1.0)
     assert (len(sim.coster.block_memo), len(sim.coster.tp_memo)) == before
 
 
@@ -120,9 +120,9 @@ def test_tp_comm_overlap_exposes_per_block_what_its_compute_cannot_cover() -> No
     for cluster, tp in (("dgx-a100-80gb", 8), ("p3.8xlarge", 4)):  # NVSwitch; NVLink pairs over PCIe
         for recompute in (False, True):
             sim, stage = _tp_costs(spec, cluster, overlap=False, tp=tp, recompute=recompute)
-            plain = sim.coster.replica(stage, 0, 1.0)
+            plain = sim.coster.group_cost(stage, 0, 1.0)
             osim, _ = _tp_costs(spec, cluster, overlap=True, tp=tp, recompute=recompute)
-            over = osim.coster.replica(stage, 0, 1.0)
+            over = osim.coster.group_cost(stage, 0, 1.0)
             assert (over.forward_compute_s, over.backward_compute_s) == (
                 plain.forward_compute_s, plain.backward_compute_s)
             # block by block: forward comm under forward compute, backward under backward compute, and
