@@ -24,13 +24,17 @@ def add_trace_commands(sub: Subparsers) -> None:
     prof.add_argument("--threads", type=int, default=None,
                       help="torch threads for the ops (default: the idle cores, at least 1)")
     prof.add_argument("--iterations", action="store_true",
-                      help="also time real training iterations of small GPTs (CPU, one device; about a minute)")
+                      help="also time real training iterations of GPTs on one device (CPU: small shapes, about "
+                           "a minute; CUDA: GPT-2 small to 2.7B shapes, a few minutes)")
     prof.add_argument("--layers", action="store_true",
                       help="instead: time the unique blocks of --model over micro-batch sizes and tp degrees")
     prof.add_argument("--model", default=None, help="with --layers: the model SPEC (gpt?... or llama?...)")
     prof.add_argument("--seq", type=int, default=128, help="with --layers: sequence length")
     prof.add_argument("--micro-batches", default="1,2,4", help="with --layers: micro-batch sizes, comma-separated")
     prof.add_argument("--tps", default="1,2", help="with --layers: tp degrees, comma-separated")
+    prof.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                      help="precision of --layers and --iterations (default fp32 on CPU, bf16 on CUDA; "
+                           "bf16/fp16 iterations are mixed precision: fp32 weights and Adam states)")
     prof.add_argument("--out", required=True, help="bundle directory to write")
     add_json_option(prof, "{bundle, op_records, collective_records, iteration_records}")
     prof.set_defaults(func=_profile)
@@ -80,8 +84,6 @@ def _profile(args: argparse.Namespace) -> int:
     say = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if args.layers:
         return _profile_layers(args, say)
-    if args.iterations and args.device != "cpu":
-        raise SpecError("--iterations: real iterations are timed on the CPU only (--device cpu)")
     threads = args.threads
     if args.iterations and threads is None:  # the iterations must run on the cores the device figures count
         import torch
@@ -95,7 +97,7 @@ def _profile(args: argparse.Namespace) -> int:
         import torch
 
         from tagplan.datasets.traces.bundle import write_bundle
-        from tagplan.profiling.iterations import iteration_records
+        from tagplan.profiling.iterations import CUDA_CASES, QUICK_CASES, iteration_records
 
         bundle = read_bundle(out)
         spec = bundle.manifest.device
@@ -104,13 +106,19 @@ def _profile(args: argparse.Namespace) -> int:
         before = torch.get_num_threads()
         torch.set_num_threads(threads or before)
         try:
-            measured = list(iteration_records(spec, progress=say))
+            cases = CUDA_CASES if args.device == "cuda" else QUICK_CASES
+            measured = list(iteration_records(spec, cases, device=args.device, dtype=_dtype(args), progress=say))
         finally:
             torch.set_num_threads(before)
         manifest = bundle.manifest.model_copy(update={"source": bundle.manifest.source + " --iterations"})
         write_bundle(out, manifest, (*bundle.records, *measured))
     _emit_counts(str(out), read_bundle(out), args.json)
     return 0
+
+
+def _dtype(args: argparse.Namespace) -> DType:
+    """--dtype, else fp32 on the CPU and bf16 on a GPU."""
+    return DType(args.dtype or ("fp32" if args.device == "cpu" else "bf16"))
 
 
 def _profile_layers(args: argparse.Namespace, say: Any) -> int:
@@ -129,7 +137,7 @@ def _profile_layers(args: argparse.Namespace, say: Any) -> int:
                         "comma-separated integers") from None
     spec = cpu_device_spec() if args.device == "cpu" else cuda_device_spec()
     records = list(layer_records(args.model, device=args.device, device_type=spec.name, seq_len=args.seq,
-                                 micro_batches=sizes, tps=tps, progress=say))
+                                 dtype=_dtype(args), micro_batches=sizes, tps=tps, progress=say))
     manifest = Manifest(created=now_iso(), source=f"tagplan profile --layers --model {args.model} --seq {args.seq}",
                         fingerprint=fingerprint(args.device), device=spec,
                         notes=f"layer profile: micro-batches {sizes}, tp {tps}")

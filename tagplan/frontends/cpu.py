@@ -21,6 +21,12 @@ def cpu_cluster(spec: DeviceSpec, devices: int = 1) -> dict[str, Any]:
             "node_groups": [{"gpu": spec.model_dump(), "gpus_per_node": devices, "fabric": "smp"}]}
 
 
+def gpu_cluster(spec: DeviceSpec, devices: int = 1) -> dict[str, Any]:
+    """An inline cluster file object: one node of `devices` GPUs of `spec` (this host's, measured)."""
+    return {"name": f"this-{spec.name.lower()}",
+            "node_groups": [{"gpu": spec.model_dump(), "gpus_per_node": devices}]}
+
+
 def build_cpu_cluster(spec: DeviceSpec, devices: int = 1) -> Cluster:
     """The Cluster `cpu_cluster(spec, devices)` describes."""
     return parse_cluster_data(cpu_cluster(spec, devices))

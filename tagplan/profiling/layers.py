@@ -106,7 +106,7 @@ class _Head(nn.Module):
                                         dtype=torch.long, device=x.device))
 
 
-class _LlamaBlock(nn.Module):
+class LlamaBlock(nn.Module):
     """One Llama block as one device of a tp-way group holds it (query and key/value heads and the
     SwiGLU width / tp): RMSNorm, GQA attention with rotary positions, RMSNorm, SwiGLU."""
 
@@ -145,7 +145,7 @@ def _rotary(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
-class _LlamaEmbedding(nn.Module):
+class LlamaEmbedding(nn.Module):
     def __init__(self, vocab: int, hidden: int, tp: int) -> None:
         super().__init__()
         self.vocab = vocab // tp
@@ -221,11 +221,11 @@ def layer_records(spec: str, *, device: str, device_type: str, seq_len: int = 12
 def _module(family: str, kind: str, shape: TransformerShape, seq_len: int, tp: int) -> nn.Module:
     llama = family == "llama"
     if kind == "embedding":
-        return _LlamaEmbedding(shape.vocab, shape.hidden, tp) if llama else _Embedding(shape.vocab, shape.hidden,
+        return LlamaEmbedding(shape.vocab, shape.hidden, tp) if llama else _Embedding(shape.vocab, shape.hidden,
                                                                                          seq_len, tp)
     if kind == "head":
         return _Head(shape.vocab, shape.hidden, tp, rms=llama)
-    return _LlamaBlock(shape, tp) if llama else _ShardedBlock(shape.hidden, shape.heads, tp)
+    return LlamaBlock(shape, tp) if llama else _ShardedBlock(shape.hidden, shape.heads, tp)
 
 
 def _input(kind: str, mb: int, seq_len: int, hidden: int, vocab: int, device: str,

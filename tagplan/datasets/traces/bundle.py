@@ -113,6 +113,8 @@ class IterationRecord(Record):
     plan: dict[str, Any] = Field(description="a Plan JSON object (docs/PLAN_FORMAT.md)")
     measured_s: float = Field(gt=0, description="seconds per iteration (median over steady-state steps)")
     repeats: int = Field(default=1, ge=1)
+    peak_memory_bytes: float | None = Field(default=None, ge=0, description="peak memory allocated on the device "
+                                            "over the measured steps, where known")
     source: str = ""
 
 

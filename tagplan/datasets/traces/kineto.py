@@ -12,7 +12,9 @@ trace (one with `kernel` events) the sum of the device activity (kernels, memcpy
 launched: each activity's `args.correlation` names a `cuda_runtime` launch, which sits inside
 the launching `cpu_op` on the same thread (by time; by `External id` when time does not tell).
 Calls of one op with identical input shapes and types in one phase become one record: time_s is
-their median, repeats their count.
+their median, repeats their count. Under `torch.autocast` the recorded op receives the fp32 inputs
+and calls itself again on the cast ones: the record is costed from that inner call (the dtype and
+shapes its kernels ran on); its time includes the casts' kernels, which the op launched.
 
 FLOPs and bytes follow `ir.model.Op` (tagplan/frontends/analytic.py): a multiply-add is 2 FLOPs
 (matmul [m,k]x[k,n] = 2mkn, attention 4*s*s_kv*d per head plus 5 per score), norms and softmax
@@ -100,6 +102,7 @@ class _Event:
     phase: Phase = "forward"
     owner: int | None = None  # index of the recorded op this event belongs to (itself, or an ancestor)
     aten_parent: bool = False  # an aten op encloses it
+    inner: int | None = None  # a recorded op: the same op called again inside it (autocast's cast inputs)
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,8 @@ def _walk(host: list[_Event], skipped: Counter[str]) -> list[int]:
             ev.phase = "backward"
         elif ev.name.startswith(_STEP_NODE):
             ev.phase = "step"
+        if ev.cat == "cpu_op" and ev.owner is not None and ev.name == host[ev.owner].name:
+            host[ev.owner].inner = i  # the innermost re-call holds the shapes and dtype the kernels ran on
         if ev.cat == "cpu_op" and ev.owner is None:
             if _kind_of(ev.name) is not None:
                 ev.owner = i
@@ -229,7 +234,7 @@ def _record(host: list[_Event], members: list[int], times_s: dict[int, float], d
             fallback: DType | None, skipped: Counter[str]) -> OpRecord | None:
     """One OpRecord for calls with identical shapes (median time); None, counted as skipped, if unusable."""
     first = host[members[0]]
-    cost, why = _cost(first, fallback)
+    cost, why = _cost(host[first.inner] if first.inner is not None else first, fallback)
     time_s = statistics.median(times_s.get(i, 0.0) for i in members)
     if cost is not None and time_s <= 0:
         why = "no kernels" if times_s else "zero duration"

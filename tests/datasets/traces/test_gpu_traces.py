@@ -1,0 +1,26 @@
+"""The Kineto importer on a real GPU trace: one bf16 mixed-precision training step of GPT-1.3B on an H200
+(bench/data/gpu/h200/kineto, recorded by bench/gpu_kineto.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tagplan.datasets.traces.kineto import read_kineto
+from tagplan.frontends.catalog import lookup_device
+from tagplan.ir.model import OpKind
+from tagplan.ir.workload import DType
+
+TRACE = Path(__file__).resolve().parents[3] / "bench" / "data" / "gpu" / "h200" / "kineto" / "gpt-1.3b.trace.json.gz"
+
+
+def test_autocast_gemms_are_costed_in_the_dtype_their_kernels_ran_and_stay_under_the_peak() -> None:
+    imported = read_kineto(TRACE, device="H200-SXM")
+    gemms = [r for r in imported.records if r.kind is OpKind.MATMUL]
+    assert {r.phase for r in gemms} == {"forward", "backward"}
+    assert {r.dtype for r in gemms} == {DType.BF16}  # autocast's outer call sees fp32; the kernels ran bf16
+    peak = lookup_device("H200-SXM").peak_flops_bf16
+    assert peak is not None
+    rates = [r.flops / r.time_s for r in gemms if r.flops > 1e11]
+    assert rates and all(0.3 * peak < rate < peak for rate in rates)
+    blocks = [r for r in gemms if r.phase == "forward" and r.repeats == 24]  # once per layer of the 24
+    assert {(r.shape["m"], r.shape["k"]) for r in blocks} >= {(16384, 2048)}  # 8 x 2048 tokens, hidden 2048

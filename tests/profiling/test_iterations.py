@@ -1,0 +1,61 @@
+"""Real training iterations measured on this machine (CPU here; the same code runs on one GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tagplan.cli import main
+from tagplan.datasets.traces.bundle import read_bundle
+from tagplan.errors import SpecError
+from tagplan.frontends.catalog import lookup_device
+from tagplan.frontends.cluster_file import parse_cluster_data
+from tagplan.frontends.cpu import gpu_cluster
+from tagplan.ir.workload import DType
+from tagplan.profiling.device import cpu_device_spec
+from tagplan.profiling.iterations import CUDA_CASES, IterationCase, iteration_records, measure_iteration_s
+from tagplan.training.iteration_fit import rebuild_cases
+
+TINY = IterationCase(layers=2, hidden=64, heads=2, vocab=128, seq_len=16, global_batch=4, micro_batches=2)
+H200_BUNDLE = Path(__file__).resolve().parents[2] / "bench" / "data" / "gpu" / "h200" / "iterations"
+
+
+@pytest.mark.parametrize("dtype", [DType.FP32, DType.BF16])
+def test_an_iteration_record_names_what_ran_and_rebuilds(dtype: DType) -> None:
+    spec = cpu_device_spec()
+    (record,) = iteration_records(spec, [TINY], steps=2, dtype=dtype)
+    assert record.measured_s > 0 and record.repeats == 2 and record.peak_memory_bytes is None  # no GPU allocator
+    assert record.workload.dtype is dtype and f"({dtype.value}, " in record.source
+    assert record.plan["micro_batches"] == 2 and record.plan["stages"][0]["layers"] == [0, 4]  # embedding, 2, head
+    (case,) = rebuild_cases([record])
+    assert case.cluster.devices[0].spec.name == spec.name and len(case.model.layers) == 4
+
+
+def test_a_precision_the_loop_cannot_run_is_refused_by_name() -> None:
+    with pytest.raises(SpecError, match="'fp8'"):
+        measure_iteration_s(TINY, steps=1, warmup=0, dtype=DType.FP8)
+
+
+def test_a_gpu_host_is_described_as_one_node_of_its_catalog_device() -> None:
+    h200 = lookup_device("H200-SXM")
+    cluster = parse_cluster_data(gpu_cluster(h200))
+    assert [d.spec for d in cluster.devices] == [h200]
+    assert all(case.global_batch % case.micro_batches == 0 for case in CUDA_CASES)  # whole micro-batches
+
+
+def test_the_committed_gpu_bundle_rebuilds_with_its_peak_memory() -> None:
+    records = read_bundle(H200_BUNDLE).iterations()
+    assert len(records) == len(CUDA_CASES)
+    cases = rebuild_cases(records)
+    assert {d.spec.name for c in cases for d in c.cluster.devices} == {"H200-SXM"}
+    assert all(r.peak_memory_bytes and r.workload.dtype is DType.BF16 for r in records)
+
+
+def test_profile_iterations_on_cuda_without_a_gpu_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU: the refusal is for hosts without one")
+    assert main(["profile", "--device", "cuda", "--iterations", "--out", str(tmp_path / "b")]) == 2
+    assert "cuda" in capsys.readouterr().err.lower()
