@@ -11,6 +11,11 @@ the other 8 are scored: MAPE and Kendall tau of predicted vs measured seconds, f
   (`profiling.layers`, tp 1, micro-batches 1-8), then the parameters fitted on top;
 and the planner's first choice: per (model, workload) group of the testbed plans, how much
 slower the plan each variant ranks first ran than the fastest measured one.
+(a'') GPU: the bundles a session lent a GPU measured (`bench/gpu_profile.py`, committed under
+`bench/data/gpu/<device>/`): one-GPU bf16 training iterations of GPT-2 small to 2.7B shapes in eager
+PyTorch, an op grid and layer profiles. Same protocol as (a): every third iteration calibrates, the
+rest are scored, for defaults, ops (the bundle's op records), iterations, ops+iterations and
+layers+iterations; and each iteration's measured peak memory against the memory model.
 (b) Published tables: the Megatron-Core H100 table (reference/validation.md) with the shipped
 defaults; the NeMo/Megatron-Bridge summary (bench/data/): every dense FP8/BF16 row on DGX H100/B200
 without context parallelism, as `fidelity_nemo.py` says.
@@ -38,6 +43,7 @@ from tagplan.training.iteration_fit import IterationCase, fit_parameters, predic
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / "tests" / "fixtures" / "traces" / "cpu-quick"
 TESTBED = ROOT / "bench" / "data" / "testbed"
+GPU = ROOT / "bench" / "data" / "gpu"
 
 
 def testbed() -> dict[str, Any]:
@@ -95,6 +101,92 @@ def local_testbed() -> dict[str, Any] | None:
                                  "first_choice_regret": _regret(cases, calibration)}
     out["variants"]["gnn correction"] = _gnn_correction(read_bundle(TESTBED), variants["ops+iterations"], cases)
     return out
+
+
+def gpu() -> dict[str, Any]:
+    """Part (a''): per GPU bundle, held-out MAPE, Kendall tau, first-choice regret, and memory."""
+    out: dict[str, Any] = {}
+    for folder in sorted(p for p in GPU.glob("*") if (p / "iterations" / "manifest.json").is_file()):
+        iterations = read_bundle(folder / "iterations")
+        records = iterations.iterations()
+        cases = rebuild_cases(records)
+        train = [c for i, c in enumerate(cases) if i % 3 == 0]
+        test = [c for i, c in enumerate(cases) if i % 3]
+        ops = fit_calibration([read_bundle(folder / "ops")], iterations=False).calibration
+        layered = ops.model_copy(update={"layers": layer_times(read_bundle(folder / "layers").layers())})
+        variants = {"defaults": DEFAULT_CALIBRATION, "ops": ops,
+                    "iterations": fit_parameters(train, DEFAULT_CALIBRATION)[0],
+                    "ops+iterations": fit_parameters(train, ops)[0],
+                    "ops+layers+iterations": fit_parameters(train, layered)[0]}
+        truth = np.array([c.measured_s for c in test])
+        scored: dict[str, Any] = {}
+        for name, calibration in variants.items():
+            s = score(predict_s(test, calibration), truth)
+            scored[name] = {"mape": s.mape, "kendall_tau": s.kendall_tau,
+                            "first_choice_regret": _regret(cases, calibration), "parameters": _parameters(calibration)}
+        out[folder.name] = {"device": iterations.manifest.device.name if iterations.manifest.device else None,
+                            "records": len(cases), "calibrated_on": len(train), "scored": len(test),
+                            "variants": scored, "memory": _memory(cases, records),
+                            "other_family": _other_family(folder, cases, ops), "repeat": _repeat(folder, records)}
+    return out
+
+
+def _other_family(folder: Path, fitted_on: list[IterationCase], ops: Calibration) -> dict[str, Any] | None:
+    """The Llama iterations (`iterations-llama`), which no fit sees: scored with the defaults, the op fit,
+    and the op fit plus every GPT iteration's parameters; then a third of GPT and Llama together
+    calibrating, the rest of both scored."""
+    if not (folder / "iterations-llama" / "manifest.json").is_file():
+        return None
+    records = read_bundle(folder / "iterations-llama").iterations()
+    cases = rebuild_cases(records)
+    truth = np.array([c.measured_s for c in cases])
+    out: dict[str, Any] = {"records": len(cases), "memory": _memory(cases, records), "variants": {}}
+    for name, calibration in {"defaults": DEFAULT_CALIBRATION, "ops": ops,
+                              "ops+gpt iterations": fit_parameters(fitted_on, ops)[0]}.items():
+        s = score(predict_s(cases, calibration), truth)
+        out["variants"][name] = {"mape": s.mape, "kendall_tau": s.kendall_tau,
+                                 "first_choice_regret": _regret(cases, calibration)}
+    both = fitted_on + cases
+    train = [c for i, c in enumerate(both) if i % 3 == 0]
+    test = [c for i, c in enumerate(both) if i % 3]
+    s = score(predict_s(test, fit_parameters(train, ops)[0]), np.array([c.measured_s for c in test]))
+    out["both_families_third"] = {"calibrated_on": len(train), "scored": len(test), "mape": s.mape,
+                                  "kendall_tau": s.kendall_tau}
+    return out
+
+
+def _repeat(folder: Path, records: list[Any]) -> dict[str, Any] | None:
+    """Run-to-run spread: every third GPT case measured again on another machine of the same kind
+    (`iterations-repeat`); |second / first - 1| per case."""
+    if not (folder / "iterations-repeat" / "manifest.json").is_file():
+        return None
+    first = {(r.model, r.workload.seq_len, r.workload.global_batch, json.dumps(r.plan, sort_keys=True)): r.measured_s
+             for r in records}
+    rows = [{"model": r.model, "seq_len": r.workload.seq_len, "micro_batches": r.plan["micro_batches"],
+             "first_s": first[key], "second_s": r.measured_s, "change": r.measured_s / first[key] - 1}
+            for r in read_bundle(folder / "iterations-repeat").iterations()
+            for key in [(r.model, r.workload.seq_len, r.workload.global_batch, json.dumps(r.plan, sort_keys=True))]
+            if key in first]
+    changes = np.abs([row["change"] for row in rows])
+    return {"rows": rows, "median_abs_change": float(np.median(changes)), "worst_abs_change": float(changes.max())}
+
+
+def _memory(cases: list[IterationCase], records: list[Any]) -> dict[str, Any]:
+    """Each iteration's predicted peak memory (shipped defaults) against the measured peak allocation."""
+    from tagplan.cost.simulator import Simulator
+
+    rows = []
+    for c, r in zip(cases, records, strict=True):
+        if r.peak_memory_bytes is None:
+            continue
+        report = Simulator(c.model, c.cluster, c.workload, calibration=DEFAULT_CALIBRATION).simulate(c.plan)
+        rows.append({"model": c.model.name, "seq_len": c.workload.seq_len, "global_batch": c.workload.global_batch,
+                     "micro_batches": c.plan.micro_batches, "recompute": c.plan.stages[0].recompute,
+                     "measured_gib": r.peak_memory_bytes / 2**30, "predicted_gib": report.peak_memory_bytes / 2**30,
+                     "error": report.peak_memory_bytes / r.peak_memory_bytes - 1})
+    errors = np.abs([row["error"] for row in rows])
+    return {"rows": rows, "median_abs_error": float(np.median(errors)) if rows else None,
+            "worst_abs_error": float(errors.max()) if rows else None}
 
 
 def _gnn_correction(bundle: Any, calibration: Calibration, cases: list[IterationCase]) -> dict[str, Any]:
@@ -168,6 +260,7 @@ def _parameters(c: Calibration) -> dict[str, Any]:
             "link_scales": {k: v.model_dump() for k, v in c.link_scales.items()}, "p2p_overhead_s": c.p2p_overhead_s,
             "collective_overhead_s": c.collective_overhead_s, "recompute_overhead_s": c.recompute_overhead_s,
             "iteration_overhead_s": c.iteration_overhead_s, "optimizer_scale": c.optimizer_scale,
+            "host_dispatch_s": c.host_dispatch_s,
             "layer_profiles": len(c.layers)}
 
 
@@ -189,14 +282,16 @@ def published() -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=("published",),
-                        help="recompute part (b) only and merge it into the existing results file")
+    parser.add_argument("--only", choices=("published", "gpu"),
+                        help="recompute part (b) or the GPU bundles only and merge it into the existing results file")
     args = parser.parse_args()
     out = Path(__file__).parent / "results" / "fidelity.json"
-    if args.only:
+    if args.only == "published":
         results = {**json.loads(out.read_text()), "published": published()}
+    elif args.only == "gpu":
+        results = {**json.loads(out.read_text()), "gpu": gpu()}
     else:
-        results = {"testbed": testbed(), "local_testbed": local_testbed(), "published": published()}
+        results = {"testbed": testbed(), "local_testbed": local_testbed(), "gpu": gpu(), "published": published()}
     for name, v in results["testbed"]["variants"].items():
         tau = v["kendall_tau"]
         regret = max(v["first_choice_regret"].values(), default=0.0)
@@ -207,6 +302,25 @@ def main() -> None:
         regret = max(v["first_choice_regret"].values(), default=0.0)
         print(f"testbed {name:>14s}  MAPE {v['mape']:7.1%}  tau {v['kendall_tau']:.3f}  worst first-choice regret "
               f"{regret:.1%}")
+    for folder, g in results.get("gpu", {}).items():
+        for name, v in g["variants"].items():
+            regret = max(v["first_choice_regret"].values(), default=0.0)
+            print(f"gpu {folder} {name:>22s}  MAPE {v['mape']:7.1%}  tau {v['kendall_tau']:.3f}  worst first-choice "
+                  f"regret {regret:.1%}")
+        mem = g["memory"]
+        print(f"gpu {folder} peak memory ({len(mem['rows'])} iterations): median |error| "
+              f"{mem['median_abs_error']:.1%}, worst {mem['worst_abs_error']:.1%}")
+        other = g.get("other_family")
+        for name, v in (other or {}).get("variants", {}).items():
+            print(f"gpu {folder} llama (held out) {name:>18s}  MAPE {v['mape']:7.1%}  tau {v['kendall_tau']:.3f}")
+        if other:
+            both, mem = other["both_families_third"], other["memory"]
+            print(f"gpu {folder} gpt+llama, a third calibrating: MAPE {both['mape']:.1%}  "
+                  f"tau {both['kendall_tau']:.3f}; "
+                  f"llama peak memory median |error| {mem['median_abs_error']:.1%}, worst {mem['worst_abs_error']:.1%}")
+        if g.get("repeat"):
+            print(f"gpu {folder} run-to-run: median |change| {g['repeat']['median_abs_change']:.1%}, worst "
+                  f"{g['repeat']['worst_abs_change']:.1%} over {len(g['repeat']['rows'])} cases")
     m = results["published"]["megatron_core_h100"]
     for r in m["rows"]:
         print(f"{r['model']:>6s} H100 bf16 published {r['published']:6.1f} predicted {r['predicted']:6.1f} "

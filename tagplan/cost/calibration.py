@@ -165,6 +165,9 @@ class Calibration(Record):
         "checkpoint call's own cost: stashing and restoring RNG state, re-entering autograd)")
     optimizer_scale: dict[str, float] = Field(default_factory=dict,
                                               description="per device type (or *): multiplies the optimizer step")
+    host_dispatch_s: dict[str, float] = Field(
+        default_factory=dict, description="per device type (or *): s the host takes to issue one op's kernels "
+        "forward (twice that backward); an op whose device time is shorter costs this (`compute.op_time`)")
     layers: tuple[LayerTime, ...] = Field(default=(), description="measured block times (layer records)")
 
     def curve(self, device: str, kind: OpKind) -> EfficiencyCurve | None:
@@ -192,7 +195,7 @@ class Calibration(Record):
 
     def overhead_s(self, name: str, device: str) -> float:
         """Fitted overhead `name` (micro_batch_overhead_s, iteration_overhead_s, p2p_overhead_s,
-        collective_overhead_s, recompute_overhead_s) on `device`:
+        collective_overhead_s, recompute_overhead_s, host_dispatch_s) on `device`:
         its own figure, else the any-device one, else 0. Keyed by device type, so a calibration
         measured on one type never changes plans on another."""
         table: dict[str, float] = getattr(self, name)

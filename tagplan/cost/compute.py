@@ -1,7 +1,17 @@
 """Compute time of ops and blocks on one device: roofline with calibrated efficiency.
 
     t_op = max(flops / (peak * sustained * efficiency(kind, flops)), bytes / (mem_bw * bw_fraction)) + launch
+    t_op = max(t_op * compute_scale, host_dispatch)        (backward: max(..., 2 * host_dispatch))
 
+`compute_scale` is the device type's fitted achieved-compute scale (1 unless calibrated from measured
+iterations). `host_dispatch` is the seconds the host takes to issue one op's kernels forward (twice
+that backward: about twice the kernels). The device runs ahead of the host only while there is queued
+work: an op shorter than its issue time leaves the GPU waiting, so it costs the issue time. Eager
+PyTorch on a fast GPU is host-bound this way for small shapes (a 48-layer, 512-wide GPT at 512 tokens
+ran 8x slower on an H200 than its kernels take). It is 0 unless fitted from measured iterations
+(`Calibration.host_dispatch_s`), so frameworks that capture CUDA graphs or fuse aggressively keep
+their kernel times; a CPU runs its kernels itself (`DeviceSpec.queued` False): there the host's time
+is part of each kernel's, and no floor applies.
 `sustained` is the device's `sustained_peak_fraction`: where a power cap lowers the clock under a
 continuous load (T4), every tensor-core kernel of the training loop runs at the lowered clock.
 
@@ -86,7 +96,7 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
                                                   dtype=dtype, spec=spec, calibration=calibration)
             forward += amax_forward
             backward += amax_backward
-        return OpTime(forward, backward)
+        return _issued(forward, backward, spec, calibration)
     if op.kind is OpKind.ATTENTION:
         forward, backward = body + launch, calibration.attention_backward_factor * body + launch
         if not spec.fused_attention and op.score_elements:
@@ -94,8 +104,16 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
                       / (spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, OpKind.SOFTMAX)))
             forward += UNFUSED_SCORE_PASSES_FORWARD * pass_s + UNFUSED_KERNELS_FORWARD * launch
             backward += UNFUSED_SCORE_PASSES_BACKWARD * pass_s + UNFUSED_KERNELS_BACKWARD * launch
-        return OpTime(forward, backward)
-    return OpTime(body + launch, 2.0 * body + launch)
+        return _issued(forward, backward, spec, calibration)
+    return _issued(body + launch, 2.0 * body + launch, spec, calibration)
+
+
+def _issued(forward_s: float, backward_s: float, spec: DeviceSpec, calibration: Calibration) -> OpTime:
+    """The op's device seconds times the device's compute scale, at least the host's time to issue its
+    kernels (forward one dispatch, backward two) on a device with a queue (`DeviceSpec.queued`)."""
+    scale = calibration.compute_factor(spec.name)
+    host_s = calibration.overhead_s("host_dispatch_s", spec.name) if spec.queued else 0.0
+    return OpTime(max(forward_s * scale, host_s), max(backward_s * scale, 2.0 * host_s))
 
 
 def _amax_s(input_bytes: float, output_bytes: float, *, dtype: DType, spec: DeviceSpec,

@@ -294,7 +294,8 @@ class StageCoster:
     def _block(self, block_hash: str, sharded: ShardedBlock, spec: DeviceSpec, tp: int, samples: float,
                overrides: dict[str, ShardStrategy] | None) -> BlockTime:
         """Compute seconds of one block per micro-batch: its layer profile where one covers the point
-        (and the plan keeps the default sharding), else the op model; times the device's compute scale."""
+        (and the plan keeps the default sharding), else the op model; times the device's compute scale
+        (the op model's ops also at least the host's dispatch time, `compute.op_time`)."""
         key = (block_hash, _spec_key(spec), self.workload.dtype, tp, samples, sharding_key(overrides))
         hit = self.block_memo.get(key)
         if hit is None:
@@ -303,11 +304,13 @@ class StageCoster:
             if profiles and not overrides:
                 measured, why = profiled_block_time(profiles, tp=tp, samples=samples)
                 source = why if measured is not None else f"ops ({why})"
-            if measured is None:
-                measured = block_time(self.model.block_by_hash[block_hash], sharded.strategies, samples=samples,
-                                      tp=tp, spec=spec, dtype=self.workload.dtype, calibration=self.calibration)
-            scale = self.calibration.compute_factor(spec.name)
-            hit = self.block_memo[key] = BlockTime(measured.forward_s * scale, measured.backward_s * scale)
+            if measured is not None:
+                scale = self.calibration.compute_factor(spec.name)
+                hit = BlockTime(measured.forward_s * scale, measured.backward_s * scale)
+            else:  # op_time applies the compute scale and the host's dispatch floor per op
+                hit = block_time(self.model.block_by_hash[block_hash], sharded.strategies, samples=samples,
+                                 tp=tp, spec=spec, dtype=self.workload.dtype, calibration=self.calibration)
+            self.block_memo[key] = hit
             self.source_memo[key] = source
         return hit
 

@@ -52,6 +52,13 @@ class DeviceSpec(Record):
                                   "here; False on NVIDIA GPUs before sm80 (V100, T4), where attention materialises "
                                   "its score matrix")
 
+    @property
+    def queued(self) -> bool:
+        """Whether a host issues this device's kernels into a queue the device works through (a GPU), so that
+        a kernel shorter than its issue leaves the device idle; False for a CPU, which runs its kernels itself
+        (named 'cpu-...', as `profiling.device.cpu_device_name` names it)."""
+        return not self.name.lower().startswith("cpu")
+
     def peak_flops(self, dtype: DType) -> float:
         """Peak dense FLOP/s in `dtype`. A device without the dtype's tensor cores runs the next wider
         format it has: nvfp4 as fp8, the fp8 recipes (fp8, fp8-cs, mxfp8) as bf16, bf16 as fp16."""

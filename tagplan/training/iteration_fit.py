@@ -147,14 +147,15 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
     """Every named parameter the cases could inform (unseen ones are dropped later by sensitivity)."""
     devices = sorted({d.spec.name for c in cases for d in c.cluster.devices})
     key = fit_key(cases)
+    queued = all(d.spec.queued for c in cases for d in c.cluster.devices)  # the host's issue floor: GPUs only
     params = [Param(f"compute_scale/{d}", True) for d in devices]
     for scope in (INTRA, INTER):
         params += [Param(f"bandwidth_scale/{key}/{scope}", True, max_value=BANDWIDTH_SCALE_MAX),
                    Param(f"latency_s/{key}/{scope}", False)]
     return [*params, Param(f"micro_batch_overhead_s/{key}", False), Param(f"iteration_overhead_s/{key}", False),
             Param(f"p2p_overhead_s/{key}", False), Param(f"collective_overhead_s/{key}", False),
-            Param(f"recompute_overhead_s/{key}", False),
-            Param(f"optimizer_scale/{key}", True)]
+            Param(f"recompute_overhead_s/{key}", False), Param(f"optimizer_scale/{key}", True),
+            *([Param(f"host_dispatch_s/{key}", False)] if queued else [])]
 
 
 _SCALES = ("compute_scale", "optimizer_scale")

@@ -86,3 +86,22 @@ def test_a_power_capped_device_runs_tensor_work_at_its_sustained_clock() -> None
     # memory-bound kernels keep the memory clock
     assert (op_time(ln, strategy=ShardStrategy.SEQUENCE, spec=capped, **kwargs)  # type: ignore[arg-type]
             == op_time(ln, strategy=ShardStrategy.SEQUENCE, spec=SPEC, **kwargs))  # type: ignore[arg-type]
+
+
+def test_a_queued_device_waits_for_the_host_to_issue_short_ops_and_a_cpu_does_not() -> None:
+    """An op shorter than the host's dispatch costs the dispatch (twice backward); a long op keeps its kernel time,
+    times the compute scale; a CPU (which runs its kernels itself) gets no floor."""
+    host = FLAT.model_copy(update={"host_dispatch_s": {"X": 1e-3, "cpu-x": 1e-3}, "compute_scale": {"X": 2.0}})
+    short = Op(name="ln", kind=OpKind.LAYERNORM, flops=10.0, bytes_read=4e3, bytes_written=4e3)
+    long = Op(name="mm", kind=OpKind.MATMUL, flops=1e12, bytes_read=1e3, bytes_written=1e3)
+    args = {"samples": 1, "tp": 1, "strategy": ShardStrategy.COLUMN, "dtype": DType.BF16}
+    t = op_time(short, spec=SPEC, calibration=host, **args)
+    assert (t.forward_s, t.backward_s) == (pytest.approx(1e-3), pytest.approx(2e-3))
+    plain = op_time(long, spec=SPEC, calibration=FLAT, **args)
+    t = op_time(long, spec=SPEC, calibration=host, **args)
+    assert t.forward_s == pytest.approx(2.0 * plain.forward_s) and t.forward_s > 1e-3
+    cpu = SPEC.model_copy(update={"name": "cpu-x"})
+    assert not cpu.queued and SPEC.queued
+    t = op_time(short, spec=cpu, calibration=host, **args)
+    assert t.forward_s < 1e-4
+    assert t.forward_s == pytest.approx(op_time(short, spec=cpu, calibration=FLAT, **args).forward_s)

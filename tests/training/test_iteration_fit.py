@@ -15,7 +15,7 @@ from tagplan.datasets.traces.bundle import Fingerprint, IterationRecord, Manifes
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.workload import Workload
-from tagplan.training.iteration_fit import IterationCase, fit_parameters, kendall_tau
+from tagplan.training.iteration_fit import IterationCase, fit_parameters, kendall_tau, parameters
 
 MODEL = "gpt?layers=4&hidden=512&heads=8&vocab=4096"
 CLUSTER = "dgx-a100-80gb:nodes=1"
@@ -172,3 +172,22 @@ def test_equal_links_with_other_device_types_do_not_share_a_collective_overhead(
     shared.simulate(on[0])  # the 80 GB node first: its groups have the same link figures, no overhead
     assert shared.simulate(on[1]).iteration_time_s == pytest.approx(fresh)
     assert fresh > Simulator(model, cluster, WORKLOAD).simulate(on[1]).iteration_time_s + 8 * 5e-3
+
+
+@pytest.mark.slow
+def test_fit_recovers_the_host_dispatch_floor_on_gpus_and_never_fits_it_on_a_cpu() -> None:
+    truth = TRUTH.model_copy(update={"host_dispatch_s": {A100: 1e-4}})
+    made = cases(truth)
+    fitted, values = fit_parameters(made, DEFAULT_CALIBRATION)
+    assert fitted.host_dispatch_s[A100] == pytest.approx(1e-4, rel=0.3)
+    assert values[f"host_dispatch_s/{A100}"] == pytest.approx(fitted.host_dispatch_s[A100])
+    floor_free = Simulator(made[0].model, made[0].cluster, WORKLOAD, calibration=TRUTH).simulate(made[0].plan)
+    assert made[0].measured_s > 1.2 * floor_free.iteration_time_s  # the floor shaped these records
+    from tagplan.frontends.cpu import build_cpu_cluster
+
+    cpu = build_cpu_cluster(made[0].cluster.devices[0].spec.model_copy(update={"name": "cpu-test"}))
+    assert not any(p.name.startswith("host_dispatch") for p in parameters(
+        [IterationCase(made[0].model, cpu, WORKLOAD, made[0].plan.model_copy(update={"stages": (
+            made[0].plan.stages[0].model_copy(update={"devices": (0,), "tp": 1, "dp": 1, "zero": 0,
+                                                      "layers": (0, len(made[0].model.blocks))}),)}), 1.0)])
+    )
