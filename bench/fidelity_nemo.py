@@ -150,7 +150,8 @@ def score_row(row: dict[str, Any], *, sustained_peak_fraction: float | None = No
     if sustained_peak_fraction is not None:
         cluster = cluster.with_device_figures(cluster.devices[0].spec.name,
                                               sustained_peak_fraction=sustained_peak_fraction)
-    workload = Workload(global_batch=c["global_batch"], seq_len=m["seq"], dtype=dtype, tp_comm_overlap=True)
+    workload = Workload(global_batch=c["global_batch"], seq_len=m["seq"], dtype=dtype, tp_comm_overlap=True,
+                        fused_activation=True)  # Megatron-Core: overlapped TP collectives, fused SwiGLU
     sim = Simulator(model, cluster, workload, calibration=calibration)
     plan = _plan(row, len(model.layers))
     report = sim.simulate(plan)

@@ -45,7 +45,8 @@ def simulate_row(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: i
     cluster = load_cluster(f"dgx-h100:nodes={gpus // 8}")
     if sustained_peak_fraction is not None:
         cluster = cluster.with_device_figures("H100-SXM", sustained_peak_fraction=sustained_peak_fraction)
-    sim = Simulator(model, cluster, Workload(global_batch=batch, seq_len=SEQ, tp_comm_overlap=True))
+    workload = Workload(global_batch=batch, seq_len=SEQ, tp_comm_overlap=True, fused_activation=True)  # Megatron-Core
+    sim = Simulator(model, cluster, workload)
     baseline = megatron_plan(sim, tp=tp, pp=pp)
     if baseline.plan is None:
         raise RuntimeError(f"row {layers}x{hidden}: {baseline.reason}")

@@ -7,7 +7,9 @@
   with tensor + sequence parallelism) times the micro-batches in flight on the stage, which the
   pipeline simulation reports for the schedule (1F1B: stage s of S holds min(S - s, M); GPipe
   all M). Under fp8 a GEMM keeps its input as the 1-byte fp8 copy it multiplied (Transformer
-  Engine), everything else in bf16 (`Simulator._op_saved_bytes`). With recomputation a
+  Engine), everything else in bf16 (`Simulator._op_saved_bytes`). A runtime that fuses pointwise
+  chains (`Workload.fused_activation`, Megatron-Core's SwiGLU) keeps only a chain's own inputs: the
+  gated MLP its gate and up projections, not silu(gate) as well. With recomputation a
   checkpointed layer keeps only its input, and one such layer's full activations are live while
   its backward recomputes them; embeddings and heads are not checkpointed (Megatron's and the
   torch program's recompute covers the transformer blocks), so they keep what they save and their
@@ -58,11 +60,6 @@ def model_state_bytes(params: float, workload: Workload, *, zero: int, dp: int) 
     if zero >= 3:
         weights /= dp
     return weights, grads, optim
-
-
-def recompute_working_bytes_per_sample(blocks: list[Block], *, tp: int, recompute: bool) -> float:
-    """Extra bytes per sample live while one recomputed layer runs its backward."""
-    return max((b.saved_bytes for b in blocks), default=0.0) / tp if recompute else 0.0
 
 
 def transient_bytes_per_sample(blocks: list[Block], *, tp: int) -> float:

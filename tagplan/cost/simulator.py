@@ -20,7 +20,6 @@ from tagplan.cost.compute import model_flops
 from tagplan.cost.memory import (
     DeviceMemory,
     model_state_bytes,
-    recompute_working_bytes_per_sample,
     transient_bytes_per_sample,
 )
 from tagplan.cost.pipeline import PipelineResult, StageTiming, lane_peaks, max_in_flight, simulate_pipeline
@@ -474,8 +473,9 @@ class Simulator:
             else:
                 saved = sum(n * self._saved_of(b, stage) for b, n in units)
             checkpointed = [b for b in blocks if b.kind not in CHECKPOINT_SKIPPED]
-            working = (recompute_working_bytes_per_sample(checkpointed, tp=stage.tp, recompute=stage.recompute)
-                       + transient_bytes_per_sample(blocks, tp=stage.tp))
+            # one recomputed layer's activations are live during its backward, kept as the runtime keeps them
+            recomputing = max((self._saved_of(b, stage) for b in checkpointed), default=0.0) if stage.recompute else 0.0
+            working = recomputing + transient_bytes_per_sample(blocks, tp=stage.tp)
             hit = self.coster.memory_memo[key] = (saved, working)
         return hit
 
@@ -484,17 +484,33 @@ class Simulator:
         per-op strategies where it overrides them, else 1/tp (tensor + sequence parallelism)."""
         if stage.sharding and stage.tp > 1:
             return self._saved_split(block, stage)
-        return sum(self._op_saved_bytes(op) for op in block.ops) / stage.tp
+        return sum(self._op_saved_bytes(op, block) for op in block.ops) / stage.tp
 
-    def _op_saved_bytes(self, op: Op) -> float:
+    def _op_saved_bytes(self, op: Op, block: Block) -> float:
         """Bytes per sample `op` keeps for its backward in this workload's dtype. Under a quantized recipe,
         Transformer Engine keeps a GEMM's input as the cast copy it multiplied (fp8: 1 byte an element,
         not the bf16 2 the graph records; mxfp8 and nvfp4 with their block scales, as the columnwise
-        copy the weight gradient reads); what other ops save stays in the elementwise dtype."""
+        copy the weight gradient reads); what other ops save stays in the elementwise dtype. Where the
+        runtime fuses pointwise chains (`Workload.fused_activation`), a pointwise op does not keep an
+        input that another pointwise op of the block made from inputs it keeps: the fused backward
+        recomputes it (SwiGLU keeps gate and up, not silu(gate) as well)."""
         dtype = self.workload.dtype
         if op.kind is OpKind.MATMUL and dtype.quantized:
             return op.saved_bytes * dtype.gemm_nbytes / dtype.nbytes
+        if self.workload.fused_activation and op.kind is OpKind.ELEMENTWISE and op.saved_bytes and op.inputs:
+            recomputable = self._recomputable(block)
+            per_input = op.bytes_read / len(op.inputs)
+            dropped = per_input * sum(1 for src in op.inputs if src in recomputable)
+            return max(op.saved_bytes - dropped, 0.0)
         return op.saved_bytes
+
+    def _recomputable(self, block: Block) -> frozenset[str]:
+        """Names of the block's pointwise ops that keep their inputs: a fused chain recomputes their outputs."""
+        hit = self.coster.recomputable_memo.get(block.hash)
+        if hit is None:
+            hit = self.coster.recomputable_memo[block.hash] = frozenset(
+                op.name for op in block.ops if op.kind is OpKind.ELEMENTWISE and op.saved_bytes > 0)
+        return hit
 
     def _score_memory(self, stage: Stage) -> tuple[float, float]:
         """(saved, working) bytes per sample on one device that attention without a fused kernel adds.
@@ -525,7 +541,8 @@ class Simulator:
     def _saved_split(self, block: Block, stage: Stage) -> float:
         """Saved bytes per sample of one block on one device: split ops keep 1/tp, replicated ones all."""
         strategies = self.coster.sharded(block.hash, stage.sharding).strategies
-        return sum(self._op_saved_bytes(op) / (stage.tp if divides(strategies[op.name]) else 1) for op in block.ops)
+        return sum(self._op_saved_bytes(op, block) / (stage.tp if divides(strategies[op.name]) else 1)
+                   for op in block.ops)
 
     def _stage_memory(self, stage: Stage, local_params: float, samples: float, per_sample: tuple[float, float],
                       in_flight: float) -> DeviceMemory:

@@ -113,6 +113,11 @@ class Workload(Record):
         "runs, and ZeRO's parameter gather while the next forward runs (PyTorch DDP and FSDP, Megatron's "
         "--overlap-grad-reduce/--overlap-param-gather, DeepSpeed ZeRO's overlap_comm); False: both after the "
         "backward, exposed (DeepSpeed's pipeline engine, DeepSpeed without ZeRO, Megatron-LM before Megatron-Core)")
+    fused_activation: bool = Field(
+        default=False, description="the runtime fuses each chain of pointwise ops (a gated MLP's activation and "
+        "product: Megatron-Core's bias_swiglu_impl) into one function that keeps only the chain's own inputs for "
+        "its backward and recomputes the rest (the gated MLP keeps its two projections, not also the activated "
+        "one). False: each pointwise op keeps its inputs (PyTorch eager, Hugging Face)")
     tp_comm_overlap: bool = Field(
         default=False, description="tensor-parallel collectives run in chunks under the block's compute (Megatron-"
         "Core's --tp-comm-overlap: Transformer Engine's userbuffers with sequence parallelism); per block and "

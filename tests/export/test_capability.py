@@ -109,7 +109,11 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     told = bf16.model_copy(update={"grad_reduce_dtype": DType.BF16})
     with pytest.raises(ExportError, match="grad_reduce_dtype=bf16"):  # the torch program reduces in fp32 only
         runtime_workload("torch", told)
-    assert runtime_workload("megatron", told) is told
+    assert runtime_workload("megatron", told).grad_reduce_dtype is DType.BF16
+    # only Megatron-Core fuses the gated MLP's activation (bias_swiglu_impl)
+    assert runtime_workload("megatron", bf16).fused_activation is True
+    assert runtime_workload("torch", bf16).fused_activation is False
+    assert runtime_workload("deepspeed", bf16).fused_activation is False
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         runtime_workload("onnx", bf16)
 
