@@ -30,16 +30,19 @@ class Measurement:
     min_s: float
     max_s: float
     steps: int
+    peak_memory_bytes: float | None = None  # on GPUs: the largest rank's peak allocation over the run
 
 
 def measure(model_spec: str | ModelSpec, plan: Plan, *, seq_len: int, global_batch: int, steps: int = 5,
-            warmup: int = 2, optimizer: Optimizer = Optimizer.ADAM, timeout_s: float = 600.0) -> Measurement:
-    """Run `plan` for `warmup + steps` steps in fp32 on local processes; ExportError when it fails."""
+            warmup: int = 2, optimizer: Optimizer = Optimizer.ADAM, timeout_s: float = 600.0,
+            dtype: DType = DType.FP32) -> Measurement:
+    """Run `plan` for `warmup + steps` steps in `dtype` (fp32; bf16/fp16 autocast where the host has
+    GPUs) on local processes; ExportError when it fails."""
     if steps < 1 or warmup < 0:
         raise ExportError(f"steps={steps}, warmup={warmup}: need at least one timed step and no negative warm-up")
     with tempfile.TemporaryDirectory(prefix="tagplan-measure-") as tmp:
         program = write_torch_program(model_spec, plan, Path(tmp), seq_len=seq_len, global_batch=global_batch,
-                                      steps=warmup + steps, dtype=DType.FP32, optimizer=optimizer)
+                                      steps=warmup + steps, dtype=dtype, optimizer=optimizer)
         runs = launch(program, len(plan.devices), [], timeout_s=timeout_s)
     failed = [r for r in runs if r.returncode != 0]
     if failed:
@@ -53,4 +56,5 @@ def measure(model_spec: str | ModelSpec, plan: Plan, *, seq_len: int, global_bat
     kept = [t for step, t in sorted(per_step.items()) if step >= warmup]
     if not kept:
         raise ExportError(f"the program printed {len(per_step)} step times; expected {warmup + steps}")
-    return Measurement(statistics.median(kept), min(kept), max(kept), len(kept))
+    peaks = [float(line["peak_memory_bytes"]) for run in runs for line in run.lines if "peak_memory_bytes" in line]
+    return Measurement(statistics.median(kept), min(kept), max(kept), len(kept), max(peaks) if peaks else None)

@@ -284,6 +284,8 @@ def train(cfg: dict[str, Any], device: torch.device, *, steps: int, verify: Path
         seconds = time.perf_counter() - start
         line = {"step": step, "rank": dist.get_rank(), "stages": sorted(parts), "time_s": seconds, "loss": loss,
                 "param_elements": local_elements(parts), **optimizer.report()}
+        if device.type == "cuda":
+            line["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         print(json.dumps(line), flush=True)
     if verify is not None:
         save(verify, None, params=True)

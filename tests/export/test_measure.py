@@ -1,0 +1,46 @@
+"""`export.measure`: what it asks the program for and how it reads the ranks' step lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tagplan.export import measure as measuring
+from tagplan.export.runtime_launch import RankRun
+from tagplan.ir.plan import Plan, Stage
+from tagplan.ir.workload import DType
+
+PLAN = Plan(micro_batches=1, stages=(Stage(layers=(0, 2), devices=(0,)), Stage(layers=(2, 4), devices=(1,))))
+
+
+def test_the_slowest_rank_times_each_step_and_the_largest_peak_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: dict[str, Any] = {}
+
+    def program(spec: str, plan: Plan, out: Path, **kwargs: Any) -> Path:
+        asked.update(kwargs)
+        return out / "train.py"
+
+    def ranks(program: Path, procs: int, args: list[str], *, timeout_s: float) -> list[RankRun]:
+        lines = [[{"step": s, "time_s": t, "peak_memory_bytes": p} for s, t, p in rows] for rows in (
+            [(0, 9.0, 1e9), (1, 1.0, 2e9), (2, 3.0, 2e9), (3, 2.0, 2e9)],
+            [(0, 8.0, 3e9), (1, 2.0, 5e9), (2, 1.0, 5e9), (3, 4.0, 5e9)])]
+        return [RankRun(r, 0, tuple(rows), "") for r, rows in enumerate(lines)]
+
+    monkeypatch.setattr(measuring, "write_torch_program", program)
+    monkeypatch.setattr(measuring, "launch", ranks)
+    result = measuring.measure("gpt?layers=2&hidden=64&heads=2&vocab=128", PLAN, seq_len=16, global_batch=2,
+                               steps=3, warmup=1, dtype=DType.BF16)
+    assert asked["dtype"] is DType.BF16 and asked["steps"] == 4
+    assert (result.median_s, result.min_s, result.max_s, result.steps) == (3.0, 2.0, 4.0, 3)  # max over ranks per step
+    assert result.peak_memory_bytes == 5e9
+
+
+def test_a_cpu_run_reports_no_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(measuring, "write_torch_program", lambda spec, plan, out, **kw: out / "train.py")
+    monkeypatch.setattr(measuring, "launch", lambda program, procs, args, *, timeout_s: [
+        RankRun(0, 0, ({"step": 0, "time_s": 1.0}, {"step": 1, "time_s": 2.0}), "")])
+    result = measuring.measure("gpt?layers=2&hidden=64&heads=2&vocab=128", PLAN, seq_len=16, global_batch=2,
+                               steps=1, warmup=1)
+    assert result.median_s == 2.0 and result.peak_memory_bytes is None
