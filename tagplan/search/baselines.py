@@ -31,7 +31,7 @@ from tagplan.cost.report import Report
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.plan import Plan, Schedule, Stage, context_split_whole
 from tagplan.search.result import Baseline, Candidate
-from tagplan.search.space import divisors
+from tagplan.search.space import CONTEXT_DEGREES, LONG_CONTEXT_TOKENS, divisors
 
 Judge = Callable[[Plan, str], Candidate]
 MAX_TP = 8  # Megatron keeps tensor parallelism inside a node, up to 8 GPUs
@@ -223,12 +223,6 @@ def _configurations(sim: Simulator, devices: tuple[int, ...], tp: int, pp: int, 
                              _chunk_counts(sim, pp))
 
 
-LONG_CONTEXT_TOKENS = 8192
-"""Sequence length from which the grid also tries context parallelism: Megatron-Bridge's presets use it from
-8k tokens (Llama 3 8B and 70B, Llama 3.1 405B at 8192), never at 2k-4k, where each rank's attention chunk is
-too short to hide the ring."""
-
-
 def context_degrees(sim: Simulator, devices: int, tp: int = 1) -> list[int]:
     """The context-parallel degrees the grid tries on `devices` GPUs per tensor-parallel rank at `tp`: 1, and
     from `LONG_CONTEXT_TOKENS` every power of two up to 8 that divides them, whose 2 * cp divides the sequence
@@ -236,7 +230,7 @@ def context_degrees(sim: Simulator, devices: int, tp: int = 1) -> list[int]:
     seq = sim.workload.seq_len
     if seq < LONG_CONTEXT_TOKENS:
         return [1]
-    return [cp for cp in (1, 2, 4, 8) if devices % cp == 0 and context_split_whole(seq, cp, tp)]
+    return [cp for cp in CONTEXT_DEGREES if devices % cp == 0 and context_split_whole(seq, cp, tp)]
 
 
 def _chunk_counts(sim: Simulator, pp: int) -> list[int]:

@@ -2,8 +2,9 @@
 
 Order of decisions: which nodes to use (all of them, or the nodes of the fastest GPU types, or
 fewer nodes for the GPU objective; a decision only where there is a choice) -> pipeline depth ->
-device groups of the stages -> tensor-parallel degree of each stage (data parallel is the rest of
-its group) -> each layer boundary, among candidates near the compute-balanced split for the
+device groups of the stages -> tensor-parallel degree of each stage -> the context-parallel degree
+of the whole plan (from `LONG_CONTEXT_TOKENS`; data parallel is the rest of each group) -> each
+layer boundary, among candidates near the compute-balanced split for the
 stages' real speeds -> batch split across unequal replicas (even or by speed) -> micro-batches ->
 recomputation and ZeRO.
 
@@ -28,10 +29,18 @@ from typing import Any, cast
 
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.cluster import Cluster
-from tagplan.ir.plan import Plan, Schedule, Stage
+from tagplan.ir.plan import Plan, Schedule, Stage, context_split_whole
 from tagplan.search.groups import Partition, partitions, stage_counts, tp_options
 
 MEMORY_OPTIONS: tuple[tuple[bool, int], ...] = ((False, 1), (False, 0), (False, 2), (False, 3), (True, 1), (True, 3))
+
+LONG_CONTEXT_TOKENS = 8192
+"""Sequence length from which plans also try context parallelism (the search and the Megatron grid): Megatron-Bridge's
+presets use it from 8k tokens (Llama 3 8B and 70B, Llama 3.1 405B at 8192), never at 2k-4k, where each rank's
+attention chunk is too short to hide the ring."""
+
+CONTEXT_DEGREES = (1, 2, 4, 8)
+"""Context-parallel degrees a plan may take: powers of two up to 8, as the published long-context runs use."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,7 @@ class PlanState:
     stages: int | None = None
     groups: Partition | None = None
     tps: tuple[int, ...] = ()
+    cp: int | None = None  # context-parallel degree of every stage (Megatron runs one for the whole model)
     bounds: tuple[int, ...] = ()  # end layer of each stage but the last
     balanced_shares: bool | None = None
     micro_batches: int | None = None
@@ -174,6 +184,8 @@ class PlanSpace:
         if len(state.tps) < state.stages:
             group = state.groups[len(state.tps)]
             return [Action("tps", t) for t in reversed(self._tps(group, self.sim.workload.global_batch))]
+        if state.cp is None:
+            return [Action("cp", c) for c in self._cp_candidates(state)]
         if len(state.bounds) < state.stages - 1:
             return [Action("bounds", b) for b in self._boundary_candidates(state)]
         if state.balanced_shares is None:
@@ -214,7 +226,8 @@ class PlanSpace:
         head = [Action("nodes", state.nodes), Action("stages", state.stages), Action("groups", state.groups)]
         tail = [Action("balanced_shares", state.balanced_shares), Action("micro_batches", state.micro_batches),
                 Action("chunks", state.chunks), Action("memory", state.memory)]
-        return [*head, *(Action("tps", t) for t in state.tps), *(Action("bounds", b) for b in state.bounds), *tail]
+        return [*head, *(Action("tps", t) for t in state.tps), Action("cp", state.cp),
+                *(Action("bounds", b) for b in state.bounds), *tail]
 
     def region(self, state: PlanState) -> tuple[object, ...]:
         """The pipeline's shape (node set, depth): plans of one shape are one local-search basin."""
@@ -253,10 +266,11 @@ class PlanSpace:
         assert state.groups is not None and state.micro_batches is not None and state.memory is not None
         recompute, zero = state.memory
         micro = self.sim.workload.global_batch // state.micro_batches
-        meshes = tuple((group, tp, self._samples(group, tp, micro, by_speed=bool(state.balanced_shares))
-                        if len(group) > tp else None, zero if len(group) > tp else 0)
+        cp = state.cp or 1
+        meshes = tuple((group, tp, self._samples(group, tp * cp, micro, by_speed=bool(state.balanced_shares))
+                        if len(group) > tp * cp else None, zero if len(group) > tp else 0)
                        for group, tp in zip(state.groups, state.tps, strict=True))
-        return (meshes, state.bounds, state.micro_batches, state.chunks or 1, recompute)
+        return (meshes, cp, state.bounds, state.micro_batches, state.chunks or 1, recompute)
 
     def _one_decision_away(self, state: PlanState) -> Iterator[PlanState]:
         """The terminals that differ from `state` in one decision (the later ones kept or repaired),
@@ -352,9 +366,20 @@ class PlanSpace:
                                             for d in group)
         return hit
 
+    def _cp_candidates(self, state: PlanState) -> list[int]:
+        """1, and from `LONG_CONTEXT_TOKENS` each degree in `CONTEXT_DEGREES` that divides every stage's
+        replicas of its TP degree and splits the sequence whole for it (`context_split_whole`)."""
+        seq = self.sim.workload.seq_len
+        if seq < LONG_CONTEXT_TOKENS:
+            return [1]
+        return [c for c in CONTEXT_DEGREES if all((len(g) // t) % c == 0 and context_split_whole(seq, c, t)
+                                                  for g, t in zip(state.groups or (), state.tps, strict=True))]
+
     def _unequal(self, state: PlanState) -> bool:
+        width = state.cp or 1
         for group, tp in zip(state.groups or (), state.tps, strict=False):
-            names = {self.sim.cluster.devices[group[r * tp]].spec.name for r in range(len(group) // tp)}
+            names = {self.sim.cluster.devices[group[r * tp * width]].spec.name
+                     for r in range(len(group) // (tp * width))}
             if len(names) > 1:
                 return True
         return False
@@ -363,7 +388,7 @@ class PlanSpace:
         """Micro-batch counts M dividing the batch whose micro-batches give every replica a sample, near
         4 x depth; without a by-speed split, counts that split every stage evenly come first."""
         batch = self.sim.workload.global_batch
-        dps = [len(g) // t for g, t in zip(state.groups or (), state.tps, strict=True)]
+        dps = [len(g) // (t * (state.cp or 1)) for g, t in zip(state.groups or (), state.tps, strict=True)]
         valid = [m for m in divisors(batch) if batch // m >= max(dps)]
         depth = state.stages or 1
 
@@ -381,11 +406,12 @@ class PlanSpace:
         chunks = state.chunks or 1
         meshes = []
         micro = self.sim.workload.global_batch // state.micro_batches
+        cp = state.cp or 1
         for group, tp in zip(state.groups, state.tps, strict=True):
-            dp = len(group) // tp
-            samples = self._samples(group, tp, micro, by_speed=bool(state.balanced_shares)) if dp > 1 else None
-            meshes.append({"devices": group, "dp": dp, "tp": tp, "batch_samples": samples, "recompute": recompute,
-                           "zero": zero if dp > 1 else 0})
+            dp = len(group) // (tp * cp)
+            samples = self._samples(group, tp * cp, micro, by_speed=bool(state.balanced_shares)) if dp > 1 else None
+            meshes.append({"devices": group, "dp": dp, "cp": cp, "tp": tp, "batch_samples": samples,
+                           "recompute": recompute, "zero": zero if dp * cp > 1 else 0})
         if chunks == 1:
             stages = tuple(Stage(layers=(bounds[i], bounds[i + 1]), **m) for i, m in enumerate(meshes))
             return Plan(micro_batches=state.micro_batches, schedule=Schedule.ONE_F_ONE_B, stages=stages)
@@ -404,9 +430,10 @@ class PlanSpace:
         return tuple(stages)
 
     def _samples(self, group: tuple[int, ...], tp: int, micro: int, *, by_speed: bool) -> tuple[int, ...] | None:
-        """Whole samples per replica of a `micro`-sample micro-batch: in proportion to the replicas'
-        speeds (`by_speed`), else as even as whole samples allow; None when that is the exact even
-        split (so a by-speed split that comes out even is the same plan as the even one). Memoised."""
+        """Whole samples per replica (`tp` consecutive devices: a replica's tp x cp) of a `micro`-sample
+        micro-batch: in proportion to the replicas' speeds (`by_speed`), else as even as whole samples
+        allow; None when that is the exact even split (so a by-speed split that comes out even is the
+        same plan as the even one). Memoised."""
         key = (group, tp, micro, by_speed)
         if key not in self._shares:
             self._shares[key] = self._split(group, tp, micro, by_speed=by_speed)

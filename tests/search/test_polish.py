@@ -161,8 +161,8 @@ def test_the_neighbourhood_crosses_a_decision_that_changes_nothing() -> None:
     """Whole-sample replicas split one sample each whatever `balanced_shares` says, so the two
     encodings are one plan; the neighbourhood includes what is one decision away from either."""
     sp = space("llama?layers=4&hidden=256&heads=4&vocab=500", "dgx-h100+dgx-a100-80gb", 16, 256)
-    base = PlanState(nodes=(0, 1), stages=1, groups=(tuple(range(16)),), tps=(1,), bounds=(), balanced_shares=False,
-                     micro_batches=1, chunks=1, memory=(False, 3))
+    base = PlanState(nodes=(0, 1), stages=1, groups=(tuple(range(16)),), tps=(1,), cp=1, bounds=(),
+                     balanced_shares=False, micro_batches=1, chunks=1, memory=(False, 3))
     other = PlanState(**{**vars(base), "balanced_shares": True})
     assert sp.plan_key(base) == sp.plan_key(other)
     wanted = PlanState(**{**vars(other), "tps": (2,)})  # two decisions from `base`, one from `other`

@@ -62,7 +62,7 @@ def test_boundaries_give_faster_stages_more_layers() -> None:
     sp = space("gpt?layers=24&hidden=256&heads=4&vocab=100", "dgx-a100-80gb+g4dn.12xlarge")
     state = PlanState(nodes=sp.on_every_node().nodes, stages=2)
     fast_first = next(a.value for a in sp.actions(state) if a.value[0][0] == 0)  # A100 node first
-    state = PlanState(nodes=sp.on_every_node().nodes, stages=2, groups=fast_first, tps=(1, 1))
+    state = PlanState(nodes=sp.on_every_node().nodes, stages=2, groups=fast_first, tps=(1, 1), cp=1)
     cut = sp.actions(state)[0].value
     assert cut > 13  # 8 A100s (312 TFLOP/s each) against 4 T4s (65): most of the 26 layers go first
 
@@ -123,3 +123,34 @@ def test_default_completion_keeps_the_first_memory_option_when_none_fits() -> No
     done = sp.complete(PlanState())
     assert not any(sp.sim.fits(sp.to_plan(replace(done, memory=m))) for m in MEMORY_OPTIONS)
     assert done.memory == MEMORY_OPTIONS[0]
+
+
+def test_long_sequences_add_the_context_parallel_decision_and_its_plans_are_valid() -> None:
+    short = space("llama?layers=4&hidden=256&heads=8&kv_heads=4&vocab=512", "dgx-h100:nodes=1", batch=4, seq=4096)
+    assert all(sp_plan.stages[0].cp == 1 for sp_plan in map(short.to_plan, terminals(short, limit=3000)))
+    sp = space("llama?layers=4&hidden=256&heads=8&kv_heads=4&vocab=512", "dgx-h100:nodes=1", batch=8, seq=8192)
+    one_stage = PlanState(nodes=(0,), stages=1, groups=(tuple(range(8)),), tps=(2,))
+    assert [(a.field, a.value) for a in sp.actions(one_stage)] == [("cp", 1), ("cp", 2), ("cp", 4)]  # of 4 replicas
+    seen = set()
+    for terminal in terminals(sp, limit=20000):
+        plan = sp.to_plan(terminal)
+        check_whole_samples(plan, 8)
+        for stage in plan.stages:
+            assert stage.dp * stage.cp * stage.tp == len(stage.devices)
+            assert stage.zero == 0 or stage.dp * stage.cp > 1  # ZeRO shards over dp x cp
+        seen.add(plan.stages[0].cp)
+        assert (sp.plan_key(terminal)[1] == plan.stages[0].cp)  # cp is part of what makes the plan
+    assert seen == {1, 2, 4, 8}
+
+
+def test_the_search_alone_finds_context_parallelism_where_it_pays() -> None:
+    from tagplan.search.mcts import mcts, uniform_prior
+    from tagplan.search.planner import SimulatorEvaluator
+
+    sp = space("llama3-8b", "dgx-h100:nodes=2", batch=16, seq=32768)
+    judge = SimulatorEvaluator(sp)
+    mcts(sp, PlanState(), prior=uniform_prior, evaluator=judge, max_evaluations=300, max_wall_s=60, seed=0, local=sp)
+    fitting = [c for c in judge.candidates.values() if c.report.fits]
+    best = min(fitting, key=lambda c: c.report.iteration_time_s)
+    without = [c.report.iteration_time_s for c in fitting if all(s.cp == 1 for s in c.plan.stages)]
+    assert best.plan.stages[0].cp > 1 and best.report.iteration_time_s < min(without)
