@@ -66,6 +66,7 @@ CASES = [
     ("1.3B on rtx4090x4 + g4dn", "gpt3-1.3b", "rtx4090x4:nodes=2+g4dn.12xlarge:nodes=2", 32, 1024, True),
     ("175B on 512 A100 + 512 V100", "gpt3-175b", "dgx-a100-80gb:nodes=64+p3.16xlarge:nodes=64", 1536, 2048, True),
     ("175B on 128 DGX-A100 (1024 GPUs)", "gpt3-175b", "dgx-a100-80gb:nodes=128", 1536, 2048, False),
+    ("Llama-3-8B at 32k tokens on 2 DGX-H100", "llama3-8b", "dgx-h100:nodes=2", 16, 32768, False),
 ]
 BASELINES = ("megatron_grid", "data_parallel", "fastest_nodes")
 # small enough to enumerate: (name, model, cluster, batch, seq)
@@ -451,12 +452,18 @@ def main() -> None:
     parser.add_argument("--update-guidance", action="store_true",
                         help="rerun only the guidance table, put it into bench/results/planner.json and rewrite "
                              "docs/PLANNER_RESULTS.md (when only the search's guidance changed)")
+    parser.add_argument("--update-suite", action="store_true",
+                        help="rerun only the suite table, put it into bench/results/planner.json and rewrite "
+                             "docs/PLANNER_RESULTS.md (when only the costing of the suite's plans changed)")
     parser.add_argument("--record-guidance", action="store_true",
                         help="write the measured guidance classes into the shipped GNN card (`--scorer auto` reads it)")
     args = parser.parse_args()
-    if args.markdown or args.update_guidance:  # the summary is recomputed from the rows (it is derived)
+    if args.markdown or args.update_guidance or args.update_suite:  # the summary is derived from the rows
         path = Path(__file__).parent / "results" / "planner.json"
         results = json.loads(path.read_text())
+        if args.update_suite:
+            results["suite"] = [suite_row(c, evaluations=results["evaluations"], budget_s=results["budget_s"])
+                                for c in CASES]
         if args.update_guidance:
             results["guidance"] = []
             for i in GUIDANCE_CASES:

@@ -36,8 +36,8 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
     fused on every device; Megatron and DeepSpeed keep each device's own (materialised before sm80).
     Only Megatron-Core overlaps tensor-parallel collectives with compute (`tp_comm_overlap`, its
     `--tp-comm-overlap`): the torch program and DeepSpeed are costed with every TP collective exposed.
-    Megatron-Core fuses the gated MLP's activation (`fused_activation`); the torch program and DeepSpeed
-    run the model's modules op by op.
+    Megatron-Core and the torch program fuse the gated MLP's activation (`fused_activation`); DeepSpeed
+    runs the user's own modules, op by op as far as tagplan knows.
     ExportError (a SpecError) for a `grad_reduce_dtype` the target cannot reduce in."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
@@ -57,8 +57,8 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
         update["fused_attention"] = True
     if fmt != "megatron" and workload.tp_comm_overlap:
         update["tp_comm_overlap"] = False
-    if fmt == "megatron" and not workload.fused_activation:  # bias_swiglu_impl, on unless --no-bias-swiglu-fusion
-        update["fused_activation"] = True
+    if fmt in ("megatron", "torch") and not workload.fused_activation:  # Megatron-Core's bias_swiglu_impl (on
+        update["fused_activation"] = True  # unless --no-bias-swiglu-fusion); the torch program's _GatedProduct
     return workload.model_copy(update=update) if update else workload
 
 

@@ -104,8 +104,25 @@ class GeluMLP(nn.Module):
         return self.fc2(functional.gelu(self.fc1(x)))
 
 
+class _GatedProduct(torch.autograd.Function):
+    """silu(gate) * up, keeping only gate and up for the backward (which recomputes silu), as
+    Megatron-Core's fused SwiGLU does: the memory model's `Workload.fused_activation`."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        sigmoid = torch.sigmoid(gate)
+        return grad * up * sigmoid * (1 + gate * (1 - sigmoid)), grad * gate * sigmoid
+
+
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) (Shazeer 2020). Shapes: (batch, seq, hidden) -> (batch, seq, hidden)."""
+    """down(silu(gate(x)) * up(x)) (Shazeer 2020), the activation and product fused (`_GatedProduct`).
+    Shapes: (batch, seq, hidden) -> (batch, seq, hidden)."""
 
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
@@ -114,7 +131,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(c.ffn, c.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(functional.silu(self.gate(x)) * self.up(x))
+        return self.down(_GatedProduct.apply(self.gate(x), self.up(x)))
 
 
 class Block(nn.Module):

@@ -110,9 +110,9 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     with pytest.raises(ExportError, match="grad_reduce_dtype=bf16"):  # the torch program reduces in fp32 only
         runtime_workload("torch", told)
     assert runtime_workload("megatron", told).grad_reduce_dtype is DType.BF16
-    # only Megatron-Core fuses the gated MLP's activation (bias_swiglu_impl)
+    # Megatron-Core (bias_swiglu_impl) and the torch program (modules._GatedProduct) fuse the gated MLP's activation
     assert runtime_workload("megatron", bf16).fused_activation is True
-    assert runtime_workload("torch", bf16).fused_activation is False
+    assert runtime_workload("torch", bf16).fused_activation is True
     assert runtime_workload("deepspeed", bf16).fused_activation is False
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         runtime_workload("onnx", bf16)
