@@ -24,31 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tagplan.profiling.iterations import CUDA_CASES, CUDA_LLAMA_CASES, IterationCase, TinyGPT, TinyLlama
+from tagplan.ir.workload import DType
+from tagplan.profiling.iterations import CUDA_CASES, CUDA_LLAMA_CASES, IterationCase, training_step
 
 CASES = {"gpt-1.3b": CUDA_CASES[15], "gpt-small-x8": CUDA_CASES[4], "llama-8b-8l": CUDA_LLAMA_CASES[0],
          "llama-small-x4": CUDA_LLAMA_CASES[11]}
 
 
 def run(case: IterationCase, device: str, out: Path, name: str) -> dict[str, object]:
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = (TinyLlama(case) if case.family == "llama" else TinyGPT(case)).train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    per_micro = case.global_batch // case.micro_batches
-    tokens = torch.randint(0, case.vocab, (case.micro_batches, per_micro, case.seq_len), device=device)
     cuda = device == "cuda"
-
-    def step() -> None:
-        for m in range(case.micro_batches):
-            with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=cuda):
-                loss = model(tokens[m]) / case.micro_batches
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-
+    step = training_step(case, device=device, dtype=DType.BF16 if cuda else DType.FP32)
     for _ in range(3):
         step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

@@ -180,10 +180,10 @@ class TinyLlama(nn.Module):
         return functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
 
 
-def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2, device: str = "cpu",
-                        dtype: DType = DType.FP32) -> tuple[float, int, int | None]:
-    """(median seconds per training iteration, steps timed, peak allocated bytes on a GPU else None)
-    of `case` on `device` ("cpu" or "cuda"), in fp32 or mixed precision (`dtype` bf16/fp16)."""
+def training_step(case: IterationCase, *, device: str = "cpu", dtype: DType = DType.FP32) -> Callable[[], None]:
+    """One training iteration of `case` on `device` as a callable (the model, Adam and a fixed batch built
+    once, weights where they live): `micro_batches` forward/backward passes under autocast in bf16/fp16
+    (fp32 weights and Adam states), then the optimizer step, the device drained at the end."""
     autocast = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16}.get(dtype)
     if dtype != DType.FP32 and autocast is None:
         raise SpecError(f"dtype {dtype.value!r}: real iterations run in fp32, bf16 or fp16")
@@ -194,11 +194,8 @@ def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2,
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     per_micro = case.global_batch // case.micro_batches
     tokens = torch.randint(0, case.vocab, (case.micro_batches, per_micro, case.seq_len), device=device)
-    times = []
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    for step in range(warmup + steps):
-        start = time.perf_counter()
+
+    def step() -> None:
         for m in range(case.micro_batches):
             with torch.autocast(device_type=torch.device(device).type, dtype=autocast or torch.float32,
                                 enabled=autocast is not None):
@@ -208,10 +205,26 @@ def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2,
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
-        if step >= warmup:
+
+    return step
+
+
+def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2, device: str = "cpu",
+                        dtype: DType = DType.FP32) -> tuple[float, int, int | None]:
+    """(median seconds per training iteration, steps timed, peak allocated bytes on a GPU else None)
+    of `case` on `device` ("cpu" or "cuda"), in fp32 or mixed precision (`dtype` bf16/fp16)."""
+    cuda = device.startswith("cuda")
+    step = training_step(case, device=device, dtype=dtype)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        step()
+        if i >= warmup:
             times.append(time.perf_counter() - start)
     peak = int(torch.cuda.max_memory_allocated()) if cuda else None
-    del model, opt, tokens
+    del step
     if cuda:
         torch.cuda.empty_cache()
     return statistics.median(times), steps, peak
