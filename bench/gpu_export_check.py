@@ -3,8 +3,10 @@ measured as `bench/gpu_profile.py` measures the eager reference model of the sam
 
 Each case is a one-device plan of a gpt or llama SPEC, written by `export.torch_program` in bf16 autocast
 and run by `export.measure` (one rank; NCCL on a GPU host). The records go into an `iterations-export`
-bundle (same record kind as the other GPU iterations), which `bench/fidelity.py` scores with the
-calibration fitted on the eager iterations: the exported program held out.
+bundle (same record kind as the other GPU iterations), each with the workload as the torch program runs
+it (`export.capability.runtime_workload`: fp32 gradient reduction, fused SwiGLU), for scoring with the
+calibration fitted on the eager iterations (the exported program held out; `bench/fidelity.py` does
+not read this bundle yet).
 
     python3 bench/gpu_export_check.py --out DIR [--smoke]
 """
@@ -19,9 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tagplan.datasets.traces.bundle import IterationRecord, Manifest, now_iso, write_bundle
+from tagplan.export.capability import runtime_workload
 from tagplan.export.measure import measure
 from tagplan.frontends.cpu import cpu_cluster, gpu_cluster
-from tagplan.frontends.model_spec import load_model
+from tagplan.frontends.model_spec import load_model, parse_model_spec
 from tagplan.ir.plan import Plan, Stage
 from tagplan.ir.workload import DType, Optimizer, Workload
 from tagplan.profiling.device import cpu_device_spec, cuda_device_spec, fingerprint
@@ -57,7 +60,8 @@ def main() -> None:
         print(f"{text} seq {seq} batch {batch} x{micro}{' recompute' if recompute else ''}: "
               f"{result.median_s * 1e3:.1f} ms ({result.min_s * 1e3:.1f}-{result.max_s * 1e3:.1f}){peak}; "
               f"{time.perf_counter() - started:.0f} s with start-up", flush=True)
-        workload = Workload(global_batch=batch, seq_len=seq, dtype=dtype, optimizer=Optimizer.ADAM)
+        workload = runtime_workload("torch", Workload(global_batch=batch, seq_len=seq, dtype=dtype,
+                                                      optimizer=Optimizer.ADAM), parse_model_spec(text))
         records.append(IterationRecord(model=text, cluster=gpu_cluster(spec) if cuda else cpu_cluster(spec),
                                        workload=workload, plan=plan.model_dump(mode="json"),
                                        measured_s=result.median_s, repeats=result.steps,

@@ -143,7 +143,7 @@ def as_run(m: Any, c: Any, w: Workload, spec: Any, *, evaluations: int, budget_s
     per_format: dict[str, dict[str, Any]] = {}
     for label in (*TARGETS, MEGATRON_TP_OVERLAP):
         fmt, tp_overlap = ("megatron", True) if label == MEGATRON_TP_OVERLAP else (label, False)
-        wf = runtime_workload(fmt, w.model_copy(update={"tp_comm_overlap": tp_overlap}))
+        wf = runtime_workload(fmt, w.model_copy(update={"tp_comm_overlap": tp_overlap}), spec)
         overlap = reduce_overlap(fmt, wf, c)
 
         def admissible(p: Any, fmt: str = fmt, tp_overlap: bool = tp_overlap) -> str | None:

@@ -135,7 +135,7 @@ def plan_problem(args: argparse.Namespace) -> PlanProblem:
     if getattr(args, "exportable", None):
         from tagplan.export.capability import runtime_workload
 
-        workload = runtime_workload(args.exportable, workload)
+        workload = runtime_workload(args.exportable, workload, parse_model_spec(args.model))
     return PlanProblem(model, cluster, workload, objective=Objective(args.objective), budget_s=args.budget_s,
                        max_evaluations=args.max_evaluations, seed=args.seed, time_bound_s=args.time_bound_s,
                        calibration=load_calibration_option(args), scorer=Scorer(args.scorer),

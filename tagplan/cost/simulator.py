@@ -86,7 +86,7 @@ class Simulator:
         self._peak_flops = tuple(d.spec.peak_flops(workload.dtype) for d in cluster.devices)
         self._mem_bytes = tuple(d.spec.mem_bytes for d in cluster.devices)
         self._fused = tuple(d.spec.fused_attention for d in cluster.devices)
-        self._tied_memo: dict[tuple[tuple[int, ...], tuple[int, ...], float], float] = {}
+        self._tied_memo: dict[tuple[object, ...], float] = {}
         self._least_mem_memo: dict[tuple[int, ...], float] = {}
         self._samples_memo: dict[tuple[object, ...], tuple[float, ...]] = {}
 
@@ -279,12 +279,13 @@ class Simulator:
                 continue
             waiting.add(i)
             nbytes = params * self.workload.grad_bytes_per_param  # the gradient as stored, not the dp reduction's
-            key = (first.devices, stage.devices, nbytes)
+            whole = self.coster.tied_table_params(stage) * self.workload.grad_bytes_per_param
+            # the meshes decide pair by pair or one all-reduce: equal devices under other meshes are another sum
+            key = (first.devices, (first.dp, first.cp, first.tp), stage.devices, (stage.dp, stage.cp, stage.tp),
+                   nbytes, whole)
             hit = self._tied_memo.get(key)
             if hit is None:
-                whole = self.coster.tied_table_params(stage)
-                hit = self._tied_memo[key] = self._tied_sum_s(
-                    first, stage, nbytes, whole * self.workload.grad_bytes_per_param)
+                hit = self._tied_memo[key] = self._tied_sum_s(first, stage, nbytes, whole)
             seconds = max(seconds, hit)
         return (seconds, frozenset(waiting)) if seconds else (0.0, frozenset())
 
@@ -499,17 +500,17 @@ class Simulator:
             return op.saved_bytes * dtype.gemm_nbytes / dtype.nbytes
         if self.workload.fused_activation and op.kind is OpKind.ELEMENTWISE and op.saved_bytes and op.inputs:
             recomputable = self._recomputable(block)
-            per_input = op.bytes_read / len(op.inputs)
-            dropped = per_input * sum(1 for src in op.inputs if src in recomputable)
+            dropped = sum(recomputable.get(src, 0.0) for src in dict.fromkeys(op.inputs))
             return max(op.saved_bytes - dropped, 0.0)
         return op.saved_bytes
 
-    def _recomputable(self, block: Block) -> frozenset[str]:
-        """Names of the block's pointwise ops that keep their inputs: a fused chain recomputes their outputs."""
+    def _recomputable(self, block: Block) -> dict[str, float]:
+        """The block's pointwise ops that keep their inputs, with their outputs' bytes per sample: a fused
+        chain recomputes those outputs instead of keeping them."""
         hit = self.coster.recomputable_memo.get(block.hash)
         if hit is None:
-            hit = self.coster.recomputable_memo[block.hash] = frozenset(
-                op.name for op in block.ops if op.kind is OpKind.ELEMENTWISE and op.saved_bytes > 0)
+            hit = self.coster.recomputable_memo[block.hash] = {
+                op.name: op.bytes_written for op in block.ops if op.kind is OpKind.ELEMENTWISE and op.saved_bytes > 0}
         return hit
 
     def _score_memory(self, stage: Stage) -> tuple[float, float]:

@@ -72,7 +72,7 @@ class StageCoster:
         self.tp_memo: dict[tuple[object, ...], tuple[float, float]] = {}
         self.shard_memo: dict[tuple[str, ShardingKey], ShardedBlock] = {}
         self.memory_memo: dict[tuple[object, ...], tuple[float, float]] = {}
-        self.recomputable_memo: dict[str, frozenset[str]] = {}  # block hash -> pointwise ops keeping their inputs
+        self.recomputable_memo: dict[str, dict[str, float]] = {}  # block hash -> pointwise ops keeping their inputs
         self.params_memo: dict[tuple[object, ...], float] = {}
         self.spec_memo: dict[tuple[int, ...], DeviceSpec] = {}
         self.spec_intern: dict[DeviceSpec, DeviceSpec] = {}

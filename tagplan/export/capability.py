@@ -15,7 +15,7 @@ from typing import Literal
 from tagplan.cost.simulator import ReduceOverlap
 from tagplan.errors import SpecError
 from tagplan.export import deepspeed, megatron
-from tagplan.frontends.model_spec import ModelSpec
+from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_devices, check_whole_samples
@@ -25,7 +25,19 @@ Target = Literal["torch", "megatron", "deepspeed"]
 TARGETS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
 
 
-def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
+OWN_MODULE_FAMILIES = ("gpt", "llama")
+"""The families the torch program builds from its own modules (zoo and family SPECs), whose SwiGLU is fused;
+Hugging Face and user SPECs run their own classes."""
+
+
+def builds_own_modules(spec: ModelSpec | None) -> bool:
+    """Whether the torch program runs `spec` as its own modules (`OWN_MODULE_FAMILIES`), not as the
+    transformers class or the user's module."""
+    return (spec is not None and spec.kind in (ModelSpecKind.ZOO, ModelSpecKind.FAMILY)
+            and spec.family in OWN_MODULE_FAMILIES)
+
+
+def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | None = None) -> Workload:
     """`workload` as format `fmt`'s runtime runs it, where the user left it open (`grad_reduce_dtype`
     None): the torch program computes under autocast over fp32 master weights, so its gradients cross
     the data-parallel group in fp32; Megatron forces `--accumulate-allreduce-grads-in-fp32` with bf16
@@ -36,8 +48,9 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
     fused on every device; Megatron and DeepSpeed keep each device's own (materialised before sm80).
     Only Megatron-Core overlaps tensor-parallel collectives with compute (`tp_comm_overlap`, its
     `--tp-comm-overlap`): the torch program and DeepSpeed are costed with every TP collective exposed.
-    Megatron-Core and the torch program fuse the gated MLP's activation (`fused_activation`); DeepSpeed
-    runs the user's own modules, op by op as far as tagplan knows.
+    Megatron-Core fuses the gated MLP's activation (`fused_activation`), and so does the torch program
+    where it builds the model `spec` from its own modules (`builds_own_modules`); Hugging Face classes,
+    user modules and DeepSpeed (which runs the user's model) keep each op's inputs.
     ExportError (a SpecError) for a `grad_reduce_dtype` the target cannot reduce in."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
@@ -57,8 +70,9 @@ def runtime_workload(fmt: Target | str, workload: Workload) -> Workload:
         update["fused_attention"] = True
     if fmt != "megatron" and workload.tp_comm_overlap:
         update["tp_comm_overlap"] = False
-    if fmt in ("megatron", "torch") and not workload.fused_activation:  # Megatron-Core's bias_swiglu_impl (on
-        update["fused_activation"] = True  # unless --no-bias-swiglu-fusion); the torch program's _GatedProduct
+    fused = fmt == "megatron" or (fmt == "torch" and builds_own_modules(spec))  # bias_swiglu_impl; _GatedProduct
+    if fused and not workload.fused_activation:
+        update["fused_activation"] = True
     return workload.model_copy(update=update) if update else workload
 
 

@@ -115,9 +115,8 @@ class _GatedProduct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up = ctx.saved_tensors
-        sigmoid = torch.sigmoid(gate)
-        return grad * up * sigmoid * (1 + gate * (1 - sigmoid)), grad * gate * sigmoid
+        gate, up = ctx.saved_tensors  # silu's own backward kernel, as unfused autograd runs it
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * functional.silu(gate)
 
 
 class SwiGLU(nn.Module):

@@ -191,12 +191,21 @@ def _fit_ops_and_links(bundles: Sequence[Bundle], ops: list[OpRecord], collectiv
 
 
 def predict_op_s(record: OpRecord, spec: DeviceSpec, calibration: Calibration) -> float:
-    """The cost model's seconds for one measured call (its forward or backward, per its phase)."""
+    """The cost model's seconds for one measured call (its forward or backward, per its phase): the
+    kernel's time, as an op record measures it (CUDA events), so without what iteration calibration
+    adds on top (`compute_scale`, the host's dispatch floor `host_dispatch_s`)."""
+    if calibration.compute_scale or calibration.host_dispatch_s:
+        calibration = kernel_only(calibration)
     op = Op(name=record.name or record.kind.value, kind=record.kind, flops=record.flops, bytes_read=record.bytes_read,
             bytes_written=record.bytes_written, param_bytes=min(record.param_bytes, record.bytes_read))
     t = op_time(op, samples=1.0, tp=1, strategy=ShardStrategy.REPLICATE, spec=spec, dtype=record.dtype,
                 calibration=calibration)
     return t.backward_s if record.phase == "backward" else t.forward_s
+
+
+def kernel_only(calibration: Calibration) -> Calibration:
+    """`calibration` without the iteration-level figures that scale or floor an op's kernel time."""
+    return calibration.model_copy(update={"compute_scale": {}, "host_dispatch_s": {}})
 
 
 def _split_ops(records: list[OpRecord]) -> tuple[list[OpRecord], list[OpRecord]]:

@@ -147,7 +147,8 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
     """Every named parameter the cases could inform (unseen ones are dropped later by sensitivity)."""
     devices = sorted({d.spec.name for c in cases for d in c.cluster.devices})
     key = fit_key(cases)
-    queued = all(d.spec.queued for c in cases for d in c.cluster.devices)  # the host's issue floor: GPUs only
+    queued = any(d.spec.queued for c in cases for d in c.cluster.devices)  # the host's issue floor: GPUs (op_time
+    # applies it to queued devices only, so CPU records beside GPU ones do not see it)
     params = [Param(f"compute_scale/{d}", True) for d in devices]
     for scope in (INTRA, INTER):
         params += [Param(f"bandwidth_scale/{key}/{scope}", True, max_value=BANDWIDTH_SCALE_MAX),

@@ -476,3 +476,24 @@ def test_fp8_keeps_gemm_inputs_as_fp8_copies_and_the_rest_in_bf16() -> None:
     total = sum(b.saved_bytes for b in blocks)
     assert 0.2 < gemm / total < 0.8  # the test means something: both kinds save a real share
     assert acts[DType.FP8] / acts[DType.BF16] == pytest.approx((total - gemm / 2) / total, rel=1e-6)
+
+
+def test_a_tied_sum_is_memoised_per_mesh_not_per_device_set() -> None:
+    """The tied head's gradient sum runs pair by pair where the two stages' meshes match, else as one
+    all-reduce: a simulator that costed one must not hand its figure to the other on the same devices."""
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.frontends.model_spec import load_model
+    from tagplan.ir.plan import Plan, Stage
+    from tagplan.ir.workload import Workload
+
+    model, cluster = load_model("gpt?layers=4&hidden=1024&heads=16&vocab=50304", seq_len=512), load_cluster(
+        "p3.8xlarge:nodes=2")
+    workload = Workload(global_batch=8, seq_len=512)
+    head = Stage(layers=(3, 6), devices=(4, 5, 6, 7), dp=4)
+    paired = Plan(micro_batches=2, stages=(Stage(layers=(0, 3), devices=(0, 1, 2, 3), dp=4), head))
+    whole = Plan(micro_batches=2, stages=(Stage(layers=(0, 3), devices=(0, 1, 2, 3), dp=2, tp=2), head))
+    shared = Simulator(model, cluster, workload)
+    shared.simulate(paired)
+    fresh = Simulator(model, cluster, workload).simulate(whole).iteration_time_s
+    assert shared.tied_sync(whole) != Simulator(model, cluster, workload).tied_sync(paired)
+    assert shared.simulate(whole).iteration_time_s == fresh

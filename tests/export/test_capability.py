@@ -110,10 +110,16 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     with pytest.raises(ExportError, match="grad_reduce_dtype=bf16"):  # the torch program reduces in fp32 only
         runtime_workload("torch", told)
     assert runtime_workload("megatron", told).grad_reduce_dtype is DType.BF16
-    # Megatron-Core (bias_swiglu_impl) and the torch program (modules._GatedProduct) fuse the gated MLP's activation
+    # Megatron-Core (bias_swiglu_impl) fuses the gated MLP's activation, and so does the torch program
+    # (modules._GatedProduct) where it builds the model itself, not for a Hugging Face class or a user module
+    from tagplan.frontends.model_spec import parse_model_spec
+
     assert runtime_workload("megatron", bf16).fused_activation is True
-    assert runtime_workload("torch", bf16).fused_activation is True
-    assert runtime_workload("deepspeed", bf16).fused_activation is False
+    assert runtime_workload("torch", bf16, parse_model_spec("llama3-8b")).fused_activation is True
+    assert runtime_workload("torch", bf16, parse_model_spec("llama?layers=2&hidden=64&heads=2")).fused_activation
+    assert runtime_workload("torch", bf16, parse_model_spec("hf:LlamaConfig?hidden_size=64")).fused_activation is False
+    assert runtime_workload("torch", bf16).fused_activation is False  # model unknown: as kept op by op
+    assert runtime_workload("deepspeed", bf16, parse_model_spec("llama3-8b")).fused_activation is False
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         runtime_workload("onnx", bf16)
 
