@@ -30,6 +30,13 @@ class LinkKind(StrEnum):
     LOCAL = "local"  # a device with itself
 
 
+def is_cpu_name(name: str) -> bool:
+    """Whether a device name is a CPU's: tagplan's 'cpu-...' device types, or a processor name a trace
+    file carries (AMD EPYC, Intel Xeon)."""
+    lowered = name.lower()
+    return lowered.startswith("cpu") or "epyc" in lowered or "xeon" in lowered
+
+
 class DeviceSpec(Record):
     """One accelerator type: vendor datasheet figures (dense, no sparsity)."""
 
@@ -56,8 +63,8 @@ class DeviceSpec(Record):
     def queued(self) -> bool:
         """Whether a host issues this device's kernels into a queue the device works through (a GPU), so that
         a kernel shorter than its issue leaves the device idle; False for a CPU, which runs its kernels itself
-        (named 'cpu-...', as `profiling.device.cpu_device_name` names it)."""
-        return not self.name.lower().startswith("cpu")
+        (`is_cpu_name`: 'cpu-...' as `profiling.device.cpu_device_name` names it)."""
+        return not is_cpu_name(self.name)
 
     def peak_flops(self, dtype: DType) -> float:
         """Peak dense FLOP/s in `dtype`. A device without the dtype's tensor cores runs the next wider

@@ -137,3 +137,11 @@ def test_a_power_capped_device_is_fitted_against_its_sustained_peak_not_capped_t
     curve = fit.calibration.curve("test-accel", OpKind.MATMUL)
     assert curve is not None and curve.at(2.0 * 8192**3) == pytest.approx(scaled(GEMM_CURVE, 0.5).at(2.0 * 8192**3),
                                                                            rel=0.1)
+
+
+def test_an_op_record_is_predicted_as_kernel_time_without_the_iteration_fit_on_top() -> None:
+    """Op records time kernels (CUDA events): the compute scale and the host's dispatch floor, which an
+    iteration fit adds, must not enter the op predictions a re-calibration is compared by."""
+    fitted = TRUTH.model_copy(update={"compute_scale": {"test-accel": 3.0}, "host_dispatch_s": {"test-accel": 1e-3}})
+    for record in op_records(TRUTH):
+        assert predict_op_s(record, DEVICE, fitted) == pytest.approx(record.time_s, rel=1e-12)

@@ -186,8 +186,8 @@ def test_fit_recovers_the_host_dispatch_floor_on_gpus_and_never_fits_it_on_a_cpu
     from tagplan.frontends.cpu import build_cpu_cluster
 
     cpu = build_cpu_cluster(made[0].cluster.devices[0].spec.model_copy(update={"name": "cpu-test"}))
-    assert not any(p.name.startswith("host_dispatch") for p in parameters(
-        [IterationCase(made[0].model, cpu, WORKLOAD, made[0].plan.model_copy(update={"stages": (
-            made[0].plan.stages[0].model_copy(update={"devices": (0,), "tp": 1, "dp": 1, "zero": 0,
-                                                      "layers": (0, len(made[0].model.blocks))}),)}), 1.0)])
-    )
+    on_cpu = IterationCase(made[0].model, cpu, WORKLOAD, made[0].plan.model_copy(update={"stages": (
+        made[0].plan.stages[0].model_copy(update={"devices": (0,), "tp": 1, "dp": 1, "zero": 0,
+                                                  "layers": (0, len(made[0].model.blocks))}),)}), 1.0)
+    assert not any(p.name.startswith("host_dispatch") for p in parameters([on_cpu]))
+    assert any(p.name.startswith("host_dispatch") for p in parameters([on_cpu, made[0]]))  # a GPU record among them

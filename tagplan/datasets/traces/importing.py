@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from tagplan.errors import SpecError, unknown
+from tagplan.ir.cluster import is_cpu_name
 
 from .bundle import (
     MANIFEST_FILE,
@@ -147,8 +148,7 @@ def measured_device(path: str | os.PathLike[str], kind: str) -> str | None:
 def device_disagrees(measured: str, device: str) -> bool:
     """Whether a file's own device name contradicts `device` (model tokens like A100, H100 compared; a CPU
     trace filed as a GPU or the other way round)."""
-    is_cpu = lambda name: name.lower().startswith("cpu") or "epyc" in name.lower() or "xeon" in name.lower()  # noqa: E731
-    if is_cpu(measured) != is_cpu(device):
+    if is_cpu_name(measured) != is_cpu_name(device):
         return True
     tokens = lambda name: set(re.findall(r"[a-z]{1,3}\d{2,4}[a-z]?", name.lower()))  # noqa: E731
     a, b = tokens(measured), tokens(device)
