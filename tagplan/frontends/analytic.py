@@ -74,6 +74,19 @@ class BlockBuilder:
             partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs,
         ))
 
+    def rotary(self, name: str, srcs: tuple[str, ...], heads: int, head_dim: int) -> str:
+        """Rotary position embedding of `heads` query and key heads: x * cos + rotate_half(x) * sin, reading
+        each element and the position's cos and sin tables and writing the rotated copy (3 FLOPs an element).
+        Its backward needs only the tables, so it keeps no activation of its own; attention keeps the rotated
+        queries and keys. It splits by heads, as attention does."""
+        s = self.seq_len
+        elems = s * heads * head_dim
+        return self._add(Op(
+            name=name, kind=OpKind.ELEMENTWISE, flops=3.0 * elems,
+            bytes_read=(elems + 2 * s * head_dim) * self.nbytes, bytes_written=elems * self.nbytes,
+            output_shape=(1, s, heads * head_dim), partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs,
+        ))
+
     def norm(self, name: str, src: str, width: int, *, bias: bool = True) -> str:
         """LayerNorm (bias=True) or RMSNorm (bias=False) over `width` features."""
         elems = self.seq_len * width

@@ -100,14 +100,14 @@ SUSTAINED_PEAK_FRACTION: dict[str, float] = {
     # 8.5%. Those rows are in-sample for this figure; the mxfp8 and nvfp4 rows are not. The B200 is the same
     # die under a lower cap (1000 W): no table row measures it, and it takes the GB200's figure, an upper
     # bound on its clock.
-    "GB200": 0.718,
-    "B200": 0.718,
+    "GB200": 0.722,
+    "B200": 0.722,
     # Blackwell Ultra under its 1400 W (GB300) cap, fitted the same way to the GB300 rows of the same four
     # presets (leave-one-preset-out median 2.2%, worst 14.4%): it sustains 1.24x the GB200's fraction of the
     # same bf16/fp8 datasheet rates (its larger power budget; the fit also absorbs its doubled exponent
     # throughput in attention). The B300 (1100 W) takes it as an upper bound, as the B200 does the GB200's.
-    "GB300": 0.887,
-    "B300": 0.887,
+    "GB300": 0.894,
+    "B300": 0.894,
 }
 """Devices whose power cap holds the clock below the boost clock the datasheet peak assumes, under a
 continuous load such as a training loop (the cap acts on the board's average power, so every

@@ -3,9 +3,10 @@
 A 1T-parameter model builds in milliseconds because each unique block is derived once and
 every layer refers to it by structural hash. The shapes follow the published architectures:
 GPT (GPT-2/3: learned positions, pre-LN, GELU MLP, tied head), Llama (RMSNorm, SwiGLU, GQA,
-untied head), BERT (post-LN encoder, pooler, tied MLM head), T5 (RMSNorm, relu FFN, relative
-position bias in the first block of each stack, tied head), MoE (Llama-style with top-k routed
-SwiGLU experts, as Mixtral), ViT (patch embedding, class token, pre-LN encoder, classifier).
+rotary positions applied to queries and keys, untied head), BERT (post-LN encoder, pooler, tied
+MLM head), T5 (RMSNorm, relu FFN, relative position bias in the first block of each stack, tied
+head), MoE (Llama-style with top-k routed SwiGLU experts, as Mixtral), ViT (patch embedding,
+class token, pre-LN encoder, classifier).
 """
 
 from __future__ import annotations
@@ -49,13 +50,17 @@ class TransformerShape:
 
 
 def _attention(b: BlockBuilder, x: str, shape: TransformerShape, *, bias: bool, prefix: str = "attn",
-               kv_src: str | None = None) -> str:
+               kv_src: str | None = None, rotary: bool = False) -> str:
     h, dh, heads, kvh = shape.hidden, shape.dh, shape.heads, shape.kvh
     q = b.linear(f"{prefix}.q", x, h, heads * dh, bias=bias)
     kv_in = kv_src or x
     k = b.linear(f"{prefix}.k", kv_in, h, kvh * dh, bias=bias)
     v = b.linear(f"{prefix}.v", kv_in, h, kvh * dh, bias=bias)
-    a = b.attention(f"{prefix}.sdpa", (q, k, v), heads, kvh, dh)
+    if rotary:  # the rotated queries and keys are what attention reads (and keeps)
+        qk = b.rotary(f"{prefix}.rotary", (q, k), heads + kvh, dh)
+        a = b.attention(f"{prefix}.sdpa", (qk, v), heads, kvh, dh)
+    else:
+        a = b.attention(f"{prefix}.sdpa", (q, k, v), heads, kvh, dh)
     return b.linear(f"{prefix}.o", a, heads * dh, h, bias=bias)
 
 
@@ -89,7 +94,7 @@ def llama_block(shape: TransformerShape, seq: int, nbytes: int, *, moe: bool = F
     """Llama block (RMSNorm, GQA attention, SwiGLU); with `moe`, top-k routed SwiGLU experts."""
     b, h = BlockBuilder("moe_block" if moe else "block", seq, nbytes), shape.hidden
     x = "input"
-    a = _attention(b, b.norm("input_norm", x, h, bias=False), shape, bias=False)
+    a = _attention(b, b.norm("input_norm", x, h, bias=False), shape, bias=False, rotary=True)
     r = b.elementwise("residual_1", (x, a), h, saves_input=False)
     n = b.norm("post_attention_norm", r, h, bias=False)
     ffn = shape.ffn or llama_ffn(h)
