@@ -65,3 +65,34 @@ def test_family_spec_errors(spec: str, message: str | None) -> None:
         return
     with pytest.raises(SpecError, match=message):
         load_model(spec)
+
+
+def test_llama_rotates_queries_and_keys_in_one_pass_that_keeps_nothing() -> None:
+    """The rotary op reads and writes every query and key head once (plus the cos/sin tables), attention reads
+    the rotated copies, and it saves nothing itself: attention keeps what it kept before."""
+    g = load_model("llama?layers=1&hidden=512&heads=8&kv_heads=2&vocab=100", seq_len=64)
+    block = g.block_of(1)
+    ops = {op.name: op for op in block.ops}
+    rotary, sdpa = ops["attn.rotary"], ops["attn.sdpa"]
+    elements = 64 * (8 + 2) * 64  # seq x (query + key heads) x head width
+    assert rotary.kind is OpKind.ELEMENTWISE and rotary.inputs == ("attn.q", "attn.k")
+    assert rotary.bytes_written == elements * 2 and rotary.bytes_read == (elements + 2 * 64 * 64) * 2
+    assert rotary.flops == 3 * elements and rotary.saved_bytes == 0
+    assert sdpa.inputs == ("attn.rotary", "attn.v")
+    q_bytes, kv_bytes = 64 * 512 * 2, 2 * 64 * 128 * 2
+    assert sdpa.saved_bytes == 2 * q_bytes + kv_bytes  # q, k, v and its output, as without the rotary op
+    gpt = load_model("gpt?layers=1&hidden=512&heads=8&vocab=100", seq_len=64)
+    assert not any("rotary" in op.name for op in gpt.block_of(1).ops)  # learned positions: nothing to rotate
+
+
+def test_the_rotary_op_splits_by_heads_without_a_collective() -> None:
+    """Under Megatron's sharding the rotary op follows the column-parallel q and k projections (split by heads):
+    the block's TP collectives are those of the block without it."""
+    from tagplan.cost.sharding import shard_block
+    from tagplan.ir.plan import ShardStrategy
+
+    block = load_model("llama?layers=1&hidden=512&heads=8&kv_heads=2&vocab=100", seq_len=64).block_of(1)
+    sharded = shard_block(block)
+    assert sharded.strategies["attn.rotary"] is ShardStrategy.COLUMN
+    assert not [c for c in sharded.comms if c.op == "attn.rotary"]
+    assert len(sharded.comms) == 8  # all-gather and reduce-scatter at each norm-to-projection and back, fwd + bwd
