@@ -11,7 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from tagplan.cost.report import Report
-from tagplan.ir.plan import Plan
+from tagplan.ir.plan import Plan, Stage
 from tagplan.ir.summary import device_ranges
 from tagplan.ir.workload import Workload
 from tagplan.search.result import Candidate, PlanResult
@@ -81,8 +81,15 @@ def report_table(report: Report, plan: Plan) -> Table:
         table.add_row(str(s.index), f"[{s.layers[0]}, {s.layers[1]})", device_ranges(devs), _mesh(s.dp, s.cp, s.tp),
                       f"{s.forward_s * 1e3:.2f} ms", f"{s.backward_s * 1e3:.2f} ms", f"{s.tp_comm_s * 1e3:.2f} ms",
                       f"{s.dp_sync_s * 1e3:.2f} ms", f"{s.p2p_s * 1e3:.3f} ms", str(s.in_flight), str(stage.zero),
-                      "yes" if stage.recompute else "no")
+                      _recompute_cell(stage))
     return table
+
+
+def _recompute_cell(stage: Stage) -> str:
+    """"no", "yes" (every block), or how many of the stage's blocks recompute."""
+    if not stage.recompute:
+        return "no"
+    return "yes" if stage.recompute_layers is None else f"{stage.recompute_layers} layers"
 
 
 def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) -> str:

@@ -25,7 +25,7 @@ from tagplan.cost.memory import (
 from tagplan.cost.pipeline import PipelineResult, StageTiming, lane_peaks, max_in_flight, simulate_pipeline
 from tagplan.cost.report import Breakdown, DeviceMemoryReport, Report, StageReport
 from tagplan.cost.sharding import divides
-from tagplan.cost.stage_cost import CHECKPOINT_SKIPPED, GroupCost, StageCoster, sharding_key
+from tagplan.cost.stage_cost import GroupCost, StageCoster, sharding_key
 from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import Block, ModelGraph, Op, OpKind
@@ -463,19 +463,19 @@ class Simulator:
 
         Computed from the stage's unique blocks and counts (folding), not layer by layer.
         """
-        key = (stage.layers, stage.tp, stage.recompute, sharding_key(stage.sharding))
+        key = (stage.layers, stage.tp, stage.recompute, stage.recompute_layers, sharding_key(stage.sharding))
         hit = self.coster.memory_memo.get(key)
         if hit is None:
             units = [(self.model.block_by_hash[h], n) for h, n in self.coster.units(stage)]
             blocks = [b for b, _ in units]
-            if stage.recompute:  # checkpointed blocks keep their input; embeddings and heads all they save
+            replayed = self.coster.replayed_counts(stage)
+            if stage.recompute:  # recomputed layers keep their input; the others (embeddings, heads) all they save
                 inputs, kept = self.coster.kept_activations(stage)
                 saved = inputs / stage.tp + sum(n * self._saved_of(b, stage) for b, n in kept)
             else:
                 saved = sum(n * self._saved_of(b, stage) for b, n in units)
-            checkpointed = [b for b in blocks if b.kind not in CHECKPOINT_SKIPPED]
             # one recomputed layer's activations are live during its backward, kept as the runtime keeps them
-            recomputing = max((self._saved_of(b, stage) for b in checkpointed), default=0.0) if stage.recompute else 0.0
+            recomputing = max((self._saved_of(self.model.block_by_hash[h], stage) for h in replayed), default=0.0)
             working = recomputing + transient_bytes_per_sample(blocks, tp=stage.tp)
             hit = self.coster.memory_memo[key] = (saved, working)
         return hit
@@ -522,20 +522,20 @@ class Simulator:
         the tensor-parallel group's heads where the attention is split over them (a replicated one
         keeps all). A recomputed layer holds them only while it recomputes.
         """
-        key = ("scores", stage.layers, stage.tp, stage.recompute, sharding_key(stage.sharding))
+        key = ("scores", stage.layers, stage.tp, stage.recompute, stage.recompute_layers, sharding_key(stage.sharding))
         hit = self.coster.memory_memo.get(key)
         if hit is None:
             per_element = 2.0 * self.workload.dtype.elementwise.nbytes + 1.0
-            per_block = []
+            replayed, counts = self.coster.replayed_counts(stage), self.coster.block_counts(stage)
+            kept = recomputing = 0.0
             for h, n in self.coster.units(stage):
                 strategies = self.coster.sharded(h, stage.sharding).strategies
-                per_block.append((per_element * sum(
-                    op.score_elements / (stage.tp if divides(strategies[op.name]) else 1)
-                    for op in self.model.block_by_hash[h].ops), n))
-            if stage.recompute:
-                hit = (0.0, max((b for b, _ in per_block), default=0.0))
-            else:
-                hit = (sum(b * n for b, n in per_block), 0.0)
+                per_layer = per_element * sum(op.score_elements / (stage.tp if divides(strategies[op.name]) else 1)
+                                              for op in self.model.block_by_hash[h].ops)
+                share = replayed[h] / counts[h] if h in replayed else 0.0  # of this block's layers, those recomputed
+                kept += per_layer * n * (1.0 - share)
+                recomputing = max(recomputing, per_layer if share else 0.0)
+            hit = (kept, recomputing)
             self.coster.memory_memo[key] = hit
         return hit
 

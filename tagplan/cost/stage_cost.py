@@ -23,12 +23,10 @@ from tagplan.cost.compute import (
 )
 from tagplan.cost.sharding import ShardedBlock, collective_bytes, divides, shard_block
 from tagplan.ir.cluster import Cluster, DeviceSpec
-from tagplan.ir.model import Block, ModelGraph, OpKind
+from tagplan.ir.model import CHECKPOINT_SKIPPED, Block, ModelGraph, OpKind
 from tagplan.ir.plan import ShardStrategy, Stage
 from tagplan.ir.workload import Workload
 
-CHECKPOINT_SKIPPED = frozenset({"embedding", "head"})
-"""Block kinds recomputation keeps (Megatron and the torch program checkpoint the transformer blocks)."""
 TP_OVERLAP_SKIPPED = frozenset({"embedding", "head"})
 """Block kinds whose tensor-parallel collectives `Workload.tp_comm_overlap` leaves exposed: Megatron-LM's
 `--tp-comm-overlap` runs Transformer Engine's userbuffer overlap inside the transformer blocks' linear
@@ -79,6 +77,7 @@ class StageCoster:
         self.counts_memo: dict[tuple[int, int], Counter[str]] = {}
         self.class_memo: dict[tuple[int, ...], tuple[object, ...]] = {}
         self.cut_memo: dict[int, float] = {}
+        self.replay_memo: dict[tuple[tuple[int, int], int | None], Counter[str]] = {}
 
     def sharded(self, block_hash: str, overrides: dict[str, ShardStrategy] | None) -> ShardedBlock:
         """The block's strategies and all-reduces under the plan's overrides (memoised)."""
@@ -140,6 +139,7 @@ class StageCoster:
 
     def clear(self) -> None:
         """Forget every memoised cost (what the search does without folding)."""
+        self.replay_memo.clear()
         for table in (self.block_memo, self.source_memo, self.tp_memo, self.shard_memo, self.memory_memo,
                       self.params_memo):
             table.clear()
@@ -152,6 +152,8 @@ class StageCoster:
         ring = _ring_next(stage, group_index)
         fwd = bwd = tp_f = tp_b = 0.0
         overlap = self.workload.tp_comm_overlap and stage.tp > 1
+        replayed = self.replayed_counts(stage)
+        counts = self.block_counts(stage) if replayed else None
         for block_hash, count in self.units(stage):
             sharded = self.sharded(block_hash, stage.sharding)
             t = self._block(block_hash, sharded, spec, stage.tp, samples, stage.sharding)
@@ -163,11 +165,12 @@ class StageCoster:
             if ring is not None:
                 ring_f, ring_b = self._cp(block_hash, sharded, spec, group, ring, samples, stage)
                 comm_f, comm_b = comm_f + ring_f, comm_b + ring_b
-            replay = stage.recompute and kind not in CHECKPOINT_SKIPPED
+            # the recomputed share of this block's layers replays its forward (and its TP collectives) backward
+            replay = replayed[block_hash] / counts[block_hash] if counts is not None and block_hash in replayed else 0.0
             fwd += count * t.forward_s
-            bwd += count * (t.backward_s + (t.forward_s if replay else 0.0))
+            bwd += count * (t.backward_s + replay * t.forward_s)
             tp_f += count * comm_f
-            tp_b += count * (comm_b + (comm_f if replay else 0.0))
+            tp_b += count * (comm_b + replay * comm_f)
         return GroupCost(fwd, bwd, tp_f, tp_b)
 
     def group_costs(self, stage: Stage, samples: tuple[float, ...]) -> list[GroupCost]:
@@ -229,21 +232,39 @@ class StageCoster:
                   for h, count in self.block_counts(stage).items())
         return own + self.tied_copy_params(stage)  # a tied head away from the embedding keeps (and trains) a copy
 
+    def replayed_counts(self, stage: Stage) -> Counter[str]:
+        """Per block hash, how many of the stage's layers recompute (`Stage.recomputed`); empty without
+        recompute. Full recompute counts come from the prefix counts; partial ones walk the layers once."""
+        if not stage.recompute:
+            return Counter()
+        key = (stage.layers, stage.recompute_layers)
+        hit = self.replay_memo.get(key)
+        if hit is None:
+            if stage.recompute_layers is None:
+                hit = Counter({h: n for h, n in self.block_counts(stage).items()
+                               if self.model.block_by_hash[h].kind not in CHECKPOINT_SKIPPED})
+            else:
+                hit = Counter(self.model.layers[i].block for i in stage.recomputed(self.model))
+            self.replay_memo[key] = hit
+        return hit
+
     def kept_activations(self, stage: Stage) -> tuple[float, list[tuple[Block, int]]]:
-        """With recomputation: (input bytes per sample of the stage's checkpointed layers, the blocks it
-        does not checkpoint with their counts), which keep every activation they save."""
-        start, end = stage.layers
-        skipped = [i for i in range(start, end) if self.model.block_of(i).kind in CHECKPOINT_SKIPPED]
-        inputs = self.input_bytes(stage) - sum(self.model.block_of(i - 1).output_bytes for i in skipped if i > 0)
-        counts: dict[str, int] = {}
-        for i in skipped:
-            counts[self.model.layers[i].block] = counts.get(self.model.layers[i].block, 0) + 1
-        return inputs, [(self.model.block_by_hash[h], n) for h, n in counts.items()]
+        """With recomputation: (input bytes per sample of the stage's recomputed layers, the blocks of its other
+        layers with their counts: embeddings, heads and the layers a partial recompute leaves out), which keep
+        every activation they save."""
+        replayed = self.replayed_counts(stage)
+        kept = self.block_counts(stage) - replayed
+        if stage.recompute_layers is None:
+            start, end = stage.layers
+            skipped = [i for i in range(start, end) if self.model.block_of(i).kind in CHECKPOINT_SKIPPED]
+            inputs = self.input_bytes(stage) - sum(self.model.block_of(i - 1).output_bytes for i in skipped if i > 0)
+        else:
+            inputs = sum(self.model.block_of(i - 1).output_bytes for i in stage.recomputed(self.model) if i > 0)
+        return inputs, [(self.model.block_by_hash[h], n) for h, n in kept.items()]
 
     def checkpointed_layers(self, stage: Stage) -> int:
-        """Layers of `stage` that recomputation checkpoints: all but embeddings and heads."""
-        return sum(n for h, n in self.block_counts(stage).items()
-                   if self.model.block_by_hash[h].kind not in CHECKPOINT_SKIPPED)
+        """Layers of `stage` that recompute (`Stage.recomputed`): each pays a checkpoint call per micro-batch."""
+        return sum(self.replayed_counts(stage).values())
 
     def tied_copy_params(self, stage: Stage) -> float:
         """Parameters of one device of `stage` that copy the first layer's (0 where the stage holds it)."""

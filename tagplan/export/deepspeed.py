@@ -252,10 +252,18 @@ def plan_checks(plan: Plan, cluster: Cluster | None = None) -> tuple[int, int]:
     if pp > 1 and zeros[0] >= 2:
         raise refuse(FMT, f"zero={zeros[0]} with {pp} pipeline stages: DeepSpeed's PipelineModule is not "
                           "compatible with ZeRO-2 and ZeRO-3 (use zero 0 or 1)")
+    _checkpoint_intervals(plan)
     rank_order(plan, cluster)
     return dp, pp
 
 
 def _checkpoint_intervals(plan: Plan) -> list[int]:
-    """Per stage: 1 (checkpoint every layer) where the plan recomputes, else 0."""
+    """Per stage: 1 (checkpoint every layer) where the plan recomputes, else 0. A partial recompute is refused:
+    DeepSpeed's `activation_checkpoint_interval` checkpoints every k-th layer of every stage, not its first N."""
+    partial = [i for i, s in enumerate(plan.stages) if s.recompute_layers is not None]
+    if partial:
+        raise refuse(FMT, f"stages {partial} recompute only some of their layers (recompute_layers); DeepSpeed's "
+                          "pipeline engine checkpoints every k-th layer of every stage "
+                          "(activation_checkpoint_interval), not the first N: re-plan with full recomputation "
+                          "or export with fmt='megatron' or 'torch'")
     return [1 if s.recompute else 0 for s in plan.stages]

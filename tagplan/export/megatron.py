@@ -11,14 +11,17 @@ layer each); any other split, interleaved chunks included, is written as Megatro
 `--pipeline-model-parallel-layout`. Interleaved plans with the same number of layers in every chunk
 map onto virtual stages (`--num-layers-per-virtual-pipeline-stage`). Recomputation maps to full, uniform recomputation
 of every layer (`--recompute-num-layers 1`: keep each layer's input, as the plan's `recompute`
-means), ZeRO-1 to the distributed optimizer, and ZeRO-2/3 without pipelining to Megatron FSDP
+means), a partial one (`recompute_layers` N on every stage that holds more than N layers) to
+`--recompute-method block --recompute-num-layers N`, ZeRO-1 to the distributed optimizer, and
+ZeRO-2/3 without pipelining to Megatron FSDP
 (`--use-megatron-fsdp` with `--data-parallel-sharding-strategy optim_grads` / `optim_grads_params`
 and the flags Megatron-Core's Megatron-FSDP user guide requires: `--no-gradient-accumulation-fusion`,
 `--use-distributed-optimizer`, `--ckpt-format fsdp_dtensor`; its launcher leaves
 CUDA_DEVICE_MAX_CONNECTIONS unset, which Megatron asserts under FSDP). Anything else is refused with
 the reason: GPipe (Megatron has only 1F1B schedules), ZeRO-2/3 with pipelining (Megatron FSDP's
 documentation covers TP, EP and CP, not pipeline parallelism), recomputation on
-some stages only (Megatron's `--recompute-num-layers` applies the same count on every stage),
+some stages only or different partial counts (Megatron's `--recompute-num-layers` applies the same count
+on every stage),
 per-op shardings other than Megatron's, and model families other than GPT, Llama and MoE.
 
 Gradient reduction as costed (`grad_reduce`): `--overlap-grad-reduce` (and, with the distributed
@@ -148,7 +151,7 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
             args.append("--tp-comm-overlap")  # as costed (cost.stage_cost.exposed_tp_s); needs --sequence-parallel
     args += _model_args(family, shape, seq_len)
     args += ["--micro-batch-size", str(mbs), "--global-batch-size", str(global_batch)]
-    args += _recompute_args(plan)
+    args += _recompute_args(plan, model)
     args += _optimizer_args(plan, dp, overlap=grad_reduce_overlap)
     return args + reduce_args + _DTYPE_FLAG[model.dtype]
 
@@ -382,7 +385,10 @@ def _model_args(family: str, shape: TransformerShape, seq_len: int) -> list[str]
     return args
 
 
-def _recompute_args(plan: Plan) -> list[str]:
+def _recompute_args(plan: Plan, model: ModelGraph | None = None) -> list[str]:
+    """Full recomputation: every layer checkpointed (`--recompute-method uniform --recompute-num-layers 1`);
+    partial (`Stage.recompute_layers`): Megatron's block method, each (virtual) stage recomputing its first N
+    transformer layers, one N for all. With `model`, each stage's count is checked against min(N, its layers)."""
     flags = [s.recompute for s in plan.stages]
     if not any(flags):
         return []
@@ -391,7 +397,19 @@ def _recompute_args(plan: Plan) -> list[str]:
         off = [i for i, f in enumerate(flags) if not f]
         raise refuse(FMT, f"stages {on} recompute but stages {off} do not; Megatron-LM's --recompute-num-layers "
                           "applies the same count on every pipeline stage, so per-stage recomputation has no flag")
-    return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    counts = {s.recompute_layers for s in plan.stages if s.recompute_layers is not None}
+    if not counts:
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if len(counts) > 1:
+        raise refuse(FMT, f"stages recompute {sorted(counts)} layers; Megatron-LM's --recompute-method block "
+                          "--recompute-num-layers recomputes the same number of layers on every (virtual) stage")
+    n = counts.pop()
+    for i, stage in enumerate(plan.stages):
+        if model is not None and stage.recompute_layers is None and len(model.checkpointable(*stage.layers)) > n:
+            raise refuse(FMT, f"stages[{i}] recomputes all its {len(model.checkpointable(*stage.layers))} layers "
+                              f"but other stages {n}; Megatron-LM's --recompute-num-layers {n} would recompute "
+                              f"{n} of them")
+    return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(n)]
 
 
 def _optimizer_args(plan: Plan, dp: int, *, overlap: bool = True) -> list[str]:

@@ -16,7 +16,7 @@ itself from its own generator, seeded by `(seed, layer index)`, so a program tha
 its pipeline stage's layers holds the same numbers as a single process that builds them all.
 All parameters are random (biases and norm gains included): a bias added twice shows up.
 Hugging Face SPECs (family `hf`) run as the transformers class itself and a user's own
-`nn.Sequential` (family `module`) as itself: `build_layer`, `op_paths`, `set_recompute` and
+`nn.Sequential` (family `module`) as itself: `build_layer`, `op_paths`, `set_stage_recompute` and
 `tied_param_names` hand them to `tagplan.export.hf_modules` and `tagplan.export.user_modules`.
 """
 
@@ -230,10 +230,22 @@ def tied_param_names(config: ModelConfig) -> tuple[str, str] | None:
     return "layers.0.wte.weight", f"layers.{config.num_layers - 1}.lm_head.weight"
 
 
-def set_recompute(layer: nn.Module, on: bool) -> None:
-    """Checkpoint a transformer block's forward (embedding and head are kept)."""
+def set_recompute(layer: nn.Module, on: bool) -> bool:
+    """Checkpoint a transformer block's forward (embedding and head are kept); whether `layer` is such a block."""
     if isinstance(layer, Block | hf_modules.HFBlock | user_modules.ModuleLayer):
         layer.recompute = on
+        return True
+    return False
+
+
+def set_stage_recompute(layers: Iterable[nn.Module], recompute: bool, count: int | None) -> None:
+    """Checkpoint a stage's blocks where it recomputes (`recompute`): all of them, or its first `count`
+    (`Stage.recompute_layers`), in layer order."""
+    left = count
+    for layer in layers:
+        on = recompute and (left is None or left > 0)
+        if set_recompute(layer, on) and on and left is not None:
+            left -= 1
 
 
 def hf_config_object(config: ModelConfig) -> Any:

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tagplan.export.modules import Block, build_layer, op_paths, set_recompute, tied_param_names
+from tagplan.export.modules import Block, build_layer, op_paths, set_stage_recompute, tied_param_names
 from tagplan.export.shapes import ModelConfig
 
 SEQUENCE = Shard(1)  # activations (batch, seq, hidden) split along the sequence
@@ -176,8 +176,7 @@ def build_parts(cfg: dict[str, Any], config: ModelConfig, rank: Rank, *, track: 
         part = StageModule({j: build_layer(config, j, seed=cfg["seed"]) for j in range(start, end)}).to(rank.device)
         if cfg["mesh"]["tp"] > 1:
             apply_tp(part, config, stage, rank.mesh["tp"], sp=cfg["sequence_parallel"], track=track)
-        for layer in part.layers.values():
-            set_recompute(layer, bool(stage["recompute"]))
+        set_stage_recompute(part.layers.values(), bool(stage["recompute"]), stage.get("recompute_layers"))
         if cfg["mesh"]["dp"] > 1:
             apply_dp(part, stage["zero"], rank.mesh["dp"])
         parts[i] = part

@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import functional
 
-from tagplan.export.modules import build_layer, set_recompute, tied_param_names
+from tagplan.export.modules import build_layer, set_stage_recompute, tied_param_names
 from tagplan.export.runtime_layout import Action, StageLayout, Transfer, transfers
 from tagplan.export.runtime_optim import ZeroShard
 from tagplan.export.runtime_parallel import StageModule, apply_tp
@@ -113,8 +113,7 @@ def build_stage(cfg: dict[str, Any], config: ModelConfig, lay: StageLayout, grou
     part = StageModule({j: build_layer(config, j, seed=cfg["seed"]) for j in range(start, end)}).to(device)
     if lay.tp > 1:
         apply_tp(part, config, stage, groups.tp_mesh[lay.index], sp=cfg["sequence_parallel"], track=track)
-    for layer in part.layers.values():
-        set_recompute(layer, bool(stage["recompute"]))
+    set_stage_recompute(part.layers.values(), bool(stage["recompute"]), stage.get("recompute_layers"))
     if lay.index in groups.dp_mesh:
         shard_stage(part, groups.dp_mesh[lay.index])
     return part

@@ -38,7 +38,8 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
   mesh under tp): 1/dp of the weights per dp rank between steps, gradients summed over the
   replicas (`runtime_pipeline.shard_stage`); ZeRO with `dp == 1` shards over nothing and runs as
   plain training;
-- `recompute` checkpoints every transformer block of the stage (embedding and head are kept);
+- `recompute` checkpoints every transformer block of the stage (embedding and head are kept), or its
+  first `recompute_layers` blocks where that is set;
 - gradients reduce in fp32 (autocast over fp32 master weights): a costed 16-bit
   `grad_reduce_dtype` is refused. Where they overlap the backward (`reduce_overlaps`): on the mesh
   runtime with one pipeline rank (FSDP2/replicate hooks during the last micro-batch's backward) and
@@ -133,6 +134,7 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
             strategies[str(j)] = {op: resolved[op].value for op in split_ops(config, model, j) if op in resolved}
         stages.append({"layers": list(stage.layers), "pp_rank": ranks[i], "devices": list(stage.devices),
                        "dp": stage.dp, "tp": stage.tp, "recompute": stage.recompute,
+                       "recompute_layers": stage.recompute_layers,
                        "zero": stage.zero if stage.dp > 1 else 0, "strategies": strategies})
     first = plan.stages[0]
     runtime = runtime_for(plan, [row["device"] for row in table])

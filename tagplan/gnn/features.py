@@ -410,7 +410,9 @@ def _layer_rows(plan: Plan, s: int, workload: Workload, mt: ModelTables, group: 
     per_micro = workload.global_batch / plan.micro_batches
     frac = (mt.cum_flops[end] - mt.cum_flops[start]) / max(mt.cum_flops[-1], 1.0)
     load, speed = group
-    row = [s / len(plan.stages), math.log2(stage.tp), math.log2(stage.dp), float(stage.recompute), stage.zero / 3,
+    recomputed = 0.0 if not stage.recompute else 1.0 if stage.recompute_layers is None else min(
+        1.0, stage.recompute_layers / stage.num_layers)  # the share of the stage's layers that recompute
+    row = [s / len(plan.stages), math.log2(stage.tp), math.log2(stage.dp), recomputed, stage.zero / 3,
            math.log1p(per_micro / stage.dp), stage.num_layers / len(mt.flops), frac,
            math.log(max(load, 1e-12) / speed)]  # the stage group's share of the FLOPs over its share of the peak
     critical = per_micro * max(stage.shares())  # samples of the largest replica's micro-batch
@@ -440,8 +442,10 @@ def _memory(plan: Plan, s: int, mt: ModelTables, workload: Workload) -> tuple[fl
     start, end = stage.layers
     params = (mt.cum_params[end] - mt.cum_params[start]) / stage.tp
     state = sum(model_state_bytes(params, workload, zero=stage.zero, dp=stage.dp_cp))
-    if stage.recompute:
-        saved = mt.cum_inputs[end] - mt.cum_inputs[start] + mt.saved[start:end].max()
+    if stage.recompute:  # a partial recompute: its first layers (after an embedding) keep inputs, the rest all
+        cut = end if stage.recompute_layers is None else min(end, start + stage.recompute_layers + (start == 0))
+        saved = (mt.cum_inputs[cut] - mt.cum_inputs[start] + mt.cum_saved[end] - mt.cum_saved[cut]
+                 + mt.saved[start:cut].max())
     else:
         saved = mt.cum_saved[end] - mt.cum_saved[start]
     stages = len(plan.stages)

@@ -45,6 +45,9 @@ class PartitionDim(StrEnum):
     EXPERTS = "experts"
 
 
+CHECKPOINT_SKIPPED: frozenset[str] = frozenset({"embedding", "head"})
+"""Block kinds recomputation keeps whole (Megatron and the torch program checkpoint the transformer blocks)."""
+
 HASH_EXCLUDED: frozenset[str] = frozenset({"score_elements", "shared_param_bytes"})
 """Op fields that block hashes leave out: derived from shapes the hash already covers (so adding them kept
 every earlier hash, and the layer profiles that name blocks by hash, valid)."""
@@ -162,6 +165,11 @@ class ModelGraph(Record):
         if explicit is not None:
             return explicit
         return () if layer_index == 0 else (layer_index - 1,)
+
+    def checkpointable(self, start: int, end: int) -> tuple[int, ...]:
+        """Indices of the layers in `[start, end)` that recomputation checkpoints, in order: every layer whose
+        block is not an embedding or a head (`CHECKPOINT_SKIPPED`)."""
+        return tuple(i for i in range(start, end) if self.block_of(i).kind not in CHECKPOINT_SKIPPED)
 
     @cached_property
     def params(self) -> int:

@@ -59,6 +59,11 @@ class Stage(Record):
         "they sum to the micro-batch size; exclusive with batch_shares"
     )
     recompute: bool = False
+    recompute_layers: int | None = Field(
+        default=None, gt=0, description="with recompute: how many of the stage's checkpointable layers (its "
+        "transformer blocks, not an embedding or head) recompute, its first ones in order; the others keep their "
+        "activations. None: all of them (full recompute). Megatron's --recompute-method block "
+        "--recompute-num-layers, per pipeline stage or virtual stage")
     zero: int = Field(default=0, ge=0, le=3, description="ZeRO stage 0-3")
     sharding: dict[str, ShardStrategy] | None = Field(
         default=None, description="per-op strategy by op name, filled by the intra-stage solver"
@@ -76,6 +81,9 @@ class Stage(Record):
                              f"{len(self.devices)} devices {list(self.devices)[:16]}")
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"devices repeat within a stage: {list(self.devices)}")
+        if self.recompute_layers is not None and not self.recompute:
+            raise ValueError(f"recompute_layers={self.recompute_layers} needs recompute=true: it says how many "
+                             "of the stage's layers recompute")
         if self.batch_samples is not None:
             if self.batch_shares is not None:
                 raise ValueError("give batch_samples or batch_shares, not both")
@@ -98,6 +106,15 @@ class Stage(Record):
     def num_layers(self) -> int:
         """Number of layers in the stage."""
         return self.layers[1] - self.layers[0]
+
+    def recomputed(self, model: ModelGraph) -> tuple[int, ...]:
+        """Indices of the stage's layers that recompute their activations in the backward pass: none without
+        recompute, else its checkpointable layers (`ModelGraph.checkpointable`), the first `recompute_layers`
+        of them where that is set."""
+        if not self.recompute:
+            return ()
+        layers = model.checkpointable(*self.layers)
+        return layers if self.recompute_layers is None else layers[:self.recompute_layers]
 
     def replica(self, r: int) -> tuple[int, ...]:
         """Devices of data-parallel replica `r` (its cp tensor-parallel groups; one without context parallelism)."""
@@ -220,6 +237,14 @@ def check_plan(plan: Plan, model: ModelGraph, cluster: Cluster) -> None:
             f"plan covers layers [{first}, {last}) but model {model.name!r} has "
             f"{len(model.layers)} layers [0, {len(model.layers)})"
         )
+    for i, stage in enumerate(plan.stages):
+        if stage.recompute_layers is not None:
+            checkpointable = len(model.checkpointable(*stage.layers))
+            if stage.recompute_layers > checkpointable:
+                start, end = stage.layers
+                raise ValueError(f"stages[{i}].recompute_layers = {stage.recompute_layers} but the stage holds "
+                                 f"{checkpointable} checkpointable layers (layers [{start}, {end}), embeddings and "
+                                 f"heads excluded); accepted: 1..{checkpointable}, or null for all")
     check_devices(plan, cluster)
 
 

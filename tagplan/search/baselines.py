@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from tagplan.cost.report import Report
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.plan import Plan, Schedule, Stage, context_split_whole
+from tagplan.search.recompute import fewest_recomputed
 from tagplan.search.result import Baseline, Candidate
 from tagplan.search.space import CONTEXT_DEGREES, LONG_CONTEXT_TOKENS, divisors
 
@@ -51,12 +52,16 @@ class GridPoint:
     chunks: int = 1  # virtual pipeline stages per device (Megatron's vp): 1 is 1F1B, more interleaved 1F1B
     cp: int = 1  # context-parallel degree (Megatron's --context-parallel-size)
 
-    def describe(self, micro_batches: int) -> str:
-        """The configuration as a practitioner writes it."""
+    def describe(self, plan: Plan) -> str:
+        """The configuration as a practitioner writes it (`plan`: this point's plan, for its micro-batch count
+        and how many layers per stage it recomputes)."""
         vp = f" vp={self.chunks}" if self.chunks > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
+        counts = {s.recompute_layers for s in plan.stages if s.recompute}
+        recompute = ("off" if not self.recompute else "on" if counts == {None}
+                     else f"{max(c for c in counts if c is not None)} layers per stage")
         return (f"tp={self.tp}{cp} pp={self.pp}{vp} dp={self.dp}, micro-batch size {self.micro_batch_size} "
-                f"({micro_batches} micro-batches), ZeRO-{self.zero}, recompute {'on' if self.recompute else 'off'}, "
+                f"({plan.micro_batches} micro-batches), ZeRO-{self.zero}, recompute {recompute}, "
                 f"nodes in {self.order}")
 
 
@@ -174,9 +179,10 @@ def _walk(sim: Simulator, series: Iterable[tuple[GridPoint, Plan]], judge: Judge
     simulated that fits."""
     best: tuple[Candidate, str] | None = None
     previous = math.inf
-    for point, plan in series:
-        if not sim.fits(plan):  # memory alone decides it: no need to time a plan the walk stops at
+    for point, full in series:
+        if not sim.fits(full):  # memory alone decides it: no need to time a plan the walk stops at
             break
+        plan = fewest_recomputed(sim, full)  # recompute only as many layers as memory needs
         cand = judge(plan, source)
         if fitted is not None and cand.report.fits:
             fitted.append(cand.report)
@@ -184,7 +190,7 @@ def _walk(sim: Simulator, series: Iterable[tuple[GridPoint, Plan]], judge: Judge
             break
         previous = cand.report.iteration_time_s
         if best is None or _faster(cand, best[0]):
-            best = (cand, point.describe(plan.micro_batches))
+            best = (cand, point.describe(plan))
     return best
 
 

@@ -31,6 +31,7 @@ from tagplan.cost.simulator import Simulator
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.plan import Plan, Schedule, Stage, context_split_whole
 from tagplan.search.groups import Partition, partitions, stage_counts, tp_options
+from tagplan.search.recompute import fewest_recomputed
 
 MEMORY_OPTIONS: tuple[tuple[bool, int], ...] = ((False, 1), (False, 0), (False, 2), (False, 3), (True, 1), (True, 3))
 
@@ -414,9 +415,11 @@ class PlanSpace:
                            "recompute": recompute, "zero": zero if dp * cp > 1 else 0})
         if chunks == 1:
             stages = tuple(Stage(layers=(bounds[i], bounds[i + 1]), **m) for i, m in enumerate(meshes))
-            return Plan(micro_batches=state.micro_batches, schedule=Schedule.ONE_F_ONE_B, stages=stages)
-        return Plan(micro_batches=state.micro_batches, schedule=Schedule.INTERLEAVED_1F1B,
-                    stages=self._interleave(bounds, meshes, chunks))
+            plan = Plan(micro_batches=state.micro_batches, schedule=Schedule.ONE_F_ONE_B, stages=stages)
+        else:
+            plan = Plan(micro_batches=state.micro_batches, schedule=Schedule.INTERLEAVED_1F1B,
+                        stages=self._interleave(bounds, meshes, chunks))
+        return fewest_recomputed(self.sim, plan) if recompute else plan  # recompute only what memory needs
 
     def _interleave(self, bounds: list[int], meshes: list[dict[str, Any]], chunks: int) -> tuple[Stage, ...]:
         """Each device group's layers cut into `chunks` parts, laid out round-robin (Megatron's virtual stages)."""

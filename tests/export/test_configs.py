@@ -497,3 +497,37 @@ def test_tp_comm_overlap_judges_each_pair_of_a_group_by_its_own_link() -> None:
     four = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(0, 1, 2, 3), tp=4),))
     assert tp_overlap_refusal(four, dgx) is None
     assert "GPUs 2 and 3 meet over pcie" in (tp_overlap_refusal(four, holed) or "")
+
+
+# --- partial recomputation (Stage.recompute_layers) ----------------------------------------------------
+
+
+def test_a_partial_recompute_is_megatrons_block_method(gpt3: ModelGraph) -> None:
+    plan = pipeline([12] * 8, tp=8, recompute=True, recompute_layers=3)
+    args = megatron_arguments(gpt3, plan, global_batch=1536, seq_len=2048)
+    i = args.index("--recompute-granularity")
+    assert args[i:i + 6] == ["--recompute-granularity", "full", "--recompute-method", "block",
+                             "--recompute-num-layers", "3"]
+
+
+def test_megatron_refuses_partial_counts_it_cannot_write(gpt3: ModelGraph) -> None:
+    uneven = with_stage(pipeline([12] * 8, tp=8, recompute=True, recompute_layers=3), 2, recompute_layers=4)
+    with pytest.raises(ExportError, match=r"stages recompute \[3, 4\] layers; .*same number of layers on every"):
+        megatron_arguments(gpt3, uneven, global_batch=1536, seq_len=2048)
+    full_beside = with_stage(pipeline([12] * 8, tp=8, recompute=True, recompute_layers=3), 2, recompute_layers=None)
+    with pytest.raises(ExportError, match=r"stages\[2\] recomputes all its 12 layers but other stages 3"):
+        megatron_arguments(gpt3, full_beside, global_batch=1536, seq_len=2048)
+    # a stage holding no more than N blocks recomputes them all under --recompute-num-layers N: that one is written
+    short = pipeline([14, 10], tp=8, micro_batches=8, recompute=True)
+    short = with_stage(short, 0, recompute_layers=10)
+    model = load_model("gpt?layers=24&hidden=1024&heads=16&vocab=1000", seq_len=128)
+    args = megatron_arguments(model, short, global_batch=8, seq_len=128)
+    assert args[args.index("--recompute-method") + 1:args.index("--recompute-method") + 4] == [
+        "block", "--recompute-num-layers", "10"]
+
+
+def test_deepspeed_refuses_a_partial_recompute(gpt_small: ModelGraph) -> None:
+    plan = ds_plan(zero=1, recompute=True, recompute_layers=1)
+    with pytest.raises(ExportError, match=r"stages \[0, 1, 2, 3\] recompute only some of their layers.*"
+                                          r"activation_checkpoint_interval"):
+        deepspeed_config(gpt_small, plan, global_batch=64, seq_len=2048)

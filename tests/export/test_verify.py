@@ -208,3 +208,25 @@ def test_readme_tour_plan_shrunk_matches() -> None:
     """The tour's shape (tensor parallelism on the first stage, data parallelism after it) on 4 processes."""
     plan = Plan(micro_batches=2, stages=(_stage((0, 8), (0, 1), tp=2), _stage((8, 26), (2, 3), dp=2)))
     _passes("gpt3-1.3b", plan)
+
+
+def test_a_partial_recompute_checkpoints_the_stages_first_blocks_only(llama_spec: str) -> None:
+    from tagplan.export.modules import Block, set_stage_recompute
+
+    model = build_model(scaled_down(llama_spec), seq_len=16)  # embedding, two blocks, head
+    set_stage_recompute(model.layers, True, 1)
+    assert [getattr(layer, "recompute", None) for layer in model.layers] == [None, True, False, None]
+    set_stage_recompute(model.layers, True, None)
+    assert [layer.recompute for layer in model.layers if isinstance(layer, Block)] == [True, True]
+    set_stage_recompute(model.layers, False, None)
+    assert not any(layer.recompute for layer in model.layers if isinstance(layer, Block))
+
+
+@pytest.mark.slow
+def test_a_partial_recompute_runs_and_matches(llama_spec: str, tmp_path: Path) -> None:
+    plan = Plan(schedule="1f1b", micro_batches=2, stages=(_stage((0, 2), (0,), recompute=True, recompute_layers=1),
+                                                          _stage((2, 4), (1,), recompute=True, recompute_layers=1)))
+    write_torch_program(llama_spec, plan, tmp_path, seq_len=16, global_batch=4)
+    assert [s["recompute_layers"] for s in json.loads((tmp_path / "plan.json").read_text())["stages"]] == [1, 1]
+    report = verify(llama_spec, plan)
+    assert report.passed, report.message

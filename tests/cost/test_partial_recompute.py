@@ -1,0 +1,82 @@
+"""Partial recomputation (`Stage.recompute_layers`): a stage recomputes its first N transformer blocks and
+keeps every activation of the others. Its time and memory lie between no recompute and full recompute, each
+recomputed block moving the stage by the same step; `search.recompute.fewest_recomputed` picks the least N
+that fits; plans name an N the stage can hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from tagplan.cost.simulator import Simulator
+from tagplan.errors import SpecError
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir import Workload
+from tagplan.ir.plan import Plan, Stage
+from tagplan.search.recompute import fewest_recomputed, with_recomputed
+
+MODEL = "gpt?layers=24&hidden=4096&heads=32&vocab=50304"  # embedding, 24 blocks, head
+
+
+def _sim(batch: int = 64) -> Simulator:
+    return Simulator(load_model(MODEL, seq_len=2048), load_cluster("dgx-a100-40gb"),
+                     Workload(global_batch=batch, seq_len=2048))
+
+
+def _plan(recompute: bool, count: int | None = None, micro_batches: int = 16) -> Plan:
+    """Two stages of tp 4: layers [0, 13) (embedding and 12 blocks) and [13, 26) (12 blocks and the head)."""
+    return Plan(micro_batches=micro_batches, stages=tuple(
+        Stage(layers=layers, devices=devices, tp=4, recompute=recompute, recompute_layers=count)
+        for layers, devices in (((0, 13), (0, 1, 2, 3)), ((13, 26), (4, 5, 6, 7)))))
+
+
+def _first_stage(sim: Simulator, plan: Plan) -> tuple[float, float]:
+    report = sim.simulate(plan)
+    return report.stages[0].backward_s, sim.memory_bytes(plan)[0]
+
+
+def test_each_recomputed_block_costs_one_forward_replay_and_saves_the_same_bytes() -> None:
+    sim = _sim()
+    off = _first_stage(sim, _plan(False))
+    full = _first_stage(sim, _plan(True))
+    steps = [_first_stage(sim, _plan(True, n)) for n in (1, 2, 3, 6, 11)]
+    backward = [b for b, _ in steps]
+    memory = [m for _, m in steps]
+    assert off[0] < backward[0] and backward == sorted(backward) and backward[-1] < full[0]
+    # the stage's 12 blocks are alike: each one recomputed adds the same replay time, and keeps only its input
+    per_block_s = (full[0] - off[0]) / 12
+    for n, b in zip((1, 2, 3, 6, 11), backward, strict=True):
+        assert b - off[0] == pytest.approx(n * per_block_s, rel=1e-9)
+    assert memory == sorted(memory, reverse=True) and full[1] < memory[-1]
+    per_block_bytes = memory[1] - memory[2]
+    assert per_block_bytes > 0 and memory[0] - memory[3] == pytest.approx(5 * per_block_bytes, rel=1e-9)
+    # a recomputed block keeps its input for every micro-batch in flight, and all it saves only while it replays
+    assert memory[0] < off[1]
+
+
+def test_the_full_count_is_full_recompute_and_bad_counts_are_refused() -> None:
+    sim = _sim()
+    assert sim.simulate(_plan(True, 12)).iteration_time_s == sim.simulate(_plan(True)).iteration_time_s
+    assert sim.memory_bytes(_plan(True, 12)) == sim.memory_bytes(_plan(True))
+    with pytest.raises(SpecError, match=r"stages\[0\]\.recompute_layers = 13 but the stage holds 12 checkpointable "
+                                        r"layers \(layers \[0, 13\), embeddings and heads excluded\); accepted: 1..12"):
+        sim.simulate(_plan(True, 13))
+    with pytest.raises(ValueError, match="recompute_layers=2 needs recompute=true"):
+        Stage(layers=(0, 4), devices=(0,), recompute_layers=2)
+
+
+def test_the_fewest_recomputed_layers_that_fit_are_found() -> None:
+    sim = _sim(batch=512)  # 32 samples a micro-batch: without recompute the stages do not fit in 40 GB
+    full = _plan(True, micro_batches=16)
+    assert not sim.fits(_plan(False)) and sim.fits(full)
+    trimmed = fewest_recomputed(sim, full)
+    counts = {s.recompute_layers for s in trimmed.stages}
+    assert len(counts) == 1 and None not in counts  # one count, as Megatron's flag
+    n = counts.pop()
+    assert n is not None and 1 < n < 12
+    assert sim.fits(trimmed) and not sim.fits(with_recomputed(sim, full, n - 1))
+    assert sim.simulate(trimmed).iteration_time_s < sim.simulate(full).iteration_time_s
+    assert fewest_recomputed(sim, _plan(False)) == _plan(False)  # nothing recomputes: nothing to trim
+    tight = _sim(batch=8192)
+    too_big = _plan(True, micro_batches=16)
+    assert not tight.fits(too_big) and fewest_recomputed(tight, too_big) == too_big  # not even full fits
