@@ -120,7 +120,7 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
     baselines["exhaustive"] = _exhaustive(space, problem.exhaustive_limit)
     pool = [c for c in judge.candidates.values() if c.report.fits]
     if admissible is not None:
-        kept = [c for c in pool if admissible(c.plan) is None]
+        kept = [k for c in pool if (k := _admitted(c, admissible, judge)) is not None]
         if pool and not kept:
             notes.append(f"no plan that fits is admissible ({admissible(pool[0].plan)})")
         pool = kept
@@ -155,6 +155,22 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                                       if best.plan.stages[i].dp_cp > 1},
                       predictor=Predictor(problem.calibration.name, correction.version if correction else None,
                                           applied))
+
+
+def _admitted(cand: Candidate, admissible: Admissible, judge: SimulatorEvaluator) -> Candidate | None:
+    """`cand` where `admissible` accepts its plan; else, for a plan that recomputes only some layers
+    (`Stage.recompute_layers`), the same plan with full recomputation where that is accepted and fits (a
+    runtime without partial recomputation, DeepSpeed's, runs the full one); else None."""
+    if admissible(cand.plan) is None:
+        return cand
+    if not any(s.recompute_layers is not None for s in cand.plan.stages):
+        return None
+    full = cand.plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute_layers": None})
+                                                        for s in cand.plan.stages)})
+    if admissible(full) is not None:
+        return None
+    other = judge.candidate(full, cand.source)
+    return other if other.report.fits else None
 
 
 def _incumbents(pool: list[Candidate]) -> list[Candidate]:

@@ -80,3 +80,25 @@ def test_the_fewest_recomputed_layers_that_fit_are_found() -> None:
     tight = _sim(batch=8192)
     too_big = _plan(True, micro_batches=16)
     assert not tight.fits(too_big) and fewest_recomputed(tight, too_big) == too_big  # not even full fits
+
+
+def test_a_runtime_without_partial_recompute_gets_the_full_one() -> None:
+    """A plan that recomputes some layers, under a runtime that refuses that (DeepSpeed's; here an `admissible`
+    that refuses it), is replaced by the same plan with full recomputation, not dropped; a plan refused for
+    another reason is dropped."""
+    from tagplan.search.planner import SimulatorEvaluator, _admitted
+    from tagplan.search.space import PlanSpace
+
+    sim = _sim(batch=512)
+    judge = SimulatorEvaluator(PlanSpace(sim))
+    partial = judge.candidate(fewest_recomputed(sim, _plan(True, micro_batches=16)))
+    assert any(s.recompute_layers is not None for s in partial.plan.stages)
+
+    def no_partial(p: Plan) -> str | None:
+        return "partial" if any(s.recompute_layers is not None for s in p.stages) else None
+
+    assert _admitted(partial, lambda p: None, judge) is partial
+    full = _admitted(partial, no_partial, judge)
+    assert full is not None and full.plan == _plan(True, micro_batches=16) and full.report.fits
+    assert full.report.iteration_time_s > partial.report.iteration_time_s
+    assert _admitted(partial, lambda p: "never", judge) is None
