@@ -34,6 +34,7 @@ from tagplan.search.exhaustive import exhaustive
 from tagplan.search.mcts import Prior, SearchStats, mcts, uniform_prior
 from tagplan.search.pareto import frontier
 from tagplan.search.problem import Objective, PlanProblem
+from tagplan.search.recompute import fewest_recomputed
 from tagplan.search.refine import refine_sharding
 from tagplan.search.result import Baseline, Candidate, PlanResult, Predictor, SearchInfo
 from tagplan.search.space import PlanSpace, PlanState
@@ -158,19 +159,25 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
 
 
 def _admitted(cand: Candidate, admissible: Admissible, judge: SimulatorEvaluator) -> Candidate | None:
-    """`cand` where `admissible` accepts its plan; else, for a plan that recomputes only some layers
-    (`Stage.recompute_layers`), the same plan with full recomputation where that is accepted and fits (a
-    runtime without partial recomputation, DeepSpeed's, runs the full one); else None."""
+    """`cand` where `admissible` accepts its plan; else, for a plan whose stages recompute different numbers of
+    layers (`recompute.fewest_recomputed(per_stage=True)`), the first of the plan with one count for every
+    stage (the fewest that fit: Megatron-LM's one flag) and the plan with full recomputation on every stage (a
+    runtime without partial recomputation, DeepSpeed's) that is accepted and fits; else None."""
     if admissible(cand.plan) is None:
         return cand
-    if not any(s.recompute_layers is not None for s in cand.plan.stages):
-        return None
-    full = cand.plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute_layers": None})
-                                                        for s in cand.plan.stages)})
-    if admissible(full) is not None:
-        return None
-    other = judge.candidate(full, cand.source)
-    return other if other.report.fits else None
+    stages = cand.plan.stages
+    if not any(s.recompute for s in stages) or (
+            all(s.recompute for s in stages) and all(s.recompute_layers is None for s in stages)):
+        return None  # no recompute, or full recompute everywhere: no other recompute to offer
+    full = cand.plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute": True,
+                                                                             "recompute_layers": None})
+                                                        for s in stages)})
+    for other in (fewest_recomputed(judge.space.sim, full), full):
+        if admissible(other) is None:
+            judged = judge.candidate(other, cand.source)
+            if judged.report.fits:
+                return judged
+    return None
 
 
 def _incumbents(pool: list[Candidate]) -> list[Candidate]:

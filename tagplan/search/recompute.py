@@ -2,14 +2,18 @@
 
 Full recomputation replays every transformer block's forward in the backward pass (a third more compute);
 a practitioner whose plan fits with a few blocks recomputed sets Megatron's `--recompute-method block
---recompute-num-layers N` and pays for those only. `fewest_recomputed` gives a plan that recomputes the
-fewest such layers: one count N for every recomputing stage (Megatron's flag is one number, per pipeline
-stage or virtual stage), each stage recomputing its first min(N, its blocks) blocks, the least N whose plan
-still fits by the memory terms alone (`Simulator.fits`, no timing). Memory falls as N grows (each layer
-recomputed keeps its input instead of every activation it saves), so a binary search finds it.
+--recompute-num-layers N` and pays for those only. Two trims, both on the memory terms alone
+(`Simulator.fits`, no timing), both by binary search (memory falls as more layers recompute):
 
-The search's terminals (`PlanSpace.to_plan`) and the practitioner baselines (`baselines`) both take their
-recomputing plans through it, so neither side is judged with more recomputation than it needs.
+- `fewest_recomputed(sim, plan)`: one count N for every recomputing stage (Megatron's flag is one number,
+  per pipeline stage or virtual stage), each stage recomputing its first min(N, its blocks) blocks, the least
+  N whose plan fits. What the practitioner baselines (`baselines`) run.
+- `fewest_recomputed(sim, plan, per_stage=True)`: each stage its own count, none where it fits without
+  (stage by stage, the others held). Under 1F1B the first stage holds a micro-batch in flight for every
+  stage and the last one only one, and on a mixed cluster a stage on a 16 GB GPU needs more than one on an
+  80 GB GPU: one count for all recomputes layers the other stages need not. What the search's terminals
+  (`PlanSpace.to_plan`) are; the torch program runs it, Megatron-LM only where the counts agree (the planner
+  offers such a runtime the common count, then full recomputation: `planner._admitted`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from tagplan.cost.simulator import Simulator
 from tagplan.ir.plan import Plan
 
 
-def fewest_recomputed(sim: Simulator, plan: Plan, fits: Callable[[Plan], bool] | None = None) -> Plan:
+def fewest_recomputed(sim: Simulator, plan: Plan, fits: Callable[[Plan], bool] | None = None, *,
+                      per_stage: bool = False) -> Plan:
     """`plan` with its recomputing stages trimmed to the fewest recomputed layers that fit (see the module);
     `plan` itself when no stage recomputes, when a stage already names its count, or when only full
     recomputation fits (or not even that). `fits`: the memory check (`sim.fits` by default)."""
@@ -28,8 +33,12 @@ def fewest_recomputed(sim: Simulator, plan: Plan, fits: Callable[[Plan], bool] |
     if not stages or any(s.recompute_layers is not None for s in stages):
         return plan
     fits = fits or sim.fits
+    if not fits(plan):
+        return plan
+    if per_stage:
+        return _per_stage(sim, plan, fits)
     most = max(len(sim.model.checkpointable(*s.layers)) for s in stages)
-    if most <= 1 or not fits(plan):
+    if most <= 1:
         return plan
     low, high = 1, most  # the least count that fits lies in [low, high]; `most` is full recomputation
     while low < high:
@@ -48,3 +57,36 @@ def with_recomputed(sim: Simulator, plan: Plan, count: int) -> Plan:
         s.model_copy(update={"recompute_layers": count if count < len(sim.model.checkpointable(*s.layers)) else None})
         if s.recompute else s for s in plan.stages)
     return plan.model_copy(update={"stages": stages})
+
+
+def _per_stage(sim: Simulator, plan: Plan, fits: Callable[[Plan], bool]) -> Plan:
+    """Stage by stage in order, the least count of its own that keeps `plan` fitting, the others held: none
+    (recompute off) where the stage fits without, else the least of 1..its blocks (memory falls from 1 up;
+    recomputing one block can take more than none, where a single micro-batch is in flight)."""
+    current = plan
+    for i, stage in enumerate(plan.stages):
+        if not stage.recompute:
+            continue
+        most = len(sim.model.checkpointable(*stage.layers))
+        off = _with_stage_count(current, i, 0, most)
+        if fits(off):
+            current = off
+            continue
+        low, high = 1, most
+        while low < high:
+            mid = (low + high) // 2
+            if fits(_with_stage_count(current, i, mid, most)):
+                high = mid
+            else:
+                low = mid + 1
+        current = _with_stage_count(current, i, low, most)
+    return current
+
+
+def _with_stage_count(plan: Plan, index: int, count: int, most: int) -> Plan:
+    """`plan` with stage `index` recomputing its first `count` of `most` checkpointable layers (0: none)."""
+    update: dict[str, object] = ({"recompute": False, "recompute_layers": None} if count == 0 else
+                                 {"recompute": True, "recompute_layers": count if count < most else None})
+    stages = list(plan.stages)
+    stages[index] = plan.stages[index].model_copy(update=update)
+    return plan.model_copy(update={"stages": tuple(stages)})

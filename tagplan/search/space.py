@@ -419,7 +419,8 @@ class PlanSpace:
         else:
             plan = Plan(micro_batches=state.micro_batches, schedule=Schedule.INTERLEAVED_1F1B,
                         stages=self._interleave(bounds, meshes, chunks))
-        return fewest_recomputed(self.sim, plan) if recompute else plan  # recompute only what memory needs
+        # each stage recomputes only what its memory needs
+        return fewest_recomputed(self.sim, plan, per_stage=True) if recompute else plan
 
     def _interleave(self, bounds: list[int], meshes: list[dict[str, Any]], chunks: int) -> tuple[Stage, ...]:
         """Each device group's layers cut into `chunks` parts, laid out round-robin (Megatron's virtual stages)."""

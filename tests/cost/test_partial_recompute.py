@@ -102,3 +102,41 @@ def test_a_runtime_without_partial_recompute_gets_the_full_one() -> None:
     assert full is not None and full.plan == _plan(True, micro_batches=16) and full.report.fits
     assert full.report.iteration_time_s > partial.report.iteration_time_s
     assert _admitted(partial, lambda p: "never", judge) is None
+
+
+def test_each_stage_recomputes_what_its_own_memory_needs() -> None:
+    """Under 1F1B the first of four stages holds four micro-batches in flight and the last one: per stage, the
+    later stages recompute fewer layers (or none) than one count for all makes them, and the plan is faster; a
+    runtime that takes one count only (Megatron-LM) is offered the common count."""
+    from tagplan.search.planner import SimulatorEvaluator, _admitted
+    from tagplan.search.space import PlanSpace
+
+    sim = _sim(batch=512)
+    bounds = (0, 7, 13, 19, 26)
+    full = Plan(micro_batches=32, stages=tuple(
+        Stage(layers=(bounds[i], bounds[i + 1]), devices=(2 * i, 2 * i + 1), tp=2, recompute=True) for i in range(4)))
+
+    def recomputed(p: Plan) -> list[int]:
+        return [len(s.recomputed(sim.model)) for s in p.stages]
+
+    uniform = fewest_recomputed(sim, full)
+    own = fewest_recomputed(sim, full, per_stage=True)
+    assert sim.fits(uniform) and sim.fits(own)
+    common = recomputed(uniform)
+    assert len(set(common)) == 1 and 0 < common[0] < 6  # one count, below full recompute
+    mine = recomputed(own)
+    assert mine == sorted(mine, reverse=True) and mine[-1] < mine[0] <= common[0] and sum(mine) < sum(common)
+    for i, n in enumerate(mine):  # each stage's count is the least that fits, the others held
+        if n > 0:
+            fewer = own.stages[i].model_copy(update={"recompute_layers": n - 1} if n > 1 else
+                                             {"recompute": False, "recompute_layers": None})
+            assert not sim.fits(own.model_copy(update={"stages": own.stages[:i] + (fewer,) + own.stages[i + 1:]}))
+    assert sim.simulate(own).iteration_time_s < sim.simulate(uniform).iteration_time_s
+
+    def one_count(p: Plan) -> str | None:
+        differ = len({s.recompute_layers for s in p.stages}) > 1 or len({s.recompute for s in p.stages}) > 1
+        return "one count for every stage" if differ else None
+
+    judge = SimulatorEvaluator(PlanSpace(sim))
+    offered = _admitted(judge.candidate(own), one_count, judge)
+    assert offered is not None and offered.plan == uniform
