@@ -310,10 +310,12 @@ def markdown(results: dict[str, Any]) -> str:
            "(seconds per iteration) and every plan gives each replica whole samples.", "",
            "## Against what practitioners do by hand", "",
            "Baselines: the best uniform Megatron-LM configuration over its whole grid (tp 1-8 inside a node, every "
-           "pp and dp, every micro-batch size, recompute off/on, ZeRO 0/1, even layer split, 1F1B and interleaved "
-           "1F1B with every virtual-stage count Megatron accepts, nodes in either "
+           "pp and dp, every micro-batch size, recompute off or on (on: the fewest layers per stage that fit, one "
+           "count for every stage as Megatron's --recompute-num-layers), ZeRO 0/1, even layer split, 1F1B and "
+           "interleaved 1F1B with every virtual-stage count Megatron accepts, nodes in either "
            "order); the best data-parallel plan (ZeRO 0-3, recompute, every micro-batch size); the best of both on the "
-           "fastest GPU type's nodes alone. The planner runs at its defaults (400 evaluations, 30 s). These columns "
+           "fastest GPU type's nodes alone. The planner runs at its defaults (400 evaluations, 30 s); its plans "
+           "recompute per stage the fewest layers that fit (`search.recompute`). These columns "
            "cost every plan with the default workload (bf16 gradient reductions overlapped with the backward). "
            "\"runs under\" names the export formats that run the planner's best plan. The \"as run\" columns cost "
            "plans as an exporter's runtime runs them (`export.capability.runtime_workload` and `reduce_overlap`, "
