@@ -99,6 +99,20 @@ class Simulator:
         at the first plan too big asks before timing one."""
         return self._fits(self._memory_alone(plan))
 
+    def stage_fits(self, plan: Plan, index: int, stage: Stage) -> bool:
+        """Whether stage `index` of `plan`, replaced by `stage` (same layers and devices), fits its devices: what
+        `fits` says of the plan with that stage where no two stages share a device (1F1B and GPipe plans: a
+        stage's memory is its devices' alone). ValueError for an interleaved plan, whose devices hold several
+        stages."""
+        if plan.schedule is Schedule.INTERLEAVED_1F1B:
+            raise ValueError("stage_fits: an interleaved plan's devices hold several stages; ask fits(plan)")
+        per_micro = self.workload.global_batch // plan.micro_batches
+        samples = self._samples(stage, per_micro)
+        in_flight = max_in_flight(len(plan.stages), plan.micro_batches, plan.schedule, len(_lanes(plan)))[index]
+        mem = self._memory(plan.model_copy(update={"stages": (stage,)}), [samples],
+                           [self.coster.local_params(stage)], [float(in_flight)])
+        return self._fits(mem)
+
     def memory_bytes(self, plan: Plan) -> dict[int, float]:
         """Per device the plan uses, its peak bytes (the report's `memory_per_device_bytes`) from the
         memory terms alone: model state, activations held at the schedule's peak in flight and

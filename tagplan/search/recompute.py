@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tagplan.cost.simulator import Simulator
-from tagplan.ir.plan import Plan
+from tagplan.ir.plan import Plan, Schedule, Stage
 
 
 def fewest_recomputed(sim: Simulator, plan: Plan, fits: Callable[[Plan], bool] | None = None, *,
@@ -62,31 +62,36 @@ def with_recomputed(sim: Simulator, plan: Plan, count: int) -> Plan:
 def _per_stage(sim: Simulator, plan: Plan, fits: Callable[[Plan], bool]) -> Plan:
     """Stage by stage in order, the least count of its own that keeps `plan` fitting, the others held: none
     (recompute off) where the stage fits without, else the least of 1..its blocks (memory falls from 1 up;
-    recomputing one block can take more than none, where a single micro-batch is in flight)."""
-    current = plan
+    recomputing one block can take more than none, where a single micro-batch is in flight). Where no two
+    stages share a device (not interleaved), a stage's fit is its own devices' (`Simulator.stage_fits`)."""
+    alone = plan.schedule is not Schedule.INTERLEAVED_1F1B and fits == sim.fits
+    stages = list(plan.stages)
     for i, stage in enumerate(plan.stages):
         if not stage.recompute:
             continue
         most = len(sim.model.checkpointable(*stage.layers))
-        off = _with_stage_count(current, i, 0, most)
-        if fits(off):
-            current = off
+
+        def ok(count: int, i: int = i, stage: Stage = stage, most: int = most) -> bool:
+            candidate = _with_count(stage, count, most)
+            if alone:
+                return sim.stage_fits(plan, i, candidate)
+            return fits(plan.model_copy(update={"stages": (*stages[:i], candidate, *stages[i + 1:])}))
+
+        if ok(0):
+            stages[i] = _with_count(stage, 0, most)
             continue
         low, high = 1, most
         while low < high:
             mid = (low + high) // 2
-            if fits(_with_stage_count(current, i, mid, most)):
+            if ok(mid):
                 high = mid
             else:
                 low = mid + 1
-        current = _with_stage_count(current, i, low, most)
-    return current
-
-
-def _with_stage_count(plan: Plan, index: int, count: int, most: int) -> Plan:
-    """`plan` with stage `index` recomputing its first `count` of `most` checkpointable layers (0: none)."""
-    update: dict[str, object] = ({"recompute": False, "recompute_layers": None} if count == 0 else
-                                 {"recompute": True, "recompute_layers": count if count < most else None})
-    stages = list(plan.stages)
-    stages[index] = plan.stages[index].model_copy(update=update)
+        stages[i] = _with_count(stage, low, most)
     return plan.model_copy(update={"stages": tuple(stages)})
+
+
+def _with_count(stage: Stage, count: int, most: int) -> Stage:
+    """`stage` recomputing its first `count` of `most` checkpointable layers (0: none, `most`: all)."""
+    return stage.model_copy(update={"recompute": False, "recompute_layers": None} if count == 0 else
+                            {"recompute": True, "recompute_layers": count if count < most else None})

@@ -140,3 +140,21 @@ def test_each_stage_recomputes_what_its_own_memory_needs() -> None:
     judge = SimulatorEvaluator(PlanSpace(sim))
     offered = _admitted(judge.candidate(own), one_count, judge)
     assert offered is not None and offered.plan == uniform
+
+
+@pytest.mark.parametrize("batch", [256, 512, 1024])
+def test_a_stage_fits_alone_as_the_whole_plan_says(batch: int) -> None:
+    """`Simulator.stage_fits` (a stage's own devices) agrees with `fits` on the plan holding that stage, and the
+    per-stage trim that asks it finds what the whole-plan check finds."""
+    sim = _sim(batch=batch)
+    bounds = (0, 7, 13, 19, 26)
+    full = Plan(micro_batches=32, stages=tuple(
+        Stage(layers=(bounds[i], bounds[i + 1]), devices=(2 * i, 2 * i + 1), tp=2, recompute=True) for i in range(4)))
+    for i, stage in enumerate(full.stages):
+        for update in ({"recompute": False}, {"recompute_layers": 1}, {"recompute_layers": 3}, {}):
+            variant = stage.model_copy(update=update)
+            others_fit = sim.fits(full)
+            whole = full.model_copy(update={"stages": (*full.stages[:i], variant, *full.stages[i + 1:])})
+            assert not others_fit or sim.stage_fits(full, i, variant) == sim.fits(whole)
+    assert fewest_recomputed(sim, full, per_stage=True) == fewest_recomputed(
+        sim, full, lambda p: sim.fits(p), per_stage=True)
