@@ -13,7 +13,10 @@ a practitioner whose plan fits with a few blocks recomputed sets Megatron's `--r
   stage and the last one only one, and on a mixed cluster a stage on a 16 GB GPU needs more than one on an
   80 GB GPU: one count for all recomputes layers the other stages need not. What the search's terminals
   (`PlanSpace.to_plan`) are; the torch program runs it, Megatron-LM only where the counts agree (the planner
-  offers such a runtime the common count, then full recomputation: `planner._admitted`).
+  offers such a runtime the common count, then full recomputation: `planner._admitted`). Interleaved plans
+  keep one count: a device there holds several virtual stages whose peaks interleave, so each probe would
+  count the whole plan (on Llama-2-70B over 16 DGX that tripled the search's time), and Megatron-LM, which
+  runs them, takes one count.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def fewest_recomputed(sim: Simulator, plan: Plan, fits: Callable[[Plan], bool] |
     fits = fits or sim.fits
     if not fits(plan):
         return plan
-    if per_stage:
+    if per_stage and plan.schedule is not Schedule.INTERLEAVED_1F1B:
         return _per_stage(sim, plan, fits)
     most = max(len(sim.model.checkpointable(*s.layers)) for s in stages)
     if most <= 1:
@@ -62,9 +65,9 @@ def with_recomputed(sim: Simulator, plan: Plan, count: int) -> Plan:
 def _per_stage(sim: Simulator, plan: Plan, fits: Callable[[Plan], bool]) -> Plan:
     """Stage by stage in order, the least count of its own that keeps `plan` fitting, the others held: none
     (recompute off) where the stage fits without, else the least of 1..its blocks (memory falls from 1 up;
-    recomputing one block can take more than none, where a single micro-batch is in flight). Where no two
-    stages share a device (not interleaved), a stage's fit is its own devices' (`Simulator.stage_fits`)."""
-    alone = plan.schedule is not Schedule.INTERLEAVED_1F1B and fits == sim.fits
+    recomputing one block can take more than none, where a single micro-batch is in flight). No two stages
+    share a device (not interleaved): a stage's fit is its own devices' (`Simulator.stage_fits`)."""
+    alone = fits == sim.fits
     stages = list(plan.stages)
     for i, stage in enumerate(plan.stages):
         if not stage.recompute:
