@@ -104,6 +104,9 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
     space = PlanSpace(sim, frugal=problem.objective is Objective.GPUS)
     judge = SimulatorEvaluator(space)
     baselines = run_baselines(sim, judge.candidate, deadline=start + BASELINE_BUDGET_SHARE * problem.budget_s)
+    for baseline in baselines.values():  # the baselines' plans as seeds, each stage recomputing what it needs
+        if baseline.candidate is not None:
+            _per_stage_seed(baseline.candidate.plan, judge)
     baseline_evaluations = len(judge.candidates)
     notes: list[str] = []
     stats = SearchStats(evaluations=0, cache_hits=0, simulations=0, wall_s=0.0, stopped_by="no plan in the space")
@@ -156,6 +159,19 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                                       if best.plan.stages[i].dp_cp > 1},
                       predictor=Predictor(problem.calibration.name, correction.version if correction else None,
                                           applied))
+
+
+def _per_stage_seed(plan: Plan, judge: SimulatorEvaluator) -> None:
+    """Judge `plan` (a baseline's: one recompute count for every stage, as Megatron-LM runs it) with each stage
+    recomputing only what its own memory needs (`recompute.fewest_recomputed(per_stage=True)`), where that
+    differs: a candidate of the planner's own, never slower than the baseline's plan."""
+    if not any(s.recompute for s in plan.stages):
+        return
+    full = plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute_layers": None})
+                                                   for s in plan.stages)})
+    own = fewest_recomputed(judge.space.sim, full, per_stage=True)
+    if own != plan:
+        judge.candidate(own, "baseline+recompute")
 
 
 def _admitted(cand: Candidate, admissible: Admissible, judge: SimulatorEvaluator) -> Candidate | None:

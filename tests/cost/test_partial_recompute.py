@@ -158,3 +158,23 @@ def test_a_stage_fits_alone_as_the_whole_plan_says(batch: int) -> None:
             assert not others_fit or sim.stage_fits(full, i, variant) == sim.fits(whole)
     assert fewest_recomputed(sim, full, per_stage=True) == fewest_recomputed(
         sim, full, lambda p: sim.fits(p), per_stage=True)
+
+
+def test_a_baseline_plan_seeds_its_per_stage_recompute() -> None:
+    """The planner judges each baseline's plan (one recompute count for all stages, as Megatron runs it) with
+    every stage recomputing only what it needs: a faster candidate of its own that fits."""
+    from tagplan.search.planner import SimulatorEvaluator, _per_stage_seed
+    from tagplan.search.space import PlanSpace
+
+    sim = _sim(batch=512)
+    bounds = (0, 7, 13, 19, 26)
+    full = Plan(micro_batches=32, stages=tuple(
+        Stage(layers=(bounds[i], bounds[i + 1]), devices=(2 * i, 2 * i + 1), tp=2, recompute=True) for i in range(4)))
+    uniform = fewest_recomputed(sim, full)
+    judge = SimulatorEvaluator(PlanSpace(sim))
+    _per_stage_seed(uniform, judge)
+    (seed,) = judge.candidates.values()
+    assert seed.source == "baseline+recompute" and seed.plan == fewest_recomputed(sim, full, per_stage=True)
+    assert seed.report.fits and seed.report.iteration_time_s < sim.simulate(uniform).iteration_time_s
+    _per_stage_seed(_plan(False), judge)  # nothing recomputes: nothing to seed
+    assert len(judge.candidates) == 1
