@@ -130,7 +130,7 @@ def test_each_stage_recomputes_what_its_own_memory_needs() -> None:
         if n > 0:
             fewer = own.stages[i].model_copy(update={"recompute_layers": n - 1} if n > 1 else
                                              {"recompute": False, "recompute_layers": None})
-            assert not sim.fits(own.model_copy(update={"stages": own.stages[:i] + (fewer,) + own.stages[i + 1:]}))
+            assert not sim.fits(own.model_copy(update={"stages": (*own.stages[:i], fewer, *own.stages[i + 1:])}))
     assert sim.simulate(own).iteration_time_s < sim.simulate(uniform).iteration_time_s
 
     def one_count(p: Plan) -> str | None:
