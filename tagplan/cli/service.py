@@ -246,7 +246,8 @@ def _print_result(result: dict[str, Any]) -> None:
           f"{plan.get('schedule')}")
     for i, stage in enumerate(plan.get("stages", [])):
         start, end = stage["layers"]
-        extras = ", recompute" if stage.get("recompute") else ""
+        extras = "" if not stage.get("recompute") else (
+            f", recompute {stage['recompute_layers']} layers" if stage.get("recompute_layers") else ", recompute")
         extras += f", ZeRO-{stage['zero']}" if stage.get("zero") else ""
         print(f"  stage {i}: layers {start}-{end - 1} on devices {stage['devices']} "
               f"(dp {stage['dp']} x tp {stage['tp']}){extras}")

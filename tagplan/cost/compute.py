@@ -19,7 +19,7 @@ FLOPs and bytes are those of the op on one device of its tensor-parallel group f
 micro-batch of `samples` samples. The backward of a matmul is two GEMMs of the forward's size
 (2x FLOPs); fused attention's backward does `attention_backward_factor` x the forward FLOPs;
 memory-bound ops move about twice the bytes backward. Recomputation replays the forward of the
-checkpointed blocks (not embeddings or heads: `stage_cost.CHECKPOINT_SKIPPED`).
+checkpointed blocks (not embeddings or heads: `ir.model.CHECKPOINT_SKIPPED`).
 
 Quantized GEMMs (fp8, fp8-cs, mxfp8, nvfp4) run at the device's rate for the format (`DeviceSpec.peak_flops`),
 the block-scaled ones (mxfp8, nvfp4) on Blackwell at a fitted fraction of it

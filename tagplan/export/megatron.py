@@ -127,7 +127,7 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     family, shape = _shape(model, model_config)
     if seq_len != model.seq_len:
         raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
-    dp, tp = plan_checks(plan, cluster, tp_comm_overlap=tp_comm_overlap)
+    dp, tp = plan_checks(plan, cluster, tp_comm_overlap=tp_comm_overlap, model=model)
     if cluster is not None and (why := block_scaling_refusal(plan, cluster, model.dtype)):
         raise refuse(FMT, why)
     pp, chunks = _pipeline_depth(plan)
@@ -260,7 +260,8 @@ def _shape(model: ModelGraph, config: dict[str, Any] | None) -> tuple[str, Trans
     return family, TransformerShape(**{k: v for k, v in config.items() if k in known})
 
 
-def plan_checks(plan: Plan, cluster: Cluster | None = None, *, tp_comm_overlap: bool = False) -> tuple[int, int]:
+def plan_checks(plan: Plan, cluster: Cluster | None = None, *, tp_comm_overlap: bool = False,
+                model: ModelGraph | None = None) -> tuple[int, int]:
     """(dp, tp) after every refusal the plan alone decides: one mesh with even shares, the schedule,
     the rank order (on `cluster`'s nodes when given: `rank_order`), `--tp-comm-overlap` where asked
     (on `cluster`: `tp_overlap_refusal`), recomputation on all stages or none, one ZeRO stage (2 and 3
@@ -271,7 +272,7 @@ def plan_checks(plan: Plan, cluster: Cluster | None = None, *, tp_comm_overlap: 
     rank_order(plan, cluster)
     if tp_comm_overlap and cluster is not None and (why := tp_overlap_refusal(plan, cluster)):
         raise refuse(FMT, why)
-    _recompute_args(plan)
+    _recompute_args(plan, model)
     _optimizer_args(plan, dp)
     return dp, tp
 
@@ -397,7 +398,9 @@ def _recompute_args(plan: Plan, model: ModelGraph | None = None) -> list[str]:
         off = [i for i, f in enumerate(flags) if not f]
         raise refuse(FMT, f"stages {on} recompute but stages {off} do not; Megatron-LM's --recompute-num-layers "
                           "applies the same count on every pipeline stage, so per-stage recomputation has no flag")
-    counts = {s.recompute_layers for s in plan.stages if s.recompute_layers is not None}
+    # a count equal to all of a stage's blocks is full recomputation of that stage (what N >= its blocks does)
+    counts = {s.recompute_layers for s in plan.stages if s.recompute_layers is not None and not (
+        model is not None and s.recompute_layers == len(model.checkpointable(*s.layers)))}
     if not counts:
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     if len(counts) > 1:
@@ -405,7 +408,8 @@ def _recompute_args(plan: Plan, model: ModelGraph | None = None) -> list[str]:
                           "--recompute-num-layers recomputes the same number of layers on every (virtual) stage")
     n = counts.pop()
     for i, stage in enumerate(plan.stages):
-        if model is not None and stage.recompute_layers is None and len(model.checkpointable(*stage.layers)) > n:
+        if model is not None and stage.recompute_layers in (None, len(model.checkpointable(*stage.layers))) \
+                and len(model.checkpointable(*stage.layers)) > n:
             raise refuse(FMT, f"stages[{i}] recomputes all its {len(model.checkpointable(*stage.layers))} layers "
                               f"but other stages {n}; Megatron-LM's --recompute-num-layers {n} would recompute "
                               f"{n} of them")

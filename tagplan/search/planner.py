@@ -177,8 +177,9 @@ def _per_stage_seed(plan: Plan, judge: SimulatorEvaluator) -> None:
 def _admitted(cand: Candidate, admissible: Admissible, judge: SimulatorEvaluator) -> Candidate | None:
     """`cand` where `admissible` accepts its plan; else, for a plan whose stages recompute different numbers of
     layers (`recompute.fewest_recomputed(per_stage=True)`), the first of the plan with one count for every
-    stage (the fewest that fit: Megatron-LM's one flag) and the plan with full recomputation on every stage (a
-    runtime without partial recomputation, DeepSpeed's) that is accepted and fits; else None."""
+    stage (the fewest that fit: Megatron-LM's one flag), full recomputation on the stages that recompute (a
+    runtime without partial recomputation, DeepSpeed's) and full recomputation on every stage, that is
+    accepted and fits; else None."""
     if admissible(cand.plan) is None:
         return cand
     stages = cand.plan.stages
@@ -188,7 +189,9 @@ def _admitted(cand: Candidate, admissible: Admissible, judge: SimulatorEvaluator
     full = cand.plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute": True,
                                                                              "recompute_layers": None})
                                                         for s in stages)})
-    for other in (fewest_recomputed(judge.space.sim, full), full):
+    where = cand.plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute_layers": None})
+                                                         for s in stages)})  # full where a stage recomputes
+    for other in (fewest_recomputed(judge.space.sim, full), where, full):
         if admissible(other) is None:
             judged = judge.candidate(other, cand.source)
             if judged.report.fits:

@@ -178,3 +178,25 @@ def test_a_baseline_plan_seeds_its_per_stage_recompute() -> None:
     assert seed.report.fits and seed.report.iteration_time_s < sim.simulate(uniform).iteration_time_s
     _per_stage_seed(_plan(False), judge)  # nothing recomputes: nothing to seed
     assert len(judge.candidates) == 1
+
+
+def test_a_runtime_that_recomputes_whole_stages_gets_them_where_the_plan_recomputed() -> None:
+    """Per-stage counts [4, 2, off, off], a runtime taking only whole-stage recompute (DeepSpeed's per-stage
+    checkpoint intervals): offered full recompute on the first two stages, the others still off."""
+    from tagplan.search.planner import SimulatorEvaluator, _admitted
+    from tagplan.search.space import PlanSpace
+
+    sim = _sim(batch=512)
+    bounds = (0, 7, 13, 19, 26)
+    full = Plan(micro_batches=32, stages=tuple(
+        Stage(layers=(bounds[i], bounds[i + 1]), devices=(2 * i, 2 * i + 1), tp=2, recompute=True) for i in range(4)))
+    own = fewest_recomputed(sim, full, per_stage=True)
+    assert [s.recompute for s in own.stages] == [True, True, False, False]
+
+    def whole_stages(p: Plan) -> str | None:
+        return "partial" if any(s.recompute_layers is not None for s in p.stages) else None
+
+    judge = SimulatorEvaluator(PlanSpace(sim))
+    offered = _admitted(judge.candidate(own), whole_stages, judge)
+    assert offered is not None and [s.recompute for s in offered.plan.stages] == [True, True, False, False]
+    assert offered.report.fits and offered.report.iteration_time_s < sim.simulate(full).iteration_time_s

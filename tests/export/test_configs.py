@@ -531,3 +531,16 @@ def test_deepspeed_refuses_a_partial_recompute(gpt_small: ModelGraph) -> None:
     with pytest.raises(ExportError, match=r"stages \[0, 1, 2, 3\] recompute only some of their layers.*"
                                           r"activation_checkpoint_interval"):
         deepspeed_config(gpt_small, plan, global_batch=64, seq_len=2048)
+
+
+def test_a_stage_naming_all_its_blocks_is_full_recompute_for_megatron() -> None:
+    """Stages recomputing 6 of 20 and 4 of 4 blocks: --recompute-num-layers 6 recomputes exactly that."""
+    model = load_model("gpt?layers=24&hidden=1024&heads=16&vocab=1000", seq_len=128)
+    plan = with_stage(with_stage(pipeline([20, 4], tp=8, micro_batches=8, recompute=True), 0, recompute_layers=6),
+                      1, recompute_layers=4)
+    args = megatron_arguments(model, plan, global_batch=8, seq_len=128)
+    i = args.index("--recompute-method")
+    assert args[i:i + 4] == ["--recompute-method", "block", "--recompute-num-layers", "6"]
+    five = with_stage(plan, 1, recompute_layers=3)  # 3 of 4 is not what N=6 does on that stage
+    with pytest.raises(ExportError, match=r"stages recompute \[3, 6\] layers"):
+        megatron_arguments(model, five, global_batch=8, seq_len=128)

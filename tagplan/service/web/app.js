@@ -170,7 +170,7 @@
     const cp = (stage.cp || 1) > 1 ? " × cp " + stage.cp : "";
     const bits = ["dp " + (stage.dp || 1) + cp + " × tp " + (stage.tp || 1)];
     if (stage.zero) bits.push("ZeRO-" + stage.zero);
-    if (stage.recompute) bits.push("recompute");
+    if (stage.recompute) bits.push(stage.recompute_layers ? "recompute " + stage.recompute_layers + " layers" : "recompute");
     return bits.join(" · ");
   }
 
