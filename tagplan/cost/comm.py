@@ -6,7 +6,8 @@ B bytes costs `B / bw` with `bw` the unidirectional bandwidth (bytes/s) of the b
 broadcast: the buffer each rank holds; all-gather: the gathered OUTPUT; reduce-scatter: the full
 INPUT; all-to-all: each rank's send buffer. n = group size, S = nbytes.
 
-RING, over the group in the given order, wrap-around link included (Thakur, Rabenseifner and Gropp,
+RING, over the group in the given order, wrap-around link included (on a node of point-to-point
+NVLinks, the rings NCCL's search finds over them: `mesh_rings`) (Thakur, Rabenseifner and Gropp,
 "Optimization of Collective Communication Operations in MPICH", IJHPCA 2005; Patarasuk and Yuan 2009):
     all-reduce        2(n-1) alpha + 2(n-1)/n S / bw
     all-gather, r-s    (n-1) alpha +  (n-1)/n S / bw
@@ -47,7 +48,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from itertools import pairwise
 
-from tagplan.ir.cluster import Cluster
+from tagplan.cost.mesh_rings import MESH_LIMIT, mesh_ring
+from tagplan.ir.cluster import Cluster, Link, LinkKind
 
 BYTES_ONLY_BANDWIDTH_Bps = 1e10
 """The one bandwidth (bytes/s) of the bytes-only ablation; its times only rank plans by volume."""
@@ -130,12 +132,28 @@ class GroupTopology:
 
 
 def _ring_links(cluster: Cluster, order: Sequence[int]) -> tuple[float, float]:
-    """(min bandwidth Bps, max latency s) over consecutive pairs of `order`, wrap-around included."""
+    """(min bandwidth Bps, max latency s) over consecutive pairs of `order`, wrap-around included; on a
+    node of point-to-point NVLinks, the rings NCCL finds over them instead (`mesh_rings`)."""
     if len(order) < 2:
         return math.inf, 0.0
+    if (mesh := _mesh_links(cluster, order)) is not None:
+        return mesh_ring(mesh)
     cycle = [*order, order[0]] if len(order) > 2 else order  # two devices: one link, both directions
     links = [cluster.link(a, b) for a, b in pairwise(cycle)]
     return min(link.bandwidth_Bps for link in links), max(link.latency_s for link in links)
+
+
+def _mesh_links(cluster: Cluster, order: Sequence[int]) -> tuple[tuple[Link, ...], ...] | None:
+    """The pairwise links of `order` (in device order) where NCCL searches them for rings: 3..MESH_LIMIT
+    devices of one node that has NVLink pair links; else None."""
+    if not 3 <= len(order) <= MESH_LIMIT:
+        return None
+    node = cluster.device(order[0]).node
+    pairs = cluster.nodes[node].pair_links
+    if not any(p.kind is LinkKind.NVLINK for p in pairs) or any(cluster.device(d).node != node for d in order):
+        return None
+    local = sorted(order)
+    return tuple(tuple(cluster.link(a, b) for b in local) for a in local)
 
 
 def _group_nodes(cluster: Cluster, devices: Sequence[int]) -> dict[int, tuple[int, ...]]:

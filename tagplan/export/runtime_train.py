@@ -58,7 +58,9 @@ from tagplan.export.runtime_pipeline import PipelineRunner, build_stage, make_gr
 from tagplan.export.shapes import ModelConfig, model_config
 from tagplan.ir.plan import Plan
 
-PROGRAM_FORMAT = "tagplan-torch-program/2"
+# /3: stages may carry `recompute_layers` (checkpoint only a stage's first N blocks); a /2 runtime
+# would ignore it and recompute every block, so it must refuse the file.
+PROGRAM_FORMAT = "tagplan-torch-program/3"
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 # FSDP2 warns that a module returns a view; nothing here modifies module outputs in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

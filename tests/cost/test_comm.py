@@ -117,11 +117,54 @@ def test_ring_all_gather_plus_reduce_scatter_is_all_reduce(spec: str, group: lis
     assert ag.bytes_per_device == pytest.approx((len(group) - 1) / len(group) * 64e6)
 
 
-def test_p3_ring_uses_the_bottleneck_nvlink_pair_of_its_order() -> None:
-    cluster = load_cluster("p3.8xlarge")
-    bw = min(cluster.link(a, b).bandwidth_Bps for a, b in [(0, 1), (1, 2), (2, 3), (3, 0)])
-    cost = CommModel(cluster).collective(AG, [0, 1, 2, 3], 1e8)
-    assert cost.time_s == pytest.approx(3 * 2e-6 + 3 / 4 * 1e8 / bw)
+NVLINK_V100_Bps = 20e9  # one NVLink's one-way rate (presets.NVLINK_SM80_BPS)
+
+
+@pytest.mark.parametrize(("spec", "group", "links"), [
+    ("p3.16xlarge", range(8), 6),  # the hybrid cube mesh: six NVLinks a GPU, three cycles run both ways
+    ("p3.8xlarge", [0, 1, 2, 3], 4),  # the quad: GPU 0 has four NVLinks to the others
+    ("p3.16xlarge", [0, 1, 5, 4], 2),  # one NVLink cycle 0-1-5-4 whose thinnest links are single
+])
+def test_a_mesh_rings_over_its_nvlinks_as_nccl_channels(spec: str, group: list[int], links: int) -> None:
+    cost = CommModel(load_cluster(spec)).collective(AG, list(group), 1e8)
+    n = len(group)
+    assert cost.algorithm is Algorithm.RING
+    assert cost.time_s == pytest.approx((n - 1) * 2e-6 + (n - 1) / n * 1e8 / (links * NVLINK_V100_Bps))
+
+
+def test_a_mesh_ring_does_not_depend_on_rank_order() -> None:
+    """In rank order 0..7 the DGX-1V ring would cross the CPU sockets (3-4 and 7-0 have no NVLink);
+    NCCL's search does not follow rank order, and neither does the model."""
+    cluster = load_cluster("p3.16xlarge")
+    assert cluster.link(3, 4).kind is LinkKind.SMP
+    model = CommModel(cluster)
+    times = {model.collective(AR, order, 1e9).time_s for order in ([0, 1, 2, 3, 4, 5, 6, 7], [7, 0, 3, 4, 1, 6, 2, 5])}
+    assert len(times) == 1
+    assert times.pop() == pytest.approx(ring_ar(8, 1e9, 6 * NVLINK_V100_Bps, 2e-6))
+
+
+def test_a_group_nvlinks_cannot_close_rings_over_its_best_other_cycle() -> None:
+    """NVLink-bridged pairs (0-1, 2-3) on PCIe: no NVLink cycle covers the four GPUs, so one ring, as
+    fast as its slowest hop over PCIe allows; the bridges are used where a cycle can use them."""
+    pcie = 12e9
+    node = Node(name="bridged", device=GPU, gpus=4, fabric=LinkKind.PCIE, fabric_bandwidth_Bps=pcie,
+                fabric_latency_s=3e-6, pair_links=(
+                    PairLink(a=0, b=1, kind=LinkKind.NVLINK, bandwidth_Bps=100e9, latency_s=2e-6),
+                    PairLink(a=2, b=3, kind=LinkKind.NVLINK, bandwidth_Bps=100e9, latency_s=2e-6)))
+    cluster = Cluster(name="bridged", nodes=(node,), network=Network(latency_s=5e-6))
+    cost = CommModel(cluster).collective(AG, [0, 2, 1, 3], 1e8)
+    assert cost.time_s == pytest.approx(3 * 3e-6 + 3 / 4 * 1e8 / pcie)
+
+
+def test_uniform_and_multi_node_groups_keep_their_ring_order() -> None:
+    """NVSwitch nodes (no pair links) and groups over several nodes are not searched: a ring over two
+    p3.16xlarge nodes is bounded by the network, in any order."""
+    dgx = CommModel(load_cluster("dgx-a100-80gb")).collective(AG, list(range(8)), 1e8)
+    assert dgx.time_s == pytest.approx(7 * DGX_NVSWITCH_S + 7 / 8 * 1e8 / DGX_NVSWITCH_Bps)
+    two = load_cluster("p3.16xlarge:nodes=2")
+    topo = comm.group_topology(two, [0, 1, 2, 8, 9, 10])
+    assert topo.ring_bandwidth_Bps == pytest.approx(two.link(0, 8).bandwidth_Bps)
+    assert topo.intra_bandwidth_Bps[0] == pytest.approx(2 * NVLINK_V100_Bps)  # 0-1-2: single links 0-1, 0-2
 
 
 def test_all_to_all_across_nodes_is_limited_by_the_network_share() -> None:

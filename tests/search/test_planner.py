@@ -77,7 +77,12 @@ def test_frontier_is_non_dominated_and_same_seed_same_plan() -> None:
         assert not any(dominates(y.objectives, x.objectives) for y in a.pareto)
     memory = _plan(*args, max_evaluations=80, seed=3, objective=Objective.MEMORY)
     assert memory.best.report.peak_memory_bytes <= a.best.report.peak_memory_bytes
-    assert memory.best.report.iteration_time_s <= 1.25 * a.best.report.iteration_time_s + 1e-12
+    # the slack is over the fastest plan of the memory run's own pool (on its frontier), which its
+    # memory-driven search need not share with the time run's
+    fastest_s = min(x.report.iteration_time_s for x in memory.pareto)
+    assert memory.best.report.iteration_time_s <= 1.25 * fastest_s + 1e-12
+    within = [x for x in memory.pareto if x.report.iteration_time_s <= 1.25 * fastest_s]
+    assert memory.best.report.peak_memory_bytes == min(x.report.peak_memory_bytes for x in within)
 
 
 def test_cli_plan_beats_both_baselines(capsys: pytest.CaptureFixture[str]) -> None:
