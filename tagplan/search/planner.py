@@ -34,6 +34,7 @@ from tagplan.search.exhaustive import exhaustive
 from tagplan.search.mcts import Prior, SearchStats, mcts, uniform_prior
 from tagplan.search.pareto import frontier
 from tagplan.search.problem import Objective, PlanProblem
+from tagplan.search.rebalance import rebalance_seeds
 from tagplan.search.recompute import fewest_recomputed
 from tagplan.search.refine import refine_sharding
 from tagplan.search.result import Baseline, Candidate, PlanResult, Predictor, SearchInfo
@@ -107,6 +108,8 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
     for baseline in baselines.values():  # the baselines' plans as seeds, each stage recomputing what it needs
         if baseline.candidate is not None:
             _per_stage_seed(baseline.candidate.plan, judge)
+    # the pipelined configurations judged so far, their layers split by stage speed (mixed GPUs, embedding, head)
+    rebalance_seeds(sim, judge.candidate, list(judge.candidates.values()))
     baseline_evaluations = len(judge.candidates)
     notes: list[str] = []
     stats = SearchStats(evaluations=0, cache_hits=0, simulations=0, wall_s=0.0, stopped_by="no plan in the space")
