@@ -106,7 +106,7 @@ class GroupTopology:
 
     devices: tuple[int, ...]
     nodes: Mapping[int, tuple[int, ...]]  # node -> its group devices in group order; first-appearance order
-    ring_bandwidth_Bps: float  # bottleneck of the ring in group order, wrap-around included
+    ring_bandwidth_Bps: float  # bottleneck of the ring in group order, wrap-around included (a mesh: `mesh_rings`)
     ring_latency_s: float  # largest latency on that ring
     intra_bandwidth_Bps: Mapping[int, float]  # node -> bottleneck of the ring over its group devices
     intra_latency_s: Mapping[int, float]  # node -> largest latency on that ring
@@ -117,8 +117,8 @@ class GroupTopology:
     uniform: bool  # every node contributes the same number of devices
     slowest_intra_bandwidth_Bps: float  # min of intra_bandwidth_Bps
     slowest_intra_latency_s: float  # max of intra_latency_s
-    max_latency_s: float  # largest latency of any link queried
-    alltoall_intra_s_per_B: float  # max over nodes of (devices on it - 1) / intra bandwidth
+    max_latency_s: float  # largest latency of any link queried (on a node with pair links, of any pair in the group)
+    alltoall_intra_s_per_B: float  # max over devices of the sum over their node's other group devices of 1 / link
 
     @property
     def size(self) -> int:
@@ -154,6 +154,26 @@ def _mesh_links(cluster: Cluster, order: Sequence[int]) -> tuple[tuple[Link, ...
         return None
     local = sorted(order)
     return tuple(tuple(cluster.link(a, b) for b in local) for a in local)
+
+
+def _alltoall_s_per_B(cluster: Cluster, local: tuple[int, ...], ring_Bps: float) -> float:
+    """Seconds per byte sent to each peer for a device of `local` (one node's group devices) to send to
+    all the others, one after another: (k - 1) / bandwidth on a uniform fabric; on a node with pair links
+    the sum of 1 / link over the peers, for the device for which it is largest (a mesh's ring bandwidth
+    sums several rings and is no pairwise rate)."""
+    if len(local) < 2:
+        return 0.0
+    if not cluster.nodes[cluster.device(local[0]).node].pair_links:
+        return (len(local) - 1) / ring_Bps
+    return max(sum(1.0 / cluster.link(a, b).bandwidth_Bps for b in local if b != a) for a in local)
+
+
+def _pair_latency_s(cluster: Cluster, local: tuple[int, ...]) -> float:
+    """The largest latency between two of `local` (one node's group devices) where the node has pair links
+    (a mesh's rings skip its slow pairs, its all-to-all does not); 0 on a uniform fabric."""
+    if len(local) < 2 or not cluster.nodes[cluster.device(local[0]).node].pair_links:
+        return 0.0
+    return max(cluster.link(a, b).latency_s for i, a in enumerate(local) for b in local[i + 1:])
 
 
 def _group_nodes(cluster: Cluster, devices: Sequence[int]) -> dict[int, tuple[int, ...]]:
@@ -195,8 +215,9 @@ def group_topology(cluster: Cluster, devices: Sequence[int]) -> GroupTopology:
         uniform=min(counts) == max(counts),
         slowest_intra_bandwidth_Bps=min(bw for bw, _ in intra.values()),
         slowest_intra_latency_s=max(lat for _, lat in intra.values()),
-        max_latency_s=max(ring_lat, inter_lat, *(lat for _, lat in intra.values())),
-        alltoall_intra_s_per_B=max((len(nodes[node]) - 1) / bw for node, (bw, _) in intra.items()),
+        max_latency_s=max(ring_lat, inter_lat, *(lat for _, lat in intra.values()),
+                          *(_pair_latency_s(cluster, local) for local in nodes.values())),
+        alltoall_intra_s_per_B=max(_alltoall_s_per_B(cluster, nodes[node], bw) for node, (bw, _) in intra.items()),
     )
 
 

@@ -14,7 +14,8 @@ The model, for a group of 3..`MESH_LIMIT` GPUs of one node:
   cycle first, its residual bottleneck taken off each of its links; a link of c NVLinks carries c times
   the one-link rate in each direction) and run every packed cycle in both directions: the group's ring
   bandwidth is twice the packed widths' sum;
-- else one ring, the cycle (over every link, NVLink or not) whose slowest link is fastest.
+- else, or where that packing is thinner, one ring: the cycle (over every link, NVLink or not) whose
+  slowest link is fastest.
 The latency is the largest latency on the links of the cycles used. Larger groups, and two GPUs, keep
 the ring in group order (`comm._ring_links`).
 """
@@ -29,7 +30,9 @@ from tagplan.ir.cluster import Link, LinkKind
 
 MESH_LIMIT = 8
 """Most GPUs of one group searched for rings: 8 GPUs have 2,520 Hamiltonian cycles, the most a
-point-to-point NVLink node has (NVSwitch nodes are uniform and never searched)."""
+point-to-point NVLink node has. NVSwitch nodes carry no NVLink pair links (the presets' and the topology
+importer's, which reads a matrix whose every pair is NVLinked beyond a GPU's own link count as a switch),
+so they are never searched."""
 
 Edge = tuple[int, int]
 Cycle = tuple[Edge, ...]
@@ -83,6 +86,12 @@ def mesh_ring(links: tuple[tuple[Link, ...], ...]) -> tuple[float, float]:
                 residual[edge] -= width_Bps
             total_Bps += 2.0 * width_Bps
             latency_s = max(latency_s, *(links[a][b].latency_s for a, b in best))
-        return total_Bps, latency_s
+        single = _widest(n, links)  # a ring over slower links too can beat a thin packing
+        return (total_Bps, latency_s) if total_Bps >= single[0] else single
+    return _widest(n, links)
+
+
+def _widest(n: int, links: tuple[tuple[Link, ...], ...]) -> tuple[float, float]:
+    """(bandwidth, latency) of the one cycle over every link whose slowest link is fastest."""
     best = max(_cycles(n, lambda a, b: a != b), key=lambda cycle: min(links[a][b].bandwidth_Bps for a, b in cycle))
     return min(links[a][b].bandwidth_Bps for a, b in best), max(links[a][b].latency_s for a, b in best)

@@ -2,7 +2,10 @@
 
 Cells map to links (one way, bytes/s; figures of the GPU generation, see `catalog`):
 - `NV#`: NVLINK, # x the per-link rate (20 GB/s sm70/sm80, 20.6 GB/s sm90). When every pair shows
-  the same `NV#` with # >= 12 (DGX A100 NV12, DGX H100 NV18) the node is an NVSwitch fabric.
+  the same `NV#` with # >= 12 (DGX A100 NV12, DGX H100 NV18), or every pair shows one and some GPU's
+  counts add up to more links than it has (a switch with a degraded link: NV17 among NV18s), the node
+  is an NVSwitch fabric at the slowest pair's rate. Point-to-point NVLinks (the DGX-1's hybrid cube
+  mesh) stay pair links, whose rings the cost model searches (`cost.mesh_rings`).
 - `PIX`/`PXB` (PCIe switches): PCIE at the GPU's host-link rate.
 - `PHB`/`NODE` (through a host bridge): PCIE_HOST at 5/6 of it.
 - `SYS` (old drivers: `SOC`; across sockets): SMP at 10 GB/s (at most the host link).
@@ -119,6 +122,20 @@ def _link(cell: str, links: catalog.DeviceLinks) -> tuple[LinkKind, float, float
 LinkFigures = tuple[LinkKind, float, float]  # (kind, one-way bytes/s, latency s)
 
 
+def _switched(cells: dict[tuple[int, int], str], gpus: int, nvlinks: int) -> bool:
+    """Whether the GPUs meet on an NVSwitch: every pair shows `NV#`, and either all alike with # >= 12 or
+    some GPU's counts over its peers add up to more NVLinks than the GPU has (`nvlinks`, the catalog's):
+    point-to-point NVLinks split a GPU's links among its peers, a switch shows each peer them all, so a
+    pair that lost a link (NV17 among NV18s) still reads as the switch it is."""
+    counts = {pair: int(m.group(1)) for pair, c in cells.items() if (m := _NV.match(c))}
+    if not counts or len(counts) < len(cells):
+        return False
+    if len(set(counts.values())) == 1 and min(counts.values()) >= 12:
+        return True
+    per_gpu = [sum(n for pair, n in counts.items() if g in pair) for g in range(gpus)]
+    return nvlinks > 0 and max(per_gpu) > nvlinks
+
+
 def node_from_links(
     name: str, device: DeviceSpec, gpus: int, links: dict[tuple[int, int], LinkFigures], nics: int, nic_Bps: float
 ) -> Node:
@@ -158,9 +175,9 @@ def parse_nvidia_topo(
     device = gpu if gpu is not None else _infer_device(list(cells.values()))
     figures = catalog.device_links(device)
     links = {pair: _link(cell, figures) for pair, cell in cells.items()}
-    nv = {int(m.group(1)) for c in cells.values() if (m := _NV.match(c))}
-    if len(set(cells.values())) == 1 and nv and min(nv) >= 12:
-        links = {pair: (LinkKind.NVSWITCH, bw, lat) for pair, (_, bw, lat) in links.items()}
+    if _switched(cells, gpus, figures.nvlinks):
+        slowest = min(links.values(), key=lambda k: k[1])
+        links = {pair: (LinkKind.NVSWITCH, slowest[1], slowest[2]) for pair in links}
     nic_columns = columns[gpus:]
     compute = compute_nics(nic_columns, [[cell for cell, _ in row[gpus:]] for row in rows])
     if nic_columns and len(compute) < len(nic_columns):

@@ -13,8 +13,8 @@ pipelined plans the grid judged, from each plan's own simulation:
   largest remainder (`speed_split`);
 - the new plan is simulated and split again from its own stage times, up to `REBALANCE_ROUNDS` rounds,
   while the split moves and the plan gets faster;
-- a split whose plan does not fit is offered recomputation, the fewest layers per stage that fit
-  (`recompute.fewest_recomputed`), and dropped when even that does not fit;
+- each split recomputes the fewest layers per stage that fit (`recompute.fewest_recomputed`; none where a
+  stage fits without), and is dropped when even full recomputation does not fit;
 - the `INTERLEAVE_SEEDS` fastest rebalanced 1F1B plans are also tried interleaved (`INTERLEAVE_CHUNKS`
   virtual stages per device group, each group keeping its layers: `interleaved`) and rebalanced again,
   which is how a mixed pipeline with few stages sheds its bubble.
@@ -71,12 +71,14 @@ def speed_split(layers: Sequence[int], seconds: Sequence[float]) -> list[int]:
 
 
 def resplit(plan: Plan, counts: Sequence[int]) -> Plan:
-    """`plan` with its stages holding `counts` consecutive layers, in order; recompute counts are dropped
-    (a stage's blocks change: `fewest_recomputed` sets them again)."""
+    """`plan` with its stages holding `counts` consecutive layers, in order; recompute counts and per-op
+    sharding are dropped (a stage's blocks change: `_fitted` sets the counts again, the planner's
+    refinement the sharding)."""
     bounds = [0]
     for n in counts:
         bounds.append(bounds[-1] + n)
-    stages = tuple(s.model_copy(update={"layers": (bounds[i], bounds[i + 1]), "recompute_layers": None})
+    stages = tuple(s.model_copy(update={"layers": (bounds[i], bounds[i + 1]), "recompute_layers": None,
+                                        "sharding": None})
                    for i, s in enumerate(plan.stages))
     return plan.model_copy(update={"stages": stages})
 
@@ -123,8 +125,10 @@ def _worth(report: Report) -> bool:
 
 
 def _fitted(sim: Simulator, plan: Plan) -> Plan | None:
-    """`plan` if it fits; else with each stage recomputing the fewest layers that fit; None if nothing fits."""
-    if sim.fits(plan):
+    """`plan` with each stage recomputing the fewest of its layers that fit (none where it fits without:
+    `fewest_recomputed(per_stage=True)`, one count for an interleaved plan); `plan` itself where no stage
+    recomputes and it fits; None where not even full recomputation fits."""
+    if not any(s.recompute for s in plan.stages) and sim.fits(plan):
         return plan
     full = plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute": True, "recompute_layers": None})
                                                    for s in plan.stages)})
@@ -158,13 +162,15 @@ def rebalance(sim: Simulator, judge: Judge, start: Candidate) -> Candidate:
 def _layout(plan: Plan) -> tuple[object, ...]:
     """A configuration apart from its micro-batch size and memory options: its stages' device groups and
     degrees (the sizes of one configuration rebalance alike; the one with the lowest bound is taken)."""
-    return tuple((s.devices, s.dp, s.tp, s.cp) for s in plan.stages)
+    return (plan.schedule, tuple((s.devices, s.dp, s.tp, s.cp) for s in plan.stages))
 
 
 def rebalance_seeds(sim: Simulator, judge: Judge, candidates: Sequence[Candidate],
                     limit: int = REBALANCE_SEEDS) -> list[Candidate]:
     """Rebalance the `limit` most promising pipelined, fitting `candidates` (module docstring); the
-    improved candidates (each also judged, so the caller's pool has them)."""
+    candidates faster than the plan they came from (each also judged, so the caller's pool has them). At
+    most `limit * REBALANCE_ROUNDS + INTERLEAVE_SEEDS * len(INTERLEAVE_CHUNKS) * (1 + REBALANCE_ROUNDS)`
+    evaluations, outside the search's budget; which plans they are depends only on `candidates`."""
     seen: set[tuple[object, ...]] = set()
     starts: list[tuple[float, Candidate]] = []
     for cand in candidates:
@@ -195,5 +201,7 @@ def rebalance_seeds(sim: Simulator, judge: Judge, candidates: Sequence[Candidate
                 continue
             start = judge(fitted, SOURCE)
             if start.report.fits:
-                improved.append(rebalance(sim, judge, start))
+                best = rebalance(sim, judge, start)
+                if best.report.iteration_time_s < cand.report.iteration_time_s:
+                    improved.append(best)
     return improved

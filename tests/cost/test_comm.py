@@ -156,6 +156,18 @@ def test_a_group_nvlinks_cannot_close_rings_over_its_best_other_cycle() -> None:
     assert cost.time_s == pytest.approx(3 * 3e-6 + 3 / 4 * 1e8 / pcie)
 
 
+def test_a_mesh_all_to_all_sends_over_each_pair_link_not_the_rings() -> None:
+    """All-to-all sends to every peer directly: on the DGX-1V the three peers across the sockets (SMP) are
+    reached at their own rate, so the eight GPUs take longer than the NVLinked quad, not less."""
+    cluster = load_cluster("p3.16xlarge")
+    model = CommModel(cluster)
+    S = 1e9
+    quad, full = model.collective(A2A, [0, 1, 2, 3], S), model.collective(A2A, list(range(8)), S)
+    per_B = max(sum(1 / cluster.link(a, b).bandwidth_Bps for b in range(8) if b != a) for a in range(8))
+    assert full.time_s == pytest.approx((S / 8) * per_B + 7 * cluster.bottleneck(list(range(8))).latency_s)
+    assert full.time_s > quad.time_s
+
+
 def test_uniform_and_multi_node_groups_keep_their_ring_order() -> None:
     """NVSwitch nodes (no pair links) and groups over several nodes are not searched: a ring over two
     p3.16xlarge nodes is bounded by the network, in any order."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tagplan.cost.comm import group_topology
 from tagplan.errors import SpecError
 from tagplan.frontends.catalog import lookup_device
 from tagplan.frontends.nvidia_topo import compute_nics, parse_nvidia_topo
@@ -90,6 +91,24 @@ def test_h100_nv18_with_spaces_and_no_nics() -> None:
     assert node.fabric is LinkKind.NVSWITCH
     assert node.fabric_bandwidth_Bps == pytest.approx(18 * 20.6e9)
     assert (node.nics, node.nic_bandwidth_Bps) == (1, 10e9 / 8)  # host Ethernet assumed
+
+
+def test_an_nvswitch_with_a_degraded_link_is_still_a_switch() -> None:
+    """NV17 on one pair among NV18s: each GPU shows 7 x ~18 links, more than the 18 an H100 has, so the GPUs
+    meet on a switch (at the slowest pair's rate), not on point-to-point links whose rings would add up."""
+    header = "        " + "  ".join(f"GPU{i}" for i in range(8))
+    cells = [["  X " if a == b else ("NV17" if {a, b} == {0, 1} else "NV18") for b in range(8)] for a in range(8)]
+    rows = [f"GPU{a}  " + "  ".join(cells[a]) for a in range(8)]
+    node = parse_nvidia_topo("\n".join([header, *rows]), gpu=lookup_device("H100-SXM"))
+    assert node.fabric is LinkKind.NVSWITCH and node.pair_links == ()
+    assert node.fabric_bandwidth_Bps == pytest.approx(17 * 20.6e9)
+
+
+def test_dgx1v_file_rings_over_its_nvlinks() -> None:
+    """The imported hybrid cube mesh keeps its pair links, and the cost model rings over them as NCCL does:
+    six NVLinks a GPU (`cost.mesh_rings`), where rank order would cross the sockets."""
+    c = _cluster(parse_nvidia_topo(_read("topo_dgx1v.txt")))
+    assert group_topology(c, list(range(8))).ring_bandwidth_Bps == pytest.approx(6 * 20e9)
 
 
 def test_single_gpu() -> None:

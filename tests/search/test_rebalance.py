@@ -5,6 +5,7 @@ from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir import Workload
 from tagplan.ir.plan import Plan, Schedule, Stage
+from tagplan.search import planner
 from tagplan.search import rebalance as rb
 from tagplan.search.planner import SimulatorEvaluator, plan
 from tagplan.search.problem import PlanProblem
@@ -65,14 +66,28 @@ def test_a_balanced_plan_is_left_as_it_is() -> None:
     assert rb.rebalance_seeds(sim, judge.candidate, [start]) == []
 
 
-def test_the_planner_keeps_the_rebalanced_seeds_as_candidates() -> None:
-    """At a budget too small for the tree search to find a split of its own, the planner's answer is at
-    least as fast as the best rebalanced configuration of the grid."""
+def test_the_planner_keeps_the_rebalanced_seeds_as_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a budget too small for the tree search to find a split of its own, the planner's answer is a seed
+    split by speed, faster than what the same search returns without the seeds."""
     model, cluster = load_model(MODEL, seq_len=2048), load_cluster(MIXED)
-    workload = Workload(global_batch=32, seq_len=2048)
-    result = plan(PlanProblem(model, cluster, workload, max_evaluations=5))
-    sim = Simulator(model, cluster, workload)
-    judge = SimulatorEvaluator(PlanSpace(sim))
-    seeds = rb.rebalance_seeds(sim, judge.candidate, [judge.candidate(_grid_plan(sim, 9))])
-    assert seeds
-    assert result.best.report.iteration_time_s <= min(s.report.iteration_time_s for s in seeds) + 1e-12
+    problem = PlanProblem(model, cluster, Workload(global_batch=32, seq_len=2048), max_evaluations=5)
+    seeded = plan(problem)
+    assert seeded.best.source == rb.SOURCE
+    monkeypatch.setattr(planner, "rebalance_seeds", lambda *args, **kwargs: [])
+    unseeded = plan(problem)
+    assert all(c.source != rb.SOURCE for c in unseeded.pareto)
+    assert seeded.best.report.iteration_time_s < unseeded.best.report.iteration_time_s
+
+
+def test_a_partly_recomputing_plan_is_resplit_with_the_fewest_layers_recomputed() -> None:
+    """A stage that recomputed some blocks before the split recomputes what its new blocks need, none where
+    it fits without (`_fitted`), not every block."""
+    model = load_model(MODEL, seq_len=2048)
+    sim = Simulator(model, load_cluster(MIXED), Workload(global_batch=32, seq_len=2048))
+    start = _grid_plan(sim, 9)
+    start = start.model_copy(update={"stages": tuple(s.model_copy(update={"recompute": True, "recompute_layers": 1})
+                                                     for s in start.stages)})
+    fitted = rb._fitted(sim, rb.resplit(start, [11, 7]))
+    assert fitted is not None
+    assert not any(s.recompute and s.recompute_layers is None for s in fitted.stages)  # nothing recomputes all
+    assert sim.fits(fitted)
