@@ -35,7 +35,7 @@ from tagplan.search.mcts import Prior, SearchStats, mcts, uniform_prior
 from tagplan.search.pareto import frontier
 from tagplan.search.problem import Objective, PlanProblem
 from tagplan.search.rebalance import rebalance_seeds
-from tagplan.search.recompute import fewest_recomputed
+from tagplan.search.recompute import fewest_per_stage, fewest_recomputed, fully_recomputed
 from tagplan.search.refine import refine_sharding
 from tagplan.search.result import Baseline, Candidate, PlanResult, Predictor, SearchInfo
 from tagplan.search.space import PlanSpace, PlanState
@@ -166,14 +166,12 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
 
 def _per_stage_seed(plan: Plan, judge: SimulatorEvaluator) -> None:
     """Judge `plan` (a baseline's: one recompute count for every stage, as Megatron-LM runs it) with each stage
-    recomputing only what its own memory needs (`recompute.fewest_recomputed(per_stage=True)`), where that
-    differs: a candidate of the planner's own, never slower than the baseline's plan."""
+    recomputing only what its own memory needs (`recompute.fewest_per_stage`), where that differs: a candidate
+    of the planner's own, never slower than the baseline's plan."""
     if not any(s.recompute for s in plan.stages):
         return
-    full = plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute_layers": None})
-                                                   for s in plan.stages)})
-    own = fewest_recomputed(judge.space.sim, full, per_stage=True)
-    if own != plan:
+    own = fewest_per_stage(judge.space.sim, plan)
+    if own is not None and own != plan:
         judge.candidate(own, "baseline+recompute")
 
 
@@ -189,11 +187,7 @@ def _admitted(cand: Candidate, admissible: Admissible, judge: SimulatorEvaluator
     if not any(s.recompute for s in stages) or (
             all(s.recompute for s in stages) and all(s.recompute_layers is None for s in stages)):
         return None  # no recompute, or full recompute everywhere: no other recompute to offer
-    full = cand.plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute": True,
-                                                                             "recompute_layers": None})
-                                                        for s in stages)})
-    where = cand.plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute_layers": None})
-                                                         for s in stages)})  # full where a stage recomputes
+    full, where = fully_recomputed(cand.plan), fully_recomputed(cand.plan, everywhere=False)
     for other in (fewest_recomputed(judge.space.sim, full), where, full):
         if admissible(other) is None:
             judged = judge.candidate(other, cand.source)

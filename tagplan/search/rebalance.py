@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from tagplan.cost.report import Report
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.plan import Plan, Schedule
-from tagplan.search.recompute import fewest_recomputed
+from tagplan.search.recompute import fewest_per_stage
 from tagplan.search.result import Candidate
 
 REBALANCE_SEEDS = 24
@@ -72,7 +72,7 @@ def speed_split(layers: Sequence[int], seconds: Sequence[float]) -> list[int]:
 
 def resplit(plan: Plan, counts: Sequence[int]) -> Plan:
     """`plan` with its stages holding `counts` consecutive layers, in order; recompute counts and per-op
-    sharding are dropped (a stage's blocks change: `_fitted` sets the counts again, the planner's
+    sharding are dropped (a stage's blocks change: `recompute.fewest_per_stage` sets the counts again, the planner's
     refinement the sharding)."""
     bounds = [0]
     for n in counts:
@@ -124,19 +124,6 @@ def _worth(report: Report) -> bool:
     return len(times) > 1 and max(times) > IMBALANCE * sum(times) / len(times)
 
 
-def _fitted(sim: Simulator, plan: Plan) -> Plan | None:
-    """`plan` with each stage recomputing the fewest of its layers that fit (none where it fits without:
-    `fewest_recomputed(per_stage=True)`, one count for an interleaved plan); `plan` itself where no stage
-    recomputes and it fits; None where not even full recomputation fits."""
-    if not any(s.recompute for s in plan.stages) and sim.fits(plan):
-        return plan
-    full = plan.model_copy(update={"stages": tuple(s.model_copy(update={"recompute": True, "recompute_layers": None})
-                                                   for s in plan.stages)})
-    if not sim.fits(full):
-        return None
-    return fewest_recomputed(sim, full, per_stage=True)
-
-
 def rebalance(sim: Simulator, judge: Judge, start: Candidate) -> Candidate:
     """The fastest of `start` and its speed-proportional splits (module docstring)."""
     best = current = start
@@ -147,7 +134,7 @@ def rebalance(sim: Simulator, judge: Judge, start: Candidate) -> Candidate:
         counts = speed_split(layers, _task_s(current.report))
         if counts == layers:
             break
-        plan = _fitted(sim, resplit(current.plan, counts))
+        plan = fewest_per_stage(sim, resplit(current.plan, counts))
         if plan is None:
             break
         current = judge(plan, SOURCE)
@@ -196,7 +183,7 @@ def rebalance_seeds(sim: Simulator, judge: Judge, candidates: Sequence[Candidate
             plan = interleaved(cand.plan.model_copy(update={"stages": tuple(
                 s.model_copy(update={"recompute": False, "recompute_layers": None}) for s in cand.plan.stages)}),
                 chunks)
-            fitted = _fitted(sim, plan) if plan is not None else None
+            fitted = fewest_per_stage(sim, plan) if plan is not None else None
             if fitted is None:
                 continue
             start = judge(fitted, SOURCE)

@@ -53,6 +53,26 @@ def fewest_recomputed(sim: Simulator, plan: Plan, fits: Callable[[Plan], bool] |
     return with_recomputed(sim, plan, low)
 
 
+def fully_recomputed(plan: Plan, *, everywhere: bool = True) -> Plan:
+    """`plan` with every stage (`everywhere`), or every stage that recomputes, recomputing all its layers
+    (`recompute_layers` None): where the trims start, and what a runtime without partial recomputation runs."""
+    return plan.model_copy(update={"stages": tuple(
+        s.model_copy(update={"recompute": True, "recompute_layers": None}) if everywhere or s.recompute else s
+        for s in plan.stages)})
+
+
+def fewest_per_stage(sim: Simulator, plan: Plan) -> Plan | None:
+    """`plan` with each stage recomputing the fewest of its layers that fit, none where it fits without
+    (`fewest_recomputed(per_stage=True)` from full recomputation everywhere; one count for an interleaved
+    plan); `plan` itself where no stage recomputes and it fits; None where not even full recomputation fits."""
+    if not any(s.recompute for s in plan.stages) and sim.fits(plan):
+        return plan
+    full = fully_recomputed(plan)
+    if not sim.fits(full):
+        return None
+    return fewest_recomputed(sim, full, per_stage=True)
+
+
 def with_recomputed(sim: Simulator, plan: Plan, count: int) -> Plan:
     """`plan` with every recomputing stage recomputing its first `count` checkpointable layers (all of them,
     `recompute_layers` None, where it holds no more than `count`)."""

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from tagplan.cost import comm
 from tagplan.cost.comm import Algorithm, BYTES_ONLY_BANDWIDTH_Bps, Collective, CommMode, CommModel
+from tagplan.cost.mesh_rings import mesh_ring
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.ir import Cluster, DeviceSpec, LinkKind, Network, Node, PairLink
 
@@ -154,6 +155,13 @@ def test_a_group_nvlinks_cannot_close_rings_over_its_best_other_cycle() -> None:
     cluster = Cluster(name="bridged", nodes=(node,), network=Network(latency_s=5e-6))
     cost = CommModel(cluster).collective(AG, [0, 2, 1, 3], 1e8)
     assert cost.time_s == pytest.approx(3 * 3e-6 + 3 / 4 * 1e8 / pcie)
+
+
+def test_mesh_ring_is_searched_for_three_to_eight_gpus_only() -> None:
+    links = load_cluster("p3.16xlarge")
+    two = tuple(tuple(links.link(a, b) for b in range(2)) for a in range(2))
+    with pytest.raises(ValueError, match=r"2 GPUs; searched for groups of 3\.\.8"):
+        mesh_ring(two)
 
 
 def test_a_mesh_all_to_all_sends_over_each_pair_link_not_the_rings() -> None:

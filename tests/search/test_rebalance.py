@@ -9,6 +9,7 @@ from tagplan.search import planner
 from tagplan.search import rebalance as rb
 from tagplan.search.planner import SimulatorEvaluator, plan
 from tagplan.search.problem import PlanProblem
+from tagplan.search.recompute import fewest_per_stage, fully_recomputed
 from tagplan.search.space import PlanSpace
 
 MODEL = "llama?layers=16&hidden=1024&heads=8&vocab=4000"  # 18 layers: embedding, 16 blocks, head
@@ -81,13 +82,33 @@ def test_the_planner_keeps_the_rebalanced_seeds_as_candidates(monkeypatch: pytes
 
 def test_a_partly_recomputing_plan_is_resplit_with_the_fewest_layers_recomputed() -> None:
     """A stage that recomputed some blocks before the split recomputes what its new blocks need, none where
-    it fits without (`_fitted`), not every block."""
+    it fits without (`recompute.fewest_per_stage`), not every block."""
     model = load_model(MODEL, seq_len=2048)
     sim = Simulator(model, load_cluster(MIXED), Workload(global_batch=32, seq_len=2048))
     start = _grid_plan(sim, 9)
     start = start.model_copy(update={"stages": tuple(s.model_copy(update={"recompute": True, "recompute_layers": 1})
                                                      for s in start.stages)})
-    fitted = rb._fitted(sim, rb.resplit(start, [11, 7]))
+    fitted = fewest_per_stage(sim, rb.resplit(start, [11, 7]))
     assert fitted is not None
     assert not any(s.recompute and s.recompute_layers is None for s in fitted.stages)  # nothing recomputes all
     assert sim.fits(fitted)
+
+
+def test_fewest_per_stage_is_none_where_even_full_recompute_does_not_fit() -> None:
+    model = load_model("llama?layers=16&hidden=4096&heads=32&vocab=4000", seq_len=4096)
+    sim = Simulator(model, load_cluster("p3.8xlarge"), Workload(global_batch=64, seq_len=4096))
+    one_gpu_each = Plan(micro_batches=1, schedule=Schedule.ONE_F_ONE_B, stages=(
+        Stage(layers=(0, 9), devices=(0,)), Stage(layers=(9, 18), devices=(1,))))
+    assert not sim.fits(fully_recomputed(one_gpu_each))
+    assert fewest_per_stage(sim, one_gpu_each) is None
+
+
+def test_the_fastest_rebalanced_1f1b_plans_are_also_tried_interleaved() -> None:
+    model = load_model(MODEL, seq_len=2048)
+    sim = Simulator(model, load_cluster(MIXED), Workload(global_batch=32, seq_len=2048))
+    judge = SimulatorEvaluator(PlanSpace(sim))
+    rb.rebalance_seeds(sim, judge.candidate, [judge.candidate(_grid_plan(sim, 9))])
+    interleaved = [c for c in judge.candidates.values()
+                   if c.source == rb.SOURCE and c.plan.schedule is Schedule.INTERLEAVED_1F1B]
+    assert interleaved
+    assert {len(c.plan.stages) for c in interleaved} <= {2 * n for n in rb.INTERLEAVE_CHUNKS}
