@@ -166,8 +166,9 @@ class Calibration(Record):
     optimizer_scale: dict[str, float] = Field(default_factory=dict,
                                               description="per device type (or *): multiplies the optimizer step")
     host_dispatch_s: dict[str, float] = Field(
-        default_factory=dict, description="per device type (or *): s the host takes to issue one op's kernels "
-        "forward (twice that backward); an op whose device time is shorter costs this (`compute.op_time`)")
+        default_factory=dict, description="per device type (or *): s the host takes to issue one kernel (one op "
+        "forward and two backward, or its eager kernels under `Workload.eager`); a block whose kernels take less "
+        "device time than their issue costs the issue time (`compute.block_time`)")
     layers: tuple[LayerTime, ...] = Field(default=(), description="measured block times (layer records)")
 
     def curve(self, device: str, kind: OpKind) -> EfficiencyCurve | None:

@@ -1,17 +1,22 @@
 """Compute time of ops and blocks on one device: roofline with calibrated efficiency.
 
     t_op = max(flops / (peak * sustained * efficiency(kind, flops)), bytes / (mem_bw * bw_fraction)) + launch
-    t_op = max(t_op * compute_scale, host_dispatch)        (backward: max(..., 2 * host_dispatch))
+    t_op = t_op * compute_scale
+    t_block = max(sum(t_op), kernels * host_dispatch)        (forward and backward apart)
 
 `compute_scale` is the device type's fitted achieved-compute scale (1 unless calibrated from measured
-iterations). `host_dispatch` is the seconds the host takes to issue one op's kernels forward (twice
-that backward: about twice the kernels). The device runs ahead of the host only while there is queued
-work: an op shorter than its issue time leaves the GPU waiting, so it costs the issue time. Eager
-PyTorch on a fast GPU is host-bound this way for small shapes (a 48-layer, 512-wide GPT at 512 tokens
-ran 8x slower on an H200 than its kernels take). It is 0 unless fitted from measured iterations
-(`Calibration.host_dispatch_s`), so frameworks that capture CUDA graphs or fuse aggressively keep
-their kernel times; a CPU runs its kernels itself (`DeviceSpec.queued` False): there the host's time
-is part of each kernel's, and no floor applies.
+iterations). `host_dispatch` is the seconds the host takes to issue one kernel, and `kernels` the
+kernels the block's ops issue: under an eager runtime (`Workload.eager`: PyTorch op by op under
+autocast) each op's `Op.eager_kernels` (the casts of fp32 weights, the unfused rotary and loss: an
+eager Llama block issues about twice a GPT block's kernels), otherwise one per op forward and two
+backward. The host runs ahead of the device while work is queued, so within a block its issue time
+hides under long kernels and only a block whose kernels are shorter in all than their issue leaves
+the device waiting: that block costs the issue time. Eager PyTorch on a fast GPU is host-bound this
+way for small shapes (a 48-layer, 512-wide GPT at 512 tokens ran 8x slower on an H200 than its
+kernels take). It is 0 unless fitted from measured iterations (`Calibration.host_dispatch_s`), so
+frameworks that capture CUDA graphs or fuse aggressively keep their kernel times; a CPU runs its
+kernels itself (`DeviceSpec.queued` False): there the host's time is part of each kernel's, and no
+floor applies.
 `sustained` is the device's `sustained_peak_fraction`: where a power cap lowers the clock under a
 continuous load (T4), every tensor-core kernel of the training loop runs at the lowered clock.
 
@@ -96,7 +101,7 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
                                                   dtype=dtype, spec=spec, calibration=calibration)
             forward += amax_forward
             backward += amax_backward
-        return _issued(forward, backward, spec, calibration)
+        return _scaled(forward, backward, spec, calibration)
     if op.kind is OpKind.ATTENTION:
         forward, backward = body + launch, calibration.attention_backward_factor * body + launch
         if not spec.fused_attention and op.score_elements:
@@ -104,16 +109,24 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
                       / (spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, OpKind.SOFTMAX)))
             forward += UNFUSED_SCORE_PASSES_FORWARD * pass_s + UNFUSED_KERNELS_FORWARD * launch
             backward += UNFUSED_SCORE_PASSES_BACKWARD * pass_s + UNFUSED_KERNELS_BACKWARD * launch
-        return _issued(forward, backward, spec, calibration)
-    return _issued(body + launch, 2.0 * body + launch, spec, calibration)
+        return _scaled(forward, backward, spec, calibration)
+    return _scaled(body + launch, 2.0 * body + launch, spec, calibration)
 
 
-def _issued(forward_s: float, backward_s: float, spec: DeviceSpec, calibration: Calibration) -> OpTime:
-    """The op's device seconds times the device's compute scale, at least the host's time to issue its
-    kernels (forward one dispatch, backward two) on a device with a queue (`DeviceSpec.queued`)."""
+def _scaled(forward_s: float, backward_s: float, spec: DeviceSpec, calibration: Calibration) -> OpTime:
+    """The op's device seconds times the device's compute scale."""
     scale = calibration.compute_factor(spec.name)
-    host_s = calibration.overhead_s("host_dispatch_s", spec.name) if spec.queued else 0.0
-    return OpTime(max(forward_s * scale, host_s), max(backward_s * scale, 2.0 * host_s))
+    return OpTime(forward_s * scale, backward_s * scale)
+
+
+def issued_kernels(op: Op, *, eager: bool) -> tuple[int, int]:
+    """(forward, backward) kernels the host issues for `op` per micro-batch: its eager PyTorch count under an
+    eager runtime where the model gives one, else one forward and two backward (none for a view)."""
+    if op.kind is OpKind.VIEW:
+        return 0, 0
+    if eager and op.eager_kernels is not None:
+        return op.eager_kernels
+    return 1, 2
 
 
 def _amax_s(input_bytes: float, output_bytes: float, *, dtype: DType, spec: DeviceSpec,
@@ -138,15 +151,22 @@ class BlockTime:
 
 
 def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: float, tp: int, spec: DeviceSpec,
-               dtype: DType, calibration: Calibration) -> BlockTime:
-    """Sum of the block's op times for one micro-batch of `samples` samples."""
+               dtype: DType, calibration: Calibration, eager: bool = False) -> BlockTime:
+    """Sum of the block's op times for one micro-batch of `samples` samples, each direction at least the
+    host's time to issue the block's kernels on a device with a queue (`DeviceSpec.queued`; `eager`: the
+    runtime issues each op's eager kernels, `issued_kernels`)."""
     forward = backward = 0.0
+    kernels_forward = kernels_backward = 0
     for op in block.ops:
         t = op_time(op, samples=samples, tp=tp, strategy=strategies[op.name], spec=spec, dtype=dtype,
                     calibration=calibration)
         forward += t.forward_s
         backward += t.backward_s
-    return BlockTime(forward, backward)
+        k_forward, k_backward = issued_kernels(op, eager=eager)
+        kernels_forward += k_forward
+        kernels_backward += k_backward
+    host_s = calibration.overhead_s("host_dispatch_s", spec.name) if spec.queued else 0.0
+    return BlockTime(max(forward, kernels_forward * host_s), max(backward, kernels_backward * host_s))
 
 
 def profiled_block_time(profiles: Sequence[LayerTime], *, tp: int, samples: float) -> tuple[BlockTime | None, str]:

@@ -317,7 +317,7 @@ class StageCoster:
                overrides: dict[str, ShardStrategy] | None) -> BlockTime:
         """Compute seconds of one block per micro-batch: its layer profile where one covers the point
         (and the plan keeps the default sharding), else the op model; times the device's compute scale
-        (the op model's ops also at least the host's dispatch time, `compute.op_time`)."""
+        (the op model's blocks also at least the host's time to issue their kernels, `compute.block_time`)."""
         key = (block_hash, _spec_key(spec), self.workload.dtype, tp, samples, sharding_key(overrides))
         hit = self.block_memo.get(key)
         if hit is None:
@@ -329,9 +329,10 @@ class StageCoster:
             if measured is not None:
                 scale = self.calibration.compute_factor(spec.name)
                 hit = BlockTime(measured.forward_s * scale, measured.backward_s * scale)
-            else:  # op_time applies the compute scale and the host's dispatch floor per op
+            else:  # the compute scale per op, the host's issue floor per block
                 hit = block_time(self.model.block_by_hash[block_hash], sharded.strategies, samples=samples,
-                                 tp=tp, spec=spec, dtype=self.workload.dtype, calibration=self.calibration)
+                                 tp=tp, spec=spec, dtype=self.workload.dtype, calibration=self.calibration,
+                                 eager=self.workload.eager)
             self.block_memo[key] = hit
             self.source_memo[key] = source
         return hit

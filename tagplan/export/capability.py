@@ -51,6 +51,9 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     Megatron-Core fuses the gated MLP's activation (`fused_activation`), and so does the torch program
     where it builds the model `spec` from its own modules (`builds_own_modules`); Hugging Face classes,
     user modules and DeepSpeed (which runs the user's model) keep each op's inputs.
+    The torch program runs its PyTorch modules op by op under autocast (`eager`: the host issues each
+    op's eager kernels, casts included); Megatron-Core's fused kernels, and DeepSpeed's 16-bit weights
+    (no autocast casts), are costed one kernel per op.
     ExportError (a SpecError) for a `grad_reduce_dtype` the target cannot reduce in."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
@@ -70,6 +73,8 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
         update["fused_attention"] = True
     if fmt != "megatron" and workload.tp_comm_overlap:
         update["tp_comm_overlap"] = False
+    if fmt == "torch" and not workload.eager:  # its modules op by op under autocast: each op's eager kernels
+        update["eager"] = True
     fused = fmt == "megatron" or (fmt == "torch" and builds_own_modules(spec))  # bias_swiglu_impl; _GatedProduct
     if fused and not workload.fused_activation:
         update["fused_activation"] = True

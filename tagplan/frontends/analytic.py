@@ -6,6 +6,15 @@ count one FLOP per output element (five for norms and softmax). `saved_bytes` fo
 convention of the traced front-end: a matmul saves its activation input, attention saves
 q, k, v and its output (flash-style, no s x s matrix), norms their input, nonlinear
 elementwise ops their input; a tensor saved by several consumers is counted once.
+
+`Op.eager_kernels` are the kernels eager PyTorch dispatches per op under autocast over fp32 weights,
+as tagplan's own torch modules run (`profiling.iterations`, the torch program): a projection casts its
+weight (and bias) and, when it reads a norm's fp32 output, its input, then multiplies; backward two
+GEMMs, the gradient casts and the bias sum. Attention is SDPA and its layout copy; a pointwise op one
+kernel forward and one per saved input backward; rotary positions as `profiling.layers._rotary` runs
+them (the angle table rebuilt per call, the strided multiplies and the interleave: 18 kernels forward
+and 11 backward for each of queries and keys); the loss casts, log-softmax and gathers. Counted with
+a dispatch mode over those modules (`tests/frontends/test_eager_kernels.py` recounts them).
 """
 
 from __future__ import annotations
@@ -16,6 +25,11 @@ from dataclasses import dataclass, field
 from tagplan.ir.model import HASH_EXCLUDED, Block, Op, OpKind, PartitionDim
 
 _TOKEN_DIMS = (PartitionDim.BATCH, PartitionDim.SEQUENCE)
+ROTARY_EAGER_KERNELS = (18, 11)
+"""(forward, backward) eager kernels of rotary positions on one tensor (queries or keys) as
+`profiling.layers._rotary` runs them: the angle table (two aranges, the frequencies, the outer
+product, cos, sin and their casts) and the interleaved rotation (four strided multiplies, a
+difference, a sum and the stack); backward the multiplies, a negation, the slices' scatter and sums."""
 
 
 @dataclass
@@ -40,13 +54,20 @@ class BlockBuilder:
         self._saved.add(key)
         return nbytes
 
+    def _reads_fp32(self, src: str) -> bool:
+        """Whether `src` is a norm's output, which autocast leaves in fp32 (so each reader casts it)."""
+        return any(op.name == src and op.kind is OpKind.LAYERNORM for op in self.ops)
+
     def linear(self, name: str, src: str, d_in: int, d_out: int, *, bias: bool = False,
-               tokens: int | None = None, experts: int = 0) -> str:
+               tokens: int | None = None, experts: int = 0, eager_kernels: tuple[int, int] | None = None) -> str:
         """A dense projection of `tokens` (default `seq_len`) rows from `d_in` to `d_out`.
 
         With `experts` = E > 0 it is a bank of E expert projections over the routed tokens:
         the FLOPs are those of `tokens` rows, the parameters those of all E experts.
+        `eager_kernels` overrides the rule (a projection the eager program fuses with another).
         """
+        if eager_kernels is None:
+            eager_kernels = (2 + int(bias) + int(self._reads_fp32(src)), 4 + 2 * int(bias))
         t = self.seq_len if tokens is None else tokens
         params = (d_in * d_out + (d_out if bias else 0)) * max(experts, 1)
         dims = (*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT, PartitionDim.HIDDEN_IN)
@@ -55,7 +76,7 @@ class BlockBuilder:
             bytes_read=(t * d_in + params) * self.nbytes, bytes_written=t * d_out * self.nbytes,
             param_bytes=params * self.nbytes, saved_bytes=self._save_once(src, t * d_in * self.nbytes),
             output_shape=(1, t, d_out), partition_dims=(*dims, PartitionDim.EXPERTS) if experts else dims,
-            inputs=(src,) if src else (),
+            inputs=(src,) if src else (), eager_kernels=eager_kernels,
         ), params)
 
     def attention(self, name: str, srcs: tuple[str, ...], heads: int, kv_heads: int, head_dim: int,
@@ -71,7 +92,7 @@ class BlockBuilder:
             name=name, kind=OpKind.ATTENTION, flops=flops, bytes_read=q_bytes + kv_bytes,
             bytes_written=q_bytes, saved_bytes=saved, output_shape=(1, s, heads * head_dim),
             score_elements=float(s * skv * heads),
-            partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs,
+            partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs, eager_kernels=(2, 2),
         ))
 
     def rotary(self, name: str, srcs: tuple[str, ...], heads: int, head_dim: int) -> str:
@@ -85,6 +106,7 @@ class BlockBuilder:
             name=name, kind=OpKind.ELEMENTWISE, flops=3.0 * elems,
             bytes_read=(elems + 2 * s * head_dim) * self.nbytes, bytes_written=elems * self.nbytes,
             output_shape=(1, s, heads * head_dim), partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs,
+            eager_kernels=(ROTARY_EAGER_KERNELS[0] * len(srcs), ROTARY_EAGER_KERNELS[1] * len(srcs)),
         ))
 
     def norm(self, name: str, src: str, width: int, *, bias: bool = True) -> str:
@@ -95,7 +117,7 @@ class BlockBuilder:
             name=name, kind=OpKind.LAYERNORM, flops=5.0 * elems,
             bytes_read=elems * self.nbytes + params * self.nbytes, bytes_written=elems * self.nbytes,
             param_bytes=params * self.nbytes, saved_bytes=self._save_once(src, elems * self.nbytes),
-            output_shape=(1, self.seq_len, width), partition_dims=_TOKEN_DIMS, inputs=(src,),
+            output_shape=(1, self.seq_len, width), partition_dims=_TOKEN_DIMS, inputs=(src,), eager_kernels=(1, 1),
         ), params)
 
     def elementwise(self, name: str, srcs: tuple[str, ...], width: int, *, saves_input: bool,
@@ -109,6 +131,7 @@ class BlockBuilder:
             bytes_read=len(srcs) * elems * self.nbytes, bytes_written=elems * self.nbytes,
             saved_bytes=saved, output_shape=(1, t, width),
             partition_dims=(*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT), inputs=srcs,
+            eager_kernels=(1, len(srcs) if saves_input else 1),
         ))
 
     def embedding(self, name: str, rows: int, width: int, *, tokens: int | None = None,
@@ -120,7 +143,7 @@ class BlockBuilder:
             name=name, kind=OpKind.EMBEDDING, flops=0.0,
             bytes_read=t * width * self.nbytes + t * 8, bytes_written=t * width * self.nbytes,
             param_bytes=params * self.nbytes, saved_bytes=t * 8.0, output_shape=(1, t, width),
-            partition_dims=(*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT),
+            partition_dims=(*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT), eager_kernels=(1, 1),
         ), params)
 
     def softmax_loss(self, name: str, src: str, classes: int, *, tokens: int | None = None) -> str:
@@ -135,7 +158,7 @@ class BlockBuilder:
         return self._add(Op(
             name=name, kind=OpKind.SOFTMAX, flops=5.0 * elems, bytes_read=elems * (self.nbytes + 2 * 4.0),
             bytes_written=elems * 4.0 + t * 4.0, saved_bytes=elems * 4.0, output_shape=(1, t),
-            partition_dims=(*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT), inputs=(src,),
+            partition_dims=(*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT), inputs=(src,), eager_kernels=(3, 3),
         ))
 
     def all_to_all(self, name: str, src: str, width: int, top_k: int) -> str:

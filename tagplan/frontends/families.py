@@ -50,12 +50,15 @@ class TransformerShape:
 
 
 def _attention(b: BlockBuilder, x: str, shape: TransformerShape, *, bias: bool, prefix: str = "attn",
-               kv_src: str | None = None, rotary: bool = False) -> str:
+               kv_src: str | None = None, rotary: bool = False, fused_qkv: bool = False) -> str:
+    """Attention's projections, positions, SDPA and output projection; `fused_qkv`: the eager program
+    projects queries, keys and values in one GEMM (GPT-2's c_attn), whose kernels count on the query's."""
     h, dh, heads, kvh = shape.hidden, shape.dh, shape.heads, shape.kvh
     q = b.linear(f"{prefix}.q", x, h, heads * dh, bias=bias)
     kv_in = kv_src or x
-    k = b.linear(f"{prefix}.k", kv_in, h, kvh * dh, bias=bias)
-    v = b.linear(f"{prefix}.v", kv_in, h, kvh * dh, bias=bias)
+    eager_kv = (0, 0) if fused_qkv else None
+    k = b.linear(f"{prefix}.k", kv_in, h, kvh * dh, bias=bias, eager_kernels=eager_kv)
+    v = b.linear(f"{prefix}.v", kv_in, h, kvh * dh, bias=bias, eager_kernels=eager_kv)
     if rotary:  # the rotated queries and keys are what attention reads (and keeps)
         qk = b.rotary(f"{prefix}.rotary", (q, k), heads + kvh, dh)
         a = b.attention(f"{prefix}.sdpa", (qk, v), heads, kvh, dh)
@@ -83,7 +86,7 @@ def gpt_block(shape: TransformerShape, seq: int, nbytes: int) -> Block:
     """Pre-LN GPT block: LN, QKV, attention, proj, residual, LN, GELU MLP, residual."""
     b, h = BlockBuilder("block", seq, nbytes), shape.hidden
     x = "input"
-    a = _attention(b, b.norm("ln_1", x, h), shape, bias=True)
+    a = _attention(b, b.norm("ln_1", x, h), shape, bias=True, fused_qkv=True)
     r = b.elementwise("residual_1", (x, a), h, saves_input=False)
     m = _gelu_mlp(b, b.norm("ln_2", r, h), h, shape.ffn or 4 * h)
     b.elementwise("residual_2", (r, m), h, saves_input=False)

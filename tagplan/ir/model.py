@@ -48,9 +48,10 @@ class PartitionDim(StrEnum):
 CHECKPOINT_SKIPPED: frozenset[str] = frozenset({"embedding", "head"})
 """Block kinds recomputation keeps whole (Megatron and the torch program checkpoint the transformer blocks)."""
 
-HASH_EXCLUDED: frozenset[str] = frozenset({"score_elements", "shared_param_bytes"})
-"""Op fields that block hashes leave out: derived from shapes the hash already covers (so adding them kept
-every earlier hash, and the layer profiles that name blocks by hash, valid)."""
+HASH_EXCLUDED: frozenset[str] = frozenset({"score_elements", "shared_param_bytes", "eager_kernels"})
+"""Op fields that block hashes leave out: derived from shapes the hash already covers, or describing how a
+runtime issues the op rather than what it computes (so adding them kept every earlier hash, and the layer
+profiles that name blocks by hash, valid)."""
 
 
 class Op(Record):
@@ -70,6 +71,11 @@ class Op(Record):
         default=0, ge=0, description="bytes of parameters this op uses but the model's first layer owns (a head "
         "tied to the token embedding); a pipeline stage that holds this op but not the first layer keeps a copy; "
         "block hashes leave it out")
+    eager_kernels: tuple[int, int] | None = Field(
+        default=None, description="(forward, backward) kernels eager PyTorch dispatches for this op per micro-batch "
+        "under autocast mixed precision (the weight casts and gradient accumulation included): what the host "
+        "issues when the runtime runs the model op by op (`Workload.eager`); None: one forward, two backward. "
+        "Block hashes leave it out")
     output_shape: tuple[int, ...] = ()
     partition_dims: tuple[PartitionDim, ...] = ()
     inputs: tuple[str, ...] = Field(default=(), description="names of producer ops in the block")

@@ -118,6 +118,12 @@ class Workload(Record):
         "product: Megatron-Core's bias_swiglu_impl) into one function that keeps only the chain's own inputs for "
         "its backward and recomputes the rest (the gated MLP keeps its two projections, not also the activated "
         "one). False: each pointwise op keeps its inputs (PyTorch eager, Hugging Face)")
+    eager: bool = Field(
+        default=False, description="the runtime runs the model op by op as eager PyTorch under autocast (tagplan's "
+        "torch program, its measured iterations): the host issues each op's eager kernels (`Op.eager_kernels`: the "
+        "weight casts, the unfused rotary and loss), and a block on a GPU takes at least the host's time to issue "
+        "them (`Calibration.host_dispatch_s` per kernel). False: one kernel per op forward, two backward (fused "
+        "runtimes: Megatron-Core, Transformer Engine)")
     tp_comm_overlap: bool = Field(
         default=False, description="tensor-parallel collectives run in chunks under the block's compute (Megatron-"
         "Core's --tp-comm-overlap: Transformer Engine's userbuffers with sequence parallelism); per block and "

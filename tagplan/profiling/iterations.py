@@ -241,7 +241,7 @@ def iteration_records(spec: DeviceSpec, cases: Sequence[IterationCase] = QUICK_C
     for case in cases:
         seconds, timed, peak = measure_iteration_s(case, steps=steps, device=device, dtype=dtype)
         workload = Workload(global_batch=case.global_batch, seq_len=case.seq_len, dtype=dtype,
-                            optimizer=Optimizer.ADAM)
+                            optimizer=Optimizer.ADAM, eager=True)
         plan = Plan(stages=(Stage(layers=(0, case.layers + 2), devices=(0,), recompute=case.recompute),),
                     micro_batches=case.micro_batches)
         if progress:

@@ -147,8 +147,10 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
     """Every named parameter the cases could inform (unseen ones are dropped later by sensitivity)."""
     devices = sorted({d.spec.name for c in cases for d in c.cluster.devices})
     key = fit_key(cases)
-    queued = any(d.spec.queued for c in cases for d in c.cluster.devices)  # the host's issue floor: GPUs (op_time
-    # applies it to queued devices only, so CPU records beside GPU ones do not see it)
+    # the host's issue floor: runs of eager runtimes on GPUs (block_time applies it to queued devices only, so
+    # CPU records beside GPU ones do not see it). A fused runtime issues one kernel per op: its blocks are rarely
+    # host-bound, and on its records a floor only competes with the compute scale for the same short blocks.
+    queued = any(d.spec.queued and c.workload.eager for c in cases for d in c.cluster.devices)
     params = [Param(f"compute_scale/{d}", True) for d in devices]
     for scope in (INTRA, INTER):
         params += [Param(f"bandwidth_scale/{key}/{scope}", True, max_value=BANDWIDTH_SCALE_MAX),

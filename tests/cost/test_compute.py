@@ -1,8 +1,8 @@
 import pytest
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration, EfficiencyCurve
-from tagplan.cost.compute import op_time
-from tagplan.ir import DeviceSpec, DType, Op, OpKind, ShardStrategy
+from tagplan.cost.compute import block_time, issued_kernels, op_time
+from tagplan.ir import Block, DeviceSpec, DType, Op, OpKind, ShardStrategy
 
 SPEC = DeviceSpec(name="X", peak_flops_bf16=100e12, peak_flops_fp16=100e12, peak_flops_fp32=10e12,
                   mem_bytes=10**10, mem_bandwidth_Bps=1e12)
@@ -88,20 +88,33 @@ def test_a_power_capped_device_runs_tensor_work_at_its_sustained_clock() -> None
             == op_time(ln, strategy=ShardStrategy.SEQUENCE, spec=SPEC, **kwargs))  # type: ignore[arg-type]
 
 
-def test_a_queued_device_waits_for_the_host_to_issue_short_ops_and_a_cpu_does_not() -> None:
-    """An op shorter than the host's dispatch costs the dispatch (twice backward); a long op keeps its kernel time,
-    times the compute scale; a CPU (which runs its kernels itself) gets no floor."""
+def test_a_queued_device_waits_for_the_host_to_issue_a_block_of_short_ops_and_a_cpu_does_not() -> None:
+    """A block whose kernels take less device time than their issue costs the issue (one kernel per op forward,
+    two backward; `eager`: each op's eager kernels); the host runs ahead under a long op, so a short op beside
+    it costs only its kernel time; ops keep the compute scale; a CPU (which runs its kernels itself) gets no
+    floor."""
     host = FLAT.model_copy(update={"host_dispatch_s": {"X": 1e-3, "cpu-x": 1e-3}, "compute_scale": {"X": 2.0}})
-    short = Op(name="ln", kind=OpKind.LAYERNORM, flops=10.0, bytes_read=4e3, bytes_written=4e3)
+    short = Op(name="ln", kind=OpKind.LAYERNORM, flops=10.0, bytes_read=4e3, bytes_written=4e3,
+               eager_kernels=(3, 5))
+    other = short.model_copy(update={"name": "ln2", "eager_kernels": None})
     long = Op(name="mm", kind=OpKind.MATMUL, flops=1e12, bytes_read=1e3, bytes_written=1e3)
-    args = {"samples": 1, "tp": 1, "strategy": ShardStrategy.COLUMN, "dtype": DType.BF16}
-    t = op_time(short, spec=SPEC, calibration=host, **args)
-    assert (t.forward_s, t.backward_s) == (pytest.approx(1e-3), pytest.approx(2e-3))
-    plain = op_time(long, spec=SPEC, calibration=FLAT, **args)
-    t = op_time(long, spec=SPEC, calibration=host, **args)
-    assert t.forward_s == pytest.approx(2.0 * plain.forward_s) and t.forward_s > 1e-3
+    args = {"samples": 1, "tp": 1, "dtype": DType.BF16}
+    strategies = {"ln": ShardStrategy.SEQUENCE, "ln2": ShardStrategy.SEQUENCE, "mm": ShardStrategy.COLUMN}
+    shorts = Block(hash="s", ops=(short, other), params=0, output_bytes=0)
+    t = block_time(shorts, strategies, spec=SPEC, calibration=host, **args)  # type: ignore[arg-type]
+    assert (t.forward_s, t.backward_s) == (pytest.approx(2e-3), pytest.approx(4e-3))
+    t = block_time(shorts, strategies, spec=SPEC, calibration=host, eager=True, **args)  # type: ignore[arg-type]
+    assert (t.forward_s, t.backward_s) == (pytest.approx(4e-3), pytest.approx(7e-3))
+    assert issued_kernels(short, eager=False) == (1, 2) and issued_kernels(short, eager=True) == (3, 5)
+    assert issued_kernels(other, eager=True) == (1, 2)
+    mixed = Block(hash="m", ops=(long, short), params=0, output_bytes=0)
+    plain = op_time(long, spec=SPEC, calibration=FLAT, strategy=ShardStrategy.COLUMN, **args)  # type: ignore[arg-type]
+    t = block_time(mixed, strategies, spec=SPEC, calibration=host, eager=True, **args)  # type: ignore[arg-type]
+    kernels_s = op_time(short, spec=SPEC, calibration=host, strategy=ShardStrategy.SEQUENCE,
+                        **args).forward_s  # type: ignore[arg-type]
+    assert t.forward_s == pytest.approx(2.0 * plain.forward_s + kernels_s) and t.forward_s > 4e-3
     cpu = SPEC.model_copy(update={"name": "cpu-x"})
     assert not cpu.queued and SPEC.queued
-    t = op_time(short, spec=cpu, calibration=host, **args)
+    t = block_time(shorts, strategies, spec=cpu, calibration=host, eager=True, **args)  # type: ignore[arg-type]
     assert t.forward_s < 1e-4
-    assert t.forward_s == pytest.approx(op_time(short, spec=cpu, calibration=FLAT, **args).forward_s)
+    assert t == block_time(shorts, strategies, spec=cpu, calibration=FLAT, eager=True, **args)  # type: ignore[arg-type]

@@ -120,6 +120,10 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     assert runtime_workload("torch", bf16, parse_model_spec("hf:LlamaConfig?hidden_size=64")).fused_activation is False
     assert runtime_workload("torch", bf16).fused_activation is False  # model unknown: as kept op by op
     assert runtime_workload("deepspeed", bf16, parse_model_spec("llama3-8b")).fused_activation is False
+    # the torch program runs its modules op by op under autocast; Megatron-Core's kernels are fused, and
+    # DeepSpeed keeps 16-bit weights (no autocast casts)
+    assert not bf16.eager and not runtime_workload("megatron", bf16).eager
+    assert runtime_workload("torch", bf16).eager and not runtime_workload("deepspeed", bf16).eager
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         runtime_workload("onnx", bf16)
 

@@ -26,9 +26,9 @@ TRUTH = DEFAULT_CALIBRATION.model_copy(update={"name": "truth", "compute_scale":
                                                "iteration_overhead_s": {A100: 1e-2}})
 
 
-def cases(calibration=TRUTH) -> list[IterationCase]:  # type: ignore[no-untyped-def]
-    model, cluster = load_model(MODEL, seq_len=WORKLOAD.seq_len), load_cluster(CLUSTER)
-    sim = Simulator(model, cluster, WORKLOAD)
+def cases(calibration=TRUTH, workload=WORKLOAD) -> list[IterationCase]:  # type: ignore[no-untyped-def]
+    model, cluster = load_model(MODEL, seq_len=workload.seq_len), load_cluster(CLUSTER)
+    sim = Simulator(model, cluster, workload)
     out = []
     for tp, pp in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (1, 4), (2, 4)):
         base = megatron_plan(sim, tp=tp, pp=pp).plan
@@ -36,8 +36,8 @@ def cases(calibration=TRUTH) -> list[IterationCase]:  # type: ignore[no-untyped-
         dp = 8 // (tp * pp)
         for m in sorted({1, 2, WORKLOAD.global_batch // dp}):
             plan = base.model_copy(update={"micro_batches": m})
-            seconds = Simulator(model, cluster, WORKLOAD, calibration=calibration).simulate(plan).iteration_time_s
-            out.append(IterationCase(model, cluster, WORKLOAD, plan, seconds))
+            seconds = Simulator(model, cluster, workload, calibration=calibration).simulate(plan).iteration_time_s
+            out.append(IterationCase(model, cluster, workload, plan, seconds))
     return out
 
 
@@ -175,19 +175,22 @@ def test_equal_links_with_other_device_types_do_not_share_a_collective_overhead(
 
 
 @pytest.mark.slow
-def test_fit_recovers_the_host_dispatch_floor_on_gpus_and_never_fits_it_on_a_cpu() -> None:
-    truth = TRUTH.model_copy(update={"host_dispatch_s": {A100: 1e-4}})
-    made = cases(truth)
+def test_fit_recovers_the_host_dispatch_floor_of_eager_runs_on_gpus_and_never_fits_it_on_a_cpu() -> None:
+    truth = TRUTH.model_copy(update={"host_dispatch_s": {A100: 2e-5}})
+    eager = WORKLOAD.model_copy(update={"eager": True})
+    made = cases(truth, eager)
     fitted, values = fit_parameters(made, DEFAULT_CALIBRATION)
-    assert fitted.host_dispatch_s[A100] == pytest.approx(1e-4, rel=0.3)
+    assert fitted.host_dispatch_s[A100] == pytest.approx(2e-5, rel=0.3)
     assert values[f"host_dispatch_s/{A100}"] == pytest.approx(fitted.host_dispatch_s[A100])
-    floor_free = Simulator(made[0].model, made[0].cluster, WORKLOAD, calibration=TRUTH).simulate(made[0].plan)
+    floor_free = Simulator(made[0].model, made[0].cluster, eager, calibration=TRUTH).simulate(made[0].plan)
     assert made[0].measured_s > 1.2 * floor_free.iteration_time_s  # the floor shaped these records
     from tagplan.frontends.cpu import build_cpu_cluster
 
     cpu = build_cpu_cluster(made[0].cluster.devices[0].spec.model_copy(update={"name": "cpu-test"}))
-    on_cpu = IterationCase(made[0].model, cpu, WORKLOAD, made[0].plan.model_copy(update={"stages": (
+    on_cpu = IterationCase(made[0].model, cpu, eager, made[0].plan.model_copy(update={"stages": (
         made[0].plan.stages[0].model_copy(update={"devices": (0,), "tp": 1, "dp": 1, "zero": 0,
                                                   "layers": (0, len(made[0].model.blocks))}),)}), 1.0)
     assert not any(p.name.startswith("host_dispatch") for p in parameters([on_cpu]))
     assert any(p.name.startswith("host_dispatch") for p in parameters([on_cpu, made[0]]))  # a GPU record among them
+    fused = IterationCase(made[0].model, made[0].cluster, WORKLOAD, made[0].plan, made[0].measured_s)
+    assert not any(p.name.startswith("host_dispatch") for p in parameters([fused]))  # a fused runtime's run

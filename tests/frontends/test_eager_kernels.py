@@ -1,0 +1,82 @@
+"""The analytic blocks' eager kernel counts (`Op.eager_kernels`) against a count of the kernels tagplan's own
+torch modules dispatch under autocast (`profiling.iterations` GPT block, `profiling.layers.LlamaBlock`)."""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tagplan.frontends.families import TransformerShape, gpt_block, llama_block
+from tagplan.ir import Block
+from tagplan.profiling.iterations import _Block
+from tagplan.profiling.layers import LlamaBlock
+
+_NO_KERNEL = {"aten.detach", "aten.empty", "aten.empty_strided", "aten.lift_fresh", "aten._unsafe_view", "aten.t"}
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts dispatched aten ops that run a kernel (not views); a norm module's ops count as one (CUDA runs
+    LayerNorm and RMSNorm as one kernel each; the CPU decomposes RMSNorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.inside_norm = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and str(func.overloadpacket) not in _NO_KERNEL and not self.inside_norm:
+            self.count += 1
+        return out
+
+
+def _forward_kernels(module: nn.Module, x: torch.Tensor) -> tuple[int, Callable[[], int]]:
+    """(forward kernels, a function counting the backward's) of `module` on `x` under bf16 autocast."""
+    mode = _Kernels()
+    for norm in (m for m in module.modules() if isinstance(m, nn.LayerNorm | nn.RMSNorm)):
+        def enter(*_: object, mode: _Kernels = mode) -> None:
+            mode.count += 1  # the norm's own kernel
+            mode.inside_norm += 1
+
+        def leave(*_: object, mode: _Kernels = mode) -> None:
+            mode.inside_norm -= 1
+        norm.register_forward_pre_hook(enter)
+        norm.register_forward_hook(leave)
+    x = x.requires_grad_(True)
+    with mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        y = module(x)
+    grad = torch.randn_like(y)
+
+    def backward() -> int:
+        counted = _Kernels()
+        with counted:
+            y.backward(grad)
+        return counted.count
+    return mode.count, backward
+
+
+def _totals(block: Block) -> tuple[int, int]:
+    kernels = [op.eager_kernels for op in block.ops]
+    assert all(k is not None for k in kernels)
+    return sum(k[0] for k in kernels if k), sum(k[1] for k in kernels if k)
+
+
+def test_gpt_block_issues_the_kernels_its_eager_module_dispatches() -> None:
+    forward, backward = _forward_kernels(_Block(64, 4), torch.randn(2, 16, 64))
+    ir_forward, ir_backward = _totals(gpt_block(TransformerShape(layers=1, hidden=64, heads=4), 16, 2))
+    assert ir_forward == pytest.approx(forward, abs=1)
+    assert ir_forward + ir_backward == pytest.approx(forward + backward(), rel=0.05)
+
+
+def test_llama_block_issues_about_twice_a_gpt_blocks_kernels_as_its_eager_module_does() -> None:
+    shape = TransformerShape(layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100)
+    forward, backward = _forward_kernels(LlamaBlock(shape, tp=1), torch.randn(2, 16, 64))
+    ir_forward, ir_backward = _totals(llama_block(shape, 16, 2))
+    assert ir_forward == forward  # the rotary table and rotation, the casts of each projection's input and weight
+    # the CPU decomposes RMSNorm's backward into a dozen ops each (CUDA: one kernel), so the CPU counts more
+    counted = backward()
+    assert ir_backward == pytest.approx(counted, rel=0.35) and ir_backward < counted
+    gpt_forward, gpt_backward = _totals(gpt_block(TransformerShape(layers=1, hidden=64, heads=4), 16, 2))
+    assert 1.8 < (ir_forward + ir_backward) / (gpt_forward + gpt_backward) < 2.6
