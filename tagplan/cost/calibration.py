@@ -39,6 +39,11 @@ from tagplan.ir.model import OpKind
 from tagplan.ir.workload import DType
 
 ANY_DEVICE = "*"
+EAGER_HOST_DISPATCH_S = 4.07e-05
+"""Seconds the host takes to issue one kernel under an eager runtime (`Workload.eager`) where no calibration
+names the device: fitted by `bench/fit_eager_host.py` to the 30 GPT iterations of the H200 bundle
+(`bench/data/gpu/h200/iterations`, the shipped defaults otherwise), the one figure from measured runs; a
+property of the host's Python and dispatcher more than of the GPU."""
 
 
 class EfficiencyCurve(Record):
@@ -165,6 +170,9 @@ class Calibration(Record):
         "checkpoint call's own cost: stashing and restoring RNG state, re-entering autograd)")
     optimizer_scale: dict[str, float] = Field(default_factory=dict,
                                               description="per device type (or *): multiplies the optimizer step")
+    eager_host_dispatch_s: float = Field(
+        default=EAGER_HOST_DISPATCH_S, ge=0, description="s the host takes to issue one kernel under an eager "
+        "runtime (`Workload.eager`) on a device `host_dispatch_s` does not name (`host_issue_s`)")
     host_dispatch_s: dict[str, float] = Field(
         default_factory=dict, description="per device type (or *): s the host takes to issue one kernel (one op "
         "forward and two backward, or its eager kernels under `Workload.eager`); a block whose kernels take less "
@@ -201,6 +209,15 @@ class Calibration(Record):
         measured on one type never changes plans on another."""
         table: dict[str, float] = getattr(self, name)
         return table.get(device, table.get(ANY_DEVICE, 0.0))
+
+    def host_issue_s(self, device: str, *, eager: bool) -> float:
+        """Seconds the host takes to issue one kernel on a device with a queue: the fitted `host_dispatch_s`
+        (its own figure, else the any-device one), else `eager_host_dispatch_s` under an eager runtime, else 0
+        (a fused runtime's floor is not assumed)."""
+        table = self.host_dispatch_s
+        if device in table or ANY_DEVICE in table:
+            return table.get(device, table.get(ANY_DEVICE, 0.0))
+        return self.eager_host_dispatch_s if eager else 0.0
 
     def optimizer_factor(self, device: str) -> float:
         """Multiplier of the optimizer step's time on `device` (1 unless fitted)."""

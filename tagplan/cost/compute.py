@@ -13,8 +13,10 @@ backward. The host runs ahead of the device while work is queued, so within a bl
 hides under long kernels and only a block whose kernels are shorter in all than their issue leaves
 the device waiting: that block costs the issue time. Eager PyTorch on a fast GPU is host-bound this
 way for small shapes (a 48-layer, 512-wide GPT at 512 tokens ran 8x slower on an H200 than its
-kernels take). It is 0 unless fitted from measured iterations (`Calibration.host_dispatch_s`), so
-frameworks that capture CUDA graphs or fuse aggressively keep their kernel times; a CPU runs its
+kernels take). It is fitted from measured iterations (`Calibration.host_dispatch_s`); where no fit names
+the device, an eager runtime takes `Calibration.eager_host_dispatch_s` (fitted on an H200 host's eager
+runs) and a fused one none, so frameworks that capture CUDA graphs or fuse aggressively keep their
+kernel times; a CPU runs its
 kernels itself (`DeviceSpec.queued` False): there the host's time is part of each kernel's, and no
 floor applies.
 `sustained` is the device's `sustained_peak_fraction`: where a power cap lowers the clock under a
@@ -165,7 +167,7 @@ def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: f
         k_forward, k_backward = issued_kernels(op, eager=eager)
         kernels_forward += k_forward
         kernels_backward += k_backward
-    host_s = calibration.overhead_s("host_dispatch_s", spec.name) if spec.queued else 0.0
+    host_s = calibration.host_issue_s(spec.name, eager=eager) if spec.queued else 0.0
     return BlockTime(max(forward, kernels_forward * host_s), max(backward, kernels_backward * host_s))
 
 

@@ -442,9 +442,8 @@ class Simulator:
             scores = self._score_memory(stage)
             unfused_sample = (fused_sample[0] + scores[0], fused_sample[1] + scores[1])
             memo: dict[tuple[float, bool], DeviceMemory] = {}  # replicas with equal shares hold equal memory
-            for g in range(stage.dp_cp):
+            for g, devices in enumerate(stage.tp_groups):
                 n = samples[i][g]
-                devices = stage.tp_group(g)
                 fused = self._fused[devices[0]] or not (scores[0] or scores[1])
                 mem = memo.get((n, fused))
                 if mem is None:

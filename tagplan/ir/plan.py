@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
+from functools import cached_property
 
 from pydantic import Field, model_validator
 
@@ -129,7 +130,13 @@ class Stage(Record):
 
     def tp_group(self, g: int) -> tuple[int, ...]:
         """Devices of tensor-parallel group `g` (0 <= g < dp_cp): replica g // cp, context-parallel rank g % cp."""
-        return self.devices[g * self.tp : (g + 1) * self.tp]
+        return self.tp_groups[g]
+
+    @cached_property
+    def tp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every tensor-parallel group's devices, in group order (`tp_group`), sliced once per stage."""
+        tp = self.tp
+        return tuple(self.devices[g * tp : (g + 1) * tp] for g in range(len(self.devices) // tp))
 
     def shares(self) -> tuple[float, ...]:
         """Batch share of each replica (from `batch_samples`, `batch_shares`, else even)."""

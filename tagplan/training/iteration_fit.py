@@ -172,6 +172,8 @@ def read_values(base: Calibration, params: Sequence[Param], unit_s: float) -> np
         if head in ("bandwidth_scale", "latency_s"):
             link = base.link_scales.get(key, LinkScale())
             value = link.bandwidth_scale if head == "bandwidth_scale" else link.latency_s
+        elif head == "host_dispatch_s":  # from the figure an eager run is costed with until fitted
+            value = base.host_issue_s(key, eager=True)
         else:
             value = getattr(base, head).get(key, 1.0 if head in _SCALES else 0.0)
         out.append(math.log(value) if p.log_scale else value / unit_s)

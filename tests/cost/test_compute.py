@@ -118,3 +118,22 @@ def test_a_queued_device_waits_for_the_host_to_issue_a_block_of_short_ops_and_a_
     t = block_time(shorts, strategies, spec=cpu, calibration=host, eager=True, **args)  # type: ignore[arg-type]
     assert t.forward_s < 1e-4
     assert t == block_time(shorts, strategies, spec=cpu, calibration=FLAT, eager=True, **args)  # type: ignore[arg-type]
+
+
+def test_an_eager_run_on_a_gpu_no_fit_names_takes_the_shipped_issue_time_and_a_fused_one_none() -> None:
+    """`Calibration.host_issue_s`: the fitted figure where one names the device (or *), else the eager default
+    under an eager runtime, else no floor."""
+    short = Op(name="ln", kind=OpKind.LAYERNORM, flops=10.0, bytes_read=4e3, bytes_written=4e3, eager_kernels=(3, 5))
+    block = Block(hash="s", ops=(short,), params=0, output_bytes=0)
+    args = {"samples": 1, "tp": 1, "dtype": DType.BF16, "spec": SPEC}
+    strategies = {"ln": ShardStrategy.SEQUENCE}
+    default = FLAT.model_copy(update={"eager_host_dispatch_s": 1e-3})
+    t = block_time(block, strategies, calibration=default, eager=True, **args)  # type: ignore[arg-type]
+    assert (t.forward_s, t.backward_s) == (pytest.approx(3e-3), pytest.approx(5e-3))
+    fused = block_time(block, strategies, calibration=default, **args)  # type: ignore[arg-type]
+    assert fused.forward_s < 1e-4  # a fused runtime's floor is not assumed
+    fitted = default.model_copy(update={"host_dispatch_s": {"*": 2e-3}})
+    t = block_time(block, strategies, calibration=fitted, eager=True, **args)  # type: ignore[arg-type]
+    assert t.forward_s == pytest.approx(6e-3)
+    assert fitted.host_issue_s("X", eager=False) == 2e-3 and default.host_issue_s("X", eager=False) == 0.0
+    assert DEFAULT_CALIBRATION.host_issue_s("X", eager=True) == DEFAULT_CALIBRATION.eager_host_dispatch_s > 0
