@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 from fidelity import rebuild_cases
+from fit_sustained_clock import fit as golden_section
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, EAGER_HOST_DISPATCH_S
 from tagplan.datasets.traces.bundle import read_bundle
@@ -41,27 +42,14 @@ def _errors(cases: list[IterationCase], host_s: float) -> np.ndarray:
     return predicted / np.array([c.measured_s for c in cases]) - 1.0
 
 
-def fit(cases: list[IterationCase], tolerance: float = 1e-3) -> float:
-    """The host seconds per kernel minimising the summed squared log error over `cases` (golden section on
-    log h over `BOUNDS_S`; the loss is unimodal there: below the optimum small blocks come out too fast, above
-    it large ones join the floor)."""
-    def loss(log_h: float) -> float:
-        return float(np.sum(np.log1p(_errors(cases, math.exp(log_h))) ** 2))
+def fit(cases: list[IterationCase]) -> float:
+    """The host seconds per kernel minimising the summed squared log error over `cases` (`fit_sustained_clock.fit`'s
+    golden-section search, on log h over `BOUNDS_S`; the loss is unimodal there: below the optimum small blocks
+    come out too fast, above it large ones join the floor)."""
+    def error(case: IterationCase, log_h: float) -> float:
+        return float(np.log1p(_errors([case], math.exp(log_h))[0]))
 
-    a, b = math.log(BOUNDS_S[0]), math.log(BOUNDS_S[1])
-    ratio = (math.sqrt(5) - 1) / 2
-    c, d = b - ratio * (b - a), a + ratio * (b - a)
-    fc, fd = loss(c), loss(d)
-    while b - a > tolerance:
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - ratio * (b - a)
-            fc = loss(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + ratio * (b - a)
-            fd = loss(d)
-    return math.exp((a + b) / 2)
+    return math.exp(golden_section(cases, error=error, bounds=(math.log(BOUNDS_S[0]), math.log(BOUNDS_S[1]))))
 
 
 def _score(cases: list[IterationCase], host_s: float) -> dict[str, Any]:
