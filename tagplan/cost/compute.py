@@ -150,6 +150,8 @@ class BlockTime:
 
     forward_s: float
     backward_s: float
+    host_bound: bool = False
+    """The host's time to issue the block's kernels set a direction's time (`block_time`)."""
 
 
 def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: float, tp: int, spec: DeviceSpec,
@@ -168,7 +170,9 @@ def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: f
         kernels_forward += k_forward
         kernels_backward += k_backward
     host_s = calibration.host_issue_s(spec.name, eager=eager) if spec.queued else 0.0
-    return BlockTime(max(forward, kernels_forward * host_s), max(backward, kernels_backward * host_s))
+    issue_forward, issue_backward = kernels_forward * host_s, kernels_backward * host_s
+    return BlockTime(max(forward, issue_forward), max(backward, issue_backward),
+                     host_bound=issue_forward > forward or issue_backward > backward)
 
 
 def profiled_block_time(profiles: Sequence[LayerTime], *, tp: int, samples: float) -> tuple[BlockTime | None, str]:

@@ -333,6 +333,8 @@ class StageCoster:
                 hit = block_time(self.model.block_by_hash[block_hash], sharded.strategies, samples=samples,
                                  tp=tp, spec=spec, dtype=self.workload.dtype, calibration=self.calibration,
                                  eager=self.workload.eager)
+                if hit.host_bound:
+                    source += ", host-bound (the host issues its kernels slower than the device runs them)"
             self.block_memo[key] = hit
             self.source_memo[key] = source
         return hit

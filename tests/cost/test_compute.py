@@ -129,11 +129,28 @@ def test_an_eager_run_on_a_gpu_no_fit_names_takes_the_shipped_issue_time_and_a_f
     strategies = {"ln": ShardStrategy.SEQUENCE}
     default = FLAT.model_copy(update={"eager_host_dispatch_s": 1e-3})
     t = block_time(block, strategies, calibration=default, eager=True, **args)  # type: ignore[arg-type]
-    assert (t.forward_s, t.backward_s) == (pytest.approx(3e-3), pytest.approx(5e-3))
+    assert (t.forward_s, t.backward_s) == (pytest.approx(3e-3), pytest.approx(5e-3)) and t.host_bound
     fused = block_time(block, strategies, calibration=default, **args)  # type: ignore[arg-type]
-    assert fused.forward_s < 1e-4  # a fused runtime's floor is not assumed
+    assert fused.forward_s < 1e-4 and not fused.host_bound  # a fused runtime's floor is not assumed
     fitted = default.model_copy(update={"host_dispatch_s": {"*": 2e-3}})
     t = block_time(block, strategies, calibration=fitted, eager=True, **args)  # type: ignore[arg-type]
     assert t.forward_s == pytest.approx(6e-3)
     assert fitted.host_issue_s("X", eager=False) == 2e-3 and default.host_issue_s("X", eager=False) == 0.0
     assert DEFAULT_CALIBRATION.host_issue_s("X", eager=True) == DEFAULT_CALIBRATION.eager_host_dispatch_s > 0
+
+
+def test_a_small_eager_model_on_a_gpu_is_reported_host_bound_and_costs_more_than_its_kernels() -> None:
+    from tagplan.cost.baselines import megatron_plan
+    from tagplan.cost.simulator import Simulator
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.frontends.model_spec import load_model
+    from tagplan.ir import Workload
+
+    model, cluster = load_model("gpt?layers=4&hidden=256&heads=4&vocab=1024", seq_len=128), load_cluster("dgx-h100")
+    fused, eager = Workload(global_batch=8, seq_len=128), Workload(global_batch=8, seq_len=128, eager=True)
+    plan = megatron_plan(Simulator(model, cluster, fused), tp=1, pp=1).plan
+    assert plan is not None
+    kernels_only = Simulator(model, cluster, fused).simulate(plan)
+    issued = Simulator(model, cluster, eager).simulate(plan)
+    assert "host-bound" in issued.stages[0].compute_source and "host-bound" not in kernels_only.stages[0].compute_source
+    assert issued.iteration_time_s > 2 * kernels_only.iteration_time_s
