@@ -220,6 +220,17 @@ def local_param_count(block: Block, strategies: dict[str, ShardStrategy], tp: in
     return total / nbytes
 
 
+def multiplied_param_count(block: Block, strategies: dict[str, ShardStrategy], tp: int, nbytes: int) -> float:
+    """Parameters one device of a `tp`-way group multiplies in `block`'s GEMMs, a tied head's table included:
+    what autocast casts to a 16-bit copy each micro-batch (a lookup table is read, not cast)."""
+    total = 0.0
+    for op in block.ops:
+        if op.kind in _GEMM_KINDS:
+            split = tp if tp > 1 and divides_params(strategies[op.name], op.kind) else 1
+            total += (op.param_bytes + op.shared_param_bytes) / split
+    return total / nbytes
+
+
 def shared_param_count(block: Block, strategies: dict[str, ShardStrategy], tp: int, nbytes: int) -> float:
     """The largest table of the first layer's that an op of `block` uses (a tied head), per device of
     a `tp`-way group; 0 when none does."""

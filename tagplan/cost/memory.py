@@ -14,6 +14,8 @@
   its backward recomputes them; embeddings and heads are not checkpointed (Megatron's and the
   torch program's recompute covers the transformer blocks), so they keep what they save and their
   forward is not replayed.
+- Under an eager runtime's autocast over fp32 weights (`Workload.eager`, 16-bit compute), each micro-batch
+  in flight also keeps the 16-bit copy of every weight a GEMM multiplied (`Simulator._cast_copies_bytes`).
 - Transient: the largest single op output of the stage (e.g. the logits) and its gradient.
 - `FRAMEWORK_OVERHEAD_BYTES`: CUDA context (0.3-0.5 GB), cuBLAS workspaces, NCCL buffers for
   the communicators, and caching-allocator fragmentation; PyTorch jobs typically show 0.7-1.5

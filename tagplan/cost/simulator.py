@@ -30,7 +30,7 @@ from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import Block, ModelGraph, Op, OpKind
 from tagplan.ir.plan import Plan, Schedule, Stage, check_plan, check_whole_samples
-from tagplan.ir.workload import Workload
+from tagplan.ir.workload import DType, Workload
 
 
 @dataclass(frozen=True)
@@ -572,7 +572,17 @@ class Simulator:
                       in_flight: float) -> DeviceMemory:
         weights, grads, optim = model_state_bytes(local_params, self.workload, zero=stage.zero, dp=stage.dp_cp)
         saved, working = per_sample
-        return DeviceMemory(weights, grads, optim, saved * samples * in_flight, working * samples)
+        casts = self._cast_copies_bytes(stage)
+        return DeviceMemory(weights, grads, optim, (saved * samples + casts) * in_flight, working * samples)
+
+    def _cast_copies_bytes(self, stage: Stage) -> float:
+        """Bytes of the 16-bit weight copies one micro-batch in flight keeps on a device of `stage` under an eager
+        runtime's autocast over fp32 weights (`Workload.eager`): each GEMM casts its weight once per micro-batch
+        (autocast's cast cache) and the backward keeps that copy until it has run; 0 for a runtime that keeps
+        16-bit weights (Megatron, DeepSpeed) or computes in fp32."""
+        if not self.workload.eager or self.workload.dtype not in (DType.BF16, DType.FP16):
+            return 0.0
+        return self.coster.multiplied_params(stage) * self.workload.dtype.nbytes
 
     def _stage_report(self, plan: Plan, i: int, cost: StagePlanCost, pipe: PipelineResult,
                       memory: DeviceMemoryReport) -> StageReport:

@@ -17,6 +17,7 @@ from tagplan.cost.compute import (
     BlockTime,
     block_time,
     local_param_count,
+    multiplied_param_count,
     op_time,
     profiled_block_time,
     shared_param_count,
@@ -231,6 +232,18 @@ class StageCoster:
                                             stage.tp, nbytes)
                   for h, count in self.block_counts(stage).items())
         return own + self.tied_copy_params(stage)  # a tied head away from the embedding keeps (and trains) a copy
+
+    def multiplied_params(self, stage: Stage) -> float:
+        """Parameters one device of the stage multiplies in its GEMMs (`compute.multiplied_param_count`)."""
+        key = ("multiplied", stage.layers, stage.tp, sharding_key(stage.sharding))
+        hit = self.params_memo.get(key)
+        if hit is None:
+            nbytes = self.model.dtype.nbytes
+            hit = self.params_memo[key] = sum(
+                count * multiplied_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
+                                               stage.tp, nbytes)
+                for h, count in self.block_counts(stage).items())
+        return hit
 
     def replayed_counts(self, stage: Stage) -> Counter[str]:
         """Per block hash, how many of the stage's layers recompute (`Stage.recomputed`); empty without
