@@ -195,7 +195,8 @@ def _measure(args: argparse.Namespace) -> int:
     overlaps = reduce_overlaps(local, runtime_on(local, None))
     record = IterationRecord(model=spec.text, cluster=cpu_cluster(device, len(plan.devices)),
                              workload=Workload(global_batch=args.batch, seq_len=args.seq, dtype=DType.FP32,
-                                               optimizer=optimizer, grad_reduce_overlap=all(overlaps.values())),
+                                               optimizer=optimizer, grad_reduce_overlap=all(overlaps.values()),
+                                               eager=True),  # the torch program runs its modules op by op
                              plan=local.model_dump(mode="json"), measured_s=result.median_s, repeats=result.steps,
                              source=f"tagplan measure (gloo, {len(plan.devices)} processes; steps "
                                     f"{result.min_s:.4g}-{result.max_s:.4g} s)")

@@ -174,9 +174,10 @@ class Calibration(Record):
         default=EAGER_HOST_DISPATCH_S, ge=0, description="s the host takes to issue one kernel under an eager "
         "runtime (`Workload.eager`) on a device `host_dispatch_s` does not name (`host_issue_s`)")
     host_dispatch_s: dict[str, float] = Field(
-        default_factory=dict, description="per device type (or *): s the host takes to issue one kernel (one op "
-        "forward and two backward, or its eager kernels under `Workload.eager`); a block whose kernels take less "
-        "device time than their issue costs the issue time (`compute.block_time`)")
+        default_factory=dict, description="per device type (or *): s the host takes to issue one kernel under an "
+        "eager runtime (`Workload.eager`: each op's eager kernels), fitted from eager runs; a block whose kernels "
+        "take less device time than their issue costs the issue time (`compute.block_time`). Calibrations written "
+        "before 2026-11-27 (third session) held a figure per op, about 1/4 of it per kernel")
     layers: tuple[LayerTime, ...] = Field(default=(), description="measured block times (layer records)")
 
     def curve(self, device: str, kind: OpKind) -> EfficiencyCurve | None:
@@ -211,13 +212,13 @@ class Calibration(Record):
         return table.get(device, table.get(ANY_DEVICE, 0.0))
 
     def host_issue_s(self, device: str, *, eager: bool) -> float:
-        """Seconds the host takes to issue one kernel on a device with a queue: the fitted `host_dispatch_s`
-        (its own figure, else the any-device one), else `eager_host_dispatch_s` under an eager runtime, else 0
-        (a fused runtime's floor is not assumed)."""
+        """Seconds the host takes to issue one kernel on a device with a queue under an eager runtime: the
+        fitted `host_dispatch_s` (its own figure, else the any-device one; fitted from eager runs only), else
+        `eager_host_dispatch_s`. 0 for a fused runtime: its floor is not assumed."""
+        if not eager:
+            return 0.0
         table = self.host_dispatch_s
-        if device in table or ANY_DEVICE in table:
-            return table.get(device, table.get(ANY_DEVICE, 0.0))
-        return self.eager_host_dispatch_s if eager else 0.0
+        return table.get(device, table.get(ANY_DEVICE, self.eager_host_dispatch_s))
 
     def optimizer_factor(self, device: str) -> float:
         """Multiplier of the optimizer step's time on `device` (1 unless fitted)."""

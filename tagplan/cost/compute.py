@@ -5,20 +5,19 @@
     t_block = max(sum(t_op), kernels * host_dispatch)        (forward and backward apart)
 
 `compute_scale` is the device type's fitted achieved-compute scale (1 unless calibrated from measured
-iterations). `host_dispatch` is the seconds the host takes to issue one kernel, and `kernels` the
-kernels the block's ops issue: under an eager runtime (`Workload.eager`: PyTorch op by op under
-autocast) each op's `Op.eager_kernels` (the casts of fp32 weights, the unfused rotary and loss: an
-eager Llama block issues about twice a GPT block's kernels), otherwise one per op forward and two
-backward. The host runs ahead of the device while work is queued, so within a block its issue time
-hides under long kernels and only a block whose kernels are shorter in all than their issue leaves
-the device waiting: that block costs the issue time. Eager PyTorch on a fast GPU is host-bound this
-way for small shapes (a 48-layer, 512-wide GPT at 512 tokens ran 8x slower on an H200 than its
-kernels take). It is fitted from measured iterations (`Calibration.host_dispatch_s`); where no fit names
-the device, an eager runtime takes `Calibration.eager_host_dispatch_s` (fitted on an H200 host's eager
-runs) and a fused one none, so frameworks that capture CUDA graphs or fuse aggressively keep their
-kernel times; a CPU runs its
-kernels itself (`DeviceSpec.queued` False): there the host's time is part of each kernel's, and no
-floor applies.
+iterations). `host_dispatch` is the seconds the host takes to issue one kernel under an eager
+runtime (`Workload.eager`: PyTorch op by op under autocast), and `kernels` the kernels the block's ops
+issue: each op's `Op.eager_kernels` (the casts of fp32 weights and of a norm's fp32 output, the unfused
+rotary and loss: an eager Llama block issues about twice a GPT block's kernels), one forward and two
+backward for an op the model gives no count. The host runs ahead of the device while work is queued,
+so within a block its issue time hides under long kernels and only a block whose kernels are shorter
+in all than their issue leaves the device waiting: that block costs the issue time. Eager PyTorch on a
+fast GPU is host-bound this way for small shapes (a 48-layer, 512-wide GPT at 512 tokens ran 8x slower
+on an H200 than its kernels take). `host_dispatch` is fitted from measured eager iterations
+(`Calibration.host_dispatch_s`), else `Calibration.eager_host_dispatch_s` (fitted on an H200 host's
+eager runs); a fused runtime (Megatron-Core, CUDA graphs) gets no floor and keeps its kernel times. A
+CPU runs its kernels itself (`DeviceSpec.queued` False): there the host's time is part of each
+kernel's, and no floor applies.
 `sustained` is the device's `sustained_peak_fraction`: where a power cap lowers the clock under a
 continuous load (T4), every tensor-core kernel of the training loop runs at the lowered clock.
 
@@ -123,7 +122,8 @@ def _scaled(forward_s: float, backward_s: float, spec: DeviceSpec, calibration: 
 
 def issued_kernels(op: Op, *, eager: bool) -> tuple[int, int]:
     """(forward, backward) kernels the host issues for `op` per micro-batch: its eager PyTorch count under an
-    eager runtime where the model gives one, else one forward and two backward (none for a view)."""
+    eager runtime where the model gives one, else one forward and two backward (none for a view). Only an
+    eager runtime is floored by them (`Calibration.host_issue_s`)."""
     if op.kind is OpKind.VIEW:
         return 0, 0
     if eager and op.eager_kernels is not None:

@@ -572,17 +572,23 @@ class Simulator:
                       in_flight: float) -> DeviceMemory:
         weights, grads, optim = model_state_bytes(local_params, self.workload, zero=stage.zero, dp=stage.dp_cp)
         saved, working = per_sample
-        casts = self._cast_copies_bytes(stage)
-        return DeviceMemory(weights, grads, optim, (saved * samples + casts) * in_flight, working * samples)
+        kept, replayed = self._cast_copies_bytes(stage)
+        return DeviceMemory(weights, grads, optim, (saved * samples + kept) * in_flight + replayed, working * samples)
 
-    def _cast_copies_bytes(self, stage: Stage) -> float:
-        """Bytes of the 16-bit weight copies one micro-batch in flight keeps on a device of `stage` under an eager
-        runtime's autocast over fp32 weights (`Workload.eager`): each GEMM casts its weight once per micro-batch
-        (autocast's cast cache) and the backward keeps that copy until it has run; 0 for a runtime that keeps
-        16-bit weights (Megatron, DeepSpeed) or computes in fp32."""
+    def _cast_copies_bytes(self, stage: Stage) -> tuple[float, float]:
+        """(bytes each micro-batch in flight keeps, bytes held once) of the 16-bit weight copies on a device of
+        `stage` under an eager runtime's autocast over fp32 weights (`Workload.eager`): each GEMM casts its
+        weight once per micro-batch (autocast's cast cache) and the backward keeps that copy until it has run;
+        a recomputed layer's backward keeps none (its forward saved nothing, its replay casts again), so its
+        copies live only while a forward or a replay runs: once. (0, 0) for a runtime that keeps 16-bit weights
+        (Megatron, DeepSpeed) or computes in fp32."""
         if not self.workload.eager or self.workload.dtype not in (DType.BF16, DType.FP16):
-            return 0.0
-        return self.coster.multiplied_params(stage) * self.workload.dtype.nbytes
+            return 0.0, 0.0
+        nbytes = self.workload.dtype.nbytes
+        if not stage.recompute:
+            return self.coster.multiplied_params(stage) * nbytes, 0.0
+        return (self.coster.multiplied_params(stage, recomputed=False) * nbytes,
+                self.coster.multiplied_params(stage, recomputed=True) * nbytes)
 
     def _stage_report(self, plan: Plan, i: int, cost: StagePlanCost, pipe: PipelineResult,
                       memory: DeviceMemoryReport) -> StageReport:

@@ -233,16 +233,22 @@ class StageCoster:
                   for h, count in self.block_counts(stage).items())
         return own + self.tied_copy_params(stage)  # a tied head away from the embedding keeps (and trains) a copy
 
-    def multiplied_params(self, stage: Stage) -> float:
-        """Parameters one device of the stage multiplies in its GEMMs (`compute.multiplied_param_count`)."""
-        key = ("multiplied", stage.layers, stage.tp, sharding_key(stage.sharding))
+    def multiplied_params(self, stage: Stage, *, recomputed: bool | None = None) -> float:
+        """Parameters one device of the stage multiplies in its GEMMs (`compute.multiplied_param_count`): all of
+        them, or (`recomputed` True / False) those of the layers that recompute / that keep their activations."""
+        key = ("multiplied", recomputed, stage.layers, stage.tp, stage.recompute, stage.recompute_layers,
+               sharding_key(stage.sharding))
         hit = self.params_memo.get(key)
         if hit is None:
+            counts = self.block_counts(stage)
+            if recomputed is not None:
+                replayed = self.replayed_counts(stage)
+                counts = replayed if recomputed else counts - replayed
             nbytes = self.model.dtype.nbytes
             hit = self.params_memo[key] = sum(
                 count * multiplied_param_count(self.model.block_by_hash[h], self.sharded(h, stage.sharding).strategies,
                                                stage.tp, nbytes)
-                for h, count in self.block_counts(stage).items())
+                for h, count in counts.items())
         return hit
 
     def replayed_counts(self, stage: Stage) -> Counter[str]:

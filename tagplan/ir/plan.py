@@ -156,7 +156,8 @@ class Stage(Record):
                 raise ValueError(f"batch_samples {list(self.batch_samples)} sum to {sum(self.batch_samples)}, "
                                  f"not the micro-batch size {micro_batch_size}")
             return self.batch_samples
-        if self.batch_shares is None and micro_batch_size % self.dp == 0:  # even shares, whole: no rounding
+        even = self.batch_shares is None and micro_batch_size >= self.dp and micro_batch_size % self.dp == 0
+        if even:  # even shares, each whole and at least one sample: no rounding
             return (micro_batch_size // self.dp,) * self.dp
         exact = [share * micro_batch_size for share in self.shares()]
         counts = tuple(round(x) for x in exact)

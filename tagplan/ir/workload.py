@@ -122,8 +122,9 @@ class Workload(Record):
         default=False, description="the runtime runs the model op by op as eager PyTorch under autocast (tagplan's "
         "torch program, its measured iterations): the host issues each op's eager kernels (`Op.eager_kernels`: the "
         "weight casts, the unfused rotary and loss), and a block on a GPU takes at least the host's time to issue "
-        "them (`Calibration.host_dispatch_s` per kernel). False: one kernel per op forward, two backward (fused "
-        "runtimes: Megatron-Core, Transformer Engine)")
+        "them (`Calibration.host_issue_s` per kernel); under 16-bit autocast over fp32 weights each micro-batch in "
+        "flight keeps a 16-bit copy of the weights it multiplied. False: fused runtimes (Megatron-Core, "
+        "Transformer Engine, CUDA graphs), costed at their kernels' time")
     tp_comm_overlap: bool = Field(
         default=False, description="tensor-parallel collectives run in chunks under the block's compute (Megatron-"
         "Core's --tp-comm-overlap: Transformer Engine's userbuffers with sequence parallelism); per block and "

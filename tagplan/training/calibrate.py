@@ -193,7 +193,7 @@ def _fit_ops_and_links(bundles: Sequence[Bundle], ops: list[OpRecord], collectiv
 def predict_op_s(record: OpRecord, spec: DeviceSpec, calibration: Calibration) -> float:
     """The cost model's seconds for one measured call (its forward or backward, per its phase): the
     kernel's time, as an op record measures it (CUDA events), so without what iteration calibration
-    adds on top (`compute_scale`, the host's dispatch floor `host_dispatch_s`)."""
+    adds on top (`compute_scale`; the host's issue floor `host_dispatch_s` is a block's, not an op's)."""
     if calibration.compute_scale or calibration.host_dispatch_s:
         calibration = kernel_only(calibration)
     op = Op(name=record.name or record.kind.value, kind=record.kind, flops=record.flops, bytes_read=record.bytes_read,
@@ -204,7 +204,7 @@ def predict_op_s(record: OpRecord, spec: DeviceSpec, calibration: Calibration) -
 
 
 def kernel_only(calibration: Calibration) -> Calibration:
-    """`calibration` without the iteration-level figures that scale or floor an op's kernel time."""
+    """`calibration` without the iteration-level figures that scale an op's kernel time or floor a block's."""
     return calibration.model_copy(update={"compute_scale": {}, "host_dispatch_s": {}})
 
 

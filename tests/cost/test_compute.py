@@ -89,10 +89,10 @@ def test_a_power_capped_device_runs_tensor_work_at_its_sustained_clock() -> None
 
 
 def test_a_queued_device_waits_for_the_host_to_issue_a_block_of_short_ops_and_a_cpu_does_not() -> None:
-    """A block whose kernels take less device time than their issue costs the issue (one kernel per op forward,
-    two backward; `eager`: each op's eager kernels); the host runs ahead under a long op, so a short op beside
-    it costs only its kernel time; ops keep the compute scale; a CPU (which runs its kernels itself) gets no
-    floor."""
+    """Under an eager runtime a block whose kernels take less device time than their issue costs the issue (each
+    op's eager kernels; one forward and two backward for an op without a count); the host runs ahead under a
+    long op, so a short op beside it costs only its kernel time; ops keep the compute scale; a fused runtime
+    and a CPU (which runs its kernels itself) get no floor."""
     host = FLAT.model_copy(update={"host_dispatch_s": {"X": 1e-3, "cpu-x": 1e-3}, "compute_scale": {"X": 2.0}})
     short = Op(name="ln", kind=OpKind.LAYERNORM, flops=10.0, bytes_read=4e3, bytes_written=4e3,
                eager_kernels=(3, 5))
@@ -101,10 +101,10 @@ def test_a_queued_device_waits_for_the_host_to_issue_a_block_of_short_ops_and_a_
     args = {"samples": 1, "tp": 1, "dtype": DType.BF16}
     strategies = {"ln": ShardStrategy.SEQUENCE, "ln2": ShardStrategy.SEQUENCE, "mm": ShardStrategy.COLUMN}
     shorts = Block(hash="s", ops=(short, other), params=0, output_bytes=0)
-    t = block_time(shorts, strategies, spec=SPEC, calibration=host, **args)  # type: ignore[arg-type]
-    assert (t.forward_s, t.backward_s) == (pytest.approx(2e-3), pytest.approx(4e-3))
     t = block_time(shorts, strategies, spec=SPEC, calibration=host, eager=True, **args)  # type: ignore[arg-type]
-    assert (t.forward_s, t.backward_s) == (pytest.approx(4e-3), pytest.approx(7e-3))
+    assert (t.forward_s, t.backward_s) == (pytest.approx(4e-3), pytest.approx(7e-3))  # 3 + 1 and 5 + 2 kernels
+    fused = block_time(shorts, strategies, spec=SPEC, calibration=host, **args)  # type: ignore[arg-type]
+    assert fused.forward_s < 1e-4 and not fused.host_bound  # a fused runtime keeps its kernel times
     assert issued_kernels(short, eager=False) == (1, 2) and issued_kernels(short, eager=True) == (3, 5)
     assert issued_kernels(other, eager=True) == (1, 2)
     mixed = Block(hash="m", ops=(long, short), params=0, output_bytes=0)
@@ -121,8 +121,8 @@ def test_a_queued_device_waits_for_the_host_to_issue_a_block_of_short_ops_and_a_
 
 
 def test_an_eager_run_on_a_gpu_no_fit_names_takes_the_shipped_issue_time_and_a_fused_one_none() -> None:
-    """`Calibration.host_issue_s`: the fitted figure where one names the device (or *), else the eager default
-    under an eager runtime, else no floor."""
+    """`Calibration.host_issue_s`: under an eager runtime the fitted figure where one names the device (or *),
+    else the eager default; a fused runtime no floor, fitted or not."""
     short = Op(name="ln", kind=OpKind.LAYERNORM, flops=10.0, bytes_read=4e3, bytes_written=4e3, eager_kernels=(3, 5))
     block = Block(hash="s", ops=(short,), params=0, output_bytes=0)
     args = {"samples": 1, "tp": 1, "dtype": DType.BF16, "spec": SPEC}
@@ -135,7 +135,8 @@ def test_an_eager_run_on_a_gpu_no_fit_names_takes_the_shipped_issue_time_and_a_f
     fitted = default.model_copy(update={"host_dispatch_s": {"*": 2e-3}})
     t = block_time(block, strategies, calibration=fitted, eager=True, **args)  # type: ignore[arg-type]
     assert t.forward_s == pytest.approx(6e-3)
-    assert fitted.host_issue_s("X", eager=False) == 2e-3 and default.host_issue_s("X", eager=False) == 0.0
+    assert fitted.host_issue_s("X", eager=False) == 0.0 == default.host_issue_s("X", eager=False)
+    assert fitted.host_issue_s("X", eager=True) == 2e-3 and default.host_issue_s("Y", eager=True) == 1e-3
     assert DEFAULT_CALIBRATION.host_issue_s("X", eager=True) == DEFAULT_CALIBRATION.eager_host_dispatch_s > 0
 
 

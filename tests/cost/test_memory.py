@@ -46,3 +46,33 @@ def test_eager_autocast_keeps_a_16_bit_copy_of_every_multiplied_weight_per_micro
         assert sum(held) == multiplied
         assert extra_first == pytest.approx(copies * held[0] * report.stages[0].in_flight)
         assert extra_last == pytest.approx(copies * held[-1] * report.stages[-1].in_flight)
+
+
+def test_a_recomputed_layers_weight_copies_are_held_once_not_per_micro_batch_in_flight() -> None:
+    """With recomputation a checkpointed layer's backward keeps no copy of its weights (its forward saved nothing,
+    its replay casts again), so only the layers that keep their activations hold copies per micro-batch in
+    flight; the recomputed ones' copies count once."""
+    from tagplan.cost.baselines import megatron_plan
+    from tagplan.cost.simulator import Simulator
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.frontends.model_spec import load_model
+
+    model = load_model("gpt?layers=4&hidden=256&heads=4&vocab=1024", seq_len=64)
+    cluster = load_cluster("dgx-a100-80gb")
+    eager = Workload(global_batch=8, seq_len=64, eager=True)
+    sim = Simulator(model, cluster, eager)
+    base_plan = megatron_plan(sim, tp=1, pp=2).plan
+    assert base_plan is not None
+    plan = base_plan.model_copy(update={"micro_batches": 2, "stages": tuple(
+        s.model_copy(update={"recompute": True}) for s in base_plan.stages)})
+    first = plan.stages[0]  # the embedding (kept) and two blocks (recomputed)
+    h = 256
+    block = 4 * (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
+    assert sim.coster.multiplied_params(first, recomputed=True) == 2 * block
+    assert sim.coster.multiplied_params(first, recomputed=False) == 0  # a lookup table is not multiplied
+    report = sim.simulate(plan)
+    fused = Simulator(model, cluster, eager.model_copy(update={"eager": False})).simulate(plan)
+    extra = report.stages[0].memory.activations_bytes - fused.stages[0].memory.activations_bytes
+    assert report.stages[0].in_flight > 1 and extra == pytest.approx(2 * 2 * block)  # once, not per micro-batch
+    last = plan.stages[-1]  # two recomputed blocks and the head, whose tied table is multiplied every micro-batch
+    assert sim.coster.multiplied_params(last, recomputed=False) == 1024 * h
