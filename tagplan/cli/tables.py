@@ -57,9 +57,24 @@ def cluster_table(summary: dict[str, Any]) -> Table:
         first = by_index[node["devices"][0]]
         span = f"{node['devices'][0]}-{node['devices'][-1]}"
         table.add_row(node["name"], span, f"{node['gpus']} x {node['type']}", si(first["peak_flops"], "FLOP/s"),
-                      si(first["mem_bytes"], "B"), node["fabric"], si(node["fabric_bandwidth_Bps"], "B/s"),
+                      si(first["mem_bytes"], "B"), node["fabric"], _gpu_gpu(summary, node),
                       si(node["nic_bandwidth_per_gpu_Bps"], "B/s"))
     return table
+
+
+def _gpu_gpu(summary: dict[str, Any], node: dict[str, Any]) -> str:
+    """The node's GPU-to-GPU bandwidth: its fabric's, or on a mesh of point-to-point links (NVLink pairs, the
+    other pairs over the fabric) the range of its pairs' and the fabric's for the rest (collectives run rings
+    over the fast pairs: `cost.mesh_rings`)."""
+    pairs = [link for link in summary["links"] if link["scope"] == "pair" and link["node"] == node["index"]]
+    fabric = si(node["fabric_bandwidth_Bps"], "B/s")
+    if not pairs:
+        return fabric
+    kinds = "/".join(sorted({link["kind"] for link in pairs}))
+    low, high = (si(f([link["bandwidth_Bps"] for link in pairs]), "B/s") for f in (min, max))
+    cell = f"{kinds} pairs {low}" if low == high else f"{kinds} pairs {low} to {high}"
+    every = node["gpus"] * (node["gpus"] - 1) // 2
+    return cell if len(pairs) >= every else f"{cell}, other pairs {fabric}"
 
 
 def report_table(report: Report, plan: Plan) -> Table:

@@ -46,6 +46,22 @@ def test_inspect_cluster_mixed_spec(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["devices"][0]["type"] != out["devices"][15]["type"]
 
 
+def test_inspect_cluster_shows_a_mesh_nodes_pair_links_not_only_its_slowest() -> None:
+    """A p3.16xlarge's GPUs are joined by NVLink pairs of one and two links, the rest over PCIe across sockets:
+    the table shows both, where a single figure showed the slowest pair alone."""
+    from rich.console import Console
+
+    from tagplan.cli.tables import cluster_table
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.ir.summary import cluster_summary
+
+    console = Console(width=300, record=True)
+    console.print(cluster_table(cluster_summary(load_cluster("p3.16xlarge+dgx-a100-80gb"))))
+    out = console.export_text()
+    assert "nvlink pairs 20.00 GB/s to 40.00 GB/s, other pairs 10.00 GB/s" in out
+    assert "│ 240.00 GB/s " in out  # the NVSwitch node keeps its fabric's figure
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["inspect", "model", "gpt3-17b"], "Did you mean 'gpt3-175b'"),
     (["inspect", "model", "gpt?layers=0"], "layers=0: must be positive"),
