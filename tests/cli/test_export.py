@@ -150,6 +150,7 @@ def test_measure_appends_a_real_iteration_record(tmp_path: Path) -> None:
     assert all(r.measured_s > 0 and r.repeats == 2 for r in records)
     assert records[0].plan["stages"][1]["devices"] == [2]  # three gloo ranks, in plan order
     assert records[0].workload.grad_reduce_overlap is False  # the pipeline runtime reduces after the flush
+    assert records[0].workload.eager  # the torch program runs its modules op by op
 
 
 def test_grad_reduce_flags_reach_the_files_and_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

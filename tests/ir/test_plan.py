@@ -115,6 +115,11 @@ def test_whole_samples_per_replica() -> None:
     assert even.replica_samples(6) == (2, 2, 2)
     with pytest.raises(ValueError, match=r"1.33, 1.33, 1.33 samples each"):
         even.replica_samples(4)
+    for too_few in (0, 2):  # fewer samples than replicas: divisible (0) or not, no replica may get none
+        with pytest.raises(ValueError, match=r"at least 1"):
+            even.replica_samples(too_few)
+    sharded = Stage(layers=(0, 2), devices=(0, 1, 2, 3), dp=2, tp=2, batch_shares=(0.5, 0.5))
+    assert sharded.replica_samples(4) == (2, 2) == Stage(layers=(0, 2), devices=(0, 1), dp=2).replica_samples(4)
     plan = Plan(micro_batches=2, stages=(even,))
     with pytest.raises(ValueError, match=r"stages\[0\]: a micro-batch of 4 samples"):
         check_whole_samples(plan, 8)
