@@ -175,8 +175,9 @@ class Calibration(Record):
         "runtime (`Workload.eager`) on a device `host_dispatch_s` does not name (`host_issue_s`)")
     host_dispatch_s: dict[str, float] = Field(
         default_factory=dict, description="per device type (or *): s the host takes to issue one kernel under an "
-        "eager runtime (`Workload.eager`: each op's eager kernels), fitted from eager runs; a block whose kernels "
-        "take less device time than their issue costs the issue time (`compute.block_time`). Calibrations written "
+        "eager runtime (`Workload.eager`: each op's eager kernels), fitted from eager runs; on a GPU a block whose "
+        "kernels take less device time than their issue costs the issue time, on a CPU (no queue) it adds to the "
+        "ops' time (`compute.block_time`). Calibrations written "
         "before 2026-11-27 (third session) held a figure per op, about 1/4 of it per kernel")
     layers: tuple[LayerTime, ...] = Field(default=(), description="measured block times (layer records)")
 
@@ -211,13 +212,17 @@ class Calibration(Record):
         table: dict[str, float] = getattr(self, name)
         return table.get(device, table.get(ANY_DEVICE, 0.0))
 
-    def host_issue_s(self, device: str, *, eager: bool) -> float:
-        """Seconds the host takes to issue one kernel on a device with a queue under an eager runtime: the
-        fitted `host_dispatch_s` (its own figure, else the any-device one; fitted from eager runs only), else
-        `eager_host_dispatch_s`. 0 for a fused runtime: its floor is not assumed."""
+    def host_issue_s(self, device: str, *, eager: bool, queued: bool = True) -> float:
+        """Seconds the host takes to issue one kernel under an eager runtime, fitted from eager runs only: on a
+        device with a queue (a GPU) its own `host_dispatch_s`, else the any-device one, else
+        `eager_host_dispatch_s`; on a CPU its own figure alone, else 0 (the any-device figure and the default
+        come from GPU hosts, where the issue is a floor, not a cost of its own). 0 for a fused runtime: its
+        issue time is not assumed."""
         if not eager:
             return 0.0
         table = self.host_dispatch_s
+        if not queued:
+            return table.get(device, 0.0)
         return table.get(device, table.get(ANY_DEVICE, self.eager_host_dispatch_s))
 
     def optimizer_factor(self, device: str) -> float:

@@ -16,8 +16,12 @@ fast GPU is host-bound this way for small shapes (a 48-layer, 512-wide GPT at 51
 on an H200 than its kernels take). `host_dispatch` is fitted from measured eager iterations
 (`Calibration.host_dispatch_s`), else `Calibration.eager_host_dispatch_s` (fitted on an H200 host's
 eager runs); a fused runtime (Megatron-Core, CUDA graphs) gets no floor and keeps its kernel times. A
-CPU runs its kernels itself (`DeviceSpec.queued` False): there the host's time is part of each
-kernel's, and no floor applies.
+CPU runs its kernels itself (`DeviceSpec.queued` False): nothing runs ahead, so an eager runtime's dispatch
+adds to the ops' time, `t_block = sum(t_op) + kernels * host_dispatch`, with the figure fitted from that CPU's
+eager runs alone (0 until fitted: the H200 host's default says nothing of another machine's Python). An fp32
+runtime dispatches no autocast casts (`Op.eager_cast_kernels`): on the gloo testbed the Llama block issues
+about three times the GPT block's kernels (116 against 38 in the torch program), which the ops' FLOPs and
+bytes do not show.
 `sustained` is the device's `sustained_peak_fraction`: where a power cap lowers the clock under a
 continuous load (T4), every tensor-core kernel of the training loop runs at the lowered clock.
 
@@ -120,14 +124,17 @@ def _scaled(forward_s: float, backward_s: float, spec: DeviceSpec, calibration: 
     return OpTime(forward_s * scale, backward_s * scale)
 
 
-def issued_kernels(op: Op, *, eager: bool) -> tuple[int, int]:
+def issued_kernels(op: Op, *, eager: bool, autocast: bool) -> tuple[int, int]:
     """(forward, backward) kernels the host issues for `op` per micro-batch: its eager PyTorch count under an
-    eager runtime where the model gives one, else one forward and two backward (none for a view). Only an
-    eager runtime is floored by them (`Calibration.host_issue_s`)."""
+    eager runtime where the model gives one (less autocast's casts, `Op.eager_cast_kernels`, when the runtime
+    computes in the weights' dtype: `autocast` False), else one forward and two backward (none for a view).
+    Only an eager runtime pays for them (`Calibration.host_issue_s`)."""
     if op.kind is OpKind.VIEW:
         return 0, 0
     if eager and op.eager_kernels is not None:
-        return op.eager_kernels
+        if autocast:
+            return op.eager_kernels
+        return (op.eager_kernels[0] - op.eager_cast_kernels[0], op.eager_kernels[1] - op.eager_cast_kernels[1])
     return 1, 2
 
 
@@ -155,10 +162,11 @@ class BlockTime:
 
 
 def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: float, tp: int, spec: DeviceSpec,
-               dtype: DType, calibration: Calibration, eager: bool = False) -> BlockTime:
-    """Sum of the block's op times for one micro-batch of `samples` samples, each direction at least the
-    host's time to issue the block's kernels on a device with a queue (`DeviceSpec.queued`; `eager`: the
-    runtime issues each op's eager kernels, `issued_kernels`)."""
+               dtype: DType, calibration: Calibration, eager: bool, autocast: bool) -> BlockTime:
+    """Sum of the block's op times for one micro-batch of `samples` samples and the host's time to issue the
+    block's kernels (`eager`: the runtime issues each op's eager kernels, `issued_kernels`; `autocast`: with
+    the casts of 16-bit autocast over fp32 weights): on a device with a queue (`DeviceSpec.queued`) the issue
+    time is a floor of each direction's time, on a CPU, which runs each kernel as the host issues it, it adds."""
     forward = backward = 0.0
     kernels_forward = kernels_backward = 0
     for op in block.ops:
@@ -166,11 +174,13 @@ def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: f
                     calibration=calibration)
         forward += t.forward_s
         backward += t.backward_s
-        k_forward, k_backward = issued_kernels(op, eager=eager)
+        k_forward, k_backward = issued_kernels(op, eager=eager, autocast=autocast)
         kernels_forward += k_forward
         kernels_backward += k_backward
-    host_s = calibration.host_issue_s(spec.name, eager=eager) if spec.queued else 0.0
+    host_s = calibration.host_issue_s(spec.name, eager=eager, queued=spec.queued)
     issue_forward, issue_backward = kernels_forward * host_s, kernels_backward * host_s
+    if not spec.queued:
+        return BlockTime(forward + issue_forward, backward + issue_backward)
     return BlockTime(max(forward, issue_forward), max(backward, issue_backward),
                      host_bound=issue_forward > forward or issue_backward > backward)
 

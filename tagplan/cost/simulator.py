@@ -30,7 +30,7 @@ from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import Block, ModelGraph, Op, OpKind
 from tagplan.ir.plan import Plan, Schedule, Stage, check_plan, check_whole_samples
-from tagplan.ir.workload import DType, Workload
+from tagplan.ir.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -582,7 +582,7 @@ class Simulator:
         a recomputed layer's backward keeps none (its forward saved nothing, its replay casts again), so its
         copies live only while a forward or a replay runs: once. (0, 0) for a runtime that keeps 16-bit weights
         (Megatron, DeepSpeed) or computes in fp32."""
-        if not self.workload.eager or self.workload.dtype not in (DType.BF16, DType.FP16):
+        if not self.workload.autocast:
             return 0.0, 0.0
         nbytes = self.workload.dtype.nbytes
         if not stage.recompute:

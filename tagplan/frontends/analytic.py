@@ -15,6 +15,7 @@ kernel forward and one per saved input backward; rotary positions as `profiling.
 them (the angle table rebuilt per call, the strided multiplies and the interleave: 18 kernels forward
 and 11 backward for each of queries and keys); the loss casts, log-softmax and gathers. Counted with
 a dispatch mode over those modules (`tests/frontends/test_eager_kernels.py` recounts them).
+`Op.eager_cast_kernels` are autocast's casts among them: an fp32 runtime (the CPU testbed) dispatches the rest.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ ROTARY_EAGER_KERNELS = (18, 11)
 `profiling.layers._rotary` runs them: the angle table (two aranges, the frequencies, the outer
 product, cos, sin and their casts) and the interleaved rotation (four strided multiplies, a
 difference, a sum and the stack); backward the multiplies, a negation, the slices' scatter and sums."""
+ROTARY_CAST_KERNELS = 2
+"""Of `ROTARY_EAGER_KERNELS`' forward, autocast's casts of the cos and sin tables (per tensor)."""
 
 
 @dataclass
@@ -59,15 +62,19 @@ class BlockBuilder:
         return any(op.name == src and op.kind is OpKind.LAYERNORM for op in self.ops)
 
     def linear(self, name: str, src: str, d_in: int, d_out: int, *, bias: bool = False,
-               tokens: int | None = None, experts: int = 0, eager_kernels: tuple[int, int] | None = None) -> str:
+               tokens: int | None = None, experts: int = 0, fused: bool = False) -> str:
         """A dense projection of `tokens` (default `seq_len`) rows from `d_in` to `d_out`.
 
         With `experts` = E > 0 it is a bank of E expert projections over the routed tokens:
         the FLOPs are those of `tokens` rows, the parameters those of all E experts.
-        `eager_kernels` overrides the rule (a projection the eager program fuses with another).
+        `fused`: the eager program computes it in the previous projection's GEMM (no kernels of its own).
         """
-        if eager_kernels is None:
-            eager_kernels = (2 + int(bias) + int(self._reads_fp32(src)), 4 + 2 * int(bias))
+        # autocast's casts: forward the weight's, the bias's and an fp32 input's; backward those the eager count
+        # holds beyond the two GEMMs and the bias's sum (the H200 traces' per-block totals, not one per cast)
+        casts = (1 + int(bias) + int(self._reads_fp32(src)), 2 + int(bias))
+        eager_kernels = (1 + casts[0], 2 + int(bias) + casts[1])  # the GEMM; two GEMMs and the bias's sum
+        if fused:
+            casts = eager_kernels = (0, 0)
         t = self.seq_len if tokens is None else tokens
         params = (d_in * d_out + (d_out if bias else 0)) * max(experts, 1)
         dims = (*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT, PartitionDim.HIDDEN_IN)
@@ -76,7 +83,7 @@ class BlockBuilder:
             bytes_read=(t * d_in + params) * self.nbytes, bytes_written=t * d_out * self.nbytes,
             param_bytes=params * self.nbytes, saved_bytes=self._save_once(src, t * d_in * self.nbytes),
             output_shape=(1, t, d_out), partition_dims=(*dims, PartitionDim.EXPERTS) if experts else dims,
-            inputs=(src,) if src else (), eager_kernels=eager_kernels,
+            inputs=(src,) if src else (), eager_kernels=eager_kernels, eager_cast_kernels=casts,
         ), params)
 
     def attention(self, name: str, srcs: tuple[str, ...], heads: int, kv_heads: int, head_dim: int,
@@ -107,6 +114,7 @@ class BlockBuilder:
             bytes_read=(elems + 2 * s * head_dim) * self.nbytes, bytes_written=elems * self.nbytes,
             output_shape=(1, s, heads * head_dim), partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs,
             eager_kernels=(ROTARY_EAGER_KERNELS[0] * len(srcs), ROTARY_EAGER_KERNELS[1] * len(srcs)),
+            eager_cast_kernels=(ROTARY_CAST_KERNELS * len(srcs), 0),
         ))
 
     def norm(self, name: str, src: str, width: int, *, bias: bool = True) -> str:
@@ -159,6 +167,7 @@ class BlockBuilder:
             name=name, kind=OpKind.SOFTMAX, flops=5.0 * elems, bytes_read=elems * (self.nbytes + 2 * 4.0),
             bytes_written=elems * 4.0 + t * 4.0, saved_bytes=elems * 4.0, output_shape=(1, t),
             partition_dims=(*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT), inputs=(src,), eager_kernels=(3, 3),
+            eager_cast_kernels=(1, 1),
         ))
 
     def all_to_all(self, name: str, src: str, width: int, top_k: int) -> str:

@@ -56,9 +56,8 @@ def _attention(b: BlockBuilder, x: str, shape: TransformerShape, *, bias: bool, 
     h, dh, heads, kvh = shape.hidden, shape.dh, shape.heads, shape.kvh
     q = b.linear(f"{prefix}.q", x, h, heads * dh, bias=bias)
     kv_in = kv_src or x
-    eager_kv = (0, 0) if fused_qkv else None
-    k = b.linear(f"{prefix}.k", kv_in, h, kvh * dh, bias=bias, eager_kernels=eager_kv)
-    v = b.linear(f"{prefix}.v", kv_in, h, kvh * dh, bias=bias, eager_kernels=eager_kv)
+    k = b.linear(f"{prefix}.k", kv_in, h, kvh * dh, bias=bias, fused=fused_qkv)
+    v = b.linear(f"{prefix}.v", kv_in, h, kvh * dh, bias=bias, fused=fused_qkv)
     if rotary:  # the rotated queries and keys are what attention reads (and keeps)
         qk = b.rotary(f"{prefix}.rotary", (q, k), heads + kvh, dh)
         a = b.attention(f"{prefix}.sdpa", (qk, v), heads, kvh, dh)

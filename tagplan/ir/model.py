@@ -48,7 +48,8 @@ class PartitionDim(StrEnum):
 CHECKPOINT_SKIPPED: frozenset[str] = frozenset({"embedding", "head"})
 """Block kinds recomputation keeps whole (Megatron and the torch program checkpoint the transformer blocks)."""
 
-HASH_EXCLUDED: frozenset[str] = frozenset({"score_elements", "shared_param_bytes", "eager_kernels"})
+HASH_EXCLUDED: frozenset[str] = frozenset({"score_elements", "shared_param_bytes", "eager_kernels",
+                                           "eager_cast_kernels"})
 """Op fields that block hashes leave out: derived from shapes the hash already covers, or describing how a
 runtime issues the op rather than what it computes (so adding them kept every earlier hash, and the layer
 profiles that name blocks by hash, valid)."""
@@ -76,9 +77,22 @@ class Op(Record):
         "under autocast mixed precision (the weight casts and gradient accumulation included): what the host "
         "issues when the runtime runs the model op by op (`Workload.eager`); None: one forward, two backward. "
         "Block hashes leave it out")
+    eager_cast_kernels: tuple[int, int] = Field(
+        default=(0, 0), description="(forward, backward) of `eager_kernels` that are autocast's casts (a weight's, a "
+        "bias's, an fp32 input's; their gradients' backward): an eager runtime computing in the weights' own dtype "
+        "(fp32, no autocast) dispatches the rest. Block hashes leave it out")
     output_shape: tuple[int, ...] = ()
     partition_dims: tuple[PartitionDim, ...] = ()
     inputs: tuple[str, ...] = Field(default=(), description="names of producer ops in the block")
+
+    @model_validator(mode="after")
+    def _casts_among_kernels(self) -> Op:
+        kernels = self.eager_kernels or (0, 0)
+        casts = self.eager_cast_kernels
+        if min(casts) < 0 or casts[0] > kernels[0] or casts[1] > kernels[1]:
+            raise ValueError(f"op {self.name}: eager_cast_kernels = {casts} must be non-negative and among its "
+                             f"eager_kernels = {self.eager_kernels} (forward, backward)")
+        return self
 
 
 class Block(Record):

@@ -122,7 +122,8 @@ class Workload(Record):
         default=False, description="the runtime runs the model op by op as eager PyTorch under autocast (tagplan's "
         "torch program, its measured iterations): the host issues each op's eager kernels (`Op.eager_kernels`: the "
         "weight casts, the unfused rotary and loss), and a block on a GPU takes at least the host's time to issue "
-        "them (`Calibration.host_issue_s` per kernel); under 16-bit autocast over fp32 weights each micro-batch in "
+        "them (`Calibration.host_issue_s` per kernel), on a CPU that time adds to its ops'; under 16-bit autocast "
+        "over fp32 weights each micro-batch in "
         "flight keeps a 16-bit copy of the weights it multiplied. False: fused runtimes (Megatron-Core, "
         "Transformer Engine, CUDA graphs), costed at their kernels' time")
     tp_comm_overlap: bool = Field(
@@ -130,6 +131,12 @@ class Workload(Record):
         "Core's --tp-comm-overlap: Transformer Engine's userbuffers with sequence parallelism); per block and "
         "direction the exposed part is the collective's time beyond the block's compute, and at least one of its tp "
         "chunks. False: every TP collective is exposed (PyTorch tensor parallelism, Megatron without the flag)")
+
+    @property
+    def autocast(self) -> bool:
+        """An eager runtime computing in 16 bits over fp32 weights: autocast casts each GEMM's weight (and an fp32
+        input) per micro-batch, and the casts are kernels (`Op.eager_cast_kernels`) and memory."""
+        return self.eager and self.dtype in (DType.BF16, DType.FP16)
 
     @model_validator(mode="after")
     def _check_reduce_dtype(self) -> Workload:

@@ -3,6 +3,7 @@ import pytest
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration, EfficiencyCurve
 from tagplan.cost.compute import block_time, issued_kernels, op_time
 from tagplan.ir import Block, DeviceSpec, DType, Op, OpKind, ShardStrategy
+from tagplan.ir.workload import Workload
 
 SPEC = DeviceSpec(name="X", peak_flops_bf16=100e12, peak_flops_fp16=100e12, peak_flops_fp32=10e12,
                   mem_bytes=10**10, mem_bandwidth_Bps=1e12)
@@ -88,36 +89,55 @@ def test_a_power_capped_device_runs_tensor_work_at_its_sustained_clock() -> None
             == op_time(ln, strategy=ShardStrategy.SEQUENCE, spec=SPEC, **kwargs))  # type: ignore[arg-type]
 
 
-def test_a_queued_device_waits_for_the_host_to_issue_a_block_of_short_ops_and_a_cpu_does_not() -> None:
+def test_a_queued_device_waits_for_the_host_to_issue_a_block_of_short_ops_and_a_cpu_adds_it() -> None:
     """Under an eager runtime a block whose kernels take less device time than their issue costs the issue (each
     op's eager kernels; one forward and two backward for an op without a count); the host runs ahead under a
     long op, so a short op beside it costs only its kernel time; ops keep the compute scale; a fused runtime
-    and a CPU (which runs its kernels itself) get no floor."""
+    gets no floor; on a CPU (which runs its kernels itself) the fitted dispatch time adds to the ops'."""
     host = FLAT.model_copy(update={"host_dispatch_s": {"X": 1e-3, "cpu-x": 1e-3}, "compute_scale": {"X": 2.0}})
     short = Op(name="ln", kind=OpKind.LAYERNORM, flops=10.0, bytes_read=4e3, bytes_written=4e3,
                eager_kernels=(3, 5))
     other = short.model_copy(update={"name": "ln2", "eager_kernels": None})
     long = Op(name="mm", kind=OpKind.MATMUL, flops=1e12, bytes_read=1e3, bytes_written=1e3)
-    args = {"samples": 1, "tp": 1, "dtype": DType.BF16}
+    args = {"samples": 1, "tp": 1, "dtype": DType.BF16, "autocast": True}
     strategies = {"ln": ShardStrategy.SEQUENCE, "ln2": ShardStrategy.SEQUENCE, "mm": ShardStrategy.COLUMN}
     shorts = Block(hash="s", ops=(short, other), params=0, output_bytes=0)
     t = block_time(shorts, strategies, spec=SPEC, calibration=host, eager=True, **args)  # type: ignore[arg-type]
     assert (t.forward_s, t.backward_s) == (pytest.approx(4e-3), pytest.approx(7e-3))  # 3 + 1 and 5 + 2 kernels
-    fused = block_time(shorts, strategies, spec=SPEC, calibration=host, **args)  # type: ignore[arg-type]
+    fused = block_time(shorts, strategies, spec=SPEC, calibration=host, eager=False, **args)  # type: ignore[arg-type]
     assert fused.forward_s < 1e-4 and not fused.host_bound  # a fused runtime keeps its kernel times
-    assert issued_kernels(short, eager=False) == (1, 2) and issued_kernels(short, eager=True) == (3, 5)
-    assert issued_kernels(other, eager=True) == (1, 2)
+    assert issued_kernels(short, eager=False, autocast=True) == (1, 2)
+    assert issued_kernels(short, eager=True, autocast=True) == (3, 5)
+    assert issued_kernels(other, eager=True, autocast=True) == (1, 2)
     mixed = Block(hash="m", ops=(long, short), params=0, output_bytes=0)
-    plain = op_time(long, spec=SPEC, calibration=FLAT, strategy=ShardStrategy.COLUMN, **args)  # type: ignore[arg-type]
+    op_args = {"samples": 1, "tp": 1, "dtype": DType.BF16}
+    plain = op_time(long, spec=SPEC, calibration=FLAT, strategy=ShardStrategy.COLUMN, **op_args)  # type: ignore[arg-type]
     t = block_time(mixed, strategies, spec=SPEC, calibration=host, eager=True, **args)  # type: ignore[arg-type]
     kernels_s = op_time(short, spec=SPEC, calibration=host, strategy=ShardStrategy.SEQUENCE,
-                        **args).forward_s  # type: ignore[arg-type]
+                        **op_args).forward_s  # type: ignore[arg-type]
     assert t.forward_s == pytest.approx(2.0 * plain.forward_s + kernels_s) and t.forward_s > 4e-3
     cpu = SPEC.model_copy(update={"name": "cpu-x"})
     assert not cpu.queued and SPEC.queued
+    bare = block_time(shorts, strategies, spec=cpu, calibration=FLAT, eager=True, **args)  # type: ignore[arg-type]
+    assert bare.forward_s < 1e-4  # no figure fitted for this CPU: the GPU host's default does not apply
     t = block_time(shorts, strategies, spec=cpu, calibration=host, eager=True, **args)  # type: ignore[arg-type]
-    assert t.forward_s < 1e-4
-    assert t == block_time(shorts, strategies, spec=cpu, calibration=FLAT, eager=True, **args)  # type: ignore[arg-type]
+    assert (t.forward_s, t.backward_s) == (pytest.approx(bare.forward_s + 4e-3), pytest.approx(bare.backward_s + 7e-3))
+    assert not t.host_bound  # a CPU runs each kernel as it is issued: the dispatch adds, it is no floor
+    t = block_time(mixed, strategies, spec=cpu, calibration=host, eager=True, **args)  # type: ignore[arg-type]
+    cpu_short_s = op_time(short, spec=cpu, calibration=host, strategy=ShardStrategy.SEQUENCE,
+                          **op_args).forward_s  # type: ignore[arg-type]
+    assert t.forward_s == pytest.approx(plain.forward_s + cpu_short_s + (1 + 3) * 1e-3)  # nothing hides it
+
+
+def test_an_fp32_eager_runtime_issues_no_autocast_casts() -> None:
+    cast = Op(name="fc", kind=OpKind.MATMUL, flops=1e6, bytes_read=1e3, bytes_written=1e3, eager_kernels=(4, 6),
+              eager_cast_kernels=(3, 3))
+    assert issued_kernels(cast, eager=True, autocast=True) == (4, 6)
+    assert issued_kernels(cast, eager=True, autocast=False) == (1, 3)
+    assert issued_kernels(cast, eager=False, autocast=False) == (1, 2)  # a fused runtime: one kernel, two back
+    assert Workload(global_batch=8, seq_len=64, eager=True).autocast
+    assert not Workload(global_batch=8, seq_len=64, eager=True, dtype=DType.FP32).autocast
+    assert not Workload(global_batch=8, seq_len=64).autocast  # Megatron keeps 16-bit weights: nothing to cast
 
 
 def test_an_eager_run_on_a_gpu_no_fit_names_takes_the_shipped_issue_time_and_a_fused_one_none() -> None:
@@ -125,12 +145,12 @@ def test_an_eager_run_on_a_gpu_no_fit_names_takes_the_shipped_issue_time_and_a_f
     else the eager default; a fused runtime no floor, fitted or not."""
     short = Op(name="ln", kind=OpKind.LAYERNORM, flops=10.0, bytes_read=4e3, bytes_written=4e3, eager_kernels=(3, 5))
     block = Block(hash="s", ops=(short,), params=0, output_bytes=0)
-    args = {"samples": 1, "tp": 1, "dtype": DType.BF16, "spec": SPEC}
+    args = {"samples": 1, "tp": 1, "dtype": DType.BF16, "spec": SPEC, "autocast": True}
     strategies = {"ln": ShardStrategy.SEQUENCE}
     default = FLAT.model_copy(update={"eager_host_dispatch_s": 1e-3})
     t = block_time(block, strategies, calibration=default, eager=True, **args)  # type: ignore[arg-type]
     assert (t.forward_s, t.backward_s) == (pytest.approx(3e-3), pytest.approx(5e-3)) and t.host_bound
-    fused = block_time(block, strategies, calibration=default, **args)  # type: ignore[arg-type]
+    fused = block_time(block, strategies, calibration=default, eager=False, **args)  # type: ignore[arg-type]
     assert fused.forward_s < 1e-4 and not fused.host_bound  # a fused runtime's floor is not assumed
     fitted = default.model_copy(update={"host_dispatch_s": {"*": 2e-3}})
     t = block_time(block, strategies, calibration=fitted, eager=True, **args)  # type: ignore[arg-type]
@@ -138,6 +158,18 @@ def test_an_eager_run_on_a_gpu_no_fit_names_takes_the_shipped_issue_time_and_a_f
     assert fitted.host_issue_s("X", eager=False) == 0.0 == default.host_issue_s("X", eager=False)
     assert fitted.host_issue_s("X", eager=True) == 2e-3 and default.host_issue_s("Y", eager=True) == 1e-3
     assert DEFAULT_CALIBRATION.host_issue_s("X", eager=True) == DEFAULT_CALIBRATION.eager_host_dispatch_s > 0
+    # a CPU takes its own fitted figure alone: the any-device one and the default come from GPU hosts
+    assert fitted.host_issue_s("cpu-x", eager=True, queued=False) == 0.0
+    own = fitted.model_copy(update={"host_dispatch_s": {"*": 2e-3, "cpu-x": 5e-6}})
+    assert own.host_issue_s("cpu-x", eager=True, queued=False) == 5e-6
+
+
+def test_an_op_cannot_cast_more_kernels_than_it_dispatches() -> None:
+    with pytest.raises(ValueError, match="eager_cast_kernels"):
+        Op(name="fc", kind=OpKind.MATMUL, flops=1.0, bytes_read=1.0, bytes_written=1.0, eager_kernels=(2, 4),
+           eager_cast_kernels=(3, 1))
+    with pytest.raises(ValueError, match="eager_cast_kernels"):
+        Op(name="fc", kind=OpKind.MATMUL, flops=1.0, bytes_read=1.0, bytes_written=1.0, eager_cast_kernels=(1, 0))
 
 
 def test_a_small_eager_model_on_a_gpu_is_reported_host_bound_and_costs_more_than_its_kernels() -> None:
@@ -155,3 +187,25 @@ def test_a_small_eager_model_on_a_gpu_is_reported_host_bound_and_costs_more_than
     issued = Simulator(model, cluster, eager).simulate(plan)
     assert "host-bound" in issued.stages[0].compute_source and "host-bound" not in kernels_only.stages[0].compute_source
     assert issued.iteration_time_s > 2 * kernels_only.iteration_time_s
+
+
+def test_the_simulator_adds_an_fp32_cpu_runs_dispatch_without_autocasts_casts() -> None:
+    """Stage times on a CPU under an eager fp32 runtime grow by the fitted dispatch time per kernel the blocks issue,
+    counted without autocast's casts; under bf16 autocast by the count with them."""
+    from tagplan.cost.simulator import Simulator
+    from tagplan.frontends.cpu import build_cpu_cluster
+    from tagplan.frontends.model_spec import load_model
+    from tagplan.ir import Plan, Stage
+
+    cluster = build_cpu_cluster(SPEC.model_copy(update={"name": "cpu-x"}))
+    fitted = DEFAULT_CALIBRATION.model_copy(update={"host_dispatch_s": {"cpu-x": 1e-3}})
+    for dtype, autocast in ((DType.FP32, False), (DType.BF16, True)):
+        workload = Workload(global_batch=4, seq_len=32, dtype=dtype, eager=True)
+        model = load_model("llama?layers=2&hidden=64&heads=4&kv_heads=2&vocab=128", seq_len=32)
+        plan = Plan(micro_batches=2, stages=(Stage(layers=(0, len(model.layers)), devices=(0,)),))
+        bare = Simulator(model, cluster, workload).simulate(plan).stages[0]
+        paid = Simulator(model, cluster, workload, calibration=fitted).simulate(plan).stages[0]
+        kernels = [issued_kernels(op, eager=True, autocast=autocast)
+                   for layer in model.layers for op in model.block_by_hash[layer.block].ops]
+        assert paid.forward_s - bare.forward_s == pytest.approx(1e-3 * sum(k[0] for k in kernels), rel=1e-6)
+        assert paid.backward_s - bare.backward_s == pytest.approx(1e-3 * sum(k[1] for k in kernels), rel=1e-6)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tagplan.cost.compute import issued_kernels
 from tagplan.frontends.families import TransformerShape, gpt_block, llama_block
 from tagplan.ir import Block
 from tagplan.profiling.iterations import _Block
@@ -32,8 +33,9 @@ class _Kernels(TorchDispatchMode):
         return out
 
 
-def _forward_kernels(module: nn.Module, x: torch.Tensor) -> tuple[int, Callable[[], int]]:
-    """(forward kernels, a function counting the backward's) of `module` on `x` under bf16 autocast."""
+def _forward_kernels(module: nn.Module, x: torch.Tensor, *, autocast: bool = True) -> tuple[int, Callable[[], int]]:
+    """(forward kernels, a function counting the backward's) of `module` on `x` under bf16 autocast (`autocast`
+    False: in fp32, as the CPU testbed runs)."""
     mode = _Kernels()
     for norm in (m for m in module.modules() if isinstance(m, nn.LayerNorm | nn.RMSNorm)):
         def enter(*_: object, mode: _Kernels = mode) -> None:
@@ -45,7 +47,7 @@ def _forward_kernels(module: nn.Module, x: torch.Tensor) -> tuple[int, Callable[
         norm.register_forward_pre_hook(enter)
         norm.register_forward_hook(leave)
     x = x.requires_grad_(True)
-    with mode, torch.autocast("cpu", dtype=torch.bfloat16):
+    with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         y = module(x)
     grad = torch.randn_like(y)
 
@@ -57,10 +59,10 @@ def _forward_kernels(module: nn.Module, x: torch.Tensor) -> tuple[int, Callable[
     return mode.count, backward
 
 
-def _totals(block: Block) -> tuple[int, int]:
-    kernels = [op.eager_kernels for op in block.ops]
-    assert all(k is not None for k in kernels)
-    return sum(k[0] for k in kernels if k), sum(k[1] for k in kernels if k)
+def _totals(block: Block, *, autocast: bool = True) -> tuple[int, int]:
+    assert all(op.eager_kernels is not None for op in block.ops)
+    kernels = [issued_kernels(op, eager=True, autocast=autocast) for op in block.ops]
+    return sum(k[0] for k in kernels), sum(k[1] for k in kernels)
 
 
 def test_gpt_block_issues_the_kernels_its_eager_module_dispatches() -> None:
@@ -80,3 +82,17 @@ def test_llama_block_issues_about_twice_a_gpt_blocks_kernels_as_its_eager_module
     assert ir_backward == pytest.approx(counted, rel=0.35) and ir_backward < counted
     gpt_forward, gpt_backward = _totals(gpt_block(TransformerShape(layers=1, hidden=64, heads=4), 16, 2))
     assert 1.8 < (ir_forward + ir_backward) / (gpt_forward + gpt_backward) < 2.6
+
+
+def test_without_autocast_the_blocks_issue_their_kernels_less_the_casts() -> None:
+    """An fp32 runtime (the CPU testbed's torch program) dispatches no weight, bias or input casts: forward the
+    GPT block's GEMMs, norms, SDPA and pointwise ops alone, the Llama block's also the rotary tables uncast."""
+    forward, backward = _forward_kernels(_Block(64, 4), torch.randn(2, 16, 64), autocast=False)
+    ir_forward, ir_backward = _totals(gpt_block(TransformerShape(layers=1, hidden=64, heads=4), 16, 2), autocast=False)
+    assert ir_forward == pytest.approx(forward, abs=1)
+    assert ir_backward == pytest.approx(backward(), abs=1)
+    assert ir_forward + ir_backward < 0.65 * sum(_totals(gpt_block(TransformerShape(layers=1, hidden=64, heads=4),
+                                                                   16, 2)))  # a third of bf16's are casts
+    shape = TransformerShape(layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100)
+    forward, _ = _forward_kernels(LlamaBlock(shape, tp=1), torch.randn(2, 16, 64), autocast=False)
+    assert _totals(llama_block(shape, 16, 2), autocast=False)[0] == forward
