@@ -7,7 +7,9 @@ The parameters (`cost.calibration.Calibration`; the defaults are the datasheet m
 - a fixed overhead per stage per micro-batch, one per iteration, one per pipeline send, one per
   collective call (the ranks' synchronisation, which a send does not pay: without it the link latency
   that gloo's collectives need also slowed every pipeline send);
-- an optimizer-step scale.
+- an optimizer-step scale;
+- for eager runs, the host's time to issue one kernel (`Calibration.host_dispatch_s`: a floor of each block on
+  a GPU, added to it on a CPU).
 
 All but the compute scales are filed under the one device type the records ran on (`*` when
 they span several), so a calibration of one device type never changes plans on another.
@@ -70,6 +72,7 @@ class Param:
     name: str
     log_scale: bool
     max_value: float | None = None  # a scale's largest value (None: SCALE_BOUNDS; overheads: unbounded)
+    start: float | None = None  # where the fit starts when the base calibration has no figure (None: its default)
 
     @property
     def upper(self) -> float:
@@ -147,10 +150,12 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
     """Every named parameter the cases could inform (unseen ones are dropped later by sensitivity)."""
     devices = sorted({d.spec.name for c in cases for d in c.cluster.devices})
     key = fit_key(cases)
-    # the host's issue floor: runs of eager runtimes on GPUs (block_time applies it to queued devices only, so
-    # CPU records beside GPU ones do not see it). A fused runtime issues one kernel per op: its blocks are rarely
-    # host-bound, and on its records a floor only competes with the compute scale for the same short blocks.
-    queued = any(d.spec.queued and c.workload.eager for c in cases for d in c.cluster.devices)
+    # the host's time per kernel: runs of eager runtimes (on a GPU a floor of each block, on a CPU added to it:
+    # `compute.block_time`). A fused runtime issues one kernel per op: its blocks are rarely host-bound, and on
+    # its records a floor only competes with the compute scale for the same short blocks. It starts from the
+    # figure an eager run is costed with until fitted: the GPU default, or 0 where the runs are all on CPUs.
+    eager = [d.spec.queued for c in cases if c.workload.eager for d in c.cluster.devices]
+    host = Param(f"host_dispatch_s/{key}", False, start=None if any(eager) else 0.0)
     params = [Param(f"compute_scale/{d}", True) for d in devices]
     for scope in (INTRA, INTER):
         params += [Param(f"bandwidth_scale/{key}/{scope}", True, max_value=BANDWIDTH_SCALE_MAX),
@@ -158,7 +163,7 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
     return [*params, Param(f"micro_batch_overhead_s/{key}", False), Param(f"iteration_overhead_s/{key}", False),
             Param(f"p2p_overhead_s/{key}", False), Param(f"collective_overhead_s/{key}", False),
             Param(f"recompute_overhead_s/{key}", False), Param(f"optimizer_scale/{key}", True),
-            *([Param(f"host_dispatch_s/{key}", False)] if queued else [])]
+            *([host] if eager else [])]
 
 
 _SCALES = ("compute_scale", "optimizer_scale")
@@ -173,7 +178,8 @@ def read_values(base: Calibration, params: Sequence[Param], unit_s: float) -> np
             link = base.link_scales.get(key, LinkScale())
             value = link.bandwidth_scale if head == "bandwidth_scale" else link.latency_s
         elif head == "host_dispatch_s":  # from the figure an eager run is costed with until fitted
-            value = base.host_issue_s(key, eager=True)
+            table = base.host_dispatch_s
+            value = table.get(key, table.get(ANY_DEVICE, base.eager_host_dispatch_s if p.start is None else p.start))
         else:
             value = getattr(base, head).get(key, 1.0 if head in _SCALES else 0.0)
         out.append(math.log(value) if p.log_scale else value / unit_s)

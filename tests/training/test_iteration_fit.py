@@ -15,7 +15,7 @@ from tagplan.datasets.traces.bundle import Fingerprint, IterationRecord, Manifes
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.workload import Workload
-from tagplan.training.iteration_fit import IterationCase, fit_parameters, kendall_tau, parameters
+from tagplan.training.iteration_fit import IterationCase, fit_parameters, kendall_tau, parameters, read_values
 
 MODEL = "gpt?layers=4&hidden=512&heads=8&vocab=4096"
 CLUSTER = "dgx-a100-80gb:nodes=1"
@@ -175,7 +175,7 @@ def test_equal_links_with_other_device_types_do_not_share_a_collective_overhead(
 
 
 @pytest.mark.slow
-def test_fit_recovers_the_host_dispatch_floor_of_eager_runs_on_gpus_and_never_fits_it_on_a_cpu() -> None:
+def test_fit_recovers_the_host_dispatch_floor_of_eager_runs_on_gpus() -> None:
     truth = TRUTH.model_copy(update={"host_dispatch_s": {A100: 2e-5}})
     eager = WORKLOAD.model_copy(update={"eager": True})
     made = cases(truth, eager)
@@ -185,13 +185,39 @@ def test_fit_recovers_the_host_dispatch_floor_of_eager_runs_on_gpus_and_never_fi
     no_floor = TRUTH.model_copy(update={"eager_host_dispatch_s": 0.0})  # not even the shipped eager one
     floor_free = Simulator(made[0].model, made[0].cluster, eager, calibration=no_floor).simulate(made[0].plan)
     assert made[0].measured_s > 1.2 * floor_free.iteration_time_s  # the floor shaped these records
-    from tagplan.frontends.cpu import build_cpu_cluster
-
-    cpu = build_cpu_cluster(made[0].cluster.devices[0].spec.model_copy(update={"name": "cpu-test"}))
-    on_cpu = IterationCase(made[0].model, cpu, eager, made[0].plan.model_copy(update={"stages": (
-        made[0].plan.stages[0].model_copy(update={"devices": (0,), "tp": 1, "dp": 1, "zero": 0,
-                                                  "layers": (0, len(made[0].model.blocks))}),)}), 1.0)
-    assert not any(p.name.startswith("host_dispatch") for p in parameters([on_cpu]))
-    assert any(p.name.startswith("host_dispatch") for p in parameters([on_cpu, made[0]]))  # a GPU record among them
     fused = IterationCase(made[0].model, made[0].cluster, WORKLOAD, made[0].plan, made[0].measured_s)
     assert not any(p.name.startswith("host_dispatch") for p in parameters([fused]))  # a fused runtime's run
+
+
+def _cpu_cases(calibration, workload: Workload) -> list[IterationCase]:  # type: ignore[no-untyped-def]
+    from tagplan.frontends.cpu import build_cpu_cluster
+
+    spec = load_cluster(CLUSTER).devices[0].spec.model_copy(update={"name": "cpu-test"})
+    cluster = build_cpu_cluster(spec)
+    out = []
+    # two families: per micro-batch a fixed overhead and the kernels' dispatch differ only by the kernel count
+    for spec in ("llama?layers=2&hidden=128&heads=4&kv_heads=2&vocab=512", "gpt?layers=2&hidden=128&heads=4&vocab=512"):
+        model = load_model(spec, seq_len=workload.seq_len)
+        sim = Simulator(model, cluster, workload, calibration=calibration)
+        base = megatron_plan(Simulator(model, cluster, workload), tp=1, pp=1).plan
+        assert base is not None
+        for m in (1, 2, 4, 8, 16):
+            for recompute in (False, True):
+                plan = base.model_copy(update={"micro_batches": m, "stages": (
+                    base.stages[0].model_copy(update={"recompute": recompute}),)})
+                out.append(IterationCase(model, cluster, workload, plan, sim.simulate(plan).iteration_time_s))
+    return out
+
+
+@pytest.mark.slow
+def test_fit_recovers_a_cpus_dispatch_time_per_kernel_added_to_its_ops() -> None:
+    eager = WORKLOAD.model_copy(update={"eager": True, "dtype": "fp32"})
+    truth = DEFAULT_CALIBRATION.model_copy(update={"host_dispatch_s": {"cpu-test": 2e-5}})
+    made = _cpu_cases(truth, eager)
+    host = [p for p in parameters(made) if p.name.startswith("host_dispatch")]
+    assert [(p.name, p.start) for p in host] == [("host_dispatch_s/cpu-test", 0.0)]  # not the GPU host's default
+    assert read_values(DEFAULT_CALIBRATION, host, 1.0).tolist() == [0.0]
+    untouched = Simulator(made[0].model, made[0].cluster, eager).simulate(made[0].plan).iteration_time_s
+    assert made[0].measured_s > 1.1 * untouched  # the CPU's dispatch adds to its ops' time (no default there)
+    fitted, _ = fit_parameters(made, DEFAULT_CALIBRATION)
+    assert fitted.host_dispatch_s["cpu-test"] == pytest.approx(2e-5, rel=0.3)
