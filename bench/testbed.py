@@ -94,7 +94,7 @@ def measure_session(directory: Path) -> Path:
                 continue
             records.append(IterationRecord(
                 model=spec_text, cluster=cpu_cluster(device, len(plan.devices)),
-                workload=Workload(global_batch=BATCH, seq_len=seq, dtype=DType.FP32),
+                workload=Workload(global_batch=BATCH, seq_len=seq, dtype=DType.FP32, eager=True),
                 plan=plan.model_dump(mode="json"), measured_s=result.median_s, repeats=result.steps,
                 source=f"bench/testbed.py (gloo, {len(plan.devices)} processes; "
                        f"{result.min_s:.4g}-{result.max_s:.4g} s)"))
