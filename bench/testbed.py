@@ -9,7 +9,8 @@ One session is not enough on this VM: the same plan's median moves by up to 30-5
 to the next (other tenants, frequency), more than the differences between many plans. So
 `bench/data/testbed/` (the tagplan-traces/1 bundle that `bench/fidelity.py` and `tagplan calibrate`
 read) holds, per plan, the median of the sessions' medians, rewritten after each session
-(`--merge-only` rewrites it from the sessions kept).
+(`--merge-only` rewrites it from the sessions kept). A bundle is one machine's: `bench/data/testbed/` the AMD
+EPYC VM's sessions, `bench/data/testbed-intel/` (`--out`) the Intel Xeon VM's, scored apart by `bench/fidelity.py`.
 
 Run: `.venv/bin/python bench/testbed.py [--out DIR] [--merge-only]` (about 6 minutes on 2 cores).
 """
@@ -142,7 +143,10 @@ def merge_sessions(sessions: list[Path], out: Path, *, device_type: str | None =
 
 
 def _key(record: IterationRecord) -> tuple[str, str]:
-    return json.dumps(record.model, sort_keys=True), json.dumps(record.plan, sort_keys=True)
+    """The plan as the current schema reads it: a session written before a field was added (a stage's `cp`,
+    `recompute_layers`) names the same plan as one written after."""
+    plan = Plan.model_validate(record.plan).model_dump(mode="json")
+    return json.dumps(record.model, sort_keys=True), json.dumps(plan, sort_keys=True)
 
 
 if __name__ == "__main__":

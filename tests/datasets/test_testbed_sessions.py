@@ -59,14 +59,26 @@ def test_only_one_machines_sessions_are_merged(tmp_path: Path, monkeypatch: pyte
     assert read_bundle(tmp_path).iterations()[0].measured_s == 0.50
 
 
-def test_the_committed_testbed_is_the_merge_of_its_committed_sessions(tmp_path: Path) -> None:
-    root = BENCH / "data" / "testbed"
+@pytest.mark.parametrize("folder", ["testbed", "testbed-intel"])
+def test_the_committed_testbed_is_the_merge_of_its_committed_sessions(tmp_path: Path, folder: str) -> None:
+    root = BENCH / "data" / folder
     sessions = sorted(p for p in (root / "sessions").iterdir() if p.is_dir())
     assert len(sessions) >= 2
     load_bench("testbed").merge_sessions(sessions, tmp_path)
     ours = [(r.model, r.plan, r.measured_s) for r in read_bundle(tmp_path).iterations()]
     assert ours == [(r.model, r.plan, r.measured_s) for r in read_bundle(root).iterations()]
     assert len(ours) >= 40
+
+
+def test_a_session_written_before_a_plan_field_existed_names_the_same_plans(tmp_path: Path) -> None:
+    old, new = _record(1, 0.10), _record(1, 0.20)
+    stage = {**new.plan["stages"][0], "cp": 1, "recompute_layers": None, "zero": 0}  # as a newer Plan writes it
+    new = new.model_copy(update={"plan": {**new.plan, "stages": [stage]}})
+    for name, record in (("a", old), ("b", new)):
+        write_bundle(tmp_path / "sessions" / name, Manifest(created="2026-01-01T00:00:00+00:00", source="test",
+                                                            fingerprint=host_fingerprint("cpu-test")), [record])
+    load_bench("testbed").merge_sessions(sorted((tmp_path / "sessions").iterdir()), tmp_path / "merged")
+    assert [r.measured_s for r in read_bundle(tmp_path / "merged").iterations()] == [pytest.approx(0.15)]
 
 
 def test_merging_without_a_measured_session_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
