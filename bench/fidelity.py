@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from tagplan.training.iteration_fit import IterationCase, fit_parameters, predic
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / "tests" / "fixtures" / "traces" / "cpu-quick"
 TESTBED = ROOT / "bench" / "data" / "testbed"
+TESTBED_INTEL = ROOT / "bench" / "data" / "testbed-intel"
+"""The same testbed measured on a second machine (an Intel Xeon VM; `bench/testbed.py --out`)."""
 GPU = ROOT / "bench" / "data" / "gpu"
 
 
@@ -76,30 +79,44 @@ def testbed() -> dict[str, Any]:
     return out
 
 
-def local_testbed() -> dict[str, Any] | None:
-    """Part (a'): the testbed of `bench/testbed.py` (one- and two-process plans on gloo), calibrated on
-    a third of its plans (iterations) on top of the op and link fit of `cpu-quick` (same machine)."""
-    if not (TESTBED / "manifest.json").is_file():
+def local_testbed(folder: Path = TESTBED) -> dict[str, Any] | None:
+    """Part (a'): a testbed of `bench/testbed.py` (one- and two-process plans on gloo; `folder` per machine),
+    calibrated on a third of its plans (iterations) on top of the op and link fit of `cpu-quick` where that
+    bundle was measured on the same CPU; also the iteration calibration without the CPU's dispatch time per
+    kernel (the records scored as a non-eager runtime's), which shows what that parameter adds."""
+    if not (folder / "manifest.json").is_file():
         return None
-    cases = rebuild_cases(read_bundle(TESTBED).iterations())
+    bundle = read_bundle(folder)
+    cases = rebuild_cases(bundle.iterations())
     train = [c for i, c in enumerate(cases) if i % 3 == 0]
     test = [c for i, c in enumerate(cases) if i % 3]
-    ops = fit_calibration([read_bundle(BUNDLE)], iterations=False).calibration
-    variants = {"defaults": DEFAULT_CALIBRATION, "ops": ops,
-                "iterations": fit_parameters(train, DEFAULT_CALIBRATION)[0],
-                "ops+iterations": fit_parameters(train, ops)[0]}
-    profiles, why_not = _profile_layers(read_bundle(TESTBED), cases, tps=(1, 2))
+    variants = {"defaults": DEFAULT_CALIBRATION, "iterations": fit_parameters(train, DEFAULT_CALIBRATION)[0]}
+    op_bundle = read_bundle(BUNDLE)
+    same_cpu = op_bundle.manifest.fingerprint.device_type == bundle.manifest.fingerprint.device_type
+    if same_cpu:
+        ops = fit_calibration([op_bundle], iterations=False).calibration
+        variants |= {"ops": ops, "ops+iterations": fit_parameters(train, ops)[0]}
+    profiles, why_not = _profile_layers(bundle, cases, tps=(1, 2))
     if profiles is not None:
         layered = DEFAULT_CALIBRATION.model_copy(update={"layers": layer_times(profiles)})
         variants["layers+iterations"] = fit_parameters(train, layered)[0]
     truth = np.array([c.measured_s for c in test])
-    out: dict[str, Any] = {"records": len(cases), "calibrated_on": len(train), "scored": len(test), "variants": {},
-                           "layers_not_measured": why_not}
+    out: dict[str, Any] = {"device": bundle.manifest.fingerprint.device_type, "records": len(cases),
+                           "calibrated_on": len(train), "scored": len(test), "variants": {},
+                           "layers_not_measured": why_not,
+                           "ops_not_fitted": None if same_cpu else "cpu-quick's op records ran on another CPU"}
     for name, calibration in variants.items():
         s = score(predict_s(test, calibration), truth)
         out["variants"][name] = {"mape": s.mape, "kendall_tau": s.kendall_tau,
-                                 "first_choice_regret": _regret(cases, calibration)}
-    out["variants"]["gnn correction"] = _gnn_correction(read_bundle(TESTBED), variants["ops+iterations"], cases)
+                                 "first_choice_regret": _regret(cases, calibration),
+                                 "host_dispatch_s": calibration.host_dispatch_s}
+    flat = [replace(c, workload=c.workload.model_copy(update={"eager": False})) for c in cases]
+    flat_fit = fit_parameters(flat[::3], DEFAULT_CALIBRATION)[0]
+    s = score(predict_s([c for i, c in enumerate(flat) if i % 3], flat_fit), truth)
+    out["variants"]["iterations, no dispatch time"] = {"mape": s.mape, "kendall_tau": s.kendall_tau,
+                                                       "first_choice_regret": _regret(flat, flat_fit)}
+    base = variants["ops+iterations" if same_cpu else "iterations"]
+    out["variants"]["gnn correction"] = _gnn_correction(bundle, base, cases)
     return out
 
 
@@ -291,17 +308,19 @@ def main() -> None:
     elif args.only == "gpu":
         results = {**json.loads(out.read_text()), "gpu": gpu()}
     else:
-        results = {"testbed": testbed(), "local_testbed": local_testbed(), "gpu": gpu(), "published": published()}
+        results = {"testbed": testbed(), "local_testbed": local_testbed(), "local_testbed_intel":
+                   local_testbed(TESTBED_INTEL), "gpu": gpu(), "published": published()}
     for name, v in results["testbed"]["variants"].items():
         tau = v["kendall_tau"]
         regret = max(v["first_choice_regret"].values(), default=0.0)
         print(f"{name:>18s}  MAPE {v['mape']:7.1%}  tau {'-' if tau is None else f'{tau:.3f}':>5s}  "
               f"worst first-choice regret {regret:.1%}")
-    local = results["local_testbed"]
-    for name, v in (local or {}).get("variants", {}).items():
-        regret = max(v["first_choice_regret"].values(), default=0.0)
-        print(f"testbed {name:>14s}  MAPE {v['mape']:7.1%}  tau {v['kendall_tau']:.3f}  worst first-choice regret "
-              f"{regret:.1%}")
+    for key in ("local_testbed", "local_testbed_intel"):
+        local = results.get(key) or {}
+        for name, v in local.get("variants", {}).items():
+            regret = max(v["first_choice_regret"].values(), default=0.0)
+            print(f"testbed {local.get('device', ''):>14s} {name:>28s}  MAPE {v['mape']:7.1%}  "
+                  f"tau {v['kendall_tau']:.3f}  worst first-choice regret {regret:.1%}")
     for folder, g in results.get("gpu", {}).items():
         for name, v in g["variants"].items():
             regret = max(v["first_choice_regret"].values(), default=0.0)
