@@ -577,7 +577,7 @@ class Simulator:
 
     def _cast_copies_bytes(self, stage: Stage) -> tuple[float, float]:
         """(bytes each micro-batch in flight keeps, bytes held once) of the 16-bit weight copies on a device of
-        `stage` under an eager runtime's autocast over fp32 weights (`Workload.eager`): each GEMM casts its
+        `stage` under an eager runtime's autocast over fp32 weights (`Workload.autocast`): each GEMM casts its
         weight once per micro-batch (autocast's cast cache) and the backward keeps that copy until it has run;
         a recomputed layer's backward keeps none (its forward saved nothing, its replay casts again), so its
         copies live only while a forward or a replay runs: once. (0, 0) for a runtime that keeps 16-bit weights

@@ -119,13 +119,13 @@ class Workload(Record):
         "its backward and recomputes the rest (the gated MLP keeps its two projections, not also the activated "
         "one). False: each pointwise op keeps its inputs (PyTorch eager, Hugging Face)")
     eager: bool = Field(
-        default=False, description="the runtime runs the model op by op as eager PyTorch under autocast (tagplan's "
-        "torch program, its measured iterations): the host issues each op's eager kernels (`Op.eager_kernels`: the "
-        "weight casts, the unfused rotary and loss), and a block on a GPU takes at least the host's time to issue "
-        "them (`Calibration.host_issue_s` per kernel), on a CPU that time adds to its ops'; under 16-bit autocast "
-        "over fp32 weights each micro-batch in "
-        "flight keeps a 16-bit copy of the weights it multiplied. False: fused runtimes (Megatron-Core, "
-        "Transformer Engine, CUDA graphs), costed at their kernels' time")
+        default=False, description="the runtime runs the model op by op as eager PyTorch, under autocast when it "
+        "computes in 16 bits (`autocast`; tagplan's torch program, its measured iterations): the host issues each "
+        "op's eager kernels (`Op.eager_kernels`: the unfused rotary and loss, autocast's weight casts); a block on "
+        "a GPU takes at least the host's time to issue them (`Calibration.host_issue_s` per kernel), on a CPU "
+        "that time adds to its ops'; under 16-bit autocast over fp32 weights each micro-batch in flight keeps a "
+        "16-bit copy of the weights it multiplied. False: fused runtimes (Megatron-Core, Transformer Engine, CUDA "
+        "graphs), costed at their kernels' time")
     tp_comm_overlap: bool = Field(
         default=False, description="tensor-parallel collectives run in chunks under the block's compute (Megatron-"
         "Core's --tp-comm-overlap: Transformer Engine's userbuffers with sequence parallelism); per block and "

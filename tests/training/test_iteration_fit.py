@@ -217,6 +217,10 @@ def test_fit_recovers_a_cpus_dispatch_time_per_kernel_added_to_its_ops() -> None
     host = [p for p in parameters(made) if p.name.startswith("host_dispatch")]
     assert [(p.name, p.start) for p in host] == [("host_dispatch_s/cpu-test", 0.0)]  # not the GPU host's default
     assert read_values(DEFAULT_CALIBRATION, host, 1.0).tolist() == [0.0]
+    gpu = cases(TRUTH, eager)[0]  # a GPU's eager run among them: the figure is filed under *, from the GPU default
+    mixed = [p for p in parameters([made[0], gpu]) if p.name.startswith("host_dispatch")]
+    assert [(p.name, p.start) for p in mixed] == [("host_dispatch_s/*", None)]
+    assert read_values(DEFAULT_CALIBRATION, mixed, 1.0).tolist() == [DEFAULT_CALIBRATION.eager_host_dispatch_s]
     untouched = Simulator(made[0].model, made[0].cluster, eager).simulate(made[0].plan).iteration_time_s
     assert made[0].measured_s > 1.1 * untouched  # the CPU's dispatch adds to its ops' time (no default there)
     fitted, _ = fit_parameters(made, DEFAULT_CALIBRATION)
