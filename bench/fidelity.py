@@ -26,6 +26,7 @@ Run: `.venv/bin/python bench/fidelity.py` (about 2 minutes on 2 cores). Writes b
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections import defaultdict
@@ -35,11 +36,19 @@ from typing import Any
 
 import numpy as np
 from fidelity_nemo import nemo
+from testbed import plan_key
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from tagplan.datasets.traces.bundle import read_bundle
+from tagplan.datasets.traces.bundle import IterationRecord, read_bundle
 from tagplan.training.calibrate import fit_calibration, layer_times
-from tagplan.training.iteration_fit import IterationCase, fit_parameters, predict_s, rebuild_cases, score
+from tagplan.training.iteration_fit import (
+    IterationCase,
+    fit_parameters,
+    kendall_tau,
+    predict_s,
+    rebuild_cases,
+    score,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / "tests" / "fixtures" / "traces" / "cpu-quick"
@@ -117,7 +126,60 @@ def local_testbed(folder: Path = TESTBED) -> dict[str, Any] | None:
                                                        "first_choice_regret": _regret(flat, flat_fit)}
     base = variants["ops+iterations" if same_cpu else "iterations"]
     out["variants"]["gnn correction"] = _gnn_correction(bundle, base, cases)
+    out["sessions_agreement"] = sessions_agreement(folder, [r for i, r in enumerate(bundle.iterations()) if i % 3])
     return out
+
+
+def sessions_agreement(folder: Path, scored: list[IterationRecord]) -> dict[str, Any] | None:
+    """How well the testbed's own measuring sessions agree on the scored plans: what a model of the machine can
+    be held to, since the times it is scored against carry the same noise. Per pair of sessions, Kendall tau and
+    MAPE after the pair's median ratio (a session runs the machine at its own speed); per split of the sessions
+    into two halves, tau between the halves' medians, and the first-choice regret of one half's fastest plan per
+    model as the other half measured it (both ways). None where fewer than two sessions are kept."""
+    sessions = sorted(p for p in (folder / "sessions").glob("*") if (p / "manifest.json").is_file())
+    device = read_bundle(folder).manifest.fingerprint.device_type
+    times = []
+    for path in sessions:
+        bundle = read_bundle(path)
+        if bundle.manifest.fingerprint.device_type == device:
+            times.append({plan_key(r): r.measured_s for r in bundle.iterations()})
+    if len(times) < 2:
+        return None
+    keys = [plan_key(r) for r in scored]
+    if any(k not in t for t in times for k in keys):
+        return None
+    table = np.array([[t[k] for k in keys] for t in times])  # sessions x scored plans
+    pairs = []
+    for a, b in itertools.combinations(range(len(times)), 2):
+        ratio = float(np.median(table[b] / table[a]))
+        pairs.append({"kendall_tau": kendall_tau(table[a], table[b]),
+                      "mape": float(np.mean(np.abs(table[a] * ratio / table[b] - 1)))})
+    models = [r.model if isinstance(r.model, str) else json.dumps(r.model, sort_keys=True) for r in scored]
+    halves = []
+    for first in itertools.combinations(range(len(times)), len(times) // 2):
+        if len(times) % 2 == 0 and 0 not in first:
+            continue  # each split once
+        second = [i for i in range(len(times)) if i not in first]
+        one, two = np.median(table[list(first)], axis=0), np.median(table[second], axis=0)
+        regret = max(_first_choice_regret(one, two, models), _first_choice_regret(two, one, models))
+        halves.append({"sessions": [list(first), second], "kendall_tau": kendall_tau(one, two),
+                       "first_choice_regret": regret})
+    taus = sorted(p["kendall_tau"] for p in pairs)
+    return {"sessions": len(times), "plans": len(keys), "pairs": pairs, "halves": halves,
+            "pair_tau_median": float(np.median(taus)), "pair_tau_range": [taus[0], taus[-1]],
+            "pair_mape_median": float(np.median([p["mape"] for p in pairs])),
+            "half_tau_median": float(np.median([h["kendall_tau"] for h in halves])),
+            "half_regret_worst": max(h["first_choice_regret"] for h in halves)}
+
+
+def _first_choice_regret(ranking: np.ndarray, truth: np.ndarray, models: list[str]) -> float:
+    """Worst over models: how much slower (in `truth`) the plan `ranking` puts first ran than the fastest."""
+    worst = 0.0
+    for model in set(models):
+        idx = [i for i, m in enumerate(models) if m == model]
+        chosen = min(idx, key=lambda i: ranking[i])
+        worst = max(worst, float(truth[chosen] / min(truth[i] for i in idx) - 1))
+    return worst
 
 
 def gpu() -> dict[str, Any]:
@@ -321,6 +383,13 @@ def main() -> None:
             regret = max(v["first_choice_regret"].values(), default=0.0)
             print(f"testbed {local.get('device', ''):>14s} {name:>28s}  MAPE {v['mape']:7.1%}  "
                   f"tau {v['kendall_tau']:.3f}  worst first-choice regret {regret:.1%}")
+    for key in ("local_testbed", "local_testbed_intel"):
+        agree = (results.get(key) or {}).get("sessions_agreement")
+        if agree:
+            print(f"testbed {results[key]['device']:>14s} sessions agree ({agree['sessions']} sessions, "
+                  f"{agree['plans']} scored plans): tau per pair {agree['pair_tau_median']:.3f} (median), "
+                  f"halves {agree['half_tau_median']:.3f}; MAPE per pair {agree['pair_mape_median']:.1%}; "
+                  f"first choice across halves {agree['half_regret_worst']:.1%} at worst")
     for folder, g in results.get("gpu", {}).items():
         for name, v in g["variants"].items():
             regret = max(v["first_choice_regret"].values(), default=0.0)

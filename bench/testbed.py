@@ -124,11 +124,11 @@ def merge_sessions(sessions: list[Path], out: Path, *, device_type: str | None =
     by_plan: dict[tuple[str, str], list[IterationRecord]] = {}
     for s in chosen:
         for record in bundles[s].iterations():
-            by_plan.setdefault(_key(record), []).append(record)
+            by_plan.setdefault(plan_key(record), []).append(record)
     newest = bundles[chosen[-1]]
     merged = []
     for record in newest.iterations():
-        runs = by_plan[_key(record)]
+        runs = by_plan[plan_key(record)]
         if len(runs) < len(chosen):
             continue
         times = sorted(r.measured_s for r in runs)
@@ -142,7 +142,7 @@ def merge_sessions(sessions: list[Path], out: Path, *, device_type: str | None =
     return write_bundle(out, manifest, merged), chosen
 
 
-def _key(record: IterationRecord) -> tuple[str, str]:
+def plan_key(record: IterationRecord) -> tuple[str, str]:
     """The plan as the current schema reads it: a session written before a field was added (a stage's `cp`,
     `recompute_layers`) names the same plan as one written after."""
     plan = Plan.model_validate(record.plan).model_dump(mode="json")
