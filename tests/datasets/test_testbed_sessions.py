@@ -85,3 +85,38 @@ def test_merging_without_a_measured_session_says_so(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(sys, "argv", ["testbed.py", "--out", str(tmp_path), "--merge-only"])
     with pytest.raises(SystemExit, match="no measured session to merge"):
         load_bench("testbed").main()
+
+
+def _sessions(root: Path, times: dict[str, list[float]]) -> list[IterationRecord]:
+    """One session per name, plan k (k micro-batches) measured at times[name][k - 1]; the merged bundle."""
+    for name, seconds in times.items():
+        write_bundle(root / "sessions" / name, Manifest(created="2026-01-01T00:00:00+00:00", source="test",
+                                                        fingerprint=host_fingerprint("cpu-test")),
+                     [_record(k + 1, t) for k, t in enumerate(seconds)])
+    load_bench("testbed").merge_sessions(sorted((root / "sessions").iterdir()), root)
+    return read_bundle(root).iterations()
+
+
+def test_sessions_that_differ_only_in_the_machines_speed_agree_fully(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))  # fidelity imports its sibling scripts
+    agreement = load_bench("fidelity").sessions_agreement
+    merged = _sessions(tmp_path, {"a": [0.1, 0.2, 0.3, 0.4], "b": [0.2, 0.4, 0.6, 0.8], "c": [0.15, 0.3, 0.45, 0.6]})
+    out = agreement(tmp_path, merged)
+    assert out["sessions"] == 3 and out["plans"] == 4
+    assert out["pair_tau_median"] == pytest.approx(1.0) and out["pair_mape_median"] == pytest.approx(0.0)
+    assert out["half_tau_median"] == pytest.approx(1.0) and out["half_regret_worst"] == pytest.approx(0.0)
+
+
+def test_sessions_that_disagree_on_the_fastest_plan_show_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    agreement = load_bench("fidelity").sessions_agreement
+    # session b finds plan 2 fastest where a and c find plan 1: a choice made on b runs 50% slower on a and c,
+    # theirs twice as long as b's fastest on b
+    merged = _sessions(tmp_path / "x", {"a": [0.1, 0.15, 0.3, 0.4], "b": [0.1, 0.05, 0.3, 0.4],
+                                        "c": [0.1, 0.15, 0.3, 0.4]})
+    out = agreement(tmp_path / "x", merged)
+    assert out["pair_tau_range"][0] < 1.0 and out["pair_tau_range"][1] == pytest.approx(1.0)
+    assert out["half_regret_worst"] == pytest.approx(1.0)
+    # a scored plan some session did not measure: no agreement to report
+    assert agreement(tmp_path / "x", [*merged, _record(9, 1.0)]) is None
