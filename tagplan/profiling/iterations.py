@@ -35,6 +35,7 @@ from tagplan.frontends.families import TransformerShape
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.plan import Plan, Stage
 from tagplan.ir.workload import DType, Optimizer, Workload
+from tagplan.profiling.denormals import flushed_denormals
 from tagplan.profiling.layers import LlamaBlock, LlamaEmbedding
 
 MAX_POSITIONS = 2048
@@ -218,11 +219,12 @@ def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2,
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    with flushed_denormals(device):  # a CPU's subnormal assists are not the step's cost (profiling.denormals)
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            step()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
     peak = int(torch.cuda.max_memory_allocated()) if cuda else None
     del step
     if cuda:

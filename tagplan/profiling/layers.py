@@ -29,6 +29,7 @@ from tagplan.frontends.families import TransformerShape, llama_ffn
 from tagplan.frontends.model_spec import load_model
 from tagplan.frontends.parametric import parse_shape
 from tagplan.ir.workload import DType
+from tagplan.profiling.denormals import flushed_denormals
 
 QUICK_MICRO_BATCHES = (1, 2, 4)
 QUICK_TPS = (1, 2)
@@ -160,19 +161,20 @@ def time_block(module: nn.Module, make_input: Callable[[], torch.Tensor], *, rep
     """(median forward seconds, median backward seconds) of `module` on fresh inputs."""
     forward, backward = [], []
     cuda = next(module.parameters()).is_cuda
-    for step in range(warmup + repeats):
-        x = make_input()
-        _sync(cuda)
-        start = time.perf_counter()
-        y = module(x)
-        _sync(cuda)
-        mid = time.perf_counter()
-        y.float().sum().backward()
-        _sync(cuda)
-        end = time.perf_counter()
-        if step >= warmup:
-            forward.append(mid - start)
-            backward.append(end - mid)
+    with flushed_denormals("cuda" if cuda else "cpu"):  # as a GPU computes them (profiling.denormals)
+        for step in range(warmup + repeats):
+            x = make_input()
+            _sync(cuda)
+            start = time.perf_counter()
+            y = module(x)
+            _sync(cuda)
+            mid = time.perf_counter()
+            y.float().sum().backward()
+            _sync(cuda)
+            end = time.perf_counter()
+            if step >= warmup:
+                forward.append(mid - start)
+                backward.append(end - mid)
     return statistics.median(forward), statistics.median(backward)
 
 

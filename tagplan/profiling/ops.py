@@ -37,6 +37,7 @@ from torch.nn import functional
 from tagplan.datasets.traces.bundle import OpRecord
 from tagplan.ir.model import OpKind
 from tagplan.ir.workload import DType
+from tagplan.profiling.denormals import flushed_denormals
 from tagplan.profiling.timing import FULL_TIMING, Timing, measure
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,8 @@ def measure_ops(grid: Sequence[OpCase], *, device: Literal["cpu", "cuda"], devic
     torch build lacks, or out of memory) is logged, reported to `progress` and skipped."""
     for i, case in enumerate(grid, start=1):
         try:
-            records = measure_case(case, device=device, device_type=device_type, timing=timing)
+            with flushed_denormals(device):  # as a GPU computes them (profiling.denormals)
+                records = measure_case(case, device=device, device_type=device_type, timing=timing)
         except (RuntimeError, NotImplementedError) as err:
             message = f"op {i}/{len(grid)} {case.op} {dict(case.dims)} {case.dtype}: skipped ({str(err)[:120]})"
             log.warning(message)
