@@ -90,8 +90,9 @@ def testbed() -> dict[str, Any]:
 
 def local_testbed(folder: Path = TESTBED) -> dict[str, Any] | None:
     """Part (a'): a testbed of `bench/testbed.py` (one- and two-process plans on gloo; `folder` per machine),
-    calibrated on a third of its plans (iterations) on top of the op and link fit of `cpu-quick` where that
-    bundle was measured on the same CPU; also the iteration calibration without the CPU's dispatch time per
+    calibrated on a third of its plans (iterations) on top of the op and link fit of the machine's own op and
+    collective records (`folder`/ops, `tagplan profile --quick`), else of `cpu-quick` where that bundle was
+    measured on the same CPU; also the iteration calibration without the CPU's dispatch time per
     kernel (the records scored as a non-eager runtime's), which shows what that parameter adds."""
     if not (folder / "manifest.json").is_file():
         return None
@@ -100,7 +101,7 @@ def local_testbed(folder: Path = TESTBED) -> dict[str, Any] | None:
     train = [c for i, c in enumerate(cases) if i % 3 == 0]
     test = [c for i, c in enumerate(cases) if i % 3]
     variants = {"defaults": DEFAULT_CALIBRATION, "iterations": fit_parameters(train, DEFAULT_CALIBRATION)[0]}
-    op_bundle = read_bundle(BUNDLE)
+    op_bundle = read_bundle(folder / "ops" if (folder / "ops" / "manifest.json").is_file() else BUNDLE)
     same_cpu = op_bundle.manifest.fingerprint.device_type == bundle.manifest.fingerprint.device_type
     if same_cpu:
         ops = fit_calibration([op_bundle], iterations=False).calibration
@@ -113,7 +114,8 @@ def local_testbed(folder: Path = TESTBED) -> dict[str, Any] | None:
     out: dict[str, Any] = {"device": bundle.manifest.fingerprint.device_type, "records": len(cases),
                            "calibrated_on": len(train), "scored": len(test), "variants": {},
                            "layers_not_measured": why_not,
-                           "ops_not_fitted": None if same_cpu else "cpu-quick's op records ran on another CPU"}
+                           "ops_not_fitted": None if same_cpu else "no op records of this CPU (cpu-quick's: another)",
+                           "op_records": op_bundle.manifest.source if same_cpu else None}
     for name, calibration in variants.items():
         s = score(predict_s(test, calibration), truth)
         out["variants"][name] = {"mape": s.mape, "kendall_tau": s.kendall_tau,
