@@ -67,10 +67,39 @@ def recipe(row: dict[str, Any]) -> str | None:
     model, not a reason to charge recompute the run did not do."""
     if row["provenance"]["repo"] == BRIDGE and row["model"]["name"].startswith("Llama 3"):
         c = row["config"]
-        vp = f" vp{c['vp']}" if c.get("vp") else ""
+        vp = f" vp{vp_of(row)[0]}" if vp_of(row)[0] else ""
         how = "Megatron FSDP" if c.get("fsdp") else f"tp{c['tp']} pp{c['pp']}{vp}"
         return f"{how}, no full recompute (preset)"
     return None
+
+
+PRESET_LAYOUT = {
+    ("GB300", DType.MXFP8): (1, 4, 5), ("GB300", DType.NVFP4): (1, 4, 5),
+    ("GB200", DType.MXFP8): (2, 4, 5), ("GB200", DType.NVFP4): (2, 4, 5),
+    ("B300", DType.MXFP8): (1, 4, 5), ("B300", DType.NVFP4): (1, 4, 5),
+    ("B200", DType.BF16): (2, 4, 5), ("B200", DType.MXFP8): (2, 4, 5), ("B200", DType.NVFP4): (2, 4, 5),
+    ("H100-SXM-80GB", DType.BF16): (4, 4, 5), ("H100-SXM-80GB", DType.FP8_CS): (4, 8, 5),
+}
+"""Llama 3 70B pre-training in Megatron-Bridge's presets (`RECIPE`, llama3_workload_base_configs.py at commits
+3dafb00 and 00919dc, both GBS variants alike): (GPU, recipe) -> (tp, pp, vp) of every preset that sets a
+virtual pipeline. `vp_of` reads the table's vp where it gives one and this where the table leaves it blank for
+the preset's own tp and pp."""
+
+
+def vp_of(row: dict[str, Any]) -> tuple[int | None, str]:
+    """(virtual pipeline stages, where that figure comes from) of a row: the table's, else the Megatron-Bridge
+    preset's for a Llama 3 70B pre-training row whose tp and pp are the preset's (`PRESET_LAYOUT`). One row
+    needs it: 26.02.01's GB300 MXFP8 run lists pp4 and no vp, measured 4798 tokens/s per GPU, where the
+    26.02, 26.04 and 26.04.01 runs of the same preset list pp4 vp5 at 4596-4864; without interleaving its
+    8 micro-batches per pipeline would idle 27% of the step in the bubble."""
+    c = row["config"]
+    if c.get("vp") is not None:
+        return c["vp"], "table"
+    layout = PRESET_LAYOUT.get((row["cluster"]["nodes"][0]["gpu"], dtype_of(row)))
+    if (layout is None or row["provenance"]["repo"] != BRIDGE or row["model"]["name"] != "Llama 3 70B"
+            or "Pre-Training" not in (c.get("task") or "") or (c["tp"], c["pp"]) != layout[:2]):
+        return None, "table"
+    return layout[2], "Megatron-Bridge preset (the table leaves vp blank)"
 
 
 CLOCK_FITTED = ("GB200", "GB300")
@@ -113,7 +142,7 @@ def _skip(row: dict[str, Any]) -> str | None:
 def _plan(row: dict[str, Any], layers: int) -> Plan:
     c = row["config"]
     gpus = row["cluster"]["gpus_used"]
-    tp, pp, vp, cp = c["tp"], c["pp"], c.get("vp") or 1, c.get("cp") or 1
+    tp, pp, vp, cp = c["tp"], c["pp"], vp_of(row)[0] or 1, c.get("cp") or 1
     dp = gpus // (tp * pp * cp)
     zero = 3 if c.get("fsdp") else (1 if dp * cp > 1 else 0)
     chunks = pp * vp
@@ -166,7 +195,8 @@ def score_row(row: dict[str, Any], *, sustained_peak_fraction: float | None = No
     predicted = tokens / report.iteration_time_s
     fitting = tokens / recomputed.iteration_time_s if recomputed else predicted
     return {"id": row["id"], "model": m["name"], "gpu": row["cluster"]["nodes"][0]["gpu"], "gpus": gpus,
-            "precision": c["precision"], "tp": c["tp"], "pp": c["pp"], "vp": c.get("vp"), "fits": report.fits,
+            "precision": c["precision"], "tp": c["tp"], "pp": c["pp"], "vp": vp_of(row)[0], "vp_source": vp_of(row)[1],
+            "fits": report.fits,
             "recompute_to_fit": recomputed is not None, "recipe": preset, "dtype": dtype.value,
             "cp": c.get("cp") or 1, "fit_role": fit_role(row),
             "measured_tokens_s_gpu": measured,

@@ -129,7 +129,7 @@ class LayerTime(Record):
     backward_s: float = Field(gt=0)
 
 
-BLOCK_SCALED_GEMM_FRACTION: dict[DType, float] = {DType.MXFP8: 0.935, DType.NVFP4: 0.684}
+BLOCK_SCALED_GEMM_FRACTION: dict[DType, float] = {DType.MXFP8: 0.913, DType.NVFP4: 0.678}
 """Shipped `Calibration.block_scaled_gemm_fraction`: fitted by bench/fit_sustained_clock.py to the NeMo /
 Megatron-Bridge Blackwell rows of each format (docs/FIDELITY.md)."""
 

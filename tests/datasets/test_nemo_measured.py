@@ -73,3 +73,24 @@ def test_the_fits_see_only_blackwell_rows_and_keep_every_other_row_out_of_sample
         if role is not None:
             assert nemo._skip(r) is None and nemo.recipe(r) is not None
             assert role.startswith(gpu[r["id"]]) or role.startswith(nemo.dtype_of(r).value)
+
+
+def test_a_blank_vp_is_read_from_the_preset_only_where_the_table_runs_the_presets_layout() -> None:
+    """26.02.01's GB300 MXFP8 Llama 3 70B row lists pp4 and no vp; the preset that ran it (pp4 vp5 in every
+    published version) interleaves, and the plan the bench scores does too. A row that gives its vp keeps it,
+    and a blank vp with another tp or pp, or outside the Llama 3 70B pre-training presets, stays blank."""
+    from tagplan.ir.plan import Schedule
+
+    nemo = load_bench("fidelity_nemo")
+    rows = json.loads((BENCH / "data" / "nemo_performance_summary.json").read_text())["rows"]
+    row = next(r for r in rows if r["id"].endswith("26.02.01/Pre-Training Performance/LLAMA3_70B/DGX-GB300/166"))
+    assert row["config"]["vp"] is None and row["config"]["pp"] == 4
+    assert nemo.vp_of(row) == (5, "Megatron-Bridge preset (the table leaves vp blank)")
+    plan = nemo._plan(row, 82)
+    assert plan.schedule is Schedule.INTERLEAVED_1F1B and len(plan.stages) == 20
+    assert nemo.vp_of({**row, "config": {**row["config"], "vp": 2}}) == (2, "table")
+    assert nemo.vp_of({**row, "config": {**row["config"], "pp": 2}}) == (None, "table")
+    assert nemo.vp_of({**row, "config": {**row["config"], "task": "SFT Performance"}}) == (None, "table")
+    assert nemo.vp_of({**row, "model": {**row["model"], "name": "Llama 3 8B"}}) == (None, "table")
+    filled = [r["id"] for r in rows if nemo._skip(r) is None and nemo.vp_of(r)[1] != "table"]
+    assert filled == [row["id"]]
