@@ -43,6 +43,7 @@ from tagplan.datasets.traces.bundle import IterationRecord, read_bundle
 from tagplan.training.calibrate import fit_calibration, layer_times
 from tagplan.training.iteration_fit import (
     IterationCase,
+    cross_validate,
     fit_parameters,
     kendall_tau,
     predict_s,
@@ -129,6 +130,10 @@ def local_testbed(folder: Path = TESTBED) -> dict[str, Any] | None:
     base = variants["ops+iterations" if same_cpu else "iterations"]
     out["variants"]["gnn correction"] = _gnn_correction(bundle, base, cases)
     out["sessions_agreement"] = sessions_agreement(folder, [r for i, r in enumerate(bundle.iterations()) if i % 3])
+    start = "ops" if same_cpu else "defaults"
+    _, folds = cross_validate(cases, variants[start])  # each plan scored by a fit on the folds without it
+    out["iterations_cross_validated"] = {"folds": folds.folds, "records": folds.records, "mape": folds.after.mape,
+                                         "kendall_tau": folds.after.kendall_tau, "on": start}
     return out
 
 
@@ -386,6 +391,10 @@ def main() -> None:
             print(f"testbed {local.get('device', ''):>14s} {name:>28s}  MAPE {v['mape']:7.1%}  "
                   f"tau {v['kendall_tau']:.3f}  worst first-choice regret {regret:.1%}")
     for key in ("local_testbed", "local_testbed_intel"):
+        folds = (results.get(key) or {}).get("iterations_cross_validated")
+        if folds:
+            print(f"testbed {results[key]['device']:>14s} iterations on {folds['on']}, {folds['folds']}-fold over all "
+                  f"{folds['records']} plans: MAPE {folds['mape']:.1%}  tau {folds['kendall_tau']:.3f}")
         agree = (results.get(key) or {}).get("sessions_agreement")
         if agree:
             print(f"testbed {results[key]['device']:>14s} sessions agree ({agree['sessions']} sessions, "
