@@ -142,7 +142,8 @@ def sessions_agreement(folder: Path, scored: list[IterationRecord]) -> dict[str,
     be held to, since the times it is scored against carry the same noise. Per pair of sessions, Kendall tau and
     MAPE after the pair's median ratio (a session runs the machine at its own speed); per split of the sessions
     into two halves, tau between the halves' medians, and the first-choice regret of one half's fastest plan per
-    model as the other half measured it (both ways). None where fewer than two sessions are kept."""
+    model as the other half measured it (both ways). None where fewer than two sessions of the bundle's machine
+    are kept, or where one of them did not measure a scored plan."""
     sessions = sorted(p for p in (folder / "sessions").glob("*") if (p / "manifest.json").is_file())
     device = read_bundle(folder).manifest.fingerprint.device_type
     times = []
@@ -168,7 +169,7 @@ def sessions_agreement(folder: Path, scored: list[IterationRecord]) -> dict[str,
             continue  # each split once
         second = [i for i in range(len(times)) if i not in first]
         one, two = np.median(table[list(first)], axis=0), np.median(table[second], axis=0)
-        regret = max(_first_choice_regret(one, two, models), _first_choice_regret(two, one, models))
+        regret = max([*group_regrets(one, two, models).values(), *group_regrets(two, one, models).values(), 0.0])
         halves.append({"sessions": [list(first), second], "kendall_tau": kendall_tau(one, two),
                        "first_choice_regret": regret})
     taus = sorted(p["kendall_tau"] for p in pairs)
@@ -177,16 +178,6 @@ def sessions_agreement(folder: Path, scored: list[IterationRecord]) -> dict[str,
             "pair_mape_median": float(np.median([p["mape"] for p in pairs])),
             "half_tau_median": float(np.median([h["kendall_tau"] for h in halves])),
             "half_regret_worst": max(h["first_choice_regret"] for h in halves)}
-
-
-def _first_choice_regret(ranking: np.ndarray, truth: np.ndarray, models: list[str]) -> float:
-    """Worst over models: how much slower (in `truth`) the plan `ranking` puts first ran than the fastest."""
-    worst = 0.0
-    for model in set(models):
-        idx = [i for i, m in enumerate(models) if m == model]
-        chosen = min(idx, key=lambda i: ranking[i])
-        worst = max(worst, float(truth[chosen] / min(truth[i] for i in idx) - 1))
-    return worst
 
 
 def gpu() -> dict[str, Any]:
@@ -329,15 +320,19 @@ def _profile_layers(bundle: Any, cases: list[IterationCase], *,
 
 def _regret(cases: list[IterationCase], calibration: Calibration) -> dict[str, float]:
     """Per (model, batch) group of 2+ plans: measured time of the predicted-fastest / fastest measured - 1."""
-    groups: dict[tuple[str, int, int], list[IterationCase]] = defaultdict(list)
-    for c in cases:
-        groups[(c.model.name, c.workload.global_batch, c.workload.seq_len)].append(c)
+    groups = ["/".join(map(str, (c.model.name, c.workload.global_batch, c.workload.seq_len))) for c in cases]
+    return group_regrets(predict_s(cases, calibration), np.array([c.measured_s for c in cases]), groups)
+
+
+def group_regrets(ranking: np.ndarray, truth: np.ndarray, groups: list[str]) -> dict[str, float]:
+    """Per group of 2+ entries: how much slower (in `truth`) the entry `ranking` puts first ran than the
+    group's fastest, as a fraction."""
     out = {}
-    for key, members in groups.items():
-        if len(members) > 1:
-            pred = predict_s(members, calibration)
-            chosen = members[int(np.argmin(pred))].measured_s
-            out["/".join(map(str, key))] = chosen / min(m.measured_s for m in members) - 1
+    for group in dict.fromkeys(groups):
+        idx = [i for i, g in enumerate(groups) if g == group]
+        if len(idx) > 1:
+            chosen = min(idx, key=lambda i: ranking[i])
+            out[group] = float(truth[chosen] / min(truth[i] for i in idx) - 1)
     return out
 
 

@@ -18,25 +18,29 @@ def _kept() -> bool:
     return bool((torch.tensor([SUBNORMAL]) * 1.0).item() > 0)
 
 
-def test_a_cpu_block_flushes_subnormals_and_then_keeps_them_again() -> None:
+def _flushes_here() -> bool:
+    """Whether this CPU can flush subnormals (torch supports x86 with SSE3 and AArch64); PyTorch's default
+    (keep them) restored."""
+    with flushed_denormals("cpu") as supported:
+        return supported
+
+
+def test_a_cpu_block_flushes_subnormals_where_the_cpu_can_and_then_keeps_them_again() -> None:
     assert _kept()
     with flushed_denormals("cpu") as supported:
-        if not supported:
-            pytest.skip("this CPU cannot flush subnormals (torch supports x86 with SSE3 and AArch64 only)")
-        assert not _kept()
+        # where the CPU cannot flush, the block says so and arithmetic is unchanged
+        assert _kept() is not supported
     assert _kept()
     with flushed_denormals("cuda") as supported:  # a GPU needs none, and the host's arithmetic is left alone
         assert supported is False and _kept()
 
 
 def test_an_iteration_and_a_block_are_timed_with_subnormals_flushed(monkeypatch: pytest.MonkeyPatch) -> None:
-    with flushed_denormals("cpu") as supported:
-        if not supported:
-            pytest.skip("this CPU cannot flush subnormals (torch supports x86 with SSE3 and AArch64 only)")
+    kept_inside = not _flushes_here()
     seen: list[bool] = []
     monkeypatch.setattr(iterations, "training_step", lambda *a, **k: lambda: seen.append(_kept()))
     measure_iteration_s(QUICK_CASES[0], steps=2, warmup=1)
-    assert seen == [False, False, False] and _kept()
+    assert seen == [kept_inside] * 3 and _kept()
 
     class Probe(torch.nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,4 +49,4 @@ def test_an_iteration_and_a_block_are_timed_with_subnormals_flushed(monkeypatch:
 
     seen.clear()
     time_block(Probe(4, 4), lambda: torch.ones(2, 4), repeats=1, warmup=1)
-    assert seen == [False, False] and _kept()
+    assert seen == [kept_inside] * 2 and _kept()
