@@ -66,8 +66,8 @@ def recipe(row: dict[str, Any]) -> str | None:
     the memory model says; where it says the layout does not fit, the row records that as a miss of the memory
     model, not a reason to charge recompute the run did not do."""
     if row["provenance"]["repo"] == BRIDGE and row["model"]["name"].startswith("Llama 3"):
-        c = row["config"]
-        vp = f" vp{vp_of(row)[0]}" if vp_of(row)[0] else ""
+        c, (chunks, _) = row["config"], vp_of(row)
+        vp = f" vp{chunks}" if chunks else ""
         how = "Megatron FSDP" if c.get("fsdp") else f"tp{c['tp']} pp{c['pp']}{vp}"
         return f"{how}, no full recompute (preset)"
     return None
@@ -191,11 +191,12 @@ def score_row(row: dict[str, Any], *, sustained_peak_fraction: float | None = No
                                                                      for s in plan.stages)}))
         recomputed = full if full.fits else None
     tokens = c["global_batch"] * m["seq"] / gpus
+    vp, vp_source = vp_of(row)
     measured = row["measured"]["tokens_per_s_per_gpu"]
     predicted = tokens / report.iteration_time_s
     fitting = tokens / recomputed.iteration_time_s if recomputed else predicted
     return {"id": row["id"], "model": m["name"], "gpu": row["cluster"]["nodes"][0]["gpu"], "gpus": gpus,
-            "precision": c["precision"], "tp": c["tp"], "pp": c["pp"], "vp": vp_of(row)[0], "vp_source": vp_of(row)[1],
+            "precision": c["precision"], "tp": c["tp"], "pp": c["pp"], "vp": vp, "vp_source": vp_source,
             "fits": report.fits,
             "recompute_to_fit": recomputed is not None, "recipe": preset, "dtype": dtype.value,
             "cp": c.get("cp") or 1, "fit_role": fit_role(row),
