@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tagplan.datasets.traces.bundle import IterationRecord, Manifest, now_iso, write_bundle
 from tagplan.export.capability import runtime_workload
+from tagplan.export.checks import ExportError
 from tagplan.export.measure import measure
 from tagplan.frontends.cpu import cpu_cluster, gpu_cluster
 from tagplan.frontends.model_spec import load_model, parse_model_spec
@@ -55,7 +56,12 @@ def main() -> None:
         layers = len(load_model(text, seq_len=seq).layers)
         plan = Plan(micro_batches=micro, stages=(Stage(layers=(0, layers), devices=(0,), recompute=recompute),))
         started = time.perf_counter()
-        result = measure(text, plan, seq_len=seq, global_batch=batch, steps=5, warmup=2, dtype=dtype)
+        try:
+            result = measure(text, plan, seq_len=seq, global_batch=batch, steps=5, warmup=2, dtype=dtype,
+                             device="cuda" if cuda else "cpu", timeout_s=90)
+        except ExportError as error:  # one case that fails (out of memory on a smaller GPU) leaves the others
+            print(f"{text} seq {seq} batch {batch} x{micro}: failed: {error}", flush=True)
+            continue
         peak = f", peak {result.peak_memory_bytes / 2**30:.1f} GiB" if result.peak_memory_bytes else ""
         print(f"{text} seq {seq} batch {batch} x{micro}{' recompute' if recompute else ''}: "
               f"{result.median_s * 1e3:.1f} ms ({result.min_s * 1e3:.1f}-{result.max_s * 1e3:.1f}){peak}; "

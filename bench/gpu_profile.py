@@ -67,11 +67,15 @@ def main() -> None:
         if args.smoke:
             cases = (IterationCase(2, 64, 4, 128, 16, 4, 2, True, "llama", 2, 96),) if part == "llama" else \
                 QUICK_CASES[:2]
-        records = list(iteration_records(spec, cases, device=device, dtype=dtype, progress=say))
+        skipped: list[IterationCase] = []
+        records = list(iteration_records(spec, cases, device=device, dtype=dtype, progress=say,
+                                         out_of_memory=skipped))
+        oom = "".join(f"; out of memory: {c.spec} seq {c.seq_len} batch {c.global_batch} x{c.micro_batches}"
+                      f"{' recompute' if c.recompute else ''}" for c in skipped)
         manifest = Manifest(created=now_iso(), source=f"bench/gpu_profile.py ({part})",
                             fingerprint=fingerprint(device), device=spec,
                             notes=f"{len(records)} one-device training iterations, {dtype.value} mixed precision, "
-                                  "Adam, torch eager, median of 5 steps after 2 warm-up")
+                                  f"Adam, torch eager, median of 5 steps after 2 warm-up{oom}")
         write_bundle(args.out / folder, manifest, records)
     if "ops" in parts:
         grid = op_grid(device, quick=True) if args.smoke else op_grid(device, quick=False)

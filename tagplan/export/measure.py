@@ -13,6 +13,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from tagplan.export.checks import ExportError
 from tagplan.export.runtime_launch import launch
@@ -35,15 +36,15 @@ class Measurement:
 
 def measure(model_spec: str | ModelSpec, plan: Plan, *, seq_len: int, global_batch: int, steps: int = 5,
             warmup: int = 2, optimizer: Optimizer = Optimizer.ADAM, timeout_s: float = 600.0,
-            dtype: DType = DType.FP32) -> Measurement:
-    """Run `plan` for `warmup + steps` steps in `dtype` (fp32; bf16/fp16 autocast where the host has
-    GPUs) on local processes; ExportError when it fails."""
+            dtype: DType = DType.FP32, device: Literal["cpu", "cuda"] = "cpu") -> Measurement:
+    """Run `plan` for `warmup + steps` steps in `dtype` (fp32, or bf16/fp16 autocast) on local processes,
+    on CPUs (gloo) or, with `device` "cuda", one GPU per rank (NCCL); ExportError when it fails."""
     if steps < 1 or warmup < 0:
         raise ExportError(f"steps={steps}, warmup={warmup}: need at least one timed step and no negative warm-up")
     with tempfile.TemporaryDirectory(prefix="tagplan-measure-") as tmp:
         program = write_torch_program(model_spec, plan, Path(tmp), seq_len=seq_len, global_batch=global_batch,
                                       steps=warmup + steps, dtype=dtype, optimizer=optimizer)
-        runs = launch(program, len(plan.devices), [], timeout_s=timeout_s)
+        runs = launch(program, len(plan.devices), [], timeout_s=timeout_s, device=device)
     failed = [r for r in runs if r.returncode != 0]
     if failed:
         tail = failed[0].stderr_tail.strip().splitlines()[-1:] or ["(no output)"]

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 GRACE_S = 5.0
 
@@ -38,20 +38,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(program: Path, procs: int, args: list[str], *, timeout_s: float, attempts: int = 2) -> list[RankRun]:
-    """Run `program` on `procs` ranks in its folder; return every rank's outcome (rank order).
+def launch(program: Path, procs: int, args: list[str], *, timeout_s: float, attempts: int = 2,
+           device: Literal["cpu", "cuda"] = "cpu") -> list[RankRun]:
+    """Run `program` on `procs` ranks in its folder; return every rank's outcome (rank order). The
+    ranks run on CPUs (gloo) unless `device` is "cuda": then each pins its GPU and joins over NCCL.
 
     The rendezvous port is picked free just before the start; if another process takes it in
     between, the run is repeated on a new port (up to `attempts` runs in all).
     """
     for _ in range(attempts - 1):
-        runs = _launch_once(program, procs, args, timeout_s=timeout_s)
+        runs = _launch_once(program, procs, args, timeout_s=timeout_s, device=device)
         if not any("EADDRINUSE" in r.stderr_tail or "address already in use" in r.stderr_tail.lower() for r in runs):
             return runs
-    return _launch_once(program, procs, args, timeout_s=timeout_s)
+    return _launch_once(program, procs, args, timeout_s=timeout_s, device=device)
 
 
-def _launch_once(program: Path, procs: int, args: list[str], *, timeout_s: float) -> list[RankRun]:
+def _launch_once(program: Path, procs: int, args: list[str], *, timeout_s: float,
+                 device: Literal["cpu", "cuda"]) -> list[RankRun]:
     port = free_port()
     logs = program.parent / "logs"
     logs.mkdir(exist_ok=True)
@@ -59,7 +62,7 @@ def _launch_once(program: Path, procs: int, args: list[str], *, timeout_s: float
     for rank in range(procs):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(procs),
                "LOCAL_WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "TAGPLAN_DEVICE": "cpu", "PYTHONWARNINGS": "ignore"}
+               "OMP_NUM_THREADS": "1", "TAGPLAN_DEVICE": device, "PYTHONWARNINGS": "ignore"}
         out, err = (logs / f"rank{rank}.out").open("w"), (logs / f"rank{rank}.err").open("w")
         proc = subprocess.Popen([sys.executable, str(program), *args], cwd=program.parent, env=env, stdout=out,
                                 stderr=err)

@@ -17,6 +17,7 @@ clusters (`tagplan traces import`).
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -234,14 +235,29 @@ def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2,
 
 def iteration_records(spec: DeviceSpec, cases: Sequence[IterationCase] = QUICK_CASES, *, steps: int = 5,
                       device: str = "cpu", dtype: DType = DType.FP32,
-                      progress: Callable[[str], None] | None = None) -> Iterator[IterationRecord]:
+                      progress: Callable[[str], None] | None = None,
+                      out_of_memory: list[IterationCase] | None = None) -> Iterator[IterationRecord]:
     """Measure each case on `device` (described by `spec`) and yield its record (model SPEC, inline
-    cluster, workload, plan, seconds; peak memory on a GPU)."""
+    cluster, workload, plan, seconds; peak memory on a GPU). A case the device has no memory for is
+    skipped, said through `progress` and appended to `out_of_memory` (a smaller GPU than the one the
+    cases were sized on runs the rest); without that list the error propagates."""
     cuda = device.startswith("cuda")
     cluster = gpu_cluster(spec) if cuda else cpu_cluster(spec)
     where = f"{spec.name}, one GPU" if cuda else "one process"
     for case in cases:
-        seconds, timed, peak = measure_iteration_s(case, steps=steps, device=device, dtype=dtype)
+        try:
+            seconds, timed, peak = measure_iteration_s(case, steps=steps, device=device, dtype=dtype)
+        except torch.OutOfMemoryError:
+            if out_of_memory is None:
+                raise
+            gc.collect()  # the failed step's tensors, held by the traceback until here
+            if cuda:
+                torch.cuda.empty_cache()
+            out_of_memory.append(case)
+            if progress:
+                progress(f"iteration {case.spec} seq {case.seq_len} batch {case.global_batch} "
+                         f"x{case.micro_batches}{' recompute' if case.recompute else ''}: out of memory, skipped")
+            continue
         workload = Workload(global_batch=case.global_batch, seq_len=case.seq_len, dtype=dtype,
                             optimizer=Optimizer.ADAM, eager=True)
         plan = Plan(stages=(Stage(layers=(0, case.layers + 2), devices=(0,), recompute=case.recompute),),

@@ -32,6 +32,30 @@ def test_an_iteration_record_names_what_ran_and_rebuilds(dtype: DType) -> None:
     assert case.cluster.devices[0].spec.name == spec.name and len(case.model.layers) == 4
 
 
+def test_a_case_the_device_has_no_memory_for_is_skipped_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from tagplan.profiling import iterations
+
+    big = IterationCase(layers=2, hidden=64, heads=2, vocab=128, seq_len=16, global_batch=4, micro_batches=1)
+    real = iterations.measure_iteration_s
+
+    def measured(case: IterationCase, **kwargs: object) -> tuple[float, int, int | None]:
+        if case == big:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(case, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(iterations, "measure_iteration_s", measured)
+    skipped: list[IterationCase] = []
+    said: list[str] = []
+    records = list(iteration_records(cpu_device_spec(), [TINY, big, TINY], steps=1, out_of_memory=skipped,
+                                     progress=said.append))
+    assert len(records) == 2 and skipped == [big]
+    assert sum("out of memory, skipped" in line for line in said) == 1
+    with pytest.raises(torch.OutOfMemoryError):  # without the list nothing is skipped silently
+        list(iteration_records(cpu_device_spec(), [big], steps=1))
+
+
 def test_a_precision_the_loop_cannot_run_is_refused_by_name() -> None:
     with pytest.raises(SpecError, match="'fp8'"):
         measure_iteration_s(TINY, steps=1, warmup=0, dtype=DType.FP8)
