@@ -204,8 +204,106 @@ def gpu() -> dict[str, Any]:
         out[folder.name] = {"device": iterations.manifest.device.name if iterations.manifest.device else None,
                             "records": len(cases), "calibrated_on": len(train), "scored": len(test),
                             "variants": scored, "memory": _memory(cases, records),
-                            "other_family": _other_family(folder, cases, ops), "repeat": _repeat(folder, records)}
+                            "other_family": _other_family(folder, cases, ops), "repeat": _repeat(folder, records),
+                            "fits": _fits(folder)}
+    folders = sorted(p for p in GPU.glob("*") if (p / "iterations" / "manifest.json").is_file())
+    pairs = {f"{a.name}->{b.name}": _across(a, b) for a, b in itertools.permutations(folders, 2)}
+    if pairs:
+        out["across_devices"] = pairs
     return out
+
+
+def _fits(folder: Path) -> dict[str, Any]:
+    """The memory model's verdict (shipped defaults) on every case the GPU ran and every case it ran out
+    of memory on (`out-of-memory.json` beside a bundle, written by `bench/gpu_profile.py`): the cases
+    it says do not fit though they ran, and those it says fit though they did not."""
+    from gpu_profile import OUT_OF_MEMORY_FILE
+
+    from tagplan.cost.simulator import Simulator
+    from tagplan.frontends.cluster_file import parse_cluster_data
+    from tagplan.frontends.cpu import gpu_cluster
+    from tagplan.frontends.model_spec import load_model
+    from tagplan.ir.workload import DType
+    from tagplan.profiling.iterations import IterationCase as Shape
+    from tagplan.profiling.iterations import case_workload_plan
+
+    records, cases = _gpu_cases(folder)
+    device = cases[0].cluster.devices[0].spec
+    ran_refused = [{"model": c.model.name, "seq_len": c.workload.seq_len, "micro_batches": c.plan.micro_batches,
+                    "recompute": c.plan.stages[0].recompute, "measured_gib": r.peak_memory_bytes / 2**30}
+                   for r, c in zip(records, cases, strict=True) if r.peak_memory_bytes
+                   and not Simulator(c.model, c.cluster, c.workload, calibration=DEFAULT_CALIBRATION).fits(c.plan)]
+    cluster = parse_cluster_data(gpu_cluster(device))
+    refused = []
+    for path in sorted(folder.glob(f"*/{OUT_OF_MEMORY_FILE}")):
+        for fields in json.loads(path.read_text()):
+            shape = Shape(**fields)
+            workload, plan = case_workload_plan(shape, DType.BF16)
+            report = Simulator(load_model(shape.spec, seq_len=shape.seq_len, dtype=DType.BF16), cluster, workload,
+                               calibration=DEFAULT_CALIBRATION).simulate(plan)
+            refused.append({"model": shape.spec, "seq_len": shape.seq_len, "micro_batches": shape.micro_batches,
+                            "recompute": shape.recompute, "predicted_gib": report.peak_memory_bytes / 2**30,
+                            "predicted_fits": report.fits})
+    return {"device": device.name, "capacity_gib": device.mem_bytes / 2**30, "ran": len(cases),
+            "ran_but_predicted_not_to_fit": ran_refused, "out_of_memory": refused,
+            "out_of_memory_predicted_to_fit": sum(r["predicted_fits"] for r in refused)}
+
+
+def _gpu_cases(folder: Path) -> tuple[list[IterationRecord], list[IterationCase]]:
+    """Every one-GPU iteration of a device folder, GPT then Llama."""
+    records = [r for part in ("iterations", "iterations-llama") if (folder / part / "manifest.json").is_file()
+               for r in read_bundle(folder / part).iterations()]
+    return records, rebuild_cases(records)
+
+
+def as_device(calibration: Calibration, source: str, target: str) -> Calibration:
+    """`calibration` with every figure fitted for device type `source` filed under `target` (layer
+    records, which are absolute seconds of the source device, dropped): what a user without
+    measurements of `target` would apply from a sibling."""
+    def renamed(table: dict[str, Any]) -> dict[str, Any]:
+        return {(target + k[len(source):] if k == source or k.startswith(source + "/") else k): v
+                for k, v in table.items()}
+
+    fields = ("compute", "memory_efficiency", "links", "launch_by_device", "compute_scale", "link_scales",
+              "micro_batch_overhead_s", "iteration_overhead_s", "p2p_overhead_s", "collective_overhead_s",
+              "recompute_overhead_s", "optimizer_scale", "host_dispatch_s")
+    return calibration.model_copy(update={**{f: renamed(getattr(calibration, f)) for f in fields}, "layers": ()})
+
+
+def _across(source: Path, target: Path) -> dict[str, Any]:
+    """One GPU's measurements against another's: (1) the speed ratio of the two on the cases both ran,
+    measured against predicted with the shipped defaults (what splitting a batch across unequal GPUs
+    rests on); (2) the source's op and iteration fit (all its GPT iterations) applied to the target by
+    name, scored on every target iteration, beside the target's defaults."""
+    src_records, src_cases = _gpu_cases(source)
+    dst_records, dst_cases = _gpu_cases(target)
+    src_name, dst_name = src_cases[0].cluster.devices[0].spec.name, dst_cases[0].cluster.devices[0].spec.name
+    def key(r: IterationRecord) -> tuple[Any, ...]:
+        return *plan_key(r), r.workload.seq_len, r.workload.global_batch
+
+    by_key = {key(r): c for r, c in zip(src_records, src_cases, strict=True)}
+    shared = [(by_key[key(r)], c) for r, c in zip(dst_records, dst_cases, strict=True) if key(r) in by_key]
+    ratios = []
+    for a, b in shared:
+        predicted = predict_s([b], DEFAULT_CALIBRATION)[0] / predict_s([a], DEFAULT_CALIBRATION)[0]
+        ratios.append({"model": b.model.name, "seq_len": b.workload.seq_len, "global_batch": b.workload.global_batch,
+                       "micro_batches": b.plan.micro_batches, "recompute": b.plan.stages[0].recompute,
+                       "measured_ratio": b.measured_s / a.measured_s, "predicted_ratio": predicted,
+                       "error": predicted / (b.measured_s / a.measured_s) - 1})
+    errors = np.abs([r["error"] for r in ratios])
+    gpt = [c for r, c in zip(src_records, src_cases, strict=True) if r.model.startswith("gpt")]
+    ops = fit_calibration([read_bundle(source / "ops")], iterations=False).calibration
+    transferred = as_device(fit_parameters(gpt, ops)[0], src_name, dst_name)
+    truth = np.array([c.measured_s for c in dst_cases])
+    scored = {}
+    for name, calibration in {"target defaults": DEFAULT_CALIBRATION, "source ops": as_device(ops, src_name, dst_name),
+                              "source ops+gpt iterations": transferred}.items():
+        sc = score(predict_s(dst_cases, calibration), truth)
+        scored[name] = {"mape": sc.mape, "kendall_tau": sc.kendall_tau}
+    return {"source": src_name, "target": dst_name, "shared_cases": len(ratios), "ratio_rows": ratios,
+            "ratio_median_abs_error": float(np.median(errors)) if ratios else None,
+            "ratio_worst_abs_error": float(errors.max()) if ratios else None,
+            "target_records": len(dst_cases), "transfer": scored}
 
 
 def _other_family(folder: Path, fitted_on: list[IterationCase], ops: Calibration) -> dict[str, Any] | None:
@@ -397,6 +495,8 @@ def main() -> None:
                   f"halves {agree['half_tau_median']:.3f}; MAPE per pair {agree['pair_mape_median']:.1%}; "
                   f"first choice across halves {agree['half_regret_worst']:.1%} at worst")
     for folder, g in results.get("gpu", {}).items():
+        if folder == "across_devices":
+            continue
         for name, v in g["variants"].items():
             regret = max(v["first_choice_regret"].values(), default=0.0)
             print(f"gpu {folder} {name:>22s}  MAPE {v['mape']:7.1%}  tau {v['kendall_tau']:.3f}  worst first-choice "
@@ -412,9 +512,19 @@ def main() -> None:
             print(f"gpu {folder} gpt+llama, a third calibrating: MAPE {both['mape']:.1%}  "
                   f"tau {both['kendall_tau']:.3f}; "
                   f"llama peak memory median |error| {mem['median_abs_error']:.1%}, worst {mem['worst_abs_error']:.1%}")
+        fit = g["fits"]
+        print(f"gpu {folder} fits in {fit['capacity_gib']:.0f} GiB: {len(fit['ran_but_predicted_not_to_fit'])} of "
+              f"{fit['ran']} cases that ran predicted not to fit; {fit['out_of_memory_predicted_to_fit']} of "
+              f"{len(fit['out_of_memory'])} that ran out of memory predicted to fit")
         if g.get("repeat"):
             print(f"gpu {folder} run-to-run: median |change| {g['repeat']['median_abs_change']:.1%}, worst "
                   f"{g['repeat']['worst_abs_change']:.1%} over {len(g['repeat']['rows'])} cases")
+    for pair, a in results.get("gpu", {}).get("across_devices", {}).items():
+        print(f"gpu {pair}: {a['target']}/{a['source']} time ratio on {a['shared_cases']} shared cases, predicted vs "
+              f"measured: median |error| {a['ratio_median_abs_error']:.1%}, worst {a['ratio_worst_abs_error']:.1%}")
+        for name, v in a["transfer"].items():
+            print(f"gpu {pair} {name:>26s} on all {a['target_records']} {a['target']} iterations: "
+                  f"MAPE {v['mape']:7.1%}  tau {v['kendall_tau']:.3f}")
     m = results["published"]["megatron_core_h100"]
     for r in m["rows"]:
         print(f"{r['model']:>6s} H100 bf16 published {r['published']:6.1f} predicted {r['predicted']:6.1f} "

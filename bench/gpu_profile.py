@@ -14,8 +14,10 @@ GPU image's Python with pydantic carried as wheels.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,6 +35,9 @@ from tagplan.profiling.iterations import (
 )
 from tagplan.profiling.layers import layer_records
 from tagplan.profiling.machine import profile
+
+OUT_OF_MEMORY_FILE = "out-of-memory.json"
+"""Beside an iteration bundle: the cases (`IterationCase` fields) the GPU ran out of memory on."""
 
 LAYER_MODELS = {
     "gpt?layers=24&hidden=2048&heads=16&vocab=50304": 2048,
@@ -77,6 +82,9 @@ def main() -> None:
                             notes=f"{len(records)} one-device training iterations, {dtype.value} mixed precision, "
                                   f"Adam, torch eager, median of 5 steps after 2 warm-up{oom}")
         write_bundle(args.out / folder, manifest, records)
+        if skipped:  # the cases the memory model should say do not fit (bench/fidelity.py reads them)
+            (args.out / folder / OUT_OF_MEMORY_FILE).write_text(
+                json.dumps([asdict(c) for c in skipped], indent=1) + "\n")
     if "ops" in parts:
         grid = op_grid(device, quick=True) if args.smoke else op_grid(device, quick=False)
         profile(args.out / "ops", device=device, quick=True, grid=grid, world=1, progress=say)

@@ -211,10 +211,21 @@ def training_step(case: IterationCase, *, device: str = "cpu", dtype: DType = DT
     return step
 
 
+@dataclass(frozen=True)
+class IterationTiming:
+    """A case's measured iteration: median seconds of the timed steps and, on a GPU, the peak bytes
+    the caching allocator handed out and the peak it reserved from the device (allocated plus its
+    cache and fragmentation: what runs out first)."""
+
+    median_s: float
+    steps: int
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+
+
 def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2, device: str = "cpu",
-                        dtype: DType = DType.FP32) -> tuple[float, int, int | None]:
-    """(median seconds per training iteration, steps timed, peak allocated bytes on a GPU else None)
-    of `case` on `device` ("cpu" or "cuda"), in fp32 or mixed precision (`dtype` bf16/fp16)."""
+                        dtype: DType = DType.FP32) -> IterationTiming:
+    """Time `case` on `device` ("cpu" or "cuda"), in fp32 or mixed precision (`dtype` bf16/fp16)."""
     cuda = device.startswith("cuda")
     step = training_step(case, device=device, dtype=dtype)
     if cuda:
@@ -226,11 +237,22 @@ def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2,
             step()
             if i >= warmup:
                 times.append(time.perf_counter() - start)
-    peak = int(torch.cuda.max_memory_allocated()) if cuda else None
+    allocated = int(torch.cuda.max_memory_allocated()) if cuda else None
+    reserved = int(torch.cuda.max_memory_reserved()) if cuda else None
     del step
     if cuda:
         torch.cuda.empty_cache()
-    return statistics.median(times), steps, peak
+    return IterationTiming(statistics.median(times), steps, allocated, reserved)
+
+
+def case_workload_plan(case: IterationCase, dtype: DType) -> tuple[Workload, Plan]:
+    """What the simulator costs for `case`: the eager Adam workload and the one-stage plan over its
+    embedding, blocks and head (layers 0 .. layers + 2) on device 0."""
+    workload = Workload(global_batch=case.global_batch, seq_len=case.seq_len, dtype=dtype, optimizer=Optimizer.ADAM,
+                        eager=True)
+    plan = Plan(stages=(Stage(layers=(0, case.layers + 2), devices=(0,), recompute=case.recompute),),
+                micro_batches=case.micro_batches)
+    return workload, plan
 
 
 def iteration_records(spec: DeviceSpec, cases: Sequence[IterationCase] = QUICK_CASES, *, steps: int = 5,
@@ -246,7 +268,7 @@ def iteration_records(spec: DeviceSpec, cases: Sequence[IterationCase] = QUICK_C
     where = f"{spec.name}, one GPU" if cuda else "one process"
     for case in cases:
         try:
-            seconds, timed, peak = measure_iteration_s(case, steps=steps, device=device, dtype=dtype)
+            timing = measure_iteration_s(case, steps=steps, device=device, dtype=dtype)
         except torch.OutOfMemoryError:
             if out_of_memory is None:
                 raise
@@ -258,15 +280,15 @@ def iteration_records(spec: DeviceSpec, cases: Sequence[IterationCase] = QUICK_C
                 progress(f"iteration {case.spec} seq {case.seq_len} batch {case.global_batch} "
                          f"x{case.micro_batches}{' recompute' if case.recompute else ''}: out of memory, skipped")
             continue
-        workload = Workload(global_batch=case.global_batch, seq_len=case.seq_len, dtype=dtype,
-                            optimizer=Optimizer.ADAM, eager=True)
-        plan = Plan(stages=(Stage(layers=(0, case.layers + 2), devices=(0,), recompute=case.recompute),),
-                    micro_batches=case.micro_batches)
+        workload, plan = case_workload_plan(case, dtype)
         if progress:
-            memory = f", peak {peak / 2**30:.1f} GiB" if peak is not None else ""
+            allocated, reserved = timing.peak_allocated_bytes, timing.peak_reserved_bytes
+            memory = "" if allocated is None or reserved is None else \
+                f", peak {allocated / 2**30:.1f} GiB ({reserved / 2**30:.1f} reserved)"
             progress(f"iteration {case.spec} seq {case.seq_len} batch {case.global_batch} x{case.micro_batches}"
-                     f"{' recompute' if case.recompute else ''}: {seconds * 1e3:.1f} ms{memory}")
+                     f"{' recompute' if case.recompute else ''}: {timing.median_s * 1e3:.1f} ms{memory}")
         yield IterationRecord(model=case.spec, cluster=cluster, workload=workload,
-                              plan=plan.model_dump(mode="json"), measured_s=seconds, repeats=timed,
-                              peak_memory_bytes=peak,
+                              plan=plan.model_dump(mode="json"), measured_s=timing.median_s, repeats=timing.steps,
+                              peak_memory_bytes=timing.peak_allocated_bytes,
+                              peak_reserved_bytes=timing.peak_reserved_bytes,
                               source=f"tagplan.profiling.iterations ({dtype.value}, torch eager, {where})")

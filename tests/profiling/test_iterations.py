@@ -26,6 +26,7 @@ def test_an_iteration_record_names_what_ran_and_rebuilds(dtype: DType) -> None:
     spec = cpu_device_spec()
     (record,) = iteration_records(spec, [TINY], steps=2, dtype=dtype)
     assert record.measured_s > 0 and record.repeats == 2 and record.peak_memory_bytes is None  # no GPU allocator
+    assert record.peak_reserved_bytes is None
     assert record.workload.dtype is dtype and f"({dtype.value}, " in record.source
     assert record.plan["micro_batches"] == 2 and record.plan["stages"][0]["layers"] == [0, 4]  # embedding, 2, head
     (case,) = rebuild_cases([record])
@@ -40,7 +41,7 @@ def test_a_case_the_device_has_no_memory_for_is_skipped_and_named(monkeypatch: p
     big = IterationCase(layers=2, hidden=64, heads=2, vocab=128, seq_len=16, global_batch=4, micro_batches=1)
     real = iterations.measure_iteration_s
 
-    def measured(case: IterationCase, **kwargs: object) -> tuple[float, int, int | None]:
+    def measured(case: IterationCase, **kwargs: object) -> iterations.IterationTiming:
         if case == big:
             raise torch.OutOfMemoryError("CUDA out of memory")
         return real(case, **kwargs)  # type: ignore[arg-type]

@@ -115,6 +115,9 @@ class IterationRecord(Record):
     repeats: int = Field(default=1, ge=1)
     peak_memory_bytes: float | None = Field(default=None, ge=0, description="peak memory allocated on the device "
                                             "over the measured steps, where known")
+    peak_reserved_bytes: float | None = Field(default=None, ge=0, description="peak memory the runtime's allocator "
+                                              "reserved from the device (allocated plus its cache and fragmentation: "
+                                              "what runs out first), where known")
     source: str = ""
 
 

@@ -1,0 +1,53 @@
+"""The GPU part of bench/fidelity.py: one GPU's calibration filed under another, and the memory
+model's verdict on the cases the committed H100 session ran and ran out of memory on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bench_modules import BENCH, load_bench
+
+from tagplan.cost.calibration import Calibration, LayerTime, LinkScale
+from tagplan.ir.workload import DType
+
+H100 = BENCH / "data" / "gpu" / "h100"
+
+
+def test_a_calibration_filed_under_a_sibling_device_keeps_its_figures_and_drops_its_layer_times(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))  # fidelity imports its sibling scripts
+    as_device = load_bench("fidelity").as_device
+    layer = LayerTime(block_hash="abc", device="H200-SXM", dtype=DType.BF16, seq_len=1024, micro_batch=1,
+                      forward_s=1e-3, backward_s=2e-3)
+    fitted = Calibration(compute_scale={"H200-SXM": 0.9, "A100-SXM-80GB": 1.2}, host_dispatch_s={"H200-SXM": 4e-5},
+                         link_scales={"H200-SXM/intra": LinkScale(bandwidth_scale=0.8, latency_s=1e-5)},
+                         optimizer_scale={"*": 2.0}, layers=(layer,))
+    moved = as_device(fitted, "H200-SXM", "H100-SXM")
+    assert moved.compute_scale == {"H100-SXM": 0.9, "A100-SXM-80GB": 1.2}  # another device's figure stays its own
+    assert moved.host_dispatch_s == {"H100-SXM": 4e-5} and moved.optimizer_scale == {"*": 2.0}
+    assert list(moved.link_scales) == ["H100-SXM/intra"] and moved.link_scales["H100-SXM/intra"].bandwidth_scale == 0.8
+    assert moved.layers == ()  # the H200's measured seconds do not describe an H100
+    assert as_device(fitted, "H200-SXM-141GB", "H100-SXM").compute_scale == fitted.compute_scale  # no prefix match
+
+
+def test_the_memory_model_is_put_to_the_cases_the_h100_ran_and_ran_out_of_memory_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    fits = load_bench("fidelity")._fits(H100)
+    refused = json.loads((H100 / "iterations-llama" / "out-of-memory.json").read_text())
+    assert fits["device"] == "H100-SXM" and len(fits["out_of_memory"]) == len(refused) == 3
+    assert fits["ran"] == 41 and fits["ran_but_predicted_not_to_fit"] == []  # every case that ran is judged to fit
+    for row in fits["out_of_memory"]:  # a verdict is the prediction against the device's memory
+        assert row["predicted_fits"] == (row["predicted_gib"] <= fits["capacity_gib"])
+    assert sum(not row["predicted_fits"] for row in fits["out_of_memory"]) >= 2  # Llama-8B at 4k x1, 3B-sized x2
+
+
+def test_out_of_memory_cases_round_trip_into_profiling_shapes() -> None:
+    from tagplan.profiling.iterations import CUDA_LLAMA_CASES, IterationCase
+
+    rows = json.loads((H100 / "iterations-llama" / "out-of-memory.json").read_text())
+    assert all(IterationCase(**row) in CUDA_LLAMA_CASES for row in rows)
+    assert Path(H100 / "iterations-llama" / "records.jsonl").read_text().count("\n") + len(rows) == \
+        len(CUDA_LLAMA_CASES)  # every Llama case either ran or is named as out of memory
