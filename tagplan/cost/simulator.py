@@ -86,6 +86,7 @@ class Simulator:
         self._peak_flops = tuple(d.spec.peak_flops(workload.dtype) for d in cluster.devices)
         self._mem_bytes = tuple(d.spec.mem_bytes for d in cluster.devices)
         self._fused = tuple(d.spec.fused_attention for d in cluster.devices)
+        self._fused_memo: dict[tuple[int, ...], tuple[bool, ...]] = {}
         self._tied_memo: dict[tuple[object, ...], float] = {}
         self._least_mem_memo: dict[tuple[int, ...], float] = {}
         self._samples_memo: dict[tuple[object, ...], tuple[float, ...]] = {}
@@ -97,6 +98,16 @@ class Simulator:
     def fits(self, plan: Plan) -> bool:
         """`simulate(plan).fits` from the memory terms alone (`memory_bytes`): what a walk that stops
         at the first plan too big asks before timing one."""
+        if plan.schedule is not Schedule.INTERLEAVED_1F1B and _disjoint_stages(plan):
+            _check(plan, self.model, self.cluster, self.workload)
+            per_micro = self.workload.global_batch // plan.micro_batches
+            lanes = len(_lanes(plan))
+            in_flight = self._in_flight(plan, max_in_flight(len(plan.stages), plan.micro_batches, plan.schedule,
+                                                            lanes), lanes)
+            verdicts = [self._uniform_fits(stage, self._samples(stage, per_micro), in_flight[i])
+                        for i, stage in enumerate(plan.stages)]
+            if None not in verdicts:
+                return all(verdicts)
         return self._fits(self._memory_alone(plan))
 
     def stage_fits(self, plan: Plan, index: int, stage: Stage) -> bool:
@@ -109,6 +120,9 @@ class Simulator:
         per_micro = self.workload.global_batch // plan.micro_batches
         samples = self._samples(stage, per_micro)
         in_flight = max_in_flight(len(plan.stages), plan.micro_batches, plan.schedule, len(_lanes(plan)))[index]
+        verdict = self._uniform_fits(stage, samples, float(in_flight))
+        if verdict is not None:
+            return verdict
         mem = self._memory(plan.model_copy(update={"stages": (stage,)}), [samples],
                            [self.coster.local_params(stage)], [float(in_flight)])
         return self._fits(mem)
@@ -373,12 +387,13 @@ class Simulator:
         held = self._memory(plan, [c.samples for c in costs], [c.local_params for c in costs],
                             self._in_flight(plan, pipe.max_in_flight, len(pipe.lane_end_s)))
         parts = {d: mems for group, mems in held.items() for d in group}
-        group_total = {group: _total(mems) for group, mems in held.items()}
+        group_total = _group_totals(held)
         devices = tuple(sorted(parts))
         total_of = {d: t for group, t in group_total.items() for d in group}
-        totals = tuple(total_of[d] for d in devices)
-        ratio = {d: total_of[d] / self._mem_bytes[d] for d in devices}
-        fits = self._fits(held)
+        totals = tuple(map(total_of.__getitem__, devices))
+        mem_bytes = self._mem_bytes
+        ratio = {d: total_of[d] / mem_bytes[d] for d in devices}
+        fits = self._fits_totals(group_total)
         worst = max(devices, key=ratio.__getitem__)
         stage_worst = [max(s.devices, key=ratio.__getitem__) for s in plan.stages]
         flops = 3.0 * self.workload.global_batch * self._model_flops
@@ -411,9 +426,9 @@ class Simulator:
                          optimizer=optimizer)
 
     def _fits(self, held: dict[tuple[int, ...], list[DeviceMemory]]) -> bool:
-        """Whether every device's peak bytes are within its memory (a group's least memory bounds it). Replicas
-        with equal shares hold the very same `DeviceMemory` objects (`_memory`), so each distinct list is
-        totalled once per memory size: on 1024 GPUs a plan has hundreds of groups and a few distinct lists."""
+        """Whether every device's peak bytes are within its memory (a group's least memory bounds it), stopping
+        at the first group that does not fit. Each distinct list of `DeviceMemory` objects is totalled once per
+        memory size (`_group_totals`)."""
         seen: dict[tuple[tuple[int, ...], float], bool] = {}
         for group, mems in held.items():
             key = (tuple(map(id, mems)), self._least_mem(group))
@@ -423,6 +438,34 @@ class Simulator:
             if not ok:
                 return False
         return True
+
+    def _fits_totals(self, group_total: dict[tuple[int, ...], float]) -> bool:
+        """`_fits` from each group's total, where the report has them already."""
+        least = self._least_mem
+        return all(total <= least(group) for group, total in group_total.items())
+
+    def _uniform_fits(self, stage: Stage, samples: tuple[float, ...], in_flight: float) -> bool | None:
+        """Whether a stage whose devices hold it alone fits them, where every tensor-parallel group holds the
+        same memory (equal samples, one kind of attention kernel): one `DeviceMemory` against the stage's least
+        device memory, as `_memory` and `_fits` would find group by group; None where the groups differ."""
+        if min(samples) != max(samples):
+            return None
+        fused_kinds = self._fused_kinds(stage.devices)
+        if len(fused_kinds) != 1:
+            return None
+        fused_sample = self._activation_memory(stage)
+        scores = self._score_memory(stage)
+        fused = fused_kinds[0] or not (scores[0] or scores[1])
+        per_sample = fused_sample if fused else (fused_sample[0] + scores[0], fused_sample[1] + scores[1])
+        mem = self._stage_memory(stage, self.coster.local_params(stage), samples[0], per_sample, in_flight)
+        return _total([mem]) <= self._least_mem(stage.devices)
+
+    def _fused_kinds(self, devices: tuple[int, ...]) -> tuple[bool, ...]:
+        """The distinct fused-attention flags of `devices` (memoised per device set)."""
+        hit = self._fused_memo.get(devices)
+        if hit is None:
+            hit = self._fused_memo[devices] = tuple(sorted({self._fused[d] for d in devices}))
+        return hit
 
     def _least_mem(self, group: tuple[int, ...]) -> float:
         hit = self._least_mem_memo.get(group)
@@ -623,12 +666,34 @@ def _exposed_p2p_s(timings: list[StageTiming], micro_batches: int) -> float:
     return fill + max(micro_batches - 1, 0) * steady
 
 
+def _disjoint_stages(plan: Plan) -> bool:
+    """Whether no device holds two stages (each device's memory is one stage's)."""
+    if len(plan.stages) == 1:
+        return True
+    return sum(len(s.devices) for s in plan.stages) == len(set().union(*(s.devices for s in plan.stages)))
+
+
 def _lanes(plan: Plan) -> list[tuple[tuple[int, ...], list[int]]]:
     """Distinct device groups in order (one lane each) and the stages each runs."""
     order: dict[tuple[int, ...], list[int]] = {}
     for i, stage in enumerate(plan.stages):
         order.setdefault(stage.devices, []).append(i)
     return list(order.items())
+
+
+def _group_totals(held: dict[tuple[int, ...], list[DeviceMemory]]) -> dict[tuple[int, ...], float]:
+    """Each group's peak bytes (`_total`). Replicas with equal shares hold the very same `DeviceMemory` objects
+    (`Simulator._memory`), so each distinct list is totalled once: on 1024 GPUs a plan has hundreds of groups
+    and a few distinct lists."""
+    seen: dict[tuple[int, ...], float] = {}
+    out: dict[tuple[int, ...], float] = {}
+    for group, mems in held.items():
+        key = tuple(map(id, mems))
+        total = seen.get(key)
+        if total is None:
+            total = seen[key] = _total(mems)
+        out[group] = total
+    return out
 
 
 def _total(mems: list[DeviceMemory]) -> float:

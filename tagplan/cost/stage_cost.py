@@ -77,6 +77,7 @@ class StageCoster:
         self.spec_intern: dict[DeviceSpec, DeviceSpec] = {}
         self.counts_memo: dict[tuple[int, int], Counter[str]] = {}
         self.class_memo: dict[tuple[int, ...], tuple[object, ...]] = {}
+        self.shared_class_memo: dict[tuple[tuple[int, ...], int, int], tuple[object, ...] | None] = {}
         self.cut_memo: dict[int, float] = {}
         self.replay_memo: dict[tuple[tuple[int, int], int | None], Counter[str]] = {}
 
@@ -178,18 +179,39 @@ class StageCoster:
         """`group_cost(stage, g, samples[g])` for every tensor-parallel group, each distinct one costed once: a
         group's cost depends only on its slowest device's figures, its link class, its samples and, under context
         parallelism, the ring link to its neighbour."""
+        if self._shared_class(stage) is not None:  # every group alike: only the samples differ
+            by_samples: dict[float, GroupCost] = {}
+            for g, n in enumerate(samples):
+                if n not in by_samples:
+                    by_samples[n] = self.group_cost(stage, g, n)
+            return [by_samples[n] for n in samples]
         seen: dict[tuple[object, ...], GroupCost] = {}
         out = []
         for g, n in enumerate(samples):
-            group = stage.tp_group(g)
-            ring = _ring_next(stage, g)
-            key = (id(self.slowest(group)), self.link_class(group) if len(group) > 1 else None, n,
-                   None if ring is None else (group, ring))
+            key = (*self._group_class(stage, g), n)
             hit = seen.get(key)
             if hit is None:
                 hit = seen[key] = self.group_cost(stage, g, n)
             out.append(hit)
         return out
+
+    def _group_class(self, stage: Stage, g: int) -> tuple[object, ...]:
+        """What group `g`'s cost depends on besides its samples (`group_costs`)."""
+        group = stage.tp_group(g)
+        ring = _ring_next(stage, g)
+        return (id(self.slowest(group)), self.link_class(group) if len(group) > 1 else None,
+                None if ring is None else (group, ring))
+
+    def _shared_class(self, stage: Stage) -> tuple[object, ...] | None:
+        """The class every tensor-parallel group of the stage shares (`_group_class`), or None where they differ
+        (mixed device types or links, or a context-parallel ring, whose neighbours differ per group); memoised
+        per (devices, tp, cp): on 1024 GPUs a stage has up to 1024 groups and a grid costs it many times."""
+        key = (stage.devices, stage.tp, stage.cp)
+        if key in self.shared_class_memo:
+            return self.shared_class_memo[key]
+        classes = {self._group_class(stage, g) for g in range(stage.dp_cp)} if stage.cp < 2 else set()
+        hit = self.shared_class_memo[key] = next(iter(classes)) if len(classes) == 1 else None
+        return hit
 
     def _cp(self, block_hash: str, sharded: ShardedBlock, spec: DeviceSpec, group: tuple[int, ...],
             ring: tuple[int, ...], samples: float, stage: Stage) -> tuple[float, float]:

@@ -81,6 +81,31 @@ def test_the_memory_count_agrees_on_uneven_shares_of_mixed_groups() -> None:
     assert verdicts == {True, False}
 
 
+def test_the_memory_count_agrees_where_a_stage_mixes_attention_kernels() -> None:
+    """A stage over A100s (fused attention) and V100s (none: each keeps its scores) with equal samples per
+    replica: the groups hold different memory, so no one figure stands for the stage; `fits` and `stage_fits`
+    still say what the simulation says, and a stage of one kind of GPU what its own plan says."""
+    sim = simulator("gpt3-1.3b", "dgx-a100-80gb:nodes=1+p3.16xlarge:nodes=1", 64, 2048)
+    assert {d.spec.fused_attention for d in sim.cluster.devices} == {True, False}
+    layers = len(sim.model.layers)
+    verdicts = set()
+    for micro_batches in (1, 2, 4):  # 64, 32, 16 samples a micro-batch: whole samples for 16 replicas
+        for zero, recompute in ((0, False), (1, False), (1, True)):
+            mixed = Plan(micro_batches=micro_batches, stages=(
+                Stage(layers=(0, layers), devices=tuple(range(16)), dp=16, zero=zero, recompute=recompute),))
+            two = Plan(micro_batches=micro_batches, stages=(
+                Stage(layers=(0, layers // 2), devices=tuple(range(8)), dp=8, zero=zero, recompute=recompute),
+                Stage(layers=(layers // 2, layers), devices=tuple(range(8, 16)), dp=8, zero=zero,
+                      recompute=recompute)))
+            for plan in (mixed, two):
+                report = sim.simulate(plan)
+                verdicts.add(report.fits)
+                assert sim.fits(plan) == report.fits, plan
+                for i, stage in enumerate(plan.stages):  # a stage's report shows its most loaded device
+                    assert sim.stage_fits(plan, i, stage) == report.stages[i].memory.fits, (plan, i)
+    assert verdicts == {True, False}
+
+
 def results(case: tuple[str, str, int, int], *, check: bool, complete: bool,
             monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Baseline], int]:
     """The baselines (and the plans simulated) with the memory count first, or every plan simulated."""
