@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tagplan.cli.options import (
     Subparsers,
@@ -30,6 +30,9 @@ from tagplan.cli.options import (
 )
 from tagplan.errors import SpecError
 from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, DType, Optimizer
+
+if TYPE_CHECKING:
+    from tagplan.ir.cluster import DeviceSpec
 
 
 def add_export_commands(sub: Subparsers) -> None:
@@ -67,9 +70,15 @@ def add_export_commands(sub: Subparsers) -> None:
     add_json_option(ver, "the verification report")
     ver.set_defaults(func=_verify)
 
-    mea = sub.add_parser("measure", help="run a plan's torch program on local gloo processes (CPU) and append its "
-                                         "measured step time to a trace bundle as an iteration record")
+    mea = sub.add_parser("measure", help="run a plan's torch program on local processes (gloo on CPUs, or one GPU "
+                                         "per rank over NCCL) and append its measured step time to a trace bundle "
+                                         "as an iteration record")
     mea.add_argument("--model", required=True, help="model SPEC (run as given: keep it small on CPU)")
+    mea.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                     help="cpu: one gloo process per plan device, one torch thread each; cuda: one process per "
+                          "plan device on this host's GPUs 0..N-1")
+    mea.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                     help="compute dtype (bf16/fp16: autocast over fp32 weights); default fp32 on cpu, bf16 on cuda")
     mea.add_argument("--plan", required=True, help="a Plan JSON file")
     mea.add_argument("--batch", type=positive_int, default=DEFAULT_GLOBAL_BATCH, help="global batch in samples")
     mea.add_argument("--seq", type=positive_int, required=True, help="tokens per sample")
@@ -165,6 +174,24 @@ def _verify_text(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _cuda_host(ranks: int) -> DeviceSpec:
+    """This host's GPU as the catalog knows it; SpecError unless torch sees `ranks` GPUs of one kind."""
+    import torch
+
+    from tagplan.profiling.device import cuda_device_spec
+
+    spec = cuda_device_spec()  # SpecError naming the torch build when it sees no GPU
+    count = torch.cuda.device_count()
+    if count < ranks:
+        raise SpecError(f"--device cuda: the plan has {ranks} devices and this host {count} GPUs; run a plan of at "
+                        f"most {count} devices here, or launch it with the exported program's own launcher")
+    names = {torch.cuda.get_device_name(i) for i in range(ranks)}
+    if len(names) > 1:
+        raise SpecError(f"--device cuda: GPUs 0..{ranks - 1} are of {len(names)} kinds ({', '.join(sorted(names))}); "
+                        "one record describes one kind of GPU")
+    return spec
+
+
 def _measure(args: argparse.Namespace) -> int:
     from tagplan.datasets.traces.bundle import (
         MANIFEST_FILE,
@@ -174,38 +201,51 @@ def _measure(args: argparse.Namespace) -> int:
         now_iso,
         write_bundle,
     )
+    from tagplan.export.capability import runtime_workload
     from tagplan.export.measure import measure
     from tagplan.export.torch_program import reduce_overlaps, runtime_on
-    from tagplan.frontends.cpu import cpu_cluster
+    from tagplan.frontends.cpu import cpu_cluster, gpu_cluster
     from tagplan.frontends.model_spec import parse_model_spec
     from tagplan.frontends.plan_file import load_plan
-    from tagplan.ir.workload import DType, Workload
+    from tagplan.ir.workload import Workload
     from tagplan.profiling.device import cpu_device_spec, fingerprint
 
     spec = parse_model_spec(args.model)
     plan = load_plan(args.plan)
     optimizer = Optimizer(args.optimizer)
+    cuda = args.device == "cuda"
+    dtype = DType(args.dtype or ("bf16" if cuda else "fp32"))
+    if cuda:
+        device = _cuda_host(len(plan.devices))
+    elif dtype is not DType.FP32:
+        raise SpecError(f"--dtype {dtype.value!r} with --device cpu: the CPU program runs in fp32; accepted: fp32, "
+                        "or bf16/fp16 with --device cuda")
+    else:
+        device = cpu_device_spec(cores=1)  # each rank runs one torch thread
     result = measure(spec, plan, seq_len=args.seq, global_batch=args.batch, steps=args.steps, warmup=args.warmup,
-                     optimizer=optimizer)
-    device = cpu_device_spec(cores=1)  # each rank runs one torch thread
+                     optimizer=optimizer, dtype=dtype, device=args.device)
     local = plan.model_copy(update={"stages": tuple(s.model_copy(update={"devices": tuple(
         plan.devices.index(d) for d in s.devices)}) for s in plan.stages)})  # ranks 0..N-1 in plan order
     # the program's own rule: its pipelines reduce after the flush (only ZeRO-3 stages, which the
     # model costs per layer whatever the flag says, overlap there), so one flag describes the run
     overlaps = reduce_overlaps(local, runtime_on(local, None))
-    record = IterationRecord(model=spec.text, cluster=cpu_cluster(device, len(plan.devices)),
-                             workload=Workload(global_batch=args.batch, seq_len=args.seq, dtype=DType.FP32,
-                                               optimizer=optimizer, grad_reduce_overlap=all(overlaps.values()),
-                                               eager=True),  # the torch program runs its modules op by op
-                             plan=local.model_dump(mode="json"), measured_s=result.median_s, repeats=result.steps,
-                             source=f"tagplan measure (gloo, {len(plan.devices)} processes; steps "
+    workload = Workload(global_batch=args.batch, seq_len=args.seq, dtype=dtype, optimizer=optimizer,
+                        grad_reduce_overlap=all(overlaps.values()), eager=True)  # modules run op by op
+    if cuda:  # as the program runs it under autocast: fp32 gradient reduction, its own fused SwiGLU
+        workload = runtime_workload("torch", workload, spec)
+    where = f"NCCL, {len(plan.devices)} GPUs ({device.name})" if cuda else f"gloo, {len(plan.devices)} processes"
+    record = IterationRecord(model=spec.text, cluster=(gpu_cluster if cuda else cpu_cluster)(device, len(plan.devices)),
+                             workload=workload, plan=local.model_dump(mode="json"), measured_s=result.median_s,
+                             repeats=result.steps, peak_memory_bytes=result.peak_memory_bytes,
+                             source=f"tagplan measure ({where}, {dtype.value}; steps "
                                     f"{result.min_s:.4g}-{result.max_s:.4g} s)")
     out = Path(args.out)
     if (out / MANIFEST_FILE).is_file():
         total = append_records(out, [record])
     else:
-        manifest = Manifest(created=now_iso(), source="tagplan measure", fingerprint=fingerprint("cpu"), device=device,
-                            notes="measured iterations of exported plans on local gloo processes")
+        manifest = Manifest(created=now_iso(), source="tagplan measure", fingerprint=fingerprint(args.device),
+                            device=device, notes="measured iterations of exported plans on local "
+                                                 + ("GPUs (NCCL)" if cuda else "gloo processes"))
         write_bundle(out, manifest, [record])
         total = 1
     emit({"record": record.model_dump(mode="json"), "bundle": str(out), "records": total}, args.json,

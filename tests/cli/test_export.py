@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tagplan.cli import main
+from tagplan.ir.workload import DType
 
 TINY = "gpt?layers=2&hidden=64&heads=4&vocab=128"
 
@@ -151,6 +152,56 @@ def test_measure_appends_a_real_iteration_record(tmp_path: Path) -> None:
     assert records[0].plan["stages"][1]["devices"] == [2]  # three gloo ranks, in plan order
     assert records[0].workload.grad_reduce_overlap is False  # the pipeline runtime reduces after the flush
     assert records[0].workload.eager  # the torch program runs its modules op by op
+
+
+def _measure_args(tmp_path: Path, *extra: str) -> list[str]:
+    plan = write_plan(tmp_path / "dp2.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1}], 1)
+    return ["measure", "--model", TINY, "--plan", str(plan), "--seq", "16", "--batch", "4", "--out",
+            str(tmp_path / "bundle"), *extra]
+
+
+def test_measure_on_gpus_runs_the_ranks_there_and_records_the_gpus(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from tagplan.datasets.traces.bundle import read_bundle
+    from tagplan.export import measure as measuring
+
+    asked: dict[str, object] = {}
+
+    def measured(spec: object, plan: object, **kwargs: object) -> measuring.Measurement:
+        asked.update(kwargs)
+        return measuring.Measurement(0.25, 0.24, 0.27, 5, peak_memory_bytes=3e9)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a host with four H100s, on any host
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(measuring, "measure", measured)
+    assert main(_measure_args(tmp_path, "--device", "cuda")) == 0
+    assert asked["device"] == "cuda" and asked["dtype"] is DType.BF16  # bf16 autocast unless told
+    (record,) = read_bundle(tmp_path / "bundle").iterations()
+    group = record.cluster["node_groups"][0]  # type: ignore[index]
+    assert group["gpu"]["name"] == "H100-SXM" and group["gpus_per_node"] == 2
+    assert record.workload.dtype is DType.BF16 and record.workload.grad_reduce_dtype is DType.FP32  # the program's
+    assert record.peak_memory_bytes == 3e9 and "NCCL" in record.source
+    assert read_bundle(tmp_path / "bundle").manifest.fingerprint.backend == "cuda"
+
+
+def test_measure_refuses_what_this_host_cannot_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    assert main(_measure_args(tmp_path, "--dtype", "bf16")) == 2  # the CPU program runs in fp32
+    assert "--dtype 'bf16' with --device cpu" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(_measure_args(tmp_path, "--device", "cuda")) == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    assert main(_measure_args(tmp_path, "--device", "cuda")) == 2
+    assert "the plan has 2 devices and this host 1 GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "bundle").exists()  # nothing ran, nothing written
 
 
 def test_grad_reduce_flags_reach_the_files_and_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
