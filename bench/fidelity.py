@@ -15,12 +15,15 @@ slower the plan each variant ranks first ran than the fastest measured one.
 `bench/data/gpu/<device>/`): one-GPU bf16 training iterations of GPT-2 small to 2.7B shapes in eager
 PyTorch, an op grid and layer profiles. Same protocol as (a): every third iteration calibrates, the
 rest are scored, for defaults, ops (the bundle's op records), iterations, ops+iterations and
-layers+iterations; and each iteration's measured peak memory against the memory model.
+layers+iterations; each iteration's measured peak memory against the memory model, and the model's fit
+verdict on the runs that ran and on those the GPU had no memory for. Across GPUs (`across_devices`): the
+time ratio of two GPUs on the cases both ran, predicted against measured, and one GPU's fit filed under the
+other's name (`as_device`) and scored on every run of the other.
 (b) Published tables: the Megatron-Core H100 table (reference/validation.md) with the shipped
 defaults; the NeMo/Megatron-Bridge summary (bench/data/): every dense FP8/BF16 row on DGX H100/B200
 without context parallelism, as `fidelity_nemo.py` says.
 
-Run: `.venv/bin/python bench/fidelity.py` (about 2 minutes on 2 cores). Writes bench/results/fidelity.json.
+Run: `.venv/bin/python bench/fidelity.py` (about 3 minutes on 2 cores). Writes bench/results/fidelity.json.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Run an exported program on N local CPU processes (gloo), as `torchrun --nproc-per-node N` would.
+"""Run an exported program on N local processes, as `torchrun --nproc-per-node N` would: on CPUs
+(gloo, the default), or one per GPU of this host over NCCL (`device="cuda"`).
 
 Each rank is started directly with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), one torch thread per rank, which saves the launcher agent's own
