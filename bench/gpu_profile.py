@@ -32,6 +32,7 @@ from tagplan.profiling.iterations import (
     QUICK_CASES,
     IterationCase,
     iteration_records,
+    out_of_memory_note,
 )
 from tagplan.profiling.layers import layer_records
 from tagplan.profiling.machine import profile
@@ -75,12 +76,10 @@ def main() -> None:
         skipped: list[IterationCase] = []
         records = list(iteration_records(spec, cases, device=device, dtype=dtype, progress=say,
                                          out_of_memory=skipped))
-        oom = "".join(f"; out of memory: {c.spec} seq {c.seq_len} batch {c.global_batch} x{c.micro_batches}"
-                      f"{' recompute' if c.recompute else ''}" for c in skipped)
         manifest = Manifest(created=now_iso(), source=f"bench/gpu_profile.py ({part})",
                             fingerprint=fingerprint(device), device=spec,
                             notes=f"{len(records)} one-device training iterations, {dtype.value} mixed precision, "
-                                  f"Adam, torch eager, median of 5 steps after 2 warm-up{oom}")
+                                  f"Adam, torch eager, median of 5 steps after 2 warm-up{out_of_memory_note(skipped)}")
         write_bundle(args.out / folder, manifest, records)
         if skipped:  # the cases the memory model should say do not fit (bench/fidelity.py reads them)
             (args.out / folder / OUT_OF_MEMORY_FILE).write_text(

@@ -97,7 +97,13 @@ def _profile(args: argparse.Namespace) -> int:
         import torch
 
         from tagplan.datasets.traces.bundle import write_bundle
-        from tagplan.profiling.iterations import CUDA_CASES, QUICK_CASES, iteration_records
+        from tagplan.profiling.iterations import (
+            CUDA_CASES,
+            QUICK_CASES,
+            IterationCase,
+            iteration_records,
+            out_of_memory_note,
+        )
 
         bundle = read_bundle(out)
         spec = bundle.manifest.device
@@ -105,12 +111,15 @@ def _profile(args: argparse.Namespace) -> int:
             raise SpecError(f"{out}: the profile wrote no device figures; cannot describe the measured cluster")
         before = torch.get_num_threads()
         torch.set_num_threads(threads or before)
+        skipped: list[IterationCase] = []  # a GPU smaller than the cases were sized on runs the rest
         try:
             cases = CUDA_CASES if args.device == "cuda" else QUICK_CASES
-            measured = list(iteration_records(spec, cases, device=args.device, dtype=_dtype(args), progress=say))
+            measured = list(iteration_records(spec, cases, device=args.device, dtype=_dtype(args), progress=say,
+                                              out_of_memory=skipped))
         finally:
             torch.set_num_threads(before)
-        manifest = bundle.manifest.model_copy(update={"source": bundle.manifest.source + " --iterations"})
+        manifest = bundle.manifest.model_copy(update={"source": bundle.manifest.source + " --iterations",
+                                                      "notes": bundle.manifest.notes + out_of_memory_note(skipped)})
         write_bundle(out, manifest, (*bundle.records, *measured))
     _emit_counts(str(out), read_bundle(out), args.json)
     return 0

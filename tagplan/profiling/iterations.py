@@ -62,6 +62,12 @@ class IterationCase:
     """llama: SwiGLU width."""
 
     @property
+    def label(self) -> str:
+        """The case in a line: SPEC, tokens, batch, micro-batches, recompute."""
+        return (f"{self.spec} seq {self.seq_len} batch {self.global_batch} x{self.micro_batches}"
+                f"{' recompute' if self.recompute else ''}")
+
+    @property
     def spec(self) -> str:
         """The analytic model SPEC of the same shape."""
         if self.family == "llama":
@@ -245,6 +251,11 @@ def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2,
     return IterationTiming(statistics.median(times), steps, allocated, reserved)
 
 
+def out_of_memory_note(cases: Sequence[IterationCase]) -> str:
+    """The manifest-notes suffix naming the cases a device had no memory for ("" for none)."""
+    return "".join(f"; out of memory: {c.label}" for c in cases)
+
+
 def case_workload_plan(case: IterationCase, dtype: DType) -> tuple[Workload, Plan]:
     """What the simulator costs for `case`: the eager Adam workload and the one-stage plan over its
     embedding, blocks and head (layers 0 .. layers + 2) on device 0."""
@@ -277,16 +288,14 @@ def iteration_records(spec: DeviceSpec, cases: Sequence[IterationCase] = QUICK_C
                 torch.cuda.empty_cache()
             out_of_memory.append(case)
             if progress:
-                progress(f"iteration {case.spec} seq {case.seq_len} batch {case.global_batch} "
-                         f"x{case.micro_batches}{' recompute' if case.recompute else ''}: out of memory, skipped")
+                progress(f"iteration {case.label}: out of memory, skipped")
             continue
         workload, plan = case_workload_plan(case, dtype)
         if progress:
             allocated, reserved = timing.peak_allocated_bytes, timing.peak_reserved_bytes
             memory = "" if allocated is None or reserved is None else \
                 f", peak {allocated / 2**30:.1f} GiB ({reserved / 2**30:.1f} reserved)"
-            progress(f"iteration {case.spec} seq {case.seq_len} batch {case.global_batch} x{case.micro_batches}"
-                     f"{' recompute' if case.recompute else ''}: {timing.median_s * 1e3:.1f} ms{memory}")
+            progress(f"iteration {case.label}: {timing.median_s * 1e3:.1f} ms{memory}")
         yield IterationRecord(model=case.spec, cluster=cluster, workload=workload,
                               plan=plan.model_dump(mode="json"), measured_s=timing.median_s, repeats=timing.steps,
                               peak_memory_bytes=timing.peak_allocated_bytes,

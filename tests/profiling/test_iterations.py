@@ -53,6 +53,8 @@ def test_a_case_the_device_has_no_memory_for_is_skipped_and_named(monkeypatch: p
                                      progress=said.append))
     assert len(records) == 2 and skipped == [big]
     assert sum("out of memory, skipped" in line for line in said) == 1
+    assert iterations.out_of_memory_note(skipped) == "; out of memory: gpt?layers=2&hidden=64&heads=2&vocab=128 " \
+        "seq 16 batch 4 x1" and iterations.out_of_memory_note([]) == ""  # what the manifest's notes gain
     with pytest.raises(torch.OutOfMemoryError):  # without the list nothing is skipped silently
         list(iteration_records(cpu_device_spec(), [big], steps=1))
 
