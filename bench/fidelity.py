@@ -208,12 +208,41 @@ def gpu() -> dict[str, Any]:
                             "records": len(cases), "calibrated_on": len(train), "scored": len(test),
                             "variants": scored, "memory": _memory(cases, records),
                             "other_family": _other_family(folder, cases, ops), "repeat": _repeat(folder, records),
-                            "fits": _fits(folder)}
+                            "fits": _fits(folder), "exported": _exported(folder, cases, ops)}
     folders = sorted(p for p in GPU.glob("*") if (p / "iterations" / "manifest.json").is_file())
     pairs = {f"{a.name}->{b.name}": _across(a, b) for a, b in itertools.permutations(folders, 2)}
     if pairs:
         out["across_devices"] = pairs
     return out
+
+
+def _exported(folder: Path, eager: list[IterationCase], ops: Calibration) -> dict[str, Any] | None:
+    """tagplan's exported torch program run on the GPU (`iterations-export`, `bench/gpu_export_check.py`), held out:
+    scored with the defaults and with the op fit plus every eager GPT iteration's parameters; each run beside the
+    eager run of the same shape, and its peak memory against the memory model."""
+    if not (folder / "iterations-export" / "manifest.json").is_file():
+        return None
+    records = read_bundle(folder / "iterations-export").iterations()
+    cases = rebuild_cases(records)
+    truth = np.array([c.measured_s for c in cases])
+    variants = {"defaults": DEFAULT_CALIBRATION, "ops+eager gpt iterations": fit_parameters(eager, ops)[0]}
+    scored = {}
+    for name, calibration in variants.items():
+        predicted = predict_s(cases, calibration)
+        sc = score(predicted, truth)
+        scored[name] = {"mape": sc.mape, "kendall_tau": sc.kendall_tau,
+                        "errors": [float(e) for e in predicted / truth - 1]}
+    eager_s = {(c.model.name, c.workload.seq_len, c.workload.global_batch, c.plan.micro_batches,
+                c.plan.stages[0].recompute): c.measured_s
+               for part in ("iterations", "iterations-llama") if (folder / part / "manifest.json").is_file()
+               for c in rebuild_cases(read_bundle(folder / part).iterations())}
+    rows = [{"model": c.model.name, "seq_len": c.workload.seq_len, "global_batch": c.workload.global_batch,
+             "micro_batches": c.plan.micro_batches, "recompute": c.plan.stages[0].recompute,
+             "measured_s": c.measured_s,
+             "eager_s": eager_s.get((c.model.name, c.workload.seq_len, c.workload.global_batch,
+                                     c.plan.micro_batches, c.plan.stages[0].recompute))}
+            for c in cases]
+    return {"records": len(cases), "variants": scored, "rows": rows, "memory": _memory(cases, records)}
 
 
 def _fits(folder: Path) -> dict[str, Any]:
@@ -515,6 +544,13 @@ def main() -> None:
             print(f"gpu {folder} gpt+llama, a third calibrating: MAPE {both['mape']:.1%}  "
                   f"tau {both['kendall_tau']:.3f}; "
                   f"llama peak memory median |error| {mem['median_abs_error']:.1%}, worst {mem['worst_abs_error']:.1%}")
+        exported = g.get("exported")
+        for name, v in (exported or {}).get("variants", {}).items():
+            print(f"gpu {folder} exported torch program ({exported['records']} runs, held out) {name:>24s}  "
+                  f"MAPE {v['mape']:7.1%}  tau {v['kendall_tau']:.3f}")
+        if exported:
+            print(f"gpu {folder} exported torch program peak memory: median |error| "
+                  f"{exported['memory']['median_abs_error']:.1%}, worst {exported['memory']['worst_abs_error']:.1%}")
         fit = g["fits"]
         print(f"gpu {folder} fits in {fit['capacity_gib']:.0f} GiB: {len(fit['ran_but_predicted_not_to_fit'])} of "
               f"{fit['ran']} cases that ran predicted not to fit; {fit['out_of_memory_predicted_to_fit']} of "

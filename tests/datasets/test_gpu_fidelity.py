@@ -51,3 +51,17 @@ def test_out_of_memory_cases_round_trip_into_profiling_shapes() -> None:
     assert all(IterationCase(**row) in CUDA_LLAMA_CASES for row in rows)
     assert Path(H100 / "iterations-llama" / "records.jsonl").read_text().count("\n") + len(rows) == \
         len(CUDA_LLAMA_CASES)  # every Llama case either ran or is named as out of memory
+
+
+def test_the_exported_programs_runs_are_scored_beside_the_eager_runs_of_the_same_shapes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    fidelity = load_bench("fidelity")
+    h200 = BENCH / "data" / "gpu" / "h200"
+    monkeypatch.setattr(fidelity, "fit_parameters", lambda cases, start: (start, None))  # the pairing, not the fit
+    out = fidelity._exported(h200, [], Calibration())
+    assert out["records"] == 7 and len(out["memory"]["rows"]) == 7  # every exported run carries its peak
+    assert all(row["eager_s"] is not None for row in out["rows"])  # each shape also ran eager on the H200
+    assert set(out["variants"]) == {"defaults", "ops+eager gpt iterations"}
+    assert all(len(v["errors"]) == 7 for v in out["variants"].values())
+    assert fidelity._exported(H100, [], Calibration()) is None  # no exported runs there
