@@ -233,9 +233,7 @@ def _exported(folder: Path, eager: list[IterationCase], ops: Calibration) -> dic
         scored[name] = {"mape": sc.mape, "kendall_tau": sc.kendall_tau,
                         "errors": [float(e) for e in predicted / truth - 1]}
     eager_s = {(c.model.name, c.workload.seq_len, c.workload.global_batch, c.plan.micro_batches,
-                c.plan.stages[0].recompute): c.measured_s
-               for part in ("iterations", "iterations-llama") if (folder / part / "manifest.json").is_file()
-               for c in rebuild_cases(read_bundle(folder / part).iterations())}
+                c.plan.stages[0].recompute): c.measured_s for c in _gpu_cases(folder)[1]}
     rows = [{"model": c.model.name, "seq_len": c.workload.seq_len, "global_batch": c.workload.global_batch,
              "micro_batches": c.plan.micro_batches, "recompute": c.plan.stages[0].recompute,
              "measured_s": c.measured_s,

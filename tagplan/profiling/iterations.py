@@ -229,7 +229,7 @@ class IterationTiming:
     peak_reserved_bytes: int | None = None
 
 
-def measure_iteration_s(case: IterationCase, *, steps: int = 5, warmup: int = 2, device: str = "cpu",
+def measure_iteration(case: IterationCase, *, steps: int = 5, warmup: int = 2, device: str = "cpu",
                         dtype: DType = DType.FP32) -> IterationTiming:
     """Time `case` on `device` ("cpu" or "cuda"), in fp32 or mixed precision (`dtype` bf16/fp16)."""
     cuda = device.startswith("cuda")
@@ -279,7 +279,7 @@ def iteration_records(spec: DeviceSpec, cases: Sequence[IterationCase] = QUICK_C
     where = f"{spec.name}, one GPU" if cuda else "one process"
     for case in cases:
         try:
-            timing = measure_iteration_s(case, steps=steps, device=device, dtype=dtype)
+            timing = measure_iteration(case, steps=steps, device=device, dtype=dtype)
         except torch.OutOfMemoryError:
             if out_of_memory is None:
                 raise

@@ -7,7 +7,7 @@ import torch
 
 from tagplan.profiling import iterations
 from tagplan.profiling.denormals import flushed_denormals
-from tagplan.profiling.iterations import QUICK_CASES, measure_iteration_s
+from tagplan.profiling.iterations import QUICK_CASES, measure_iteration
 from tagplan.profiling.layers import time_block
 
 SUBNORMAL = 1e-39  # below float32's smallest normal number, 1.18e-38
@@ -39,7 +39,7 @@ def test_an_iteration_and_a_block_are_timed_with_subnormals_flushed(monkeypatch:
     kept_inside = not _flushes_here()
     seen: list[bool] = []
     monkeypatch.setattr(iterations, "training_step", lambda *a, **k: lambda: seen.append(_kept()))
-    measure_iteration_s(QUICK_CASES[0], steps=2, warmup=1)
+    measure_iteration(QUICK_CASES[0], steps=2, warmup=1)
     assert seen == [kept_inside] * 3 and _kept()
 
     class Probe(torch.nn.Linear):

@@ -14,7 +14,7 @@ from tagplan.frontends.cluster_file import parse_cluster_data
 from tagplan.frontends.cpu import gpu_cluster
 from tagplan.ir.workload import DType
 from tagplan.profiling.device import cpu_device_spec
-from tagplan.profiling.iterations import CUDA_CASES, IterationCase, iteration_records, measure_iteration_s
+from tagplan.profiling.iterations import CUDA_CASES, IterationCase, iteration_records, measure_iteration
 from tagplan.training.iteration_fit import rebuild_cases
 
 TINY = IterationCase(layers=2, hidden=64, heads=2, vocab=128, seq_len=16, global_batch=4, micro_batches=2)
@@ -39,14 +39,14 @@ def test_a_case_the_device_has_no_memory_for_is_skipped_and_named(monkeypatch: p
     from tagplan.profiling import iterations
 
     big = IterationCase(layers=2, hidden=64, heads=2, vocab=128, seq_len=16, global_batch=4, micro_batches=1)
-    real = iterations.measure_iteration_s
+    real = iterations.measure_iteration
 
     def measured(case: IterationCase, **kwargs: object) -> iterations.IterationTiming:
         if case == big:
             raise torch.OutOfMemoryError("CUDA out of memory")
         return real(case, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(iterations, "measure_iteration_s", measured)
+    monkeypatch.setattr(iterations, "measure_iteration", measured)
     skipped: list[IterationCase] = []
     said: list[str] = []
     records = list(iteration_records(cpu_device_spec(), [TINY, big, TINY], steps=1, out_of_memory=skipped,
@@ -61,7 +61,7 @@ def test_a_case_the_device_has_no_memory_for_is_skipped_and_named(monkeypatch: p
 
 def test_a_precision_the_loop_cannot_run_is_refused_by_name() -> None:
     with pytest.raises(SpecError, match="'fp8'"):
-        measure_iteration_s(TINY, steps=1, warmup=0, dtype=DType.FP8)
+        measure_iteration(TINY, steps=1, warmup=0, dtype=DType.FP8)
 
 
 def test_a_gpu_host_is_described_as_one_node_of_its_catalog_device() -> None:
@@ -88,3 +88,33 @@ def test_profile_iterations_on_cuda_without_a_gpu_says_so(tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert "device 'cuda'" in err and "sees no CUDA GPU" in err
     assert not (tmp_path / "b").exists()  # nothing half-written
+
+
+def test_profile_iterations_names_the_cases_the_device_had_no_memory_for(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import tagplan.profiling
+    from tagplan.datasets.traces.bundle import Manifest, host_fingerprint, write_bundle
+    from tagplan.profiling import iterations
+
+    big = IterationCase(layers=2, hidden=64, heads=2, vocab=128, seq_len=16, global_batch=4, micro_batches=1)
+    real = iterations.measure_iteration
+
+    def measured(case: IterationCase, **kwargs: object) -> iterations.IterationTiming:
+        if case == big:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(case, **kwargs)  # type: ignore[arg-type]
+
+    def ops_profile(out: Path, **kwargs: object) -> Path:  # the op grid, which this test does not need
+        return write_bundle(out, Manifest(created="2026-01-01T00:00:00+00:00", source="tagplan profile",
+                                          fingerprint=host_fingerprint("cpu-test"), device=cpu_device_spec(),
+                                          notes="ops"), [])
+
+    monkeypatch.setattr(tagplan.profiling, "profile", ops_profile)
+    monkeypatch.setattr(iterations, "QUICK_CASES", (TINY, big))
+    monkeypatch.setattr(iterations, "measure_iteration", measured)
+    assert main(["profile", "--iterations", "--threads", "1", "--out", str(tmp_path / "b")]) == 0
+    bundle = read_bundle(tmp_path / "b")
+    assert len(bundle.iterations()) == 1  # the case that fits was measured, the other skipped
+    assert bundle.manifest.notes == "ops; out of memory: gpt?layers=2&hidden=64&heads=2&vocab=128 seq 16 batch 4 x1"
