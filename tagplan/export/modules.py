@@ -58,8 +58,9 @@ def _init_module(module: nn.Module, generator: torch.Generator) -> None:
 class Attention(nn.Module):
     """Causal multi-head attention with separate q, k, v, o projections (optionally GQA and rotary).
 
-    Head counts are read from the projections' output widths at run time, so a tensor-parallel
-    rank holding `heads / tp` query heads and `kv_heads / tp` key/value heads runs unchanged.
+    Head counts and the sequence length are read from the projections' outputs at run time, so a
+    tensor-parallel rank holding `heads / tp` query heads and `kv_heads / tp` key/value heads runs
+    unchanged, and so does one whose projections read a part of the sequence and hand back every token.
 
     Shapes: x (batch, seq, hidden) -> (batch, seq, hidden).
     """
@@ -73,10 +74,11 @@ class Attention(nn.Module):
         self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, heads, s, dh)
-        k = self.k(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_heads, s, dh)
-        v = self.v(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_heads, s, dh)
+        q, k, v = self.q(x), self.k(x), self.v(x)  # (b, s, width): a token-split projection hands back all tokens
+        b, s, _ = q.shape
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, heads, s, dh)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_heads, s, dh)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_heads, s, dh)
         if self.rotary:
             q, k = rotate(q), rotate(k)
         y = functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))

@@ -4,13 +4,17 @@ Imported by the program (`tagplan.export.runtime_train`, copied into the run as 
 Per rank, `build_parts` builds the stage's layers (the same numbers a single process would
 build), then applies, in this order:
 1. tensor parallelism (`parallelize_module` on the "tp" mesh axis): column -> ColwiseParallel,
-   row -> RowwiseParallel, replicate -> left whole; the vocabulary projection gathers its logits;
-   with sequence parallelism the residual stream between layers is split along the sequence;
+   row -> RowwiseParallel, replicate -> left whole, sequence -> left whole on this rank's part of
+   the tokens (its weight gradients summed over the tp group once per step, `sum_token_split`); in
+   a gpt or llama block each matmul converts its input and output as `export.tp_flow` lays out;
+   the vocabulary projection gathers its logits; with sequence parallelism the residual stream
+   between layers is split along the sequence;
 2. recomputation: each block of a `recompute` stage checkpoints its forward;
 3. data parallelism on the "dp" axis: ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), ZeRO 1/2
    -> `fully_shard(reshard_after_forward=False)`, ZeRO 3 -> `fully_shard(reshard_after_forward=True)`.
 A tied head keeps its own copy of the embedding table; `sync_tied` sums the two copies'
-gradients after each backward (Megatron's embedding group), so they stay equal.
+gradients after each backward (Megatron's embedding group), so they stay equal, whether or not
+the two copies are split alike.
 """
 
 from __future__ import annotations
@@ -24,21 +28,25 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from tagplan.cost.sharding import Layout
 from tagplan.export.modules import Block, build_layer, op_paths, set_stage_recompute, tied_param_names
 from tagplan.export.shapes import ModelConfig
+from tagplan.export.tp_flow import NEEDS, Flow, block_flow, head_flow
 
 SEQUENCE = Shard(1)  # activations (batch, seq, hidden) split along the sequence
+PLACEMENT = {Layout.R: Replicate(), Layout.S: SEQUENCE, Layout.H: Shard(2)}  # tp_flow's layouts on a tp mesh
 STREAM_WRITERS = ("attn.o", "mlp.fc2", "mlp.down")  # matmuls whose output joins the residual stream
 CURRENT_OP = ["(before the first layer)"]  # verify mode: the last tensor-parallel op entered
 
@@ -56,6 +64,7 @@ class StageModule(nn.Module):
     def __init__(self, layers: dict[int, nn.Module]) -> None:
         super().__init__()
         self.layers = nn.ModuleDict({str(i): m for i, m in layers.items()})
+        self.token_split: list[nn.Module] = []  # matmuls run on this rank's tokens with whole weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=self.compute_dtype or torch.bfloat16,
@@ -112,26 +121,55 @@ def _gather() -> ParallelStyle:
     return PrepareModuleInput(input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),), use_local_output=True)
 
 
+def matmul_style(strategy: str, flow: Flow) -> ParallelStyle | None:
+    """The style of a gpt or llama Linear under `strategy` whose input arrives and output departs
+    as `flow` says (`export.tp_flow`); None when it runs whole on what arrives and hands that on."""
+    arrives, departs = PLACEMENT[flow.arrives], PLACEMENT[flow.departs]
+    if strategy == "column":
+        return ColwiseParallel(input_layouts=arrives, output_layouts=departs)
+    if strategy == "row":
+        return RowwiseParallel(input_layouts=arrives, output_layouts=departs)
+    own = PLACEMENT[NEEDS[strategy]]  # replicate: whole tensors; sequence: this rank's tokens
+    if arrives == own and departs == own:
+        return None
+    return PrepareModuleInputOutput(input_layouts=(arrives,), desired_input_layouts=(own,), use_local_input=True,
+                                    output_layouts=(own,), desired_output_layouts=(departs,), use_local_output=True)
+
+
 def layer_styles(layer: nn.Module, index: int, config: ModelConfig, strategies: dict[str, str], *,
                  sp: bool) -> dict[str, ParallelStyle]:
     """Module path -> ParallelStyle for one layer. With sequence parallelism (`sp`) the residual
     stream between layers is split along the sequence: norms run on their part (SequenceParallel),
-    attention and MLP gather it first, and the embedding hands back this rank's part."""
+    attention and MLP gather it first (unless their first matmuls read their part of the sequence),
+    and the embedding hands back this rank's part. A gpt or llama block's and head's matmuls convert
+    what arrives and what departs as `export.tp_flow` lays out."""
     styles: dict[str, ParallelStyle | None] = {}
+    block = block_flow(config.family, strategies, sp=sp) if isinstance(layer, Block) else None
     for op, path in op_paths(config, index, strategies).items():
         strategy = strategies.get(op, "replicate")
         if isinstance(layer.get_submodule(path), nn.Embedding):
             styles[path] = embedding_style(strategy)
+        elif block is not None:
+            styles[path] = matmul_style(strategy, block.flows[op])
+        elif path == "lm_head" and config.family in ("gpt", "llama"):
+            styles[path] = matmul_style(strategy, head_flow(sp=sp))
         elif path == "lm_head":
             styles[path] = head_style(strategy, sp=sp)
         else:
             styles[path] = linear_style(strategy, writes_stream=op in STREAM_WRITERS, sp=sp)
     if sp and isinstance(layer, Block):
         styles.update({name: SequenceParallel(use_local_output=True) for name in layer.norm_names})
-        styles.update({"attn": _gather(), "mlp": _gather()})
+        styles.update({module: _gather() for module, gathers in (block.gathers if block else {}).items() if gathers})
     if sp and index == config.num_layers - 1:
         styles["final_norm"] = SequenceParallel(use_local_output=True)
     return {path: style for path, style in styles.items() if style is not None}
+
+
+def token_split_modules(layer: nn.Module, index: int, config: ModelConfig,
+                        strategies: dict[str, str]) -> list[nn.Module]:
+    """The layer's matmuls that run on this rank's tokens with whole weights (strategy `sequence`)."""
+    return [layer.get_submodule(path) for op, path in op_paths(config, index, strategies).items()
+            if strategies.get(op) == "sequence" and not isinstance(layer.get_submodule(path), nn.Embedding)]
 
 
 def apply_tp(part: StageModule, config: ModelConfig, stage: dict[str, Any], mesh: DeviceMesh, *, sp: bool,
@@ -147,6 +185,7 @@ def apply_tp(part: StageModule, config: ModelConfig, stage: dict[str, Any], mesh
                     lambda *_, label=label: CURRENT_OP.__setitem__(0, label))
         if styles:
             parallelize_module(layer, mesh, styles)
+        part.token_split += token_split_modules(layer, index, config, strategies)
         if sp and index == 0:  # whole embeddings in, this rank's part of the sequence out
             parallelize_module(layer, mesh, PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=SEQUENCE, use_local_output=True))
@@ -199,11 +238,23 @@ def tie_group(cfg: dict[str, Any], config: ModelConfig, rank: Rank) -> dist.Proc
     return mine
 
 
-def sync_tied(parts: dict[int, StageModule], config: ModelConfig, group: dist.ProcessGroup | None) -> None:
+def sum_token_split(part: StageModule, group: dist.ProcessGroup) -> None:
+    """Sum the gradients of the stage's token-split matmuls over its tp group: each rank ran them on
+    its part of the tokens with the whole weights (once per step, as `cost.sharding` costs them)."""
+    with torch.no_grad():
+        for module in part.token_split:
+            for p in module.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
+
+
+def sync_tied(parts: dict[int, StageModule], config: ModelConfig, group: dist.ProcessGroup | None, *,
+              alike: bool = True) -> None:
     """Sum the gradients of the embedding table and the tied head's copy (both hold the sum).
 
     A gradient is first laid out like its parameter (an embedding's may come back replicated
-    while its table is split), so that the two copies' local pieces match element for element.
+    while its table is split). Copies split `alike` (`torch_program.tied_split_alike`) sum their
+    local pieces element for element; others sum whole tables, each taking its own piece back.
     """
     names = tied_param_names(config)
     if names is None:
@@ -213,6 +264,9 @@ def sync_tied(parts: dict[int, StageModule], config: ModelConfig, group: dist.Pr
         for p in params:
             if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        if not alike:
+            _sync_whole(params, group)
+            return
         grads = [p.grad for p in params if p.grad is not None]
         if group is not None:
             for g in grads:
@@ -220,3 +274,17 @@ def sync_tied(parts: dict[int, StageModule], config: ModelConfig, group: dist.Pr
         elif len(grads) == 2:
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
+
+
+def _sync_whole(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """The tied copies' sum through whole tables (gathered over each copy's mesh), for copies split unalike."""
+    wholes = [(p, p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for p in params
+              if p.grad is not None]
+    if not wholes:
+        return
+    total = sum((w for _, w in wholes[1:]), wholes[0][1].clone())
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    for p, _ in wholes:
+        p.grad = distribute_tensor(total, p.device_mesh, p.placements, src_data_rank=None) \
+            if isinstance(p, DTensor) else total.clone()

@@ -14,7 +14,8 @@ torch.distributed.pipelining refuses. Per rank:
   part of the sequence under sequence parallelism. Gradients go back the same way;
 - the loss of a replica is its samples' summed token cross-entropy over `global_batch * seq_len`,
   so replica gradients are summed over the stage's dp group: one step is the mean over the global
-  batch whatever the shares. The tied embedding and head sum their gradients. Under fp16 the last
+  batch whatever the shares; token-split matmuls' gradients are first summed over the stage's tp
+  group. The tied embedding and head sum their gradients. Under fp16 the last
   stage's backward starts from the loss times the runner's `loss_scale` (`runtime_optim.LossScaler`);
 - ZeRO 1 and 2 (`zero_shards`, stages with dp > 1): each dp rank steps a contiguous slice of the
   stage's flattened parameters and keeps optimizer state for it only (`runtime_optim.ZeroShard`).
@@ -44,7 +45,7 @@ from torch.nn import functional
 from tagplan.export.modules import build_layer, set_stage_recompute, tied_param_names
 from tagplan.export.runtime_layout import Action, StageLayout, Transfer, transfers
 from tagplan.export.runtime_optim import ZeroShard
-from tagplan.export.runtime_parallel import StageModule, apply_tp
+from tagplan.export.runtime_parallel import StageModule, apply_tp, sum_token_split
 from tagplan.export.shapes import ModelConfig
 
 
@@ -275,6 +276,9 @@ class PipelineRunner:
         for work, _ in self.sends:
             work.wait()
         self.sends.clear()
+        for s, part in self.parts.items():
+            if s in self.groups.tp:
+                sum_token_split(part, self.groups.tp[s])
         sum_replicas(self.parts, self.groups, skip=self.scattered)
         sum_tied(self.parts, self.layouts, self.groups, self.config, self.rank)
         last = len(self.layouts) - 1

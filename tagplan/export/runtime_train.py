@@ -53,14 +53,24 @@ from torch.nn import functional
 from tagplan.export.node_launch import startup_problems
 from tagplan.export.runtime_layout import programs, stage_layouts
 from tagplan.export.runtime_optim import TrainOptimizer, full_params, train_optimizer
-from tagplan.export.runtime_parallel import CURRENT_OP, Rank, StageModule, build_parts, sync_tied, tie_group
+from tagplan.export.runtime_parallel import (
+    CURRENT_OP,
+    Rank,
+    StageModule,
+    build_parts,
+    sum_token_split,
+    sync_tied,
+    tie_group,
+)
 from tagplan.export.runtime_pipeline import PipelineRunner, build_stage, make_groups, sharded_stages, zero_shards
 from tagplan.export.shapes import ModelConfig, model_config
 from tagplan.ir.plan import Plan
 
 # /3: stages may carry `recompute_layers` (checkpoint only a stage's first N blocks); a /2 runtime
 # would ignore it and recompute every block, so it must refuse the file.
-PROGRAM_FORMAT = "tagplan-torch-program/3"
+# /4: matmuls may be `sequence` (token-split, weight gradients summed over tp) and a tied table's
+# copies may be split unalike (`tied_split_alike`); a /3 runtime would leave those gradients unsummed.
+PROGRAM_FORMAT = "tagplan-torch-program/4"
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 # FSDP2 warns that a module returns a view; nothing here modifies module outputs in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -216,7 +226,10 @@ def mesh_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device,
         rows = slice(rank.dp * per_replica, (rank.dp + 1) * per_replica)
         runner.loss_scale = optimizer.loss_scale()
         loss = runner.step(tokens[rows].to(device), labels[rows].to(device))
-        sync_tied(parts, config, group)
+        if cfg["mesh"]["tp"] > 1:
+            for part in parts.values():
+                sum_token_split(part, rank.mesh["tp"].get_group())
+        sync_tied(parts, config, group, alike=cfg.get("tied_split_alike", True))
         optimizer.prepare()
         return dp_mean(loss, rank)
 

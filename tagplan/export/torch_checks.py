@@ -19,6 +19,7 @@ from tagplan.ir.plan import Plan, ShardStrategy, Stage
 from tagplan.ir.workload import DType
 
 _SPLITTABLE = (ShardStrategy.COLUMN, ShardStrategy.ROW, ShardStrategy.REPLICATE)
+_ANALYTIC_MATMUL = (*_SPLITTABLE, ShardStrategy.SEQUENCE)  # `export.tp_flow.MATMUL_STRATEGIES`
 _TOKEN_SPLIT = (ShardStrategy.SEQUENCE, ShardStrategy.BATCH)
 _TIED_PAIRS = {("row", "column"), ("column", "row"), ("replicate", "replicate")}
 
@@ -33,9 +34,9 @@ def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | No
     """
     problems = _model_problems(plan, model, config)
     if not problems:
+        analytic = config.family in ("gpt", "llama") if config is not None else model.family in ("gpt", "llama")
         for i, stage in enumerate(plan.stages):
-            problems += _stage_problems(i, stage, model, config)
-        problems += _tied_problems(plan, model)
+            problems += _stage_problems(i, stage, model, config, analytic=analytic)
         problems += _norm_problems(plan, model)
     if problems:
         raise ExportError("the plan cannot be exported to a torch program:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -80,7 +81,8 @@ def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -
     return []
 
 
-def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig | None) -> list[str]:
+def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig | None, *,
+                    analytic: bool) -> list[str]:
     out = []
     if stage.cp > 1:
         out.append(f"stages[{i}].cp = {stage.cp}: the program has no context parallelism (ring attention); export "
@@ -88,11 +90,13 @@ def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig
     if config is not None and stage.tp > 1 and (config.heads % stage.tp or config.kv_heads % stage.tp):
         out.append(f"stages[{i}]: tp={stage.tp} must divide heads={config.heads} and kv_heads={config.kv_heads}: "
                    "the program splits attention by whole heads")
-    out += _sharding_problems(i, stage, model)
+    out += _sharding_problems(i, stage, model, analytic=analytic)
     return out
 
 
-def _sharding_problems(i: int, stage: Stage, model: ModelGraph) -> list[str]:
+def _sharding_problems(i: int, stage: Stage, model: ModelGraph, *, analytic: bool) -> list[str]:
+    """A gpt or llama layer (`analytic`) runs its matmuls column, row, replicate or sequence (`export.tp_flow`);
+    a Hugging Face class's or a user's module's traced matmuls split column, row or replicate only."""
     if not stage.sharding:
         return []
     ops = {op.name: op for j in range(*stage.layers) for op in model.block_of(j).ops}
@@ -102,29 +106,37 @@ def _sharding_problems(i: int, stage: Stage, model: ModelGraph) -> list[str]:
         if op is None:
             out.append(f"stages[{i}].sharding names op {name!r}, which no layer of the stage has "
                        f"(ops: {', '.join(sorted(ops))})")
-        elif op.kind is OpKind.MATMUL and strategy not in _SPLITTABLE:
-            out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program splits matmuls as column, "
-                       "row or replicate only (token-split and expert-split matmuls are not expressed)")
+        elif op.kind is OpKind.MATMUL and analytic and strategy not in _ANALYTIC_MATMUL:
+            out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program runs a gpt or llama matmul "
+                       "as column, row, replicate or sequence (tokens split along the sequence); batch- and "
+                       "expert-split matmuls are not expressed")
+        elif op.kind is OpKind.MATMUL and not analytic and strategy not in _SPLITTABLE:
+            out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program splits a traced model's "
+                       "matmuls as column, row or replicate only (token-split and expert-split matmuls are "
+                       "expressed for the gpt and llama families only)")
         elif op.kind is OpKind.EMBEDDING and strategy not in (*_SPLITTABLE, *_TOKEN_SPLIT):
             out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program splits embeddings as row, "
                        "column, replicate or sequence/batch (run replicated) only")
     return out
 
 
-def _tied_problems(plan: Plan, model: ModelGraph) -> list[str]:
+def tied_split_alike(plan: Plan, model: ModelGraph) -> bool:
+    """Whether a tied embedding table and its head copy hold matching pieces on their tp ranks (row with
+    column, column with row, both whole; or no tensor parallelism on either), so that their gradients sum
+    piece by piece; otherwise the program sums whole tables (`runtime_parallel.sync_tied`). True when untied."""
     head_ops = [op.name for op in model.block_of(len(model.layers) - 1).ops]
-    if "lm_head.tied" not in head_ops or plan.stages[0].tp == 1:
-        return []
+    if "lm_head.tied" not in head_ops:
+        return True
     first, last = plan.stages[0], plan.stages[-1]
+    if first.tp == 1 and last.tp == 1:
+        return True
+    if first.tp != last.tp:
+        return False
     wte = strategies_for(model, first, 0).get("wte", ShardStrategy.REPLICATE)
     wte = ShardStrategy.REPLICATE if wte in _TOKEN_SPLIT else wte  # a token-split lookup keeps the whole table
     head = strategies_for(model, last, len(model.layers) - 1).get("lm_head.tied", ShardStrategy.REPLICATE)
-    if (wte.value, head.value) in _TIED_PAIRS:
-        return []
-    return [f"tied embedding 'wte'={wte.value!r} and head 'lm_head.tied'={head.value!r}: the tied table must be "
-            "split alike (row with column, column with row, or both replicate) to keep its two copies equal; "
-            "tagplan's default splits the larger embedding table by rows, so a model with more positions than "
-            "vocabulary entries needs 'wte' set explicitly"]
+    head = ShardStrategy.REPLICATE if head in _TOKEN_SPLIT else head  # a token-split head keeps the whole table
+    return (wte.value, head.value) in _TIED_PAIRS
 
 
 def _norm_strategies(plan: Plan, model: ModelGraph) -> dict[str, set[ShardStrategy]]:

@@ -17,19 +17,22 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
 - stages: any contiguous layer ranges, any (dp, tp) per stage; `interleaved_1f1b` runs several
   stages per device group;
 - batch shares: whole samples per replica per micro-batch (`ir.plan.check_whole_samples`);
-- matmuls take `column`, `row` or `replicate` (token-split `sequence`/`batch` and `experts`
-  matmuls are refused); embeddings also take `sequence`/`batch`, run as a whole table;
+- matmuls of the gpt and llama families take `column`, `row`, `replicate` or `sequence` (tokens
+  split, whole weights whose gradients are summed over the tp group once per step); each converts
+  what arrives and what it hands on as `export.tp_flow` lays out (an all-gather, all-to-all,
+  reduce or slice, the collectives `cost.sharding` charges), so any mix of those chains. A traced
+  model's matmuls (Hugging Face classes, a user's module) take `column`, `row` or `replicate`;
+  `batch`- and `experts`-split matmuls are refused; embeddings also take `sequence`/`batch`, run
+  as a whole table;
 - norms all `sequence` (tagplan's default, Megatron-Core's layout) -> sequence parallelism on
   stages with tp > 1: the residual stream is split along the sequence, norms run on their part
-  (SequenceParallel), attention and MLP gather it first, the matmul writing the stream back
-  reduce-scatters; norms all `replicate` -> plain Megatron TP; a mix is refused, and so is a
-  seq_len that a stage's tp does not divide under sequence parallelism. Attention and pointwise
+  (SequenceParallel), attention and MLP gather it first (unless their first matmuls are
+  token-split), the matmul writing the stream back reduce-scatters; norms all `replicate` -> plain
+  Megatron TP; a mix is refused, and so is a seq_len that a stage's tp does not divide under
+  sequence parallelism. Attention splits heads (`heads`) or runs whole (`replicate`); pointwise
   ops follow their inputs' layout (their declared strategy is not read);
-- the program inserts no layout conversion between matmuls: strategies must chain as Megatron's
-  do (column -> row); `verify` catches a plan whose strategies do not (a swapped pair fails to
-  run);
-- `heads` and `kv_heads` divisible by each stage's `tp`; a tied table split alike in embedding
-  and head;
+- `heads` and `kv_heads` divisible by each stage's `tp`; a tied table's two copies may be split
+  alike (their gradients summed piece by piece) or not (summed as whole tables, `tied_split_alike`);
 - ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), 1 and 2 -> FSDP2 `fully_shard` with
   `reshard_after_forward=False`, 3 -> `reshard_after_forward=True` (mesh runtime); the pipeline
   runtime shards the optimizer state and fp32 master slice over each stage's dp group for ZeRO 1
@@ -67,7 +70,14 @@ from tagplan.export.modules import tp_ops
 from tagplan.export.node_launch import launch_scripts, rank_table
 from tagplan.export.runtime_train import PROGRAM_FORMAT
 from tagplan.export.shapes import ModelConfig, model_config, parsed
-from tagplan.export.torch_checks import check_expressible, check_reduce_dtype_of, sequence_parallel, strategies_for
+from tagplan.export.torch_checks import (
+    check_expressible,
+    check_reduce_dtype_of,
+    sequence_parallel,
+    strategies_for,
+    tied_split_alike,
+)
+from tagplan.export.tp_flow import ATTENTION
 from tagplan.frontends.hf_config import config_path
 from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, build_model
 from tagplan.ir.cluster import Cluster
@@ -131,7 +141,8 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
         strategies = {}
         for j in range(*stage.layers):
             resolved = strategies_for(model, stage, j)
-            strategies[str(j)] = {op: resolved[op].value for op in split_ops(config, model, j) if op in resolved}
+            ops = [*split_ops(config, model, j), *((ATTENTION,) if config.family in ("gpt", "llama") else ())]
+            strategies[str(j)] = {op: resolved[op].value for op in ops if op in resolved}
         stages.append({"layers": list(stage.layers), "pp_rank": ranks[i], "devices": list(stage.devices),
                        "dp": stage.dp, "tp": stage.tp, "recompute": stage.recompute,
                        "recompute_layers": stage.recompute_layers,
@@ -141,7 +152,7 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
     return {"format": PROGRAM_FORMAT, "model": model_spec, "seq_len": seq_len, "global_batch": global_batch,
             "steps": steps, "seed": seed, "dtype": dtype.value, "optimizer": optimizer.value,
             "micro_batches": plan.micro_batches, "schedule": plan.schedule.value, "runtime": runtime,
-            "sequence_parallel": sequence_parallel(plan, model),
+            "sequence_parallel": sequence_parallel(plan, model), "tied_split_alike": tied_split_alike(plan, model),
             "mesh": {"pp": len(set(ranks)), "dp": first.dp, "tp": first.tp}, "world_size": len(plan.devices),
             "ranks": table, "stages": stages, "plan": plan.model_dump(mode="json"),
             "grad_reduce": (reduce or grad_reduce(plan, runtime, dtype=dtype)).as_json()}

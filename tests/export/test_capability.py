@@ -29,8 +29,9 @@ def test_the_global_batch_adds_the_whole_sample_rule() -> None:
 
 def test_a_model_adds_the_model_checks() -> None:
     model = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=16)
-    bad = Plan(stages=(Stage(layers=(0, 4), devices=(0, 1), tp=2, sharding={"mlp.fc1": "sequence"}),))
-    assert "sharding['mlp.fc1']='sequence'" in (exportable(bad, "torch", model) or "")
+    bad = Plan(stages=(Stage(layers=(0, 4), devices=(0, 1), tp=2, sharding={"mlp.fc1": "batch"}),))
+    assert "sharding['mlp.fc1']='batch'" in (exportable(bad, "torch", model) or "")
+    assert exportable(bad, "torch") is None  # without the model, no op is checked
     uniform = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2),
                                             Stage(layers=(2, 4), devices=(2, 3), tp=2)))
     assert exportable(uniform, "megatron", model) is None

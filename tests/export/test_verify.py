@@ -16,10 +16,11 @@ import torch
 
 from tagplan.export import ExportError
 from tagplan.export.modules import build_model
+from tagplan.export.runtime_launch import RankRun
 from tagplan.export.shapes import model_config, scaled_down
 from tagplan.export.torch_checks import check_expressible
 from tagplan.export.torch_program import PROGRAM_NAME, PROGRAM_SOURCE, write_torch_program
-from tagplan.export.verify import _judge, predicted_vs_measured, reference, verify
+from tagplan.export.verify import ATOL, RTOL, _compare, _judge, predicted_vs_measured, reference, verify
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.plan import Plan, Stage
@@ -65,12 +66,14 @@ def test_shares_that_give_fractions_of_samples_are_refused(gpt_spec: str, tmp_pa
 
 def test_every_inexpressible_feature_is_listed(gpt_spec: str) -> None:
     plan = Plan(schedule="1f1b", micro_batches=1, stages=(
-        _stage((0, 2), (0, 1), tp=2, sharding={"mlp.fc1": "sequence", "attn.qq": "column"}),
+        _stage((0, 2), (0, 1), tp=2, sharding={"mlp.fc1": "batch", "mlp.fc2": "sequence", "attn.qq": "column"}),
         _stage((2, 4), (2, 3), dp=2)))
     with pytest.raises(ExportError) as err:
         check_expressible(plan, load_model(gpt_spec))
     message = str(err.value)
-    assert "stages[0].sharding['mlp.fc1']='sequence'" in message
+    assert "stages[0].sharding['mlp.fc1']='batch': the program runs a gpt or llama matmul as column, row, " \
+           "replicate or sequence" in message
+    assert "sharding['mlp.fc2']" not in message  # a token-split matmul runs (export.tp_flow)
     assert "names op 'attn.qq', which no layer of the stage has" in message
     assert "dp=2" not in message and "micro_batches" not in message  # the pipeline runtime runs those
 
@@ -95,6 +98,8 @@ def test_written_program_carries_resolved_megatron_strategies(gpt_spec: str, tmp
     assert cfg["stages"][0]["strategies"]["1"]["attn.q"] == "column"
     assert cfg["stages"][0]["strategies"]["1"]["attn.o"] == "row"
     assert cfg["stages"][1]["strategies"]["3"] == {"lm_head.tied": "column"}
+    assert cfg["stages"][0]["strategies"]["1"]["attn.sdpa"] == "heads"  # what q, k and v hand on to
+    assert cfg["tied_split_alike"] is True  # a row-split table and a column-split head hold matching pieces
     assert cfg["stages"][1]["zero"] == 0  # dp == 1: nothing to shard over
     assert cfg["runtime"] == "mesh" and cfg["dtype"] == "fp32" and cfg["optimizer"] == "adam"
     with pytest.raises(ExportError, match="global_batch=5: micro_batches=2 does not divide"):
@@ -157,11 +162,24 @@ def test_interleaved_llama_with_recompute_matches(llama_spec: str) -> None:
 
 
 @pytest.mark.slow
-def test_swapped_column_and_row_sharding_fails_verification(gpt_spec: str) -> None:
+def test_swapped_column_and_row_sharding_runs_with_the_conversions_the_model_charges(gpt_spec: str) -> None:
+    # fc1 row slices its whole input and reduces its partial sums for fc2, which gathers nothing and
+    # hands the stream an all-to-all of its hidden-split output (export.tp_flow)
     plan = Plan(stages=(_stage(ONE_STAGE, (0, 1), tp=2, sharding={"mlp.fc1": "row", "mlp.fc2": "column"}),))
-    report = verify(gpt_spec, plan)
-    assert not report.passed
-    assert "mlp.fc1 (row)" in report.message and math.isinf(report.max_abs_error)
+    _passes(gpt_spec, plan)
+
+
+def test_a_rank_that_fails_is_reported_with_the_op_it_was_in(tmp_path: Path) -> None:
+    (tmp_path / "error_rank1.json").write_text(json.dumps(
+        {"rank": 1, "time": 2.0, "op": "layers.1.mlp.fc1 (row)", "error": "RuntimeError: shapes cannot be multiplied"}))
+    (tmp_path / "error_rank0.json").write_text(json.dumps(
+        {"rank": 0, "time": 3.0, "op": "layers.2.attn.q (column)", "error": "peer lost"}))
+    runs = [RankRun(0, 1, (), ""), RankRun(1, 1, (), ""), RankRun(2, -9, (), "Killed\n")]
+    report = _compare(tmp_path, runs, 1.0, {}, atol=ATOL, rtol=RTOL)
+    assert not report.passed and math.isinf(report.max_abs_error)
+    assert report.worst_parameter == "layers.1.mlp.fc1 (row)"  # the first error, not its peer's
+    assert "failed on rank 1 in layers.1.mlp.fc1 (row): RuntimeError" in report.message
+    assert "rank 2 exited with code -9: Killed" in report.message  # a rank that died without a record
 
 
 # --- the pipeline runtime: stages of different (dp, tp), whole-sample shares ---------------------
@@ -230,3 +248,43 @@ def test_a_partial_recompute_runs_and_matches(llama_spec: str, tmp_path: Path) -
     assert [s["recompute_layers"] for s in json.loads((tmp_path / "plan.json").read_text())["stages"]] == [1, 1]
     report = verify(llama_spec, plan)
     assert report.passed, report.message
+
+
+# --- token-split (sequence) matmuls and tied tables split unalike -----------------------------------
+
+_SEQUENCE_MLP = {"attn.o": "sequence", "mlp.fc1": "sequence", "mlp.fc2": "sequence"}
+
+
+@pytest.mark.slow
+def test_token_split_output_projection_and_mlp_match_on_one_mesh(gpt_spec: str) -> None:
+    # attn.o takes its heads' output by an all-to-all; the MLP runs on this rank's tokens with whole
+    # weights, so it gathers nothing, and its weight gradients are summed over tp once per step
+    _passes(gpt_spec, Plan(micro_batches=2, stages=(_stage(ONE_STAGE, (0, 1), tp=2, sharding=_SEQUENCE_MLP),)))
+
+
+@pytest.mark.slow
+def test_token_split_projections_feed_split_heads_without_sequence_parallelism(gpt_spec: str) -> None:
+    # q, k and v read a slice of the whole stream and hand attention its heads (all-to-all); fc2 reads
+    # fc1's hidden split by an all-to-all and hands back the whole stream
+    whole = {"ln_1": "replicate", "ln_2": "replicate", "final_norm": "replicate"}
+    sharding = {**whole, "attn.q": "sequence", "attn.k": "sequence", "attn.v": "sequence", "mlp.fc2": "sequence"}
+    _passes(gpt_spec, Plan(stages=(_stage(ONE_STAGE, (0, 1), tp=2, sharding=sharding),)))
+
+
+@pytest.mark.slow
+def test_llama_token_split_stage_then_tp1_on_the_pipeline_runtime(llama_spec: str) -> None:
+    sharding = {"attn.o": "sequence", "mlp.gate": "sequence", "mlp.up": "column", "mlp.down": "sequence"}
+    _passes(llama_spec, Plan(micro_batches=2, stages=(_stage((0, 2), (0, 1), tp=2, sharding=sharding),
+                                                      _stage((2, 4), (2,)))))
+
+
+@pytest.mark.slow
+def test_tied_table_split_unalike_across_pipeline_ranks_sums_whole_tables(gpt_spec: str, tmp_path: Path) -> None:
+    # the table split by hidden columns on stage 0, the head by vocabulary rows on stage 1 (the mesh runtime)
+    plan = Plan(schedule="gpipe", micro_batches=2, stages=(
+        _stage((0, 2), (0, 1), tp=2, sharding={"wte": "column"}),
+        _stage((2, 4), (2, 3), tp=2, sharding={"lm_head.tied": "column"})))
+    write_torch_program(gpt_spec, plan, tmp_path, seq_len=16, global_batch=4)
+    cfg = json.loads((tmp_path / "plan.json").read_text())
+    assert cfg["runtime"] == "mesh" and cfg["tied_split_alike"] is False
+    _passes(gpt_spec, plan)

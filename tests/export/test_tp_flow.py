@@ -1,0 +1,75 @@
+"""How the torch program's matmuls hand tensors on (tagplan.export.tp_flow), and which plans it takes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tagplan.cost.sharding import Layout
+from tagplan.export import ExportError
+from tagplan.export.shapes import model_config
+from tagplan.export.torch_checks import check_expressible, tied_split_alike
+from tagplan.export.tp_flow import Flow, block_flow, head_flow
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir.plan import Plan, Stage
+
+R, H, S = Layout.R, Layout.H, Layout.S
+GPT = "gpt?layers=2&hidden=64&heads=4&vocab=128&max_positions=16"
+MEGATRON = {"attn.q": "column", "attn.k": "column", "attn.v": "column", "attn.o": "row",
+            "mlp.fc1": "column", "mlp.fc2": "row"}
+
+
+def test_megatrons_layout_gathers_the_stream_once_per_module_and_hands_it_back_split() -> None:
+    flow = block_flow("gpt", MEGATRON, sp=True)
+    assert flow.gathers == {"attn": True, "mlp": True}
+    assert flow.flows["attn.q"] == Flow(R, H) and flow.flows["attn.o"] == Flow(H, S)
+    assert flow.flows["mlp.fc1"] == Flow(R, H) and flow.flows["mlp.fc2"] == Flow(H, S)
+    plain = block_flow("gpt", MEGATRON, sp=False)
+    assert plain.gathers == {"attn": False, "mlp": False} and plain.flows["mlp.fc2"] == Flow(H, R)
+
+
+def test_a_token_split_mlp_reads_its_part_of_the_stream_without_gathering() -> None:
+    flow = block_flow("gpt", {**MEGATRON, "attn.o": "sequence", "mlp.fc1": "sequence", "mlp.fc2": "sequence"}, sp=True)
+    assert flow.gathers == {"attn": True, "mlp": False}
+    assert flow.flows["attn.o"] == Flow(H, S)  # heads in (an all-to-all to tokens), the stream's part out
+    assert flow.flows["mlp.fc1"] == Flow(S, S) and flow.flows["mlp.fc2"] == Flow(S, S)
+    mixed = block_flow("gpt", {**MEGATRON, "mlp.fc1": "sequence"}, sp=True)  # fc2 row needs the hidden split
+    assert mixed.flows["mlp.fc1"] == Flow(S, H) and mixed.gathers["mlp"] is False
+
+
+def test_llama_gate_and_up_hand_down_what_it_needs_and_replicated_attention_gets_whole_tensors() -> None:
+    strategies = {"attn.q": "column", "attn.k": "column", "attn.v": "column", "attn.sdpa": "replicate",
+                  "attn.o": "replicate", "mlp.gate": "sequence", "mlp.up": "column", "mlp.down": "sequence"}
+    flow = block_flow("llama", strategies, sp=True)
+    assert flow.flows["attn.q"] == Flow(R, R) and flow.flows["attn.o"] == Flow(R, S)
+    assert flow.flows["mlp.gate"] == Flow(R, S) == flow.flows["mlp.up"]  # up gathered because of column
+    assert flow.flows["mlp.down"] == Flow(S, S) and flow.gathers["mlp"] is True
+    assert head_flow(sp=True) == Flow(S, R) and head_flow(sp=False) == Flow(R, R)
+
+
+def test_the_program_takes_token_split_matmuls_of_gpt_and_llama_but_not_batch_split_ones() -> None:
+    model = load_model(GPT, seq_len=16)
+    ok = Plan(stages=(Stage(layers=(0, 4), devices=(0, 1), tp=2,
+                            sharding={"attn.o": "sequence", "mlp.fc1": "sequence", "lm_head.tied": "sequence"}),))
+    check_expressible(ok, model, config=model_config(GPT, seq_len=16))
+    bad = Plan(stages=(Stage(layers=(0, 4), devices=(0, 1), tp=2, sharding={"mlp.fc1": "batch"}),))
+    with pytest.raises(ExportError, match=r"stages\[0\]\.sharding\['mlp\.fc1'\]='batch'"):
+        check_expressible(bad, model)
+
+
+@pytest.mark.parametrize(("wte", "head", "alike"), [("row", "column", True), ("column", "row", True),
+                                                     ("column", "column", False), ("row", "row", False),
+                                                     ("sequence", "replicate", True), ("row", "sequence", False)])
+def test_tied_copies_are_alike_when_their_pieces_match(wte: str, head: str, alike: bool) -> None:
+    model = load_model(GPT, seq_len=16)
+    plan = Plan(stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2, sharding={"wte": wte}),
+                        Stage(layers=(2, 4), devices=(2, 3), tp=2, sharding={"lm_head.tied": head})))
+    assert tied_split_alike(plan, model) is alike
+    check_expressible(plan, model)  # either way the program runs it (unalike copies sum whole tables)
+
+
+def test_tied_copies_on_unequal_tp_are_unalike_and_without_tp_alike() -> None:
+    model = load_model(GPT, seq_len=16)
+    uneven = Plan(stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2), Stage(layers=(2, 4), devices=(2,))))
+    assert not tied_split_alike(uneven, model)
+    assert tied_split_alike(Plan(stages=(Stage(layers=(0, 2), devices=(0,)), Stage(layers=(2, 4), devices=(1,)))),
+                            model)
