@@ -7,8 +7,9 @@ build), then applies, in this order:
    row -> RowwiseParallel, replicate -> left whole, sequence -> left whole on this rank's part of
    the tokens (its weight gradients summed over the tp group once per step, `sum_token_split`); in
    a gpt or llama block each matmul converts its input and output as `export.tp_flow` lays out;
-   the vocabulary projection gathers its logits; with sequence parallelism the residual stream
-   between layers is split along the sequence;
+   a gpt or llama column head keeps its part of the vocabulary and the loss is computed
+   vocabulary-parallel (`loss_parallel`, `vocab_logits`), other heads gather their logits; with
+   sequence parallelism the residual stream between layers is split along the sequence;
 2. recomputation: each block of a `recompute` stage checkpoints its forward;
 3. data parallelism on the "dp" axis: ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), ZeRO 1/2
    -> `fully_shard(reshard_after_forward=False)`, ZeRO 3 -> `fully_shard(reshard_after_forward=True)`.
@@ -19,6 +20,7 @@ the two copies are split alike.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -152,7 +155,7 @@ def layer_styles(layer: nn.Module, index: int, config: ModelConfig, strategies: 
         elif block is not None:
             styles[path] = matmul_style(strategy, block.flows[op])
         elif path == "lm_head" and config.family in ("gpt", "llama"):
-            styles[path] = matmul_style(strategy, head_flow(sp=sp))
+            styles[path] = matmul_style(strategy, head_flow(strategy, sp=sp))
         elif path == "lm_head":
             styles[path] = head_style(strategy, sp=sp)
         else:
@@ -163,6 +166,23 @@ def layer_styles(layer: nn.Module, index: int, config: ModelConfig, strategies: 
     if sp and index == config.num_layers - 1:
         styles["final_norm"] = SequenceParallel(use_local_output=True)
     return {path: style for path, style in styles.items() if style is not None}
+
+
+def vocab_logits(logits: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """A column head's local logits (batch, seq, vocab / tp) as the DTensor `loss_parallel` reads, split over
+    the vocabulary on `mesh`; logits unchanged where the loss is computed whole (mesh None)."""
+    return logits if mesh is None else DTensor.from_local(logits, mesh, [Shard(logits.dim() - 1)], run_check=False)
+
+
+def loss_context(mesh: DeviceMesh | None) -> contextlib.AbstractContextManager[None]:
+    """`loss_parallel` where the loss is vocabulary-parallel (it must also hold for the backward), else nothing."""
+    return loss_parallel() if mesh is not None else contextlib.nullcontext()
+
+
+def loss_value(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (a vocabulary-parallel loss is a replicated DTensor), detached."""
+    value = loss.detach()
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def token_split_modules(layer: nn.Module, index: int, config: ModelConfig,

@@ -45,7 +45,14 @@ from torch.nn import functional
 from tagplan.export.modules import build_layer, set_stage_recompute, tied_param_names
 from tagplan.export.runtime_layout import Action, StageLayout, Transfer, transfers
 from tagplan.export.runtime_optim import ZeroShard
-from tagplan.export.runtime_parallel import StageModule, apply_tp, sum_token_split
+from tagplan.export.runtime_parallel import (
+    StageModule,
+    apply_tp,
+    loss_context,
+    loss_value,
+    sum_token_split,
+    vocab_logits,
+)
 from tagplan.export.shapes import ModelConfig
 
 
@@ -157,6 +164,8 @@ class PipelineRunner:
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.loss_scale = 1.0  # the last stage's backward starts from loss * loss_scale (fp16)
         self.scattered: dict[int, set[str]] = {}  # per stage, gradients a ZeRO shard reduce-scatters later
+        last = len(layouts) - 1  # a column head's logits stay split over the vocabulary: the loss is too
+        self.loss_mesh = groups.tp_mesh.get(last) if cfg.get("vocab_parallel_loss") and last in parts else None
 
     def _sp(self, s: int, edge: int) -> bool:
         """Whether stage s's input (edge 0) or output (edge 1) is split along the sequence on its tp ranks."""
@@ -236,10 +245,11 @@ class PipelineRunner:
         y = self.parts[s](x)
         if s == len(self.layouts) - 1:
             target = labels[rows].to(self.device)
-            loss = functional.cross_entropy(y.flatten(0, 1).float(), target.flatten(), reduction="sum")
+            logits = vocab_logits(y, self.loss_mesh).flatten(0, 1).float()
+            loss = functional.cross_entropy(logits, target.flatten(), reduction="sum")
             loss = loss / (self.cfg["global_batch"] * self.cfg["seq_len"])
             self.outputs[(s, m)] = loss
-            return loss.detach()
+            return loss_value(loss)
         self.outputs[(s, m)] = y
         with torch.no_grad():
             full_out = self._gather_seq(s, y) if self._sp(s, 1) else y.detach()
@@ -266,13 +276,14 @@ class PipelineRunner:
         """Run the program, sum gradients over replicas (but those in `scattered`) and tied copies;
         the global-batch mean loss (unscaled) on last-stage ranks, else None."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for kind, s, m in self.program:
-            if kind == "F":
-                loss = self.forward(s, m, tokens, labels)
-                if loss is not None:
-                    total += loss.double()
-            else:
-                self.backward(s, m)
+        with loss_context(self.loss_mesh):  # a vocabulary-parallel loss's backward needs it too
+            for kind, s, m in self.program:
+                if kind == "F":
+                    loss = self.forward(s, m, tokens, labels)
+                    if loss is not None:
+                        total += loss.double()
+                else:
+                    self.backward(s, m)
         for work, _ in self.sends:
             work.wait()
         self.sends.clear()

@@ -58,9 +58,12 @@ from tagplan.export.runtime_parallel import (
     Rank,
     StageModule,
     build_parts,
+    loss_context,
+    loss_value,
     sum_token_split,
     sync_tied,
     tie_group,
+    vocab_logits,
 )
 from tagplan.export.runtime_pipeline import PipelineRunner, build_stage, make_groups, sharded_stages, zero_shards
 from tagplan.export.shapes import ModelConfig, model_config
@@ -104,6 +107,7 @@ class Runner:
 
     def __init__(self, cfg: dict[str, Any], config: ModelConfig, parts: dict[int, StageModule], rank: Rank) -> None:
         self.parts, self.micro = parts, cfg["micro_batches"]
+        self.loss_mesh = rank.mesh["tp"] if cfg.get("vocab_parallel_loss") else None  # the head's vocabulary split
         self.num_stages = len(cfg["stages"])
         self.schedule: Any = None
         self.loss_scale = 1.0  # the backward runs on loss * loss_scale (fp16); reported losses are unscaled
@@ -121,7 +125,7 @@ class Runner:
                 self.schedule = cls(stages[0], self.micro, loss_fn=self._scaled_loss)
 
     def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return loss_fn(logits, labels) * self.loss_scale
+        return loss_fn(vocab_logits(logits, self.loss_mesh), labels) * self.loss_scale
 
     def _example_io(self, cfg: dict[str, Any], config: ModelConfig, index: int, device: torch.device) -> tuple[
             torch.Tensor, torch.Tensor]:
@@ -131,7 +135,8 @@ class Runner:
         seq = cfg["seq_len"] // (cfg["mesh"]["tp"] if cfg["sequence_parallel"] else 1)
         hidden = torch.empty(batch, seq, config.hidden, device=device, requires_grad=True)
         first = torch.empty(batch, cfg["seq_len"], dtype=torch.long, device=device)
-        last = torch.empty(batch, cfg["seq_len"], config.vocab, device=device, requires_grad=True)
+        vocab = config.vocab // (cfg["mesh"]["tp"] if cfg.get("vocab_parallel_loss") else 1)
+        last = torch.empty(batch, cfg["seq_len"], vocab, device=device, requires_grad=True)
         return first if index == 0 else hidden, last if index == self.num_stages - 1 else hidden
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float | None:
@@ -142,8 +147,9 @@ class Runner:
         first, last = 0 in self.parts, self.num_stages - 1 in self.parts
         losses: list[torch.Tensor] = []
         args = (tokens,) if first else ()
-        self.schedule.step(*args, target=labels if last else None, losses=losses if last else None)
-        return float(torch.stack(losses).mean()) / self.loss_scale if last else None
+        with loss_context(self.loss_mesh):
+            self.schedule.step(*args, target=labels if last else None, losses=losses if last else None)
+        return float(torch.stack([loss_value(x) for x in losses]).mean()) / self.loss_scale if last else None
 
     def _local(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
         losses = []
@@ -152,9 +158,10 @@ class Runner:
                 if isinstance(part, FSDPModule):
                     part.set_requires_gradient_sync(m == self.micro - 1)
                 x = part(x)
-            loss = loss_fn(x, y)
-            (loss * (self.loss_scale / self.micro)).backward()
-            losses.append(loss.detach())
+            with loss_context(self.loss_mesh):
+                loss = loss_fn(vocab_logits(x, self.loss_mesh), y)
+                (loss * (self.loss_scale / self.micro)).backward()
+            losses.append(loss_value(loss))
         return float(torch.stack(losses).mean())
 
 

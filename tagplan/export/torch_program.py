@@ -30,7 +30,8 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
   token-split), the matmul writing the stream back reduce-scatters; norms all `replicate` -> plain
   Megatron TP; a mix is refused, and so is a seq_len that a stage's tp does not divide under
   sequence parallelism. Attention splits heads (`heads`) or runs whole (`replicate`); pointwise
-  ops follow their inputs' layout (their declared strategy is not read);
+  ops follow their inputs' layout (their declared strategy is not read); a column head on tp > 1
+  leaves its logits split over the vocabulary and the loss is computed so (`vocab_parallel_loss`);
 - `heads` and `kv_heads` divisible by each stage's `tp`; a tied table's two copies may be split
   alike (their gradients summed piece by piece) or not (summed as whole tables, `tied_split_alike`);
 - ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), 1 and 2 -> FSDP2 `fully_shard` with
@@ -77,7 +78,7 @@ from tagplan.export.torch_checks import (
     strategies_for,
     tied_split_alike,
 )
-from tagplan.export.tp_flow import ATTENTION
+from tagplan.export.tp_flow import ATTENTION, vocab_parallel_loss
 from tagplan.frontends.hf_config import config_path
 from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, build_model
 from tagplan.ir.cluster import Cluster
@@ -153,9 +154,16 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
             "steps": steps, "seed": seed, "dtype": dtype.value, "optimizer": optimizer.value,
             "micro_batches": plan.micro_batches, "schedule": plan.schedule.value, "runtime": runtime,
             "sequence_parallel": sequence_parallel(plan, model), "tied_split_alike": tied_split_alike(plan, model),
+            "vocab_parallel_loss": vocab_parallel_loss(config.family, head_strategy(plan, model), plan.stages[-1].tp),
             "mesh": {"pp": len(set(ranks)), "dp": first.dp, "tp": first.tp}, "world_size": len(plan.devices),
             "ranks": table, "stages": stages, "plan": plan.model_dump(mode="json"),
             "grad_reduce": (reduce or grad_reduce(plan, runtime, dtype=dtype)).as_json()}
+
+
+def head_strategy(plan: Plan, model: ModelGraph) -> str:
+    """The vocabulary projection's strategy on the last stage (tagplan's default, or the stage's own)."""
+    resolved = strategies_for(model, plan.stages[-1], len(model.layers) - 1)
+    return next((resolved[op].value for op in ("lm_head.tied", "lm_head") if op in resolved), "replicate")
 
 
 def reduce_overlaps(plan: Plan, runtime: str) -> dict[int, bool]:

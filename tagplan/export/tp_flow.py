@@ -19,8 +19,9 @@ S<->H an all-to-all):
 - the first MLP matmuls (fc1; gate and up) hand on what the second (fc2; down) needs;
 - the matmuls that write the residual stream (attn.o, fc2, down) hand it on in the stream's layout: S
   under sequence parallelism, else R;
-- the vocabulary projection reads the final norm's output (the stream's layout) and hands on whole
-  logits (the loss is computed whole).
+- the vocabulary projection reads the final norm's output (the stream's layout); split by columns it
+  hands on its part of the vocabulary and the loss is computed vocabulary-parallel, otherwise whole
+  logits.
 Attention and the MLP read the stream once: under sequence parallelism it is gathered at the module's
 input (one all-gather for q, k and v) unless every first matmul reads its part of the sequence.
 """
@@ -79,6 +80,14 @@ def block_flow(family: str, strategies: dict[str, str], *, sp: bool) -> BlockFlo
     return BlockFlow(flows, gathers)
 
 
-def head_flow(*, sp: bool) -> Flow:
-    """The vocabulary projection: the final norm's output in, whole logits out."""
-    return Flow(Layout.S if sp else Layout.R, Layout.R)
+def head_flow(strategy: str, *, sp: bool) -> Flow:
+    """The vocabulary projection: the final norm's output in; a column head hands on its part of the
+    vocabulary (the loss is computed vocabulary-parallel, as Megatron's cross-entropy is: no rank holds
+    whole logits), every other head whole logits."""
+    return Flow(Layout.S if sp else Layout.R, Layout.H if strategy == "column" else Layout.R)
+
+
+def vocab_parallel_loss(family: str, head_strategy: str, tp: int) -> bool:
+    """Whether the program computes the loss on logits split over the vocabulary: a gpt or llama column
+    head on a stage with tp > 1 (`head_flow`)."""
+    return family in ("gpt", "llama") and head_strategy == "column" and tp > 1

@@ -100,6 +100,7 @@ def test_written_program_carries_resolved_megatron_strategies(gpt_spec: str, tmp
     assert cfg["stages"][1]["strategies"]["3"] == {"lm_head.tied": "column"}
     assert cfg["stages"][0]["strategies"]["1"]["attn.sdpa"] == "heads"  # what q, k and v hand on to
     assert cfg["tied_split_alike"] is True  # a row-split table and a column-split head hold matching pieces
+    assert cfg["vocab_parallel_loss"] is True  # the column head's logits stay split over the vocabulary
     assert cfg["stages"][1]["zero"] == 0  # dp == 1: nothing to shard over
     assert cfg["runtime"] == "mesh" and cfg["dtype"] == "fp32" and cfg["optimizer"] == "adam"
     with pytest.raises(ExportError, match="global_batch=5: micro_batches=2 does not divide"):
@@ -288,3 +289,13 @@ def test_tied_table_split_unalike_across_pipeline_ranks_sums_whole_tables(gpt_sp
     cfg = json.loads((tmp_path / "plan.json").read_text())
     assert cfg["runtime"] == "mesh" and cfg["tied_split_alike"] is False
     _passes(gpt_spec, plan)
+
+
+@pytest.mark.slow
+def test_vocabulary_parallel_loss_on_a_last_stage_of_its_own_tp_matches(llama_spec: str, tmp_path: Path) -> None:
+    # the pipeline runtime: tp 1 then a tp-2 last stage whose column head keeps half the vocabulary per rank
+    plan = Plan(micro_batches=2, stages=(_stage((0, 2), (0,)), _stage((2, 4), (1, 2), tp=2)))
+    write_torch_program(llama_spec, plan, tmp_path, seq_len=16, global_batch=4)
+    cfg = json.loads((tmp_path / "plan.json").read_text())
+    assert cfg["runtime"] == "pipeline" and cfg["vocab_parallel_loss"] is True
+    _passes(llama_spec, plan)
