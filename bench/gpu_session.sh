@@ -26,9 +26,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,power.limi
   > "$out/device.txt" 2>&1
 python3 -c "import torch; p = torch.cuda.get_device_properties(0); print(torch.__version__, p.name, \
 p.multi_processor_count, p.total_memory)" >> "$out/device.txt" 2>&1
+# the host that issues the kernels: host-bound runs move with its CPU (docs/FIDELITY.md, section (e))
+{ lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|CPU max MHz)"; nproc; } > "$out/host.txt" 2>&1
 timeout 300 python3 bench/gpu_profile.py --out /tmp/gpu-bundles --only iterations,llama,ops,layers \
   > "$out/profile-log.txt" 2>&1
 timeout 170 python3 bench/gpu_export_check.py --out /tmp/gpu-bundles > "$out/export-log.txt" 2>&1
 timeout 45 python3 bench/gpu_profile.py --out /tmp/gpu-bundles --only repeat >> "$out/profile-log.txt" 2>&1
 tar czf "$out/gpu.tgz" -C /tmp/gpu-bundles .
-tail -3 "$out/profile-log.txt"; tail -9 "$out/export-log.txt"; cat "$out/device.txt"
+tail -3 "$out/profile-log.txt"; tail -9 "$out/export-log.txt"; cat "$out/device.txt" "$out/host.txt"
