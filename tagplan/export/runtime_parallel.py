@@ -7,8 +7,8 @@ build), then applies, in this order:
    row -> RowwiseParallel, replicate -> left whole, sequence -> left whole on this rank's part of
    the tokens (its weight gradients summed over the tp group once per step, `sum_token_split`); in
    a gpt or llama block each matmul converts its input and output as `export.tp_flow` lays out;
-   a gpt or llama column head keeps its part of the vocabulary and the loss is computed
-   vocabulary-parallel (`loss_parallel`, `vocab_logits`), other heads gather their logits; with
+   a gpt or llama column head keeps its part of the vocabulary and a token-split head its part of
+   the tokens, and the loss is computed on those parts (`LossSplit`), other heads gather their logits; with
    sequence parallelism the residual stream between layers is split along the sequence;
 2. recomputation: each block of a `recompute` stage checkpoints its forward;
 3. data parallelism on the "dp" axis: ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), ZeRO 1/2
@@ -168,21 +168,46 @@ def layer_styles(layer: nn.Module, index: int, config: ModelConfig, strategies: 
     return {path: style for path, style in styles.items() if style is not None}
 
 
-def vocab_logits(logits: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
-    """A column head's local logits (batch, seq, vocab / tp) as the DTensor `loss_parallel` reads, split over
-    the vocabulary on `mesh`; logits unchanged where the loss is computed whole (mesh None)."""
-    return logits if mesh is None else DTensor.from_local(logits, mesh, [Shard(logits.dim() - 1)], run_check=False)
+@dataclass(frozen=True)
+class LossSplit:
+    """How the last stage's logits lie on its tp ranks when the loss reads them (`tp_flow.loss_split`):
+    "vocab" (a column head's part of the vocabulary: `loss_parallel`, whose backward must run inside it
+    too), "tokens" (a token-split head's part of the tokens: each rank's share of the loss, summed over the
+    ranks) or None (whole logits, `mesh` None)."""
 
+    kind: str | None = None
+    mesh: DeviceMesh | None = None
 
-def loss_context(mesh: DeviceMesh | None) -> contextlib.AbstractContextManager[None]:
-    """`loss_parallel` where the loss is vocabulary-parallel (it must also hold for the backward), else nothing."""
-    return loss_parallel() if mesh is not None else contextlib.nullcontext()
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's local logits as the loss reads them (a vocabulary split: the DTensor `loss_parallel` takes)."""
+        if self.kind == "vocab" and self.mesh is not None:
+            return DTensor.from_local(logits, self.mesh, [Shard(logits.dim() - 1)], run_check=False)
+        return logits
 
+    def labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of the tokens this rank's logits cover: (batch, seq), or its part of the sequence."""
+        if self.kind == "tokens" and self.mesh is not None:
+            return labels.chunk(self.mesh.size(), dim=1)[self.mesh.get_local_rank()]
+        return labels
 
-def loss_value(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor (a vocabulary-parallel loss is a replicated DTensor), detached."""
-    value = loss.detach()
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    def share(self, labels: torch.Tensor) -> float:
+        """The weight of a mean over this rank's tokens in the mean over all of them (`labels`: all of them)."""
+        return self.labels(labels).numel() / labels.numel()
+
+    def context(self) -> contextlib.AbstractContextManager[None]:
+        """`loss_parallel` for a vocabulary-parallel loss (forward and backward), else nothing."""
+        return loss_parallel() if self.kind == "vocab" else contextlib.nullcontext()
+
+    def value(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss as a plain detached tensor: this rank's share where the tokens are split (`total` sums them)."""
+        value = loss.detach()
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the tp ranks where each holds its tokens' share (a collective there), in place."""
+        if self.kind == "tokens" and self.mesh is not None:
+            dist.all_reduce(value, group=self.mesh.get_group())
+        return value
 
 
 def token_split_modules(layer: nn.Module, index: int, config: ModelConfig,

@@ -46,12 +46,10 @@ from tagplan.export.modules import build_layer, set_stage_recompute, tied_param_
 from tagplan.export.runtime_layout import Action, StageLayout, Transfer, transfers
 from tagplan.export.runtime_optim import ZeroShard
 from tagplan.export.runtime_parallel import (
+    LossSplit,
     StageModule,
     apply_tp,
-    loss_context,
-    loss_value,
     sum_token_split,
-    vocab_logits,
 )
 from tagplan.export.shapes import ModelConfig
 
@@ -164,8 +162,9 @@ class PipelineRunner:
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.loss_scale = 1.0  # the last stage's backward starts from loss * loss_scale (fp16)
         self.scattered: dict[int, set[str]] = {}  # per stage, gradients a ZeRO shard reduce-scatters later
-        last = len(layouts) - 1  # a column head's logits stay split over the vocabulary: the loss is too
-        self.loss_mesh = groups.tp_mesh.get(last) if cfg.get("vocab_parallel_loss") and last in parts else None
+        last = len(layouts) - 1  # a column or token-split head's logits stay split: the loss reads their parts
+        mesh = groups.tp_mesh.get(last) if cfg.get("loss_split") and last in parts else None
+        self.split = LossSplit(cfg.get("loss_split") if mesh is not None else None, mesh)
 
     def _sp(self, s: int, edge: int) -> bool:
         """Whether stage s's input (edge 0) or output (edge 1) is split along the sequence on its tp ranks."""
@@ -244,12 +243,12 @@ class PipelineRunner:
             self.inputs[(s, m)] = x
         y = self.parts[s](x)
         if s == len(self.layouts) - 1:
-            target = labels[rows].to(self.device)
-            logits = vocab_logits(y, self.loss_mesh).flatten(0, 1).float()
+            target = self.split.labels(labels[rows].to(self.device))
+            logits = self.split.logits(y).flatten(0, 1).float()
             loss = functional.cross_entropy(logits, target.flatten(), reduction="sum")
             loss = loss / (self.cfg["global_batch"] * self.cfg["seq_len"])
             self.outputs[(s, m)] = loss
-            return loss_value(loss)
+            return self.split.value(loss)
         self.outputs[(s, m)] = y
         with torch.no_grad():
             full_out = self._gather_seq(s, y) if self._sp(s, 1) else y.detach()
@@ -276,7 +275,7 @@ class PipelineRunner:
         """Run the program, sum gradients over replicas (but those in `scattered`) and tied copies;
         the global-batch mean loss (unscaled) on last-stage ranks, else None."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        with loss_context(self.loss_mesh):  # a vocabulary-parallel loss's backward needs it too
+        with self.split.context():  # a vocabulary-parallel loss's backward needs it too
             for kind, s, m in self.program:
                 if kind == "F":
                     loss = self.forward(s, m, tokens, labels)
@@ -295,6 +294,7 @@ class PipelineRunner:
         last = len(self.layouts) - 1
         if last not in self.parts:
             return None
+        self.split.total(total)  # a token-split head's ranks each hold their tokens' share
         if last in self.groups.dp:
             dist.all_reduce(total, group=self.groups.dp[last])
         return float(total.item())

@@ -55,15 +55,13 @@ from tagplan.export.runtime_layout import programs, stage_layouts
 from tagplan.export.runtime_optim import TrainOptimizer, full_params, train_optimizer
 from tagplan.export.runtime_parallel import (
     CURRENT_OP,
+    LossSplit,
     Rank,
     StageModule,
     build_parts,
-    loss_context,
-    loss_value,
     sum_token_split,
     sync_tied,
     tie_group,
-    vocab_logits,
 )
 from tagplan.export.runtime_pipeline import PipelineRunner, build_stage, make_groups, sharded_stages, zero_shards
 from tagplan.export.shapes import ModelConfig, model_config
@@ -107,7 +105,7 @@ class Runner:
 
     def __init__(self, cfg: dict[str, Any], config: ModelConfig, parts: dict[int, StageModule], rank: Rank) -> None:
         self.parts, self.micro = parts, cfg["micro_batches"]
-        self.loss_mesh = rank.mesh["tp"] if cfg.get("vocab_parallel_loss") else None  # the head's vocabulary split
+        self.split = LossSplit(cfg.get("loss_split"), rank.mesh["tp"] if cfg.get("loss_split") else None)
         self.num_stages = len(cfg["stages"])
         self.schedule: Any = None
         self.loss_scale = 1.0  # the backward runs on loss * loss_scale (fp16); reported losses are unscaled
@@ -125,7 +123,8 @@ class Runner:
                 self.schedule = cls(stages[0], self.micro, loss_fn=self._scaled_loss)
 
     def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return loss_fn(vocab_logits(logits, self.loss_mesh), labels) * self.loss_scale
+        split = self.split
+        return loss_fn(split.logits(logits), split.labels(labels)) * (split.share(labels) * self.loss_scale)
 
     def _example_io(self, cfg: dict[str, Any], config: ModelConfig, index: int, device: torch.device) -> tuple[
             torch.Tensor, torch.Tensor]:
@@ -135,8 +134,10 @@ class Runner:
         seq = cfg["seq_len"] // (cfg["mesh"]["tp"] if cfg["sequence_parallel"] else 1)
         hidden = torch.empty(batch, seq, config.hidden, device=device, requires_grad=True)
         first = torch.empty(batch, cfg["seq_len"], dtype=torch.long, device=device)
-        vocab = config.vocab // (cfg["mesh"]["tp"] if cfg.get("vocab_parallel_loss") else 1)
-        last = torch.empty(batch, cfg["seq_len"], vocab, device=device, requires_grad=True)
+        tp, split = cfg["mesh"]["tp"], cfg.get("loss_split")
+        seq, vocab = cfg["seq_len"] // (tp if split == "tokens" else 1), config.vocab // (tp if split == "vocab" else 1)
+        shape = (batch, seq, vocab)
+        last = torch.empty(*shape, device=device, requires_grad=True)
         return first if index == 0 else hidden, last if index == self.num_stages - 1 else hidden
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float | None:
@@ -147,9 +148,11 @@ class Runner:
         first, last = 0 in self.parts, self.num_stages - 1 in self.parts
         losses: list[torch.Tensor] = []
         args = (tokens,) if first else ()
-        with loss_context(self.loss_mesh):
+        with self.split.context():
             self.schedule.step(*args, target=labels if last else None, losses=losses if last else None)
-        return float(torch.stack([loss_value(x) for x in losses]).mean()) / self.loss_scale if last else None
+        if not last:
+            return None
+        return float(self.split.total(torch.stack([self.split.value(x) for x in losses]).mean())) / self.loss_scale
 
     def _local(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
         losses = []
@@ -158,11 +161,11 @@ class Runner:
                 if isinstance(part, FSDPModule):
                     part.set_requires_gradient_sync(m == self.micro - 1)
                 x = part(x)
-            with loss_context(self.loss_mesh):
-                loss = loss_fn(vocab_logits(x, self.loss_mesh), y)
+            with self.split.context():
+                loss = loss_fn(self.split.logits(x), self.split.labels(y)) * self.split.share(y)
                 (loss * (self.loss_scale / self.micro)).backward()
-            losses.append(loss_value(loss))
-        return float(torch.stack(losses).mean())
+            losses.append(self.split.value(loss))
+        return float(self.split.total(torch.stack(losses).mean()))
 
 
 def full_grads(parts: dict[int, StageModule]) -> dict[str, torch.Tensor]:

@@ -30,8 +30,9 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
   token-split), the matmul writing the stream back reduce-scatters; norms all `replicate` -> plain
   Megatron TP; a mix is refused, and so is a seq_len that a stage's tp does not divide under
   sequence parallelism. Attention splits heads (`heads`) or runs whole (`replicate`); pointwise
-  ops follow their inputs' layout (their declared strategy is not read); a column head on tp > 1
-  leaves its logits split over the vocabulary and the loss is computed so (`vocab_parallel_loss`);
+  ops follow their inputs' layout (their declared strategy is not read); a column or token-split
+  head on tp > 1 leaves its logits split over the vocabulary or the tokens and the loss is computed
+  on those parts (`loss_split`);
 - `heads` and `kv_heads` divisible by each stage's `tp`; a tied table's two copies may be split
   alike (their gradients summed piece by piece) or not (summed as whole tables, `tied_split_alike`);
 - ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), 1 and 2 -> FSDP2 `fully_shard` with
@@ -78,12 +79,12 @@ from tagplan.export.torch_checks import (
     strategies_for,
     tied_split_alike,
 )
-from tagplan.export.tp_flow import ATTENTION, vocab_parallel_loss
+from tagplan.export.tp_flow import ATTENTION, loss_split
 from tagplan.frontends.hf_config import config_path
 from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, build_model
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph, OpKind
-from tagplan.ir.plan import Plan, Schedule, check_whole_samples
+from tagplan.ir.plan import Plan, Schedule, ShardStrategy, check_whole_samples
 from tagplan.ir.workload import DType, Optimizer
 
 FMT = "torch"
@@ -154,7 +155,7 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
             "steps": steps, "seed": seed, "dtype": dtype.value, "optimizer": optimizer.value,
             "micro_batches": plan.micro_batches, "schedule": plan.schedule.value, "runtime": runtime,
             "sequence_parallel": sequence_parallel(plan, model), "tied_split_alike": tied_split_alike(plan, model),
-            "vocab_parallel_loss": vocab_parallel_loss(config.family, head_strategy(plan, model), plan.stages[-1].tp),
+            "loss_split": loss_split(config.family, head_strategy(plan, model), plan.stages[-1].tp),
             "mesh": {"pp": len(set(ranks)), "dp": first.dp, "tp": first.tp}, "world_size": len(plan.devices),
             "ranks": table, "stages": stages, "plan": plan.model_dump(mode="json"),
             "grad_reduce": (reduce or grad_reduce(plan, runtime, dtype=dtype)).as_json()}
@@ -212,11 +213,23 @@ def check_batch(plan: Plan, model: ModelGraph, *, seq_len: int, global_batch: in
         check_whole_samples(plan, global_batch)
     except ValueError as err:
         raise ExportError(f"global_batch={global_batch}: {err}") from None
-    if sequence_parallel(plan, model):
-        for i, stage in enumerate(plan.stages):
-            if stage.tp > 1 and seq_len % stage.tp:
-                raise ExportError(f"seq_len={seq_len} does not split over stages[{i}].tp={stage.tp} ranks: the norms "
-                                  "are 'sequence' (sequence parallel), so the sequence must be a multiple of tp")
+    sp = sequence_parallel(plan, model)
+    for i, stage in enumerate(plan.stages):
+        if stage.tp == 1 or not seq_len % stage.tp:
+            continue
+        if sp:
+            raise ExportError(f"seq_len={seq_len} does not split over stages[{i}].tp={stage.tp} ranks: the norms "
+                              "are 'sequence' (sequence parallel), so the sequence must be a multiple of tp")
+        split = sorted({op for j in range(*stage.layers) for op, st in strategies_for(model, stage, j).items()
+                        if st is ShardStrategy.SEQUENCE and model_op_kind(model, j, op) is OpKind.MATMUL})
+        if split:
+            raise ExportError(f"seq_len={seq_len} does not split over stages[{i}].tp={stage.tp} ranks: matmuls "
+                              f"{split[:4]} are token-split ('sequence'), so the sequence must be a multiple of tp")
+
+
+def model_op_kind(model: ModelGraph, layer: int, op: str) -> OpKind | None:
+    """The kind of op `op` of layer `layer` (None: no such op)."""
+    return next((o.kind for o in model.block_of(layer).ops if o.name == op), None)
 
 
 def _carry_user_file(spec: ModelSpec, out_dir: Path) -> str | None:

@@ -20,8 +20,8 @@ S<->H an all-to-all):
 - the matmuls that write the residual stream (attn.o, fc2, down) hand it on in the stream's layout: S
   under sequence parallelism, else R;
 - the vocabulary projection reads the final norm's output (the stream's layout); split by columns it
-  hands on its part of the vocabulary and the loss is computed vocabulary-parallel, otherwise whole
-  logits.
+  hands on its part of the vocabulary, split by tokens its part of the tokens, and the loss is computed
+  on those parts (`loss_split`); otherwise whole logits.
 Attention and the MLP read the stream once: under sequence parallelism it is gathered at the module's
 input (one all-gather for q, k and v) unless every first matmul reads its part of the sequence.
 """
@@ -82,12 +82,16 @@ def block_flow(family: str, strategies: dict[str, str], *, sp: bool) -> BlockFlo
 
 def head_flow(strategy: str, *, sp: bool) -> Flow:
     """The vocabulary projection: the final norm's output in; a column head hands on its part of the
-    vocabulary (the loss is computed vocabulary-parallel, as Megatron's cross-entropy is: no rank holds
-    whole logits), every other head whole logits."""
-    return Flow(Layout.S if sp else Layout.R, Layout.H if strategy == "column" else Layout.R)
+    vocabulary and a token-split head its part of the tokens, and the loss is computed on those parts
+    (`loss_split`): no rank holds whole logits, as the cost model assumes. Other heads hand on whole logits."""
+    out = {"column": Layout.H, "sequence": Layout.S}.get(strategy, Layout.R)
+    return Flow(Layout.S if sp else Layout.R, out)
 
 
-def vocab_parallel_loss(family: str, head_strategy: str, tp: int) -> bool:
-    """Whether the program computes the loss on logits split over the vocabulary: a gpt or llama column
-    head on a stage with tp > 1 (`head_flow`)."""
-    return family in ("gpt", "llama") and head_strategy == "column" and tp > 1
+def loss_split(family: str, head_strategy: str, tp: int) -> str | None:
+    """How the loss reads the last stage's logits on its tp ranks: "vocab" (a column head: the loss is
+    vocabulary-parallel, as Megatron's cross-entropy), "tokens" (a token-split head: each rank's tokens'
+    share of the loss, summed over the ranks) or None (whole logits). gpt and llama heads only."""
+    if family not in ("gpt", "llama") or tp < 2:
+        return None
+    return {"column": "vocab", "sequence": "tokens"}.get(head_strategy)

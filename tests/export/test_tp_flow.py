@@ -8,7 +8,7 @@ from tagplan.cost.sharding import Layout
 from tagplan.export import ExportError
 from tagplan.export.shapes import model_config
 from tagplan.export.torch_checks import check_expressible, tied_split_alike
-from tagplan.export.tp_flow import Flow, block_flow, head_flow, vocab_parallel_loss
+from tagplan.export.tp_flow import Flow, block_flow, head_flow, loss_split
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.plan import Plan, Stage
 
@@ -43,11 +43,12 @@ def test_llama_gate_and_up_hand_down_what_it_needs_and_replicated_attention_gets
     assert flow.flows["attn.q"] == Flow(R, R) and flow.flows["attn.o"] == Flow(R, S)
     assert flow.flows["mlp.gate"] == Flow(R, S) == flow.flows["mlp.up"]  # up gathered because of column
     assert flow.flows["mlp.down"] == Flow(S, S) and flow.gathers["mlp"] is True
-    # a column head keeps its part of the vocabulary (the loss is vocabulary-parallel); others hand on whole logits
-    assert head_flow("column", sp=True) == Flow(S, H) and head_flow("sequence", sp=False) == Flow(R, R)
-    assert head_flow("row", sp=True) == Flow(S, R)
-    assert vocab_parallel_loss("llama", "column", 2) and not vocab_parallel_loss("llama", "column", 1)
-    assert not vocab_parallel_loss("hf", "column", 2) and not vocab_parallel_loss("gpt", "row", 2)
+    # a column head keeps its part of the vocabulary, a token-split head its tokens; others hand on whole logits
+    assert head_flow("column", sp=True) == Flow(S, H) and head_flow("sequence", sp=False) == Flow(R, S)
+    assert head_flow("row", sp=True) == Flow(S, R) and head_flow("replicate", sp=False) == Flow(R, R)
+    assert loss_split("llama", "column", 2) == "vocab" and loss_split("gpt", "sequence", 4) == "tokens"
+    assert loss_split("llama", "column", 1) is None and loss_split("hf", "column", 2) is None
+    assert loss_split("gpt", "row", 2) is None
 
 
 def test_the_program_takes_token_split_matmuls_of_gpt_and_llama_but_not_batch_split_ones() -> None:

@@ -100,7 +100,7 @@ def test_written_program_carries_resolved_megatron_strategies(gpt_spec: str, tmp
     assert cfg["stages"][1]["strategies"]["3"] == {"lm_head.tied": "column"}
     assert cfg["stages"][0]["strategies"]["1"]["attn.sdpa"] == "heads"  # what q, k and v hand on to
     assert cfg["tied_split_alike"] is True  # a row-split table and a column-split head hold matching pieces
-    assert cfg["vocab_parallel_loss"] is True  # the column head's logits stay split over the vocabulary
+    assert cfg["loss_split"] == "vocab"  # the column head's logits stay split over the vocabulary
     assert cfg["stages"][1]["zero"] == 0  # dp == 1: nothing to shard over
     assert cfg["runtime"] == "mesh" and cfg["dtype"] == "fp32" and cfg["optimizer"] == "adam"
     with pytest.raises(ExportError, match="global_batch=5: micro_batches=2 does not divide"):
@@ -297,5 +297,35 @@ def test_vocabulary_parallel_loss_on_a_last_stage_of_its_own_tp_matches(llama_sp
     plan = Plan(micro_batches=2, stages=(_stage((0, 2), (0,)), _stage((2, 4), (1, 2), tp=2)))
     write_torch_program(llama_spec, plan, tmp_path, seq_len=16, global_batch=4)
     cfg = json.loads((tmp_path / "plan.json").read_text())
-    assert cfg["runtime"] == "pipeline" and cfg["vocab_parallel_loss"] is True
+    assert cfg["runtime"] == "pipeline" and cfg["loss_split"] == "vocab"
     _passes(llama_spec, plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [True, False])
+def test_token_split_head_computes_each_ranks_share_of_the_loss(gpt_spec: str, sp: bool, tmp_path: Path) -> None:
+    # the tied head on this rank's tokens with the whole table (its gradient summed over tp and then with the
+    # embedding's row-split copy, whole tables): the loss is each rank's tokens' share, summed
+    norms = {} if sp else {"ln_1": "replicate", "ln_2": "replicate", "final_norm": "replicate"}
+    sharding = {**norms, "lm_head.tied": "sequence"}
+    plan = Plan(micro_batches=2, stages=(_stage(ONE_STAGE, (0, 1), tp=2, sharding=sharding),))
+    write_torch_program(gpt_spec, plan, tmp_path, seq_len=16, global_batch=4)
+    cfg = json.loads((tmp_path / "plan.json").read_text())
+    assert cfg["loss_split"] == "tokens" and cfg["tied_split_alike"] is False
+    _passes(gpt_spec, plan)
+
+
+@pytest.mark.slow
+def test_token_split_head_on_a_pipelined_last_stage_matches(llama_spec: str) -> None:
+    plan = Plan(schedule="gpipe", micro_batches=2, stages=(
+        _stage((0, 2), (0, 1), tp=2), _stage((2, 4), (2, 3), tp=2, sharding={"lm_head": "sequence"})))
+    _passes(llama_spec, plan)  # the mesh runtime: torch's pipelining schedule calls the loss
+
+
+def test_token_split_matmuls_need_a_sequence_the_tp_ranks_split_evenly(gpt_spec: str, tmp_path: Path) -> None:
+    norms = {"ln_1": "replicate", "ln_2": "replicate", "final_norm": "replicate"}
+    plan = Plan(stages=(_stage(ONE_STAGE, (0, 1, 2), tp=3, sharding={**norms, "mlp.fc1": "sequence"}),))
+    with pytest.raises(ExportError, match=r"seq_len=16 does not split over stages\[0\]\.tp=3 ranks: matmuls "
+                                          r"\['mlp.fc1'\] are token-split"):
+        write_torch_program("gpt?layers=2&hidden=48&heads=3&vocab=128&max_positions=16", plan, tmp_path, seq_len=16,
+                            global_batch=3)
