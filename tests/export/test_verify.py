@@ -329,3 +329,20 @@ def test_token_split_matmuls_need_a_sequence_the_tp_ranks_split_evenly(gpt_spec:
                                           r"\['mlp.fc1'\] are token-split"):
         write_torch_program("gpt?layers=2&hidden=48&heads=3&vocab=128&max_positions=16", plan, tmp_path, seq_len=16,
                             global_batch=3)
+
+
+@pytest.mark.slow
+def test_the_planners_best_plan_on_a_mixed_cluster_runs_and_matches_one_process() -> None:
+    # the planner's own answer on three V100 nodes and a T4 node (bench/planner.py's case): stages of
+    # different tp and dp, token-split matmuls, a tied table split unalike; 12 gloo processes
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.ir.workload import Workload
+    from tagplan.search.planner import plan
+    from tagplan.search.problem import PlanProblem
+
+    model = load_model("gpt3-1.3b", seq_len=1024)
+    best = plan(PlanProblem(model, load_cluster("p3.8xlarge:nodes=3+g4dn.12xlarge:nodes=1"),
+                            Workload(global_batch=32, seq_len=1024), max_evaluations=400, budget_s=30)).best.plan
+    assert len({(s.tp, s.dp) for s in best.stages}) > 1  # heterogeneous, as the planner answers today
+    check_expressible(best, model)
+    _passes("gpt3-1.3b", best)
