@@ -157,9 +157,11 @@ def comm_events(block: Block, strategies: dict[str, St], *, boundary: Layout = B
                 _move(events, op.name, src_layout, lay.input, size(src), backward=False)
             grads.setdefault(src, {})[lay.input_grad or lay.input] = op.name
     output = output_op(block)
-    if output is not None and not _ends_in_loss(block, output):
-        _move(events, output, resolved[output].output, boundary, size(output), backward=False)
-        grads.setdefault(output, {})[boundary] = "output"
+    if output is not None:
+        made = resolved[output].output
+        handed = loss_layout(made) if ends_in_loss(block, output) else boundary
+        _move(events, output, made, handed, size(output), backward=False)
+        grads.setdefault(output, {})[handed] = "output"
     for tensor, returned in grads.items():
         need = resolved[tensor].output_grad if tensor in resolved else boundary
         for layout, consumer in returned.items():
@@ -190,10 +192,21 @@ def output_op(block: Block) -> str | None:
     return leaves[-1] if leaves else None
 
 
-def _ends_in_loss(block: Block, output: str) -> bool:
-    """A model's last layer hands back a loss (or logits), not activations: no boundary layout."""
+def ends_in_loss(block: Block, output: str) -> bool:
+    """A model's last layer hands back a loss (or logits), not activations: no boundary layout (`loss_layout`)."""
     op = next(o for o in block.ops if o.name == output)
     return block.kind == "head" or op.kind is OpKind.SOFTMAX
+
+
+LOSS_READS = (Layout.R, Layout.H, Layout.S)
+"""Logits the loss reads where they lie: whole, split over the vocabulary (Megatron's vocabulary-parallel
+cross-entropy) or over the tokens (each rank its tokens' share)."""
+
+
+def loss_layout(made: Layout) -> Layout:
+    """The layout the loss reads logits made in `made`: the same, but partial sums, which are reduce-scattered
+    over the tokens first (their gradient comes back so and is gathered)."""
+    return made if made in LOSS_READS else Layout.S
 
 
 def _move(events: list[TPComm], op: str, src: Layout, dst: Layout, size: float, *, backward: bool) -> None:

@@ -82,16 +82,17 @@ def block_flow(family: str, strategies: dict[str, str], *, sp: bool) -> BlockFlo
 
 def head_flow(strategy: str, *, sp: bool) -> Flow:
     """The vocabulary projection: the final norm's output in; a column head hands on its part of the
-    vocabulary and a token-split head its part of the tokens, and the loss is computed on those parts
-    (`loss_split`): no rank holds whole logits, as the cost model assumes. Other heads hand on whole logits."""
-    out = {"column": Layout.H, "sequence": Layout.S}.get(strategy, Layout.R)
+    vocabulary, a token-split head its part of the tokens and a row head its partial sums reduce-scattered
+    over the tokens (`cost.sharding.loss_layout`), and the loss is computed on those parts (`loss_split`): no
+    rank holds whole logits, as the cost model assumes. A replicated head hands on whole logits."""
+    out = {"column": Layout.H, "sequence": Layout.S, "row": Layout.S}.get(strategy, Layout.R)  # row: reduce-scattered
     return Flow(Layout.S if sp else Layout.R, out)
 
 
 def loss_split(family: str, head_strategy: str, tp: int) -> str | None:
     """How the loss reads the last stage's logits on its tp ranks: "vocab" (a column head: the loss is
-    vocabulary-parallel, as Megatron's cross-entropy), "tokens" (a token-split head: each rank's tokens'
-    share of the loss, summed over the ranks) or None (whole logits). gpt and llama heads only."""
+    vocabulary-parallel, as Megatron's cross-entropy), "tokens" (a token-split or row head: each rank's
+    tokens' share of the loss, summed over the ranks) or None (whole logits). gpt and llama heads only."""
     if family not in ("gpt", "llama") or tp < 2:
         return None
-    return {"column": "vocab", "sequence": "tokens"}.get(head_strategy)
+    return {"column": "vocab", "sequence": "tokens", "row": "tokens"}.get(head_strategy)

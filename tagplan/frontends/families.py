@@ -177,8 +177,8 @@ def lm_head(shape: TransformerShape, seq: int, nbytes: int, *, norm_bias: bool |
     logits = b.linear("lm_head", x, h, shape.vocab)
     if tied:  # the weight is the embedding's: count its bytes there, once
         op = b.ops[-1]
-        b.ops[-1] = op.model_copy(update={"param_bytes": 0.0, "shared_param_bytes": op.param_bytes,
-                                          "name": "lm_head.tied"})
+        logits = "lm_head.tied"  # the loss reads the renamed op's logits
+        b.ops[-1] = op.model_copy(update={"param_bytes": 0.0, "shared_param_bytes": op.param_bytes, "name": logits})
         b.params -= h * shape.vocab
     b.softmax_loss("cross_entropy", logits, shape.vocab)
     return b.build(1, output_tokens=1)

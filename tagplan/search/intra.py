@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from tagplan.cost.calibration import Calibration
 from tagplan.cost.comm import Collective
 from tagplan.cost.compute import op_time
-from tagplan.cost.sharding import BOUNDARY, Layout, candidate_strategies, collective_bytes, layouts, transition
+from tagplan.cost.sharding import (
+    BOUNDARY,
+    Layout,
+    candidate_strategies,
+    collective_bytes,
+    ends_in_loss,
+    layouts,
+    loss_layout,
+    transition,
+)
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.model import Block, Op, OpKind
 from tagplan.ir.plan import ShardStrategy
@@ -194,17 +203,19 @@ def _prune(states: dict[_State, list[_Partial]], max_states: int, max_pareto: in
 def _finish(p: _Problem, states: dict[_State, list[_Partial]], ops: list[Op], block: Block) -> list[IntraSolution]:
     out: list[_Partial] = []
     last = ops[-1].name
+    loss = ends_in_loss(block, last)
     for state, partials in states.items():
         live = dict(state)
         tail = 0.0
         for name, tensor in live.items():
             nbytes = _size(p, name)
-            if name == last:
+            if name == last:  # handed on to the next layer, or to the loss where the logits lie
+                handed = loss_layout(tensor.layout) if loss else p.boundary
                 try:
-                    tail += _move(p, tensor.layout, p.boundary, nbytes)
+                    tail += _move(p, tensor.layout, handed, nbytes)
                 except ValueError:
                     tail = float("inf")
-                tensor = _Tensor(tensor.layout, tensor.grad_layout, tensor.made, tensor.returned | {p.boundary})
+                tensor = _Tensor(tensor.layout, tensor.grad_layout, tensor.made, tensor.returned | {handed})
             tail += _settle(p, tensor, nbytes)
         out.extend((t + tail, m, trace) for t, m, trace in partials)
     out.sort(key=lambda x: (x[0], x[1]))

@@ -1,4 +1,4 @@
-from tagplan.cost.sharding import Layout, comm_events, default_strategies, shard_block
+from tagplan.cost.sharding import Layout, comm_events, default_strategies, loss_layout, shard_block
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir import ShardStrategy as S
 
@@ -70,3 +70,21 @@ def test_embedding_reduces_once_and_the_head_keeps_vocab_parallel_logits() -> No
     assert [(c.collective.value, c.backward) for c in embed] == [("reduce_scatter", False), ("all_gather", True)]
     head = shard_block(model.block_of(len(model.layers) - 1)).comms
     assert "all_to_all" not in {c.collective.value for c in head}
+
+
+def test_the_loss_reads_the_tied_heads_logits_and_a_row_heads_partial_sums_are_reduced() -> None:
+    model = load_model("gpt?layers=1&hidden=128&heads=4&vocab=100", seq_len=16)
+    head = model.block_of(len(model.layers) - 1)
+    loss = next(op for op in head.ops if op.name == "cross_entropy")
+    assert loss.inputs == ("lm_head.tied",)  # the loss reads the tied head's logits (it read a missing name)
+    logits = next(op.bytes_written for op in head.ops if op.name == "lm_head.tied")
+    for strategy in ("column", "sequence", "replicate"):  # the loss where the logits lie: they stay put
+        events = shard_block(head, {"lm_head.tied": S(strategy), "cross_entropy": S(strategy)}).comms
+        assert [c for c in events if c.bytes_per_sample == logits] == [], strategy
+    moved = shard_block(head, {"lm_head.tied": S.SEQUENCE}).comms  # a vocabulary-parallel loss on token-split logits
+    assert {(c.collective.value, c.backward) for c in moved if c.bytes_per_sample == logits} == {
+        ("all_to_all", False), ("all_to_all", True)}
+    row = {(c.collective.value, c.backward) for c in shard_block(head, {"lm_head.tied": S.ROW}).comms
+           if c.bytes_per_sample == logits}
+    assert row == {("reduce_scatter", False), ("all_gather", True)}  # partial sums are never free
+    assert loss_layout(Layout.P) is Layout.S and loss_layout(Layout.H) is Layout.H

@@ -45,10 +45,11 @@ def test_llama_gate_and_up_hand_down_what_it_needs_and_replicated_attention_gets
     assert flow.flows["mlp.down"] == Flow(S, S) and flow.gathers["mlp"] is True
     # a column head keeps its part of the vocabulary, a token-split head its tokens; others hand on whole logits
     assert head_flow("column", sp=True) == Flow(S, H) and head_flow("sequence", sp=False) == Flow(R, S)
-    assert head_flow("row", sp=True) == Flow(S, R) and head_flow("replicate", sp=False) == Flow(R, R)
+    # a row head's partial sums are reduce-scattered over the tokens, as cost.sharding.loss_layout charges
+    assert head_flow("row", sp=True) == Flow(S, S) and head_flow("replicate", sp=False) == Flow(R, R)
     assert loss_split("llama", "column", 2) == "vocab" and loss_split("gpt", "sequence", 4) == "tokens"
     assert loss_split("llama", "column", 1) is None and loss_split("hf", "column", 2) is None
-    assert loss_split("gpt", "row", 2) is None
+    assert loss_split("gpt", "row", 2) == "tokens" and loss_split("gpt", "replicate", 2) is None
 
 
 def test_the_program_takes_token_split_matmuls_of_gpt_and_llama_but_not_batch_split_ones() -> None:

@@ -346,3 +346,13 @@ def test_the_planners_best_plan_on_a_mixed_cluster_runs_and_matches_one_process(
     assert len({(s.tp, s.dp) for s in best.stages}) > 1  # heterogeneous, as the planner answers today
     check_expressible(best, model)
     _passes("gpt3-1.3b", best)
+
+
+@pytest.mark.slow
+def test_a_row_heads_partial_logits_are_reduce_scattered_over_the_tokens_for_the_loss(llama_spec: str,
+                                                                                       tmp_path: Path) -> None:
+    # as cost.sharding.loss_layout charges: partial sums reduce-scattered, each rank its tokens' share
+    plan = Plan(micro_batches=2, stages=(_stage(ONE_STAGE, (0, 1), tp=2, sharding={"lm_head": "row"}),))
+    write_torch_program(llama_spec, plan, tmp_path, seq_len=16, global_batch=4)
+    assert json.loads((tmp_path / "plan.json").read_text())["loss_split"] == "tokens"
+    _passes(llama_spec, plan)

@@ -2,7 +2,7 @@ import itertools
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION
 from tagplan.cost.comm import CommModel
-from tagplan.cost.sharding import default_strategies
+from tagplan.cost.sharding import comm_events, default_strategies
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir import DType, ShardStrategy
@@ -45,3 +45,19 @@ def test_slow_links_push_the_fastest_plan_away_from_activation_collectives() -> 
     assert slow[0].strategies["mlp.fc1"] is not megatron["mlp.fc1"] or slow[0].strategies["attn.q"] is not \
         megatron["attn.q"]
     assert fast[0].time_s < slow[0].time_s
+
+
+def test_the_fastest_head_sharding_hands_the_loss_its_logits_where_they_lie() -> None:
+    """On a tp-4 group the solver's fastest head pairs the projection and the loss in one layout: the
+    simulator's costing of it (`comm_events`) moves no logits (a vocabulary-parallel or token-split loss)."""
+    cluster = load_cluster("dgx-a100-80gb")
+    comm = CommModel(cluster)
+    model = load_model("gpt?layers=1&hidden=1024&heads=16&vocab=50000", seq_len=1024)
+    head = model.block_of(len(model.layers) - 1)
+    logits = next(op.bytes_written for op in head.ops if op.name == "lm_head.tied")
+    sols = solve_block(head, tp=4, samples=1, spec=cluster.devices[0].spec, dtype=DType.BF16,
+                       calibration=DEFAULT_CALIBRATION, micro_batches=8,
+                       comm=lambda c, n: comm.collective(c, tuple(range(4)), n).time_s)
+    fastest = sols[0].strategies
+    assert fastest["lm_head.tied"] is not ShardStrategy.ROW
+    assert not [e for e in comm_events(head, fastest) if e.bytes_per_sample == logits and not e.per_iteration]
