@@ -7,9 +7,10 @@ build), then applies, in this order:
    row -> RowwiseParallel, replicate -> left whole, sequence -> left whole on this rank's part of
    the tokens (its weight gradients summed over the tp group once per step, `sum_token_split`); in
    a gpt or llama block each matmul converts its input and output as `export.tp_flow` lays out;
-   a gpt or llama column head keeps its part of the vocabulary and a token-split head its part of
-   the tokens, and the loss is computed on those parts (`LossSplit`), other heads gather their logits; with
-   sequence parallelism the residual stream between layers is split along the sequence;
+   a gpt or llama column head keeps its part of the vocabulary, a token-split or row head its part
+   of the tokens, and the loss is computed on those parts (`LossSplit`); a replicated head computes
+   whole logits; with sequence parallelism the residual stream between layers is split along the
+   sequence;
 2. recomputation: each block of a `recompute` stage checkpoints its forward;
 3. data parallelism on the "dp" axis: ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), ZeRO 1/2
    -> `fully_shard(reshard_after_forward=False)`, ZeRO 3 -> `fully_shard(reshard_after_forward=True)`.
@@ -172,8 +173,8 @@ def layer_styles(layer: nn.Module, index: int, config: ModelConfig, strategies: 
 class LossSplit:
     """How the last stage's logits lie on its tp ranks when the loss reads them (`tp_flow.loss_split`):
     "vocab" (a column head's part of the vocabulary: `loss_parallel`, whose backward must run inside it
-    too), "tokens" (a token-split head's part of the tokens: each rank's share of the loss, summed over the
-    ranks) or None (whole logits, `mesh` None)."""
+    too), "tokens" (a token-split or row head's part of the tokens: each rank's share of the loss, summed
+    over the ranks) or None (whole logits, `mesh` None)."""
 
     kind: str | None = None
     mesh: DeviceMesh | None = None

@@ -13,13 +13,13 @@ from tagplan.errors import SpecError
 from tagplan.export.checks import ExportError, check_reduce_dtype, refuse
 from tagplan.export.hf_types import GPT2_TYPES, HEAD_NORM_TYPES
 from tagplan.export.shapes import ModelConfig, model_config
+from tagplan.export.tp_flow import MATMUL_STRATEGIES
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
 from tagplan.ir.model import ModelGraph, OpKind
 from tagplan.ir.plan import Plan, ShardStrategy, Stage
 from tagplan.ir.workload import DType
 
 _SPLITTABLE = (ShardStrategy.COLUMN, ShardStrategy.ROW, ShardStrategy.REPLICATE)
-_ANALYTIC_MATMUL = (*_SPLITTABLE, ShardStrategy.SEQUENCE)  # `export.tp_flow.MATMUL_STRATEGIES`
 _TOKEN_SPLIT = (ShardStrategy.SEQUENCE, ShardStrategy.BATCH)
 _TIED_PAIRS = {("row", "column"), ("column", "row"), ("replicate", "replicate")}
 
@@ -106,7 +106,7 @@ def _sharding_problems(i: int, stage: Stage, model: ModelGraph, *, analytic: boo
         if op is None:
             out.append(f"stages[{i}].sharding names op {name!r}, which no layer of the stage has "
                        f"(ops: {', '.join(sorted(ops))})")
-        elif op.kind is OpKind.MATMUL and analytic and strategy not in _ANALYTIC_MATMUL:
+        elif op.kind is OpKind.MATMUL and analytic and strategy.value not in MATMUL_STRATEGIES:
             out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program runs a gpt or llama matmul "
                        "as column, row, replicate or sequence (tokens split along the sequence); batch- and "
                        "expert-split matmuls are not expressed")

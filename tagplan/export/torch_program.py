@@ -30,9 +30,9 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
   token-split), the matmul writing the stream back reduce-scatters; norms all `replicate` -> plain
   Megatron TP; a mix is refused, and so is a seq_len that a stage's tp does not divide under
   sequence parallelism. Attention splits heads (`heads`) or runs whole (`replicate`); pointwise
-  ops follow their inputs' layout (their declared strategy is not read); a column or token-split
-  head on tp > 1 leaves its logits split over the vocabulary or the tokens and the loss is computed
-  on those parts (`loss_split`);
+  ops follow their inputs' layout (their declared strategy is not read); a column, token-split or
+  row head on tp > 1 leaves its logits split over the vocabulary or the tokens and the loss is
+  computed on those parts (`loss_split`);
 - `heads` and `kv_heads` divisible by each stage's `tp`; a tied table's two copies may be split
   alike (their gradients summed piece by piece) or not (summed as whole tables, `tied_split_alike`);
 - ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), 1 and 2 -> FSDP2 `fully_shard` with
@@ -221,13 +221,13 @@ def check_batch(plan: Plan, model: ModelGraph, *, seq_len: int, global_batch: in
             raise ExportError(f"seq_len={seq_len} does not split over stages[{i}].tp={stage.tp} ranks: the norms "
                               "are 'sequence' (sequence parallel), so the sequence must be a multiple of tp")
         split = sorted({op for j in range(*stage.layers) for op, st in strategies_for(model, stage, j).items()
-                        if st is ShardStrategy.SEQUENCE and model_op_kind(model, j, op) is OpKind.MATMUL})
+                        if st is ShardStrategy.SEQUENCE and _op_kind(model, j, op) is OpKind.MATMUL})
         if split:
             raise ExportError(f"seq_len={seq_len} does not split over stages[{i}].tp={stage.tp} ranks: matmuls "
                               f"{split[:4]} are token-split ('sequence'), so the sequence must be a multiple of tp")
 
 
-def model_op_kind(model: ModelGraph, layer: int, op: str) -> OpKind | None:
+def _op_kind(model: ModelGraph, layer: int, op: str) -> OpKind | None:
     """The kind of op `op` of layer `layer` (None: no such op)."""
     return next((o.kind for o in model.block_of(layer).ops if o.name == op), None)
 
