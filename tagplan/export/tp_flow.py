@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from tagplan.cost.sharding import Layout
 
 NEEDS = {"column": Layout.R, "row": Layout.H, "replicate": Layout.R, "sequence": Layout.S}
-MAKES = {"column": Layout.H, "row": Layout.P, "replicate": Layout.R, "sequence": Layout.S}
 MATMUL_STRATEGIES = tuple(NEEDS)  # what the program runs a gpt or llama matmul as
 ATTENTION = "attn.sdpa"
 
