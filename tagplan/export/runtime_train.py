@@ -69,8 +69,9 @@ from tagplan.ir.plan import Plan
 
 # /3: stages may carry `recompute_layers` (checkpoint only a stage's first N blocks); a /2 runtime
 # would ignore it and recompute every block, so it must refuse the file.
-# /4: matmuls may be `sequence` (token-split, weight gradients summed over tp) and a tied table's
-# copies may be split unalike (`tied_split_alike`); a /3 runtime would leave those gradients unsummed.
+# /4: matmuls may be `sequence` (token-split, weight gradients summed over tp), a tied table's copies
+# may be split unalike (`tied_split_alike`) and the loss may read split logits (`loss_split`); a /3
+# runtime would leave those gradients unsummed and read split logits as whole ones.
 PROGRAM_FORMAT = "tagplan-torch-program/4"
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 # FSDP2 warns that a module returns a view; nothing here modifies module outputs in place.
