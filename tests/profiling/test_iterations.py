@@ -18,7 +18,24 @@ from tagplan.profiling.iterations import CUDA_CASES, IterationCase, iteration_re
 from tagplan.training.iteration_fit import rebuild_cases
 
 TINY = IterationCase(layers=2, hidden=64, heads=2, vocab=128, seq_len=16, global_batch=4, micro_batches=2)
+BIG = IterationCase(layers=2, hidden=64, heads=2, vocab=128, seq_len=16, global_batch=4, micro_batches=1)
 H200_BUNDLE = Path(__file__).resolve().parents[2] / "bench" / "data" / "gpu" / "h200" / "iterations"
+
+
+def _no_memory_for_big(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`measure_iteration` as on a device that has no memory for `BIG` (every other case runs for real)."""
+    import torch
+
+    from tagplan.profiling import iterations
+
+    real = iterations.measure_iteration
+
+    def measured(case: IterationCase, **kwargs: object) -> iterations.IterationTiming:
+        if case == BIG:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(case, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(iterations, "measure_iteration", measured)
 
 
 @pytest.mark.parametrize("dtype", [DType.FP32, DType.BF16])
@@ -38,15 +55,8 @@ def test_a_case_the_device_has_no_memory_for_is_skipped_and_named(monkeypatch: p
 
     from tagplan.profiling import iterations
 
-    big = IterationCase(layers=2, hidden=64, heads=2, vocab=128, seq_len=16, global_batch=4, micro_batches=1)
-    real = iterations.measure_iteration
-
-    def measured(case: IterationCase, **kwargs: object) -> iterations.IterationTiming:
-        if case == big:
-            raise torch.OutOfMemoryError("CUDA out of memory")
-        return real(case, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(iterations, "measure_iteration", measured)
+    _no_memory_for_big(monkeypatch)
+    big = BIG
     skipped: list[IterationCase] = []
     said: list[str] = []
     records = list(iteration_records(cpu_device_spec(), [TINY, big, TINY], steps=1, out_of_memory=skipped,
@@ -92,19 +102,9 @@ def test_profile_iterations_on_cuda_without_a_gpu_says_so(tmp_path: Path, capsys
 
 def test_profile_iterations_names_the_cases_the_device_had_no_memory_for(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
     import tagplan.profiling
     from tagplan.datasets.traces.bundle import Manifest, host_fingerprint, write_bundle
     from tagplan.profiling import iterations
-
-    big = IterationCase(layers=2, hidden=64, heads=2, vocab=128, seq_len=16, global_batch=4, micro_batches=1)
-    real = iterations.measure_iteration
-
-    def measured(case: IterationCase, **kwargs: object) -> iterations.IterationTiming:
-        if case == big:
-            raise torch.OutOfMemoryError("CUDA out of memory")
-        return real(case, **kwargs)  # type: ignore[arg-type]
 
     def ops_profile(out: Path, **kwargs: object) -> Path:  # the op grid, which this test does not need
         return write_bundle(out, Manifest(created="2026-01-01T00:00:00+00:00", source="tagplan profile",
@@ -112,8 +112,8 @@ def test_profile_iterations_names_the_cases_the_device_had_no_memory_for(tmp_pat
                                           notes="ops"), [])
 
     monkeypatch.setattr(tagplan.profiling, "profile", ops_profile)
-    monkeypatch.setattr(iterations, "QUICK_CASES", (TINY, big))
-    monkeypatch.setattr(iterations, "measure_iteration", measured)
+    monkeypatch.setattr(iterations, "QUICK_CASES", (TINY, BIG))
+    _no_memory_for_big(monkeypatch)
     assert main(["profile", "--iterations", "--threads", "1", "--out", str(tmp_path / "b")]) == 0
     bundle = read_bundle(tmp_path / "b")
     assert len(bundle.iterations()) == 1  # the case that fits was measured, the other skipped
