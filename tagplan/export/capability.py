@@ -149,6 +149,21 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
     return None
 
 
+def model_refusal(fmt: str, model: ModelGraph, spec: ModelSpec | None = None) -> str | None:
+    """Why format `fmt` runs no plan of `model` at all (the model families it builds), else None: what
+    `plan --exportable` checks before it searches, so that a model no plan of which can run is refused at
+    once, not after a search that admits nothing. `spec` as in `exportable`. ValueError for an unknown format."""
+    if fmt not in TARGETS:
+        raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
+    if fmt == "megatron":
+        return megatron.model_refusal(model)
+    if fmt == "torch":
+        from tagplan.export.torch_checks import model_refusal as torch_refusal
+
+        return torch_refusal(model, spec)
+    return None  # DeepSpeed's config describes the parallelism, not the model
+
+
 def verdicts(plan: Plan, model: ModelGraph, workload: Workload, *,
              spec: ModelSpec | None = None, cluster: Cluster | None = None) -> dict[str, str | None]:
     """For each export format, None when it runs `plan` for `workload`, else why not: its runtime's

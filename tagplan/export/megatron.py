@@ -242,6 +242,16 @@ def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch
     return [*paths, table_path]
 
 
+def model_refusal(model: ModelGraph) -> str | None:
+    """Why this exporter writes no arguments for `model` whatever the plan (a family that is not a
+    decoder-only transformer, a graph whose name is no SPEC), else None."""
+    try:
+        _shape(model, None)
+    except SpecError as err:
+        return str(err)
+    return None
+
+
 def _shape(model: ModelGraph, config: dict[str, Any] | None) -> tuple[str, TransformerShape]:
     if config is None:
         try:

@@ -93,9 +93,11 @@ def family_shape(spec: str | ModelSpec) -> tuple[str, TransformerShape]:
     model = parsed(spec)
     found = transformer_shape(model)
     if found is None or found[0] not in SUPPORTED_FAMILIES:
-        raise SpecError(f"model {model.text!r}: the torch exporter builds the {' and '.join(SUPPORTED_FAMILIES)} "
-                        "families (zoo names or FAMILY?key=value); other families and user modules are not "
-                        "supported yet")
+        family = f"of family {found[0]!r}" if found is not None else "of no transformer family"
+        raise SpecError(f"model {model.text!r} is {family}: the torch exporter builds the "
+                        f"{' and '.join(SUPPORTED_FAMILIES)} families from its own modules (zoo names or "
+                        "FAMILY?key=value), Llama-style and GPT-2 Hugging Face classes (hf:...) and a user's own "
+                        "nn.Sequential module (path/to/file.py:factory)")
     return found
 
 

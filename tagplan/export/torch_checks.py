@@ -51,6 +51,23 @@ def torch_config(spec: ModelSpec, *, seq_len: int) -> ModelConfig:
         raise ExportError(f"the plan cannot be exported to a torch program:\n  - {err}") from None
 
 
+def model_refusal(model: ModelGraph, spec: ModelSpec | None = None) -> str | None:
+    """Why the program runs no plan of `model` whatever the plan (a family it does not build, a SPEC it cannot
+    build), else None. `spec` as in `check_expressible`: without it only the gpt and llama families pass."""
+    try:
+        config = torch_config(spec, seq_len=model.seq_len) if spec is not None else None
+    except ExportError as err:
+        return str(err).removeprefix("the plan cannot be exported to a torch program:\n  - ")
+    if (config is None or config.family not in ("hf", "module")) and model.family not in ("gpt", "llama"):
+        return _family_refusal(model)
+    return None
+
+
+def _family_refusal(model: ModelGraph) -> str:
+    return (f"model {model.name!r} is of family {model.family!r}; the exporter builds gpt and llama models "
+            "and Hugging Face classes (hf:...)")
+
+
 def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -> list[str]:
     hf = config is not None and config.family == "hf"
     if config is not None and config.family == "module":
@@ -61,8 +78,7 @@ def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -
         except SpecError as err:
             return [str(err)]
     elif not hf and model.family not in ("gpt", "llama"):
-        return [f"model {model.name!r} is of family {model.family!r}; the exporter builds gpt and llama models "
-                "and Hugging Face classes (hf:...)"]
+        return [_family_refusal(model)]
     if hf and config is not None and len(model.layers) != config.num_layers:
         return [f"model {model.name!r}: the traced graph has {len(model.layers)} layers but the transformers class "
                 f"has {config.num_layers} (embedding, {config.layers} decoder layers, head); the program cannot "

@@ -156,6 +156,22 @@ def test_plan_exportable_restricts_the_answer(capsys) -> None:
     assert "gradients reduced in fp32 overlapped with the backward" in " ".join(capsys.readouterr().out.split())
 
 
+def test_plan_exportable_refuses_a_model_the_format_cannot_build_before_it_searches(capsys, monkeypatch) -> None:
+    import tagplan.search.planner
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched plans of a model that no plan of can be exported")
+
+    monkeypatch.setattr(tagplan.search.planner, "plan", no_search)
+    args = ["plan", "--model", "t5?layers=2&hidden=64&heads=4&vocab=128", "--cluster", "p3.8xlarge", "--batch", "8",
+            "--seq", "32"]
+    assert main([*args, "--exportable", "megatron"]) == 2
+    err = capsys.readouterr().err
+    assert "--exportable megatron" in err and "model family 't5' is not exported" in err
+    assert main([*args, "--exportable", "torch"]) == 2
+    assert "of family 't5'" in capsys.readouterr().err
+
+
 def test_plan_says_which_export_formats_run_its_best_plan(capsys) -> None:
     import json
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tagplan.export import exportable
+from tagplan.export.capability import model_refusal
 from tagplan.export.checks import ExportError
 from tagplan.frontends.cluster_spec import load_cluster
-from tagplan.frontends.model_spec import load_model
+from tagplan.frontends.model_spec import load_model, parse_model_spec
 from tagplan.ir.plan import Plan, Stage
 from tagplan.ir.workload import DType, Workload
 
@@ -170,3 +171,16 @@ def test_the_torch_program_runs_fused_attention_on_every_device() -> None:
     assert runtime_workload("torch", Workload()).fused_attention is True
     assert runtime_workload("megatron", Workload()).fused_attention is None  # each device's own
     assert runtime_workload("torch", Workload(fused_attention=False)).fused_attention is False  # said outright
+
+
+def test_a_format_refuses_a_model_family_it_cannot_build_whatever_the_plan() -> None:
+    t5 = load_model("t5?layers=2&hidden=64&heads=4&vocab=128", seq_len=16)
+    gpt = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=16)
+    assert "model family 't5' is not exported" in (model_refusal("megatron", t5) or "")
+    assert "of family 't5'" in (model_refusal("torch", t5, parse_model_spec("t5?layers=2&hidden=64&heads=4&vocab=128"))
+                                or "")
+    assert "family 't5'" in (model_refusal("torch", t5) or "")  # no SPEC: the graph's own family
+    assert model_refusal("deepspeed", t5) is None  # its config describes the parallelism, not the model
+    assert all(model_refusal(fmt, gpt) is None for fmt in ("torch", "megatron", "deepspeed"))
+    with pytest.raises(ValueError, match="unknown export format"):
+        model_refusal("jax", gpt)
