@@ -25,7 +25,7 @@ Target = Literal["torch", "megatron", "deepspeed"]
 TARGETS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
 
 
-OWN_MODULE_FAMILIES = ("gpt", "llama")
+OWN_MODULE_FAMILIES = ("gpt", "llama", "moe")
 """The families the torch program builds from its own modules (zoo and family SPECs), whose SwiGLU is fused;
 Hugging Face and user SPECs run their own classes."""
 

@@ -10,6 +10,10 @@ shape comes from the SPEC through `tagplan.export.shapes.model_config` (zoo name
 - gpt (GPT-2/3): learned positions, pre-LN blocks with separate q/k/v projections, GELU MLP,
   final LayerNorm, head tied to the token embedding (op `lm_head.tied`).
 - llama: RMSNorm, grouped-query attention with rotary positions, SwiGLU MLP, untied head.
+- moe (Mixtral): llama blocks whose MLP is a bank of SwiGLU experts (`experts.gate`, `experts.up`,
+  `experts.down`), each token sent by the `router` to its `top_k` experts and their outputs summed with
+  the router's softmax renormalised over the chosen ones; every expert on every rank (tp 1: the program
+  does not split experts over a tensor-parallel group).
 
 Parameter counts equal the analytic graph's exactly (tests pin it). Every layer initializes
 itself from its own generator, seeded by `(seed, layer index)`, so a program that builds only
@@ -135,6 +139,37 @@ class SwiGLU(nn.Module):
         return self.down(_GatedProduct.apply(self.gate(x), self.up(x)))
 
 
+class Experts(nn.Module):
+    """A bank of SwiGLU experts, each token run by the `top_k` experts the router's logits choose (Mixtral).
+
+    Weights `gate` and `up` (experts, ffn, hidden) and `down` (experts, hidden, ffn), the analytic ops
+    `experts.gate`, `experts.up` and `experts.down`; the activation and product fused as `SwiGLU`'s. The chosen
+    experts' outputs are summed weighted by the router's softmax renormalised over them; no token is dropped
+    (no capacity limit), so a token's output does not depend on the other tokens of its batch.
+    Shapes: x (tokens, hidden), logits (tokens, experts) -> (tokens, hidden).
+    """
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = c.top_k
+        self.gate = nn.Parameter(torch.empty(c.experts, c.ffn, c.hidden))
+        self.up = nn.Parameter(torch.empty(c.experts, c.ffn, c.hidden))
+        self.down = nn.Parameter(torch.empty(c.experts, c.hidden, c.ffn))
+
+    def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        weights, chosen = functional.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(self.gate.shape[0]):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel():
+                routed = x[rows]
+                hidden = _GatedProduct.apply(functional.linear(routed, self.gate[e]),
+                                             functional.linear(routed, self.up[e]))
+                out = out.index_add(0, rows, functional.linear(hidden, self.down[e]) * weights[rows, slot, None])
+        return out
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm1(x)), then + mlp(norm2(.)).
 
@@ -153,7 +188,11 @@ class Block(nn.Module):
         for name in self.norm_names:
             self.add_module(name, nn.LayerNorm(c.hidden) if gpt else nn.RMSNorm(c.hidden, eps=1e-5))
         self.attn = Attention(c, bias=gpt, rotary=not gpt)
-        self.mlp: nn.Module = GeluMLP(c) if gpt else SwiGLU(c)
+        if c.family == "moe":  # named as the analytic ops: `router`, `experts.*`
+            self.router = nn.Linear(c.hidden, c.experts, bias=False)
+            self.experts = Experts(c)
+        else:
+            self.mlp: nn.Module = GeluMLP(c) if gpt else SwiGLU(c)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
@@ -164,7 +203,10 @@ class Block(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         norm1, norm2 = (getattr(self, n) for n in self.norm_names)
         x = x + self.attn(norm1(x))
-        return x + self.mlp(norm2(x))
+        if not hasattr(self, "experts"):
+            return x + self.mlp(norm2(x))
+        tokens = norm2(x).flatten(0, -2)  # (batch * seq, hidden)
+        return x + self.experts(tokens, self.router(tokens)).view_as(x)
 
 
 class Embedding(nn.Module):
@@ -208,7 +250,7 @@ def tp_ops(config: ModelConfig, index: int) -> dict[str, str]:
         return {"wte": "wte", "wpe": "wpe"} if config.family == "gpt" else {"wte": "wte"}
     if index == config.num_layers - 1:
         return {"lm_head.tied" if config.tied else "lm_head": "lm_head"}
-    mlp = ("mlp.fc1", "mlp.fc2") if config.family == "gpt" else ("mlp.gate", "mlp.up", "mlp.down")
+    mlp = {"gpt": ("mlp.fc1", "mlp.fc2"), "moe": ()}.get(config.family, ("mlp.gate", "mlp.up", "mlp.down"))
     return {name: name for name in ("attn.q", "attn.k", "attn.v", "attn.o", *mlp)}
 
 

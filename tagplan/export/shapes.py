@@ -18,8 +18,8 @@ from tagplan.errors import SpecError
 from tagplan.frontends.families import TransformerShape, llama_ffn
 from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, family_positions, parse_model_spec
 
-SUPPORTED_FAMILIES = ("gpt", "llama")
-"""The families the torch program builds (`tagplan.export.modules`)."""
+SUPPORTED_FAMILIES = ("gpt", "llama", "moe")
+"""The families the torch program builds (`tagplan.export.modules`; moe on stages of tp 1 only)."""
 HF_FAMILIES = {"LlamaConfig": "llama", "GPT2Config": "gpt"}
 """Hugging Face configs exported as the tagplan family of the same shape."""
 
@@ -44,6 +44,9 @@ class ModelConfig:
     """Family `hf`: transformers' model type (`llama`, `gpt2`, ...)."""
     model_spec: str = ""
     """Family `module`: the user's `file.py:factory` or `package.module:factory` SPEC."""
+    experts: int = 0
+    """Family `moe`: SwiGLU experts per block, each token routed to `top_k` of them."""
+    top_k: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -88,14 +91,14 @@ def hf_family_shape(spec: ModelSpec) -> tuple[str, TransformerShape]:
 
 
 def family_shape(spec: str | ModelSpec) -> tuple[str, TransformerShape]:
-    """(family, shape) of a SPEC the torch program builds (gpt and llama, see module docstring);
+    """(family, shape) of a SPEC the torch program builds (gpt, llama and moe: `SUPPORTED_FAMILIES`);
     SpecError for other families, graph files and user modules."""
     model = parsed(spec)
     found = transformer_shape(model)
     if found is None or found[0] not in SUPPORTED_FAMILIES:
         family = f"of family {found[0]!r}" if found is not None else "of no transformer family"
         raise SpecError(f"model {model.text!r} is {family}: the torch exporter builds the "
-                        f"{' and '.join(SUPPORTED_FAMILIES)} families from its own modules (zoo names or "
+                        f"{', '.join(SUPPORTED_FAMILIES)} families from its own modules (zoo names or "
                         "FAMILY?key=value), Llama-style and GPT-2 Hugging Face classes (hf:...) and a user's own "
                         "nn.Sequential module (path/to/file.py:factory)")
     return found
@@ -124,9 +127,10 @@ def model_config(spec: str | ModelSpec, *, seq_len: int) -> ModelConfig:
         s = family_positions(model, seq_len)
     if family == "gpt" and seq_len > s.max_positions:
         raise SpecError(f"gpt: seq_len={seq_len} exceeds max_positions={s.max_positions}")
+    moe = family == "moe"
     return ModelConfig(family=family, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab,
                        ffn=ffn_width(family, s), kv_heads=s.kvh, head_dim=s.dh, max_positions=s.max_positions,
-                       tied=s.tied)
+                       tied=s.tied, experts=s.experts if moe else 0, top_k=s.top_k if moe else 0)
 
 
 def hf_config(spec: ModelSpec, *, seq_len: int) -> ModelConfig:
@@ -204,6 +208,8 @@ def scaled_down(spec: str | ModelSpec, *, seq_len: int = 16, heads: int = 4, hea
         query["max_positions"] = seq_len
     else:
         query["kv_heads"] = 1 if s.kvh == 1 else heads // 2 if s.kvh < s.heads else heads
+    if family == "moe":  # the same routing (as many experts, as many chosen per token), llama's FFN for the width
+        query |= {"experts": s.experts, "top_k": s.top_k, "ffn": llama_ffn(small.hidden)}
     if s.tied != (family == "gpt"):
         query["tied"] = str(s.tied).lower()
     return f"{family}?{urlencode(query)}"

@@ -12,7 +12,7 @@ from tagplan.cost.sharding import shard_block
 from tagplan.errors import SpecError
 from tagplan.export.checks import ExportError, check_reduce_dtype, refuse
 from tagplan.export.hf_types import GPT2_TYPES, HEAD_NORM_TYPES
-from tagplan.export.shapes import ModelConfig, model_config
+from tagplan.export.shapes import SUPPORTED_FAMILIES, ModelConfig, model_config
 from tagplan.export.tp_flow import MATMUL_STRATEGIES
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
 from tagplan.ir.model import ModelGraph, OpKind
@@ -29,7 +29,7 @@ def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | No
 
     `config` (the torch model's shape, which the graph does not record; `torch_config` reads it
     from the SPEC) adds the check that `tp` divides the attention heads, and is what lets a Hugging
-    Face class or a user's module run: without it only the gpt and llama families are accepted (a
+    Face class or a user's module run: without it only tagplan's own families are accepted (a
     graph's name is never read as a SPEC).
     """
     problems = _model_problems(plan, model, config)
@@ -53,19 +53,19 @@ def torch_config(spec: ModelSpec, *, seq_len: int) -> ModelConfig:
 
 def model_refusal(model: ModelGraph, spec: ModelSpec | None = None) -> str | None:
     """Why the program runs no plan of `model` whatever the plan (a family it does not build, a SPEC it cannot
-    build), else None. `spec` as in `check_expressible`: without it only the gpt and llama families pass."""
+    build), else None. `spec` as in `check_expressible`: without it only tagplan's own families pass."""
     try:
         config = torch_config(spec, seq_len=model.seq_len) if spec is not None else None
     except ExportError as err:
         return str(err).removeprefix("the plan cannot be exported to a torch program:\n  - ")
-    if (config is None or config.family not in ("hf", "module")) and model.family not in ("gpt", "llama"):
+    if (config is None or config.family not in ("hf", "module")) and model.family not in SUPPORTED_FAMILIES:
         return _family_refusal(model)
     return None
 
 
 def _family_refusal(model: ModelGraph) -> str:
-    return (f"model {model.name!r} is of family {model.family!r}; the exporter builds gpt and llama models "
-            "and Hugging Face classes (hf:...)")
+    return (f"model {model.name!r} is of family {model.family!r}; the exporter builds {', '.join(SUPPORTED_FAMILIES)} "
+            "models and Hugging Face classes (hf:...)")
 
 
 def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -> list[str]:
@@ -77,7 +77,7 @@ def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -
             check_layers(parse_model_spec(config.model_spec), [layer.name for layer in model.layers])
         except SpecError as err:
             return [str(err)]
-    elif not hf and model.family not in ("gpt", "llama"):
+    elif not hf and model.family not in SUPPORTED_FAMILIES:
         return [_family_refusal(model)]
     if hf and config is not None and len(model.layers) != config.num_layers:
         return [f"model {model.name!r}: the traced graph has {len(model.layers)} layers but the transformers class "
@@ -103,6 +103,12 @@ def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig
     if stage.cp > 1:
         out.append(f"stages[{i}].cp = {stage.cp}: the program has no context parallelism (ring attention); export "
                    "with fmt='megatron' (--context-parallel-size)")
+    if model.family == "moe":  # on one rank per replica nothing is split: the stage's strategies do not apply
+        if stage.tp > 1:
+            out.append(f"stages[{i}].tp = {stage.tp}: the program runs MoE blocks with every expert whole on every "
+                       "rank (tp 1); experts split over a tensor-parallel group are not built: re-plan with "
+                       "--exportable torch, or export with fmt='megatron' (expert and tensor parallelism)")
+        return out
     if config is not None and stage.tp > 1 and (config.heads % stage.tp or config.kv_heads % stage.tp):
         out.append(f"stages[{i}]: tp={stage.tp} must divide heads={config.heads} and kv_heads={config.kv_heads}: "
                    "the program splits attention by whole heads")

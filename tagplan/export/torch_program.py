@@ -53,7 +53,8 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
   replicas after the step's program). `grad_reduce_overlap=False` is refused where a stage
   overlaps; an overlapped costing where one does not is written with a note (plan.json
   `grad_reduce.notes`).
-Models: the gpt and llama families (`tagplan.export.modules`); Hugging Face SPECs as the
+Models: the gpt, llama and moe families (`tagplan.export.modules`; moe stages at tp 1, every expert on every
+rank); Hugging Face SPECs as the
 transformers class itself (`tagplan.export.hf_modules`: Llama-style decoders and GPT-2, GPT-2 at
 tp 1); a user's own `nn.Sequential` language model as itself (`tagplan.export.user_modules`; a
 `file.py` is copied beside the program).

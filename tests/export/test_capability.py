@@ -182,5 +182,7 @@ def test_a_format_refuses_a_model_family_it_cannot_build_whatever_the_plan() -> 
     assert "family 't5'" in (model_refusal("torch", t5) or "")  # no SPEC: the graph's own family
     assert model_refusal("deepspeed", t5) is None  # its config describes the parallelism, not the model
     assert all(model_refusal(fmt, gpt) is None for fmt in ("torch", "megatron", "deepspeed"))
+    moe = "moe?layers=2&hidden=64&heads=4&kv_heads=2&vocab=128&experts=4&top_k=2&ffn=96"
+    assert model_refusal("torch", load_model(moe, seq_len=16), parse_model_spec(moe)) is None  # at tp 1
     with pytest.raises(ValueError, match="unknown export format"):
         model_refusal("jax", gpt)

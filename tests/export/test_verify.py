@@ -26,6 +26,7 @@ from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.plan import Plan, Stage
 
 ONE_STAGE = (0, 4)  # embed, two blocks, head
+MOE_SPEC = "moe?layers=2&hidden=64&heads=4&kv_heads=2&vocab=128&experts=4&top_k=2&ffn=96"
 
 
 def _stage(layers: tuple[int, int], devices: tuple[int, ...], **kw: object) -> Stage:
@@ -34,7 +35,7 @@ def _stage(layers: tuple[int, int], devices: tuple[int, ...], **kw: object) -> S
 
 @pytest.mark.parametrize("spec", ["gpt?layers=2&hidden=64&heads=4&vocab=128&max_positions=16",
                                   "llama?layers=2&hidden=64&heads=4&kv_heads=2&vocab=128",
-                                  "llama?layers=1&hidden=64&heads=4&vocab=100&tied=true"])
+                                  "llama?layers=1&hidden=64&heads=4&vocab=100&tied=true", MOE_SPEC])
 def test_modules_have_the_analytic_parameter_count_and_layer_list(spec: str) -> None:
     graph = load_model(spec, seq_len=16)
     model = build_model(spec, seq_len=16)
@@ -51,6 +52,47 @@ def test_scaled_down_keeps_family_layers_and_attention_grouping() -> None:
     assert not config.tied
     gpt = model_config(scaled_down("gpt3-175b"), seq_len=16)
     assert (gpt.layers, gpt.max_positions, gpt.tied) == (96, 16, True)
+
+
+def test_scaled_down_moe_keeps_its_routing_and_takes_a_small_ffn() -> None:
+    config = model_config(scaled_down("mixtral-8x7b"), seq_len=16)
+    assert (config.family, config.layers, config.hidden, config.experts, config.top_k) == ("moe", 32, 64, 8, 2)
+    assert config.ffn == 256  # llama's FFN for 64 wide, not Mixtral's 14336
+
+
+def test_experts_send_each_token_to_its_top_k_experts_weighted_by_the_renormalised_router() -> None:
+    from tagplan.export.modules import Experts
+
+    torch.manual_seed(0)
+    experts = Experts(model_config(MOE_SPEC, seq_len=16))
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x, logits = torch.randn(6, 64), torch.randn(6, 4)
+    expected = []
+    for token, row in zip(x, logits, strict=True):  # token by token, every expert computed, the top 2 kept
+        outputs = [torch.nn.functional.silu(experts.gate[e] @ token) * (experts.up[e] @ token) for e in range(4)]
+        outputs = [experts.down[e] @ h for e, h in enumerate(outputs)]
+        top = torch.softmax(row, dim=0).topk(2)
+        expected.append(sum(w / top.values.sum() * outputs[int(e)] for w, e in zip(top.values, top.indices,
+                                                                                     strict=True)))
+    assert torch.allclose(experts(x, logits), torch.stack(expected), atol=1e-6)
+
+
+def test_moe_stages_with_tensor_parallelism_are_refused_naming_the_stage() -> None:
+    plan = Plan(stages=(_stage((0, 2), (0,)), _stage((2, 4), (1, 2), tp=2)))
+    with pytest.raises(ExportError, match=r"stages\[1\]\.tp = 2: the program runs MoE blocks with every expert whole"):
+        check_expressible(plan, load_model(MOE_SPEC, seq_len=16), config=model_config(MOE_SPEC, seq_len=16))
+    check_expressible(Plan(stages=(_stage(ONE_STAGE, (0, 1), dp=2),)), load_model(MOE_SPEC, seq_len=16))  # tp 1 runs
+
+
+@pytest.mark.slow
+def test_moe_stages_of_uneven_replicas_and_zero3_match_one_process() -> None:
+    pipelined = Plan(micro_batches=2, stages=(_stage((0, 2), (0, 1), dp=2, zero=1, recompute=True),
+                                              _stage((2, 4), (2,))))
+    report = verify(MOE_SPEC, pipelined)  # the pipeline runtime: a dp-2 stage hands its samples to a dp-1 one
+    assert report.passed, report.message
+    report = verify(MOE_SPEC, Plan(micro_batches=2, stages=(_stage(ONE_STAGE, (0, 1), dp=2, zero=3),)))
+    assert report.passed, report.message
 
 
 def test_shares_that_give_fractions_of_samples_are_refused(gpt_spec: str, tmp_path: Path) -> None:
