@@ -32,7 +32,7 @@ def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | No
     Face class or a user's module run: without it only tagplan's own families are accepted (a
     graph's name is never read as a SPEC).
     """
-    problems = _model_problems(plan, model, config)
+    problems = _model_problems(plan, model, config) + _moe_problems(plan, model)
     if not problems:
         analytic = config.family in ("gpt", "llama") if config is not None else model.family in ("gpt", "llama")
         for i, stage in enumerate(plan.stages):
@@ -97,17 +97,22 @@ def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -
     return []
 
 
+def _moe_problems(plan: Plan, model: ModelGraph) -> list[str]:
+    split = [f"stages[{i}].tp = {s.tp}" for i, s in enumerate(plan.stages) if s.tp > 1]
+    if model.family != "moe" or not split:
+        return []
+    return [f"{', '.join(split)}: the program runs MoE blocks with every expert whole on every rank (tp 1); "
+            "experts split over a tensor-parallel group are not built: re-plan with --exportable torch, or export "
+            "with fmt='megatron' (expert and tensor parallelism)"]
+
+
 def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig | None, *,
                     analytic: bool) -> list[str]:
     out = []
     if stage.cp > 1:
         out.append(f"stages[{i}].cp = {stage.cp}: the program has no context parallelism (ring attention); export "
                    "with fmt='megatron' (--context-parallel-size)")
-    if model.family == "moe":  # on one rank per replica nothing is split: the stage's strategies do not apply
-        if stage.tp > 1:
-            out.append(f"stages[{i}].tp = {stage.tp}: the program runs MoE blocks with every expert whole on every "
-                       "rank (tp 1); experts split over a tensor-parallel group are not built: re-plan with "
-                       "--exportable torch, or export with fmt='megatron' (expert and tensor parallelism)")
+    if model.family == "moe":  # tp 1 (`_moe_problems`): nothing is split, the stage's strategies do not apply
         return out
     if config is not None and stage.tp > 1 and (config.heads % stage.tp or config.kv_heads % stage.tp):
         out.append(f"stages[{i}]: tp={stage.tp} must divide heads={config.heads} and kv_heads={config.kv_heads}: "

@@ -83,6 +83,11 @@ def test_moe_stages_with_tensor_parallelism_are_refused_naming_the_stage() -> No
     with pytest.raises(ExportError, match=r"stages\[1\]\.tp = 2: the program runs MoE blocks with every expert whole"):
         check_expressible(plan, load_model(MOE_SPEC, seq_len=16), config=model_config(MOE_SPEC, seq_len=16))
     check_expressible(Plan(stages=(_stage(ONE_STAGE, (0, 1), dp=2),)), load_model(MOE_SPEC, seq_len=16))  # tp 1 runs
+    both = Plan(stages=(_stage((0, 2), (0, 1), tp=2), _stage((2, 4), (2, 3), tp=2)))
+    with pytest.raises(ExportError) as refused:
+        check_expressible(both, load_model(MOE_SPEC, seq_len=16))
+    assert "stages[0].tp = 2, stages[1].tp = 2: the program runs MoE" in str(refused.value)
+    assert str(refused.value).count("every expert whole") == 1  # one reason for every such stage
 
 
 @pytest.mark.slow
