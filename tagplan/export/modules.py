@@ -3,7 +3,8 @@
 The layer list matches `ModelGraph.layers` of the same SPEC one for one (embedding, blocks...,
 head), so a plan stage's `layers=(a, b)` is the slice `a:b`, and every module attribute that
 holds a matmul or embedding is named after the op the analytic family gives it (`attn.q`,
-`mlp.fc1`, `wte`, ...): a stage's per-op `sharding` finds its module by the op's name. The
+`mlp.fc1`, `wte`, ...; a moe block's router and experts sit in its `mlp`: `tp_ops`): a stage's per-op
+`sharding` finds its module by the op's name. The
 shape comes from the SPEC through `tagplan.export.shapes.model_config` (zoo names,
 `family?key=value`, `hf:LlamaConfig?...` and `hf:GPT2Config?...`).
 
@@ -12,8 +13,8 @@ shape comes from the SPEC through `tagplan.export.shapes.model_config` (zoo name
 - llama: RMSNorm, grouped-query attention with rotary positions, SwiGLU MLP, untied head.
 - moe (Mixtral): llama blocks whose MLP is a bank of SwiGLU experts (`experts.gate`, `experts.up`,
   `experts.down`), each token sent by the `router` to its `top_k` experts and their outputs summed with
-  the router's softmax renormalised over the chosen ones; every expert on every rank (tp 1: the program
-  does not split experts over a tensor-parallel group).
+  the router's softmax renormalised over the chosen ones; under tensor parallelism each expert's FFN is
+  split over the group or every rank runs whole experts (`export.tp_flow.experts_flow`).
 
 Parameter counts equal the analytic graph's exactly (tests pin it). Every layer initializes
 itself from its own generator, seeded by `(seed, layer index)`, so a program that builds only
@@ -32,10 +33,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
 from tagplan.export import hf_modules, user_modules
 from tagplan.export.shapes import ModelConfig, model_config
+from tagplan.export.tp_flow import EXPERT_OPS
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
 
 INIT_STD = 0.02
@@ -145,8 +148,10 @@ class Experts(nn.Module):
     Weights `gate` and `up` (experts, ffn, hidden) and `down` (experts, hidden, ffn), the analytic ops
     `experts.gate`, `experts.up` and `experts.down`; the activation and product fused as `SwiGLU`'s. The chosen
     experts' outputs are summed weighted by the router's softmax renormalised over them; no token is dropped
-    (no capacity limit), so a token's output does not depend on the other tokens of its batch.
-    Shapes: x (tokens, hidden), logits (tokens, experts) -> (tokens, hidden).
+    (no capacity limit), so a token's output does not depend on the other tokens of its batch. Under tensor
+    parallelism the weights are DTensors split along the FFN (`runtime_parallel.ExpertsParallel`) and each
+    rank computes with its own piece: its output is then a partial sum over the FFN.
+    Shapes: x (..., hidden), logits (..., experts) -> (..., hidden).
     """
 
     def __init__(self, c: ModelConfig) -> None:
@@ -157,17 +162,36 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(c.experts, c.hidden, c.ffn))
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        weights, chosen = functional.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        gate, up, down = (_local(p) for p in (self.gate, self.up, self.down))
+        tokens, scores = x.flatten(0, -2), logits.flatten(0, -2)
+        weights, chosen = functional.softmax(scores, dim=-1).topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(x)
-        for e in range(self.gate.shape[0]):
+        out = torch.zeros_like(tokens)
+        for e in range(gate.shape[0]):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             if rows.numel():
-                routed = x[rows]
-                hidden = _GatedProduct.apply(functional.linear(routed, self.gate[e]),
-                                             functional.linear(routed, self.up[e]))
-                out = out.index_add(0, rows, functional.linear(hidden, self.down[e]) * weights[rows, slot, None])
-        return out
+                routed = tokens[rows]
+                hidden = _GatedProduct.apply(functional.linear(routed, gate[e]), functional.linear(routed, up[e]))
+                out = out.index_add(0, rows, functional.linear(hidden, down[e]) * weights[rows, slot, None])
+        return out.view_as(x)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a weight split over a tensor-parallel group (a DTensor), else the weight itself."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+class MoE(nn.Module):
+    """A block's mixture of experts: the `router`'s logits choose each token's experts in `experts`.
+    Shapes: (batch, seq, hidden) -> (batch, seq, hidden)."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.router = nn.Linear(c.hidden, c.experts, bias=False)
+        self.experts = Experts(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.router(x))
 
 
 class Block(nn.Module):
@@ -188,11 +212,7 @@ class Block(nn.Module):
         for name in self.norm_names:
             self.add_module(name, nn.LayerNorm(c.hidden) if gpt else nn.RMSNorm(c.hidden, eps=1e-5))
         self.attn = Attention(c, bias=gpt, rotary=not gpt)
-        if c.family == "moe":  # named as the analytic ops: `router`, `experts.*`
-            self.router = nn.Linear(c.hidden, c.experts, bias=False)
-            self.experts = Experts(c)
-        else:
-            self.mlp: nn.Module = GeluMLP(c) if gpt else SwiGLU(c)
+        self.mlp: nn.Module = MoE(c) if c.family == "moe" else GeluMLP(c) if gpt else SwiGLU(c)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
@@ -203,10 +223,7 @@ class Block(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         norm1, norm2 = (getattr(self, n) for n in self.norm_names)
         x = x + self.attn(norm1(x))
-        if not hasattr(self, "experts"):
-            return x + self.mlp(norm2(x))
-        tokens = norm2(x).flatten(0, -2)  # (batch * seq, hidden)
-        return x + self.experts(tokens, self.router(tokens)).view_as(x)
+        return x + self.mlp(norm2(x))
 
 
 class Embedding(nn.Module):
@@ -250,8 +267,11 @@ def tp_ops(config: ModelConfig, index: int) -> dict[str, str]:
         return {"wte": "wte", "wpe": "wpe"} if config.family == "gpt" else {"wte": "wte"}
     if index == config.num_layers - 1:
         return {"lm_head.tied" if config.tied else "lm_head": "lm_head"}
-    mlp = {"gpt": ("mlp.fc1", "mlp.fc2"), "moe": ()}.get(config.family, ("mlp.gate", "mlp.up", "mlp.down"))
-    return {name: name for name in ("attn.q", "attn.k", "attn.v", "attn.o", *mlp)}
+    attention = {name: name for name in ("attn.q", "attn.k", "attn.v", "attn.o")}
+    if config.family == "moe":  # the router, and one module holding the three expert weights
+        return {**attention, "router": "mlp.router", **dict.fromkeys(EXPERT_OPS, "mlp.experts")}
+    mlp = ("mlp.fc1", "mlp.fc2") if config.family == "gpt" else ("mlp.gate", "mlp.up", "mlp.down")
+    return {**attention, **{name: name for name in mlp}}
 
 
 def op_paths(config: ModelConfig, index: int, ops: Iterable[str]) -> dict[str, str]:

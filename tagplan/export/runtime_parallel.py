@@ -6,11 +6,11 @@ build), then applies, in this order:
 1. tensor parallelism (`parallelize_module` on the "tp" mesh axis): column -> ColwiseParallel,
    row -> RowwiseParallel, replicate -> left whole, sequence -> left whole on this rank's part of
    the tokens (its weight gradients summed over the tp group once per step, `sum_token_split`); in
-   a gpt or llama block each matmul converts its input and output as `export.tp_flow` lays out;
-   a gpt or llama column head keeps its part of the vocabulary, a token-split or row head its part
-   of the tokens, and the loss is computed on those parts (`LossSplit`); a replicated head computes
-   whole logits; with sequence parallelism the residual stream between layers is split along the
-   sequence;
+   a gpt, llama or moe block each matmul converts its input and output as `export.tp_flow` lays out
+   (a moe block's experts: `ExpertsParallel`); a column head keeps its part of the vocabulary, a
+   token-split or row head its part of the tokens, and the loss is computed on those parts
+   (`LossSplit`); a replicated head computes whole logits; with sequence parallelism the residual
+   stream between layers is split along the sequence;
 2. recomputation: each block of a `recompute` stage checkpoints its forward;
 3. data parallelism on the "dp" axis: ZeRO 0 -> `replicate` (DDP on FSDP2's machinery), ZeRO 1/2
    -> `fully_shard(reshard_after_forward=False)`, ZeRO 3 -> `fully_shard(reshard_after_forward=True)`.
@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import (
 from tagplan.cost.sharding import Layout
 from tagplan.export.modules import Block, build_layer, op_paths, set_stage_recompute, tied_param_names
 from tagplan.export.shapes import ModelConfig
-from tagplan.export.tp_flow import NEEDS, Flow, block_flow, head_flow
+from tagplan.export.tp_flow import EXPERT_OPS, NEEDS, ExpertsFlow, Flow, block_flow, experts_flow, head_flow
 
 SEQUENCE = Shard(1)  # activations (batch, seq, hidden) split along the sequence
 PLACEMENT = {Layout.R: Replicate(), Layout.S: SEQUENCE, Layout.H: Shard(2)}  # tp_flow's layouts on a tp mesh
@@ -126,7 +126,7 @@ def _gather() -> ParallelStyle:
 
 
 def matmul_style(strategy: str, flow: Flow) -> ParallelStyle | None:
-    """The style of a gpt or llama Linear under `strategy` whose input arrives and output departs
+    """The style of a gpt, llama or moe Linear under `strategy` whose input arrives and output departs
     as `flow` says (`export.tp_flow`); None when it runs whole on what arrives and hands that on."""
     arrives, departs = PLACEMENT[flow.arrives], PLACEMENT[flow.departs]
     if strategy == "column":
@@ -140,12 +140,52 @@ def matmul_style(strategy: str, flow: Flow) -> ParallelStyle | None:
                                     output_layouts=(own,), desired_output_layouts=(departs,), use_local_output=True)
 
 
+class ExpertsParallel(ParallelStyle):
+    """A moe block's experts (`modules.Experts`) on the "tp" axis as `flow` says (`export.tp_flow.experts_flow`).
+
+    Split: each expert's gate and up weights are split along the FFN (their rows), its down weights
+    along the FFN (their columns); the tokens and logits are made whole, their gradients (partial sums
+    over the FFN pieces) reduced back, and the output, a partial sum, is reduced into the stream's layout.
+    Whole: the weights stay whole; tokens and logits are converted to the layout the experts run on, and
+    the output to the stream's.
+    """
+
+    def __init__(self, flow: ExpertsFlow) -> None:
+        super().__init__()
+        self.flow = flow
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.flow.split:
+            for name, dim in (("gate", 1), ("up", 1), ("down", 2)):
+                whole = getattr(module, name)
+                module.register_parameter(name, nn.Parameter(distribute_tensor(
+                    whole.data, device_mesh, [Shard(dim)], src_data_rank=None)))
+        module.register_forward_pre_hook(lambda _, args: self._inputs(args, device_mesh))
+        module.register_forward_hook(lambda _, __, out: self._output(out, device_mesh))
+        return module
+
+    def _inputs(self, args: tuple[torch.Tensor, ...], mesh: DeviceMesh) -> tuple[torch.Tensor, ...]:
+        tokens, logits = args
+        return (self._convert(tokens, PLACEMENT[self.flow.tokens], mesh),
+                self._convert(logits, PLACEMENT[self.flow.logits], mesh))
+
+    def _convert(self, tensor: torch.Tensor, arrives: Placement, mesh: DeviceMesh) -> torch.Tensor:
+        runs = PLACEMENT[self.flow.runs]
+        moved = DTensor.from_local(tensor, mesh, [arrives], run_check=False).redistribute(mesh, [runs])
+        return moved.to_local(grad_placements=[Partial()] if self.flow.split else None)
+
+    def _output(self, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        held = Partial() if self.flow.split else PLACEMENT[self.flow.runs]
+        return DTensor.from_local(out, mesh, [held], run_check=False).redistribute(
+            mesh, [PLACEMENT[self.flow.departs]]).to_local()
+
+
 def layer_styles(layer: nn.Module, index: int, config: ModelConfig, strategies: dict[str, str], *,
                  sp: bool) -> dict[str, ParallelStyle]:
     """Module path -> ParallelStyle for one layer. With sequence parallelism (`sp`) the residual
     stream between layers is split along the sequence: norms run on their part (SequenceParallel),
     attention and MLP gather it first (unless their first matmuls read their part of the sequence),
-    and the embedding hands back this rank's part. A gpt or llama block's and head's matmuls convert
+    and the embedding hands back this rank's part. A block's and an own family's head's matmuls convert
     what arrives and what departs as `export.tp_flow` lays out."""
     styles: dict[str, ParallelStyle | None] = {}
     block = block_flow(config.family, strategies, sp=sp) if isinstance(layer, Block) else None
@@ -153,9 +193,11 @@ def layer_styles(layer: nn.Module, index: int, config: ModelConfig, strategies: 
         strategy = strategies.get(op, "replicate")
         if isinstance(layer.get_submodule(path), nn.Embedding):
             styles[path] = embedding_style(strategy)
+        elif op in EXPERT_OPS:
+            styles[path] = _experts_style(experts_flow(strategies, sp=sp))
         elif block is not None:
             styles[path] = matmul_style(strategy, block.flows[op])
-        elif path == "lm_head" and config.family in ("gpt", "llama"):
+        elif path == "lm_head" and config.family in ("gpt", "llama", "moe"):
             styles[path] = matmul_style(strategy, head_flow(strategy, sp=sp))
         elif path == "lm_head":
             styles[path] = head_style(strategy, sp=sp)
@@ -167,6 +209,12 @@ def layer_styles(layer: nn.Module, index: int, config: ModelConfig, strategies: 
     if sp and index == config.num_layers - 1:
         styles["final_norm"] = SequenceParallel(use_local_output=True)
     return {path: style for path, style in styles.items() if style is not None}
+
+
+def _experts_style(flow: ExpertsFlow) -> ParallelStyle | None:
+    """None where whole experts run on the tokens as they arrive and hand them on as they are."""
+    still = not flow.split and flow.tokens == flow.logits == flow.runs == flow.departs
+    return None if still else ExpertsParallel(flow)
 
 
 @dataclass(frozen=True)
@@ -213,9 +261,11 @@ class LossSplit:
 
 def token_split_modules(layer: nn.Module, index: int, config: ModelConfig,
                         strategies: dict[str, str]) -> list[nn.Module]:
-    """The layer's matmuls that run on this rank's tokens with whole weights (strategy `sequence`)."""
-    return [layer.get_submodule(path) for op, path in op_paths(config, index, strategies).items()
-            if strategies.get(op) == "sequence" and not isinstance(layer.get_submodule(path), nn.Embedding)]
+    """The layer's matmuls that run on this rank's tokens with whole weights (strategy `sequence`; a moe
+    block's three expert weights are one module, listed once)."""
+    paths = {path for op, path in op_paths(config, index, strategies).items() if strategies.get(op) == "sequence"}
+    return [layer.get_submodule(path) for path in sorted(paths)
+            if not isinstance(layer.get_submodule(path), nn.Embedding)]
 
 
 def apply_tp(part: StageModule, config: ModelConfig, stage: dict[str, Any], mesh: DeviceMesh, *, sp: bool,

@@ -19,7 +19,7 @@ from tagplan.frontends.families import TransformerShape, llama_ffn
 from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, family_positions, parse_model_spec
 
 SUPPORTED_FAMILIES = ("gpt", "llama", "moe")
-"""The families the torch program builds (`tagplan.export.modules`; moe on stages of tp 1 only)."""
+"""The families the torch program builds (`tagplan.export.modules`)."""
 HF_FAMILIES = {"LlamaConfig": "llama", "GPT2Config": "gpt"}
 """Hugging Face configs exported as the tagplan family of the same shape."""
 

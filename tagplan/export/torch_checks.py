@@ -13,7 +13,15 @@ from tagplan.errors import SpecError
 from tagplan.export.checks import ExportError, check_reduce_dtype, refuse
 from tagplan.export.hf_types import GPT2_TYPES, HEAD_NORM_TYPES
 from tagplan.export.shapes import SUPPORTED_FAMILIES, ModelConfig, model_config
-from tagplan.export.tp_flow import MATMUL_STRATEGIES
+from tagplan.export.tp_flow import (
+    EXPERT_OPS,
+    EXPERTS_SPLIT,
+    MATMUL_STRATEGIES,
+    ROUTER,
+    ROUTER_LOGITS,
+    WHOLE_EXPERTS,
+    experts_strategy,
+)
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
 from tagplan.ir.model import ModelGraph, OpKind
 from tagplan.ir.plan import Plan, ShardStrategy, Stage
@@ -34,7 +42,7 @@ def check_expressible(plan: Plan, model: ModelGraph, *, config: ModelConfig | No
     """
     problems = _model_problems(plan, model, config) + _moe_problems(plan, model)
     if not problems:
-        analytic = config.family in ("gpt", "llama") if config is not None else model.family in ("gpt", "llama")
+        analytic = (config.family if config is not None else model.family) in SUPPORTED_FAMILIES
         for i, stage in enumerate(plan.stages):
             problems += _stage_problems(i, stage, model, config, analytic=analytic)
         problems += _norm_problems(plan, model)
@@ -98,12 +106,31 @@ def _model_problems(plan: Plan, model: ModelGraph, config: ModelConfig | None) -
 
 
 def _moe_problems(plan: Plan, model: ModelGraph) -> list[str]:
-    split = [f"stages[{i}].tp = {s.tp}" for i, s in enumerate(plan.stages) if s.tp > 1]
-    if model.family != "moe" or not split:
+    """A moe stage with tp > 1 runs its experts split (`tp_flow.EXPERTS_SPLIT`) or whole (all three experts ops
+    replicate or all sequence) and its router replicate, sequence or column (`tp_flow.ROUTER_LOGITS`)."""
+    if model.family != "moe":
         return []
-    return [f"{', '.join(split)}: the program runs MoE blocks with every expert whole on every rank (tp 1); "
-            "experts split over a tensor-parallel group are not built: re-plan with --exportable torch, or export "
-            "with fmt='megatron' (expert and tensor parallelism)"]
+    out: list[str] = []
+    for i, stage in enumerate(plan.stages):
+        if stage.tp == 1:
+            continue
+        found = len(out)
+        for j in range(*stage.layers):
+            resolved = {op: st.value for op, st in strategies_for(model, stage, j).items()}
+            if ROUTER not in resolved:
+                continue  # the embedding or the head
+            chosen = [resolved.get(op, "replicate") for op in EXPERT_OPS]
+            if experts_strategy(resolved) is None:
+                out.append(f"stages[{i}] layer {j}: experts strategies {dict(zip(EXPERT_OPS, chosen, strict=True))}: "
+                           f"the program splits each expert's FFN ({', '.join(EXPERTS_SPLIT)}) or runs whole "
+                           f"experts (all three {' or all three '.join(WHOLE_EXPERTS)}); experts spread over the "
+                           "group (expert parallelism) need fmt='megatron' (--expert-model-parallel-size)")
+            if resolved[ROUTER] not in ROUTER_LOGITS:
+                out.append(f"stages[{i}] layer {j}: router={resolved[ROUTER]!r}: the program runs the router as "
+                           f"{', '.join(ROUTER_LOGITS)}")
+            if len(out) > found:
+                break  # one layer's reasons per stage
+    return out
 
 
 def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig | None, *,
@@ -112,17 +139,19 @@ def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig
     if stage.cp > 1:
         out.append(f"stages[{i}].cp = {stage.cp}: the program has no context parallelism (ring attention); export "
                    "with fmt='megatron' (--context-parallel-size)")
-    if model.family == "moe":  # tp 1 (`_moe_problems`): nothing is split, the stage's strategies do not apply
-        return out
     if config is not None and stage.tp > 1 and (config.heads % stage.tp or config.kv_heads % stage.tp):
         out.append(f"stages[{i}]: tp={stage.tp} must divide heads={config.heads} and kv_heads={config.kv_heads}: "
                    "the program splits attention by whole heads")
+    if config is not None and stage.tp > 1 and config.family == "moe" and config.ffn % stage.tp:
+        out.append(f"stages[{i}]: tp={stage.tp} must divide the experts' ffn={config.ffn}: the program splits each "
+                   "expert's FFN evenly")
     out += _sharding_problems(i, stage, model, analytic=analytic)
     return out
 
 
 def _sharding_problems(i: int, stage: Stage, model: ModelGraph, *, analytic: bool) -> list[str]:
-    """A gpt or llama layer (`analytic`) runs its matmuls column, row, replicate or sequence (`export.tp_flow`);
+    """A gpt, llama or moe layer (`analytic`) runs its matmuls column, row, replicate or sequence (`export.tp_flow`;
+    a moe block's router and experts: `_moe_problems`);
     a Hugging Face class's or a user's module's traced matmuls split column, row or replicate only."""
     if not stage.sharding:
         return []
@@ -130,17 +159,19 @@ def _sharding_problems(i: int, stage: Stage, model: ModelGraph, *, analytic: boo
     out = []
     for name, strategy in stage.sharding.items():
         op = ops.get(name)
+        if model.family == "moe" and (name in EXPERT_OPS or name == ROUTER):
+            continue  # `_moe_problems`
         if op is None:
             out.append(f"stages[{i}].sharding names op {name!r}, which no layer of the stage has "
                        f"(ops: {', '.join(sorted(ops))})")
         elif op.kind is OpKind.MATMUL and analytic and strategy.value not in MATMUL_STRATEGIES:
-            out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program runs a gpt or llama matmul "
-                       "as column, row, replicate or sequence (tokens split along the sequence); batch- and "
+            out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program runs a gpt, llama or moe "
+                       "matmul as column, row, replicate or sequence (tokens split along the sequence); batch- and "
                        "expert-split matmuls are not expressed")
         elif op.kind is OpKind.MATMUL and not analytic and strategy not in _SPLITTABLE:
             out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program splits a traced model's "
                        "matmuls as column, row or replicate only (token-split and expert-split matmuls are "
-                       "expressed for the gpt and llama families only)")
+                       "expressed for tagplan's own families only)")
         elif op.kind is OpKind.EMBEDDING and strategy not in (*_SPLITTABLE, *_TOKEN_SPLIT):
             out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program splits embeddings as row, "
                        "column, replicate or sequence/batch (run replicated) only")

@@ -17,10 +17,12 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
 - stages: any contiguous layer ranges, any (dp, tp) per stage; `interleaved_1f1b` runs several
   stages per device group;
 - batch shares: whole samples per replica per micro-batch (`ir.plan.check_whole_samples`);
-- matmuls of the gpt and llama families take `column`, `row`, `replicate` or `sequence` (tokens
+- matmuls of the gpt, llama and moe families take `column`, `row`, `replicate` or `sequence` (tokens
   split, whole weights whose gradients are summed over the tp group once per step); each converts
   what arrives and what it hands on as `export.tp_flow` lays out (an all-gather, all-to-all,
-  reduce or slice, the collectives `cost.sharding` charges), so any mix of those chains. A traced
+  reduce or slice, the collectives `cost.sharding` charges), so any mix of those chains; a moe block's
+  experts are split along each expert's FFN (gate and up `column`, down `row`) or run whole (all three
+  `replicate` or all `sequence`), its router `replicate`, `sequence` or `column`. A traced
   model's matmuls (Hugging Face classes, a user's module) take `column`, `row` or `replicate`;
   `batch`- and `experts`-split matmuls are refused; embeddings also take `sequence`/`batch`, run
   as a whole table;
@@ -53,8 +55,7 @@ What the program expresses, and what `check_expressible` refuses (with the reaso
   replicas after the step's program). `grad_reduce_overlap=False` is refused where a stage
   overlaps; an overlapped costing where one does not is written with a note (plan.json
   `grad_reduce.notes`).
-Models: the gpt, llama and moe families (`tagplan.export.modules`; moe stages at tp 1, every expert on every
-rank); Hugging Face SPECs as the
+Models: the gpt, llama and moe families (`tagplan.export.modules`); Hugging Face SPECs as the
 transformers class itself (`tagplan.export.hf_modules`: Llama-style decoders and GPT-2, GPT-2 at
 tp 1); a user's own `nn.Sequential` language model as itself (`tagplan.export.user_modules`; a
 `file.py` is copied beside the program).
@@ -126,7 +127,7 @@ def runtime_on(plan: Plan, cluster: Cluster | None) -> str:
 
 def split_ops(config: ModelConfig, model: ModelGraph, layer: int) -> list[str]:
     """The ops of `layer` whose tensor-parallel strategy the program applies: the analytic names of
-    `modules.tp_ops` for gpt and llama, every traced matmul and embedding for family `hf`."""
+    `modules.tp_ops` for tagplan's own families, every traced matmul and embedding for family `hf`."""
     if config.family in ("hf", "module"):
         return [op.name for op in model.block_of(layer).ops if op.kind in (OpKind.MATMUL, OpKind.EMBEDDING)]
     return list(tp_ops(config, layer))

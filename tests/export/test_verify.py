@@ -78,16 +78,49 @@ def test_experts_send_each_token_to_its_top_k_experts_weighted_by_the_renormalis
     assert torch.allclose(experts(x, logits), torch.stack(expected), atol=1e-6)
 
 
-def test_moe_stages_with_tensor_parallelism_are_refused_naming_the_stage() -> None:
-    plan = Plan(stages=(_stage((0, 2), (0,)), _stage((2, 4), (1, 2), tp=2)))
-    with pytest.raises(ExportError, match=r"stages\[1\]\.tp = 2: the program runs MoE blocks with every expert whole"):
-        check_expressible(plan, load_model(MOE_SPEC, seq_len=16), config=model_config(MOE_SPEC, seq_len=16))
-    check_expressible(Plan(stages=(_stage(ONE_STAGE, (0, 1), dp=2),)), load_model(MOE_SPEC, seq_len=16))  # tp 1 runs
-    both = Plan(stages=(_stage((0, 2), (0, 1), tp=2), _stage((2, 4), (2, 3), tp=2)))
+def test_moe_stages_with_tensor_parallelism_split_or_keep_experts_and_refuse_other_mixes() -> None:
+    graph, config = load_model(MOE_SPEC, seq_len=16), model_config(MOE_SPEC, seq_len=16)
+    split = Plan(stages=(_stage((0, 2), (0,)), _stage((2, 4), (1, 2), tp=2)))  # tagplan's defaults: FFN split
+    check_expressible(split, graph, config=config)
+    whole = {"router": "sequence", "experts.gate": "sequence", "experts.up": "sequence", "experts.down": "sequence"}
+    check_expressible(Plan(stages=(_stage(ONE_STAGE, (0, 1), tp=2, sharding=whole),)), graph, config=config)
+    mixed = {"experts.gate": "column", "experts.up": "sequence", "experts.down": "row"}
+    spread = dict.fromkeys(("experts.gate", "experts.up", "experts.down"), "experts")
+    plan = Plan(stages=(_stage((0, 2), (0, 1), tp=2, sharding=mixed),
+                        _stage((2, 4), (2, 3), tp=2, sharding={**spread, "router": "row"})))
     with pytest.raises(ExportError) as refused:
-        check_expressible(both, load_model(MOE_SPEC, seq_len=16))
-    assert "stages[0].tp = 2, stages[1].tp = 2: the program runs MoE" in str(refused.value)
-    assert str(refused.value).count("every expert whole") == 1  # one reason for every such stage
+        check_expressible(plan, graph, config=config)
+    message = str(refused.value)
+    assert "stages[0] layer 1: experts strategies {'experts.gate': 'column', 'experts.up': 'sequence'" in message
+    assert "stages[1] layer 2: experts strategies" in message and "--expert-model-parallel-size" in message
+    assert "stages[1] layer 2: router='row': the program runs the router as replicate, sequence, column" in message
+    assert message.count("experts strategies") == 2  # one layer's reasons per stage, not a line per op
+    odd = "moe?layers=2&hidden=64&heads=4&kv_heads=2&vocab=128&experts=4&top_k=2&ffn=90"
+    with pytest.raises(ExportError, match=r"tp=4 must divide the experts' ffn=90"):
+        check_expressible(Plan(stages=(_stage(ONE_STAGE, (0, 1, 2, 3), tp=4),)), load_model(odd, seq_len=16),
+                          config=model_config(odd, seq_len=16))
+
+
+_MOE_TOKEN_SPLIT = {"attn.q": "sequence", "attn.k": "sequence", "attn.v": "sequence", "attn.o": "sequence",
+                    "router": "sequence"}  # the planner's Mixtral stages: attention on tokens, experts' FFN split
+
+
+@pytest.mark.slow
+def test_moe_experts_split_over_tp_match_one_process_with_and_without_sequence_parallelism() -> None:
+    # the planner's layout: sequence parallelism, token-split attention and router, each expert's FFN split;
+    # then a tp-2 stage feeding a tp-1 one on the pipeline runtime, ZeRO 3 and recompute on the split stage
+    _passes(MOE_SPEC, Plan(micro_batches=2, stages=(_stage(ONE_STAGE, (0, 1), tp=2, sharding=_MOE_TOKEN_SPLIT),)))
+    # no sequence parallelism: the router's logits for this rank's tokens, gathered
+    plain = {"input_norm": "replicate", "post_attention_norm": "replicate", "router": "sequence"}
+    _passes(MOE_SPEC, Plan(micro_batches=2, stages=(_stage((0, 2), (0, 1), tp=2, zero=3, recompute=True,
+                                                           sharding=plain), _stage((2, 4), (2,)))))
+
+
+@pytest.mark.slow
+def test_whole_experts_on_each_ranks_tokens_sum_their_gradients_once() -> None:
+    # the three expert weights are one module: listed once among the token-split modules whose gradients sum
+    whole = {"router": "sequence", "experts.gate": "sequence", "experts.up": "sequence", "experts.down": "sequence"}
+    _passes(MOE_SPEC, Plan(stages=(_stage(ONE_STAGE, (0, 1), tp=2, sharding=whole),)))
 
 
 @pytest.mark.slow
@@ -118,7 +151,7 @@ def test_every_inexpressible_feature_is_listed(gpt_spec: str) -> None:
     with pytest.raises(ExportError) as err:
         check_expressible(plan, load_model(gpt_spec))
     message = str(err.value)
-    assert "stages[0].sharding['mlp.fc1']='batch': the program runs a gpt or llama matmul as column, row, " \
+    assert "stages[0].sharding['mlp.fc1']='batch': the program runs a gpt, llama or moe matmul as column, row, " \
            "replicate or sequence" in message
     assert "sharding['mlp.fc2']" not in message  # a token-split matmul runs (export.tp_flow)
     assert "names op 'attn.qq', which no layer of the stage has" in message
