@@ -183,6 +183,9 @@ class _Compiled:
     """Whether `levels` was decided (`_LOOP_EVALUATIONS`: the first evaluations run the loop)."""
     lane_tasks: _Positions | None = field(default=None, compare=False)
     """The built-in schedules' `orders` as one (lanes x tasks per lane) array: their lanes run equally many tasks."""
+    schedule: Schedule | None = field(default=None, compare=False)
+    """The built-in schedule these orders are (None: custom orders); gpipe and 1f1b have their depths in closed
+    form (`_closed_depth`), so their levels cost no run of the loop and pay from the first evaluation."""
 
 
 def lane_order(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> list[list[TaskKey]]:
@@ -268,7 +271,7 @@ def simulate_pipeline(
     compiled = _compiled_schedule(*key)  # raises for a shape the schedule does not take, before it is counted
     with _schedule_lock:
         uses = _schedule_uses[key] = _schedule_uses.get(key, 0) + 1
-    if uses > _LOOP_EVALUATIONS and not compiled.levels_tried:
+    if not compiled.levels_tried and (uses > _LOOP_EVALUATIONS or schedule in _CLOSED_DEPTH):
         compiled = _compiled_schedule(*key, levels=True)
     return _simulate(compiled, stages, record_tasks)
 
@@ -309,10 +312,11 @@ _schedule_cache: OrderedDict[tuple[int, int, Schedule, int], _Compiled] = Ordere
 _schedule_uses: dict[tuple[int, int, Schedule, int], int] = {}
 """Evaluations of each cached schedule (`simulate_pipeline`)."""
 _LOOP_EVALUATIONS = 2
-"""A schedule's first evaluations run the loop; the next finds its levels. Finding them costs about 1.3
-runs of the loop and an evaluation over them a fifth to an eighth of one (measured on pp32-96 schedules
-of 25k-50k tasks), so levels pay from the second evaluation after the one that finds them; most shapes
-the grid and the search simulate are evaluated once or twice, which then run the loop alone."""
+"""An interleaved schedule's first evaluations run the loop; the next finds its levels. Finding them costs
+about 1.3 runs of the loop and an evaluation over them a fifth to an eighth of one (measured on pp32-96
+schedules of 25k-50k tasks), so levels pay from the second evaluation after the one that finds them; most
+shapes the grid and the search simulate are evaluated once or twice, which then run the loop alone. Gpipe
+and 1f1b find theirs without the loop (`_closed_depth`) at their first evaluation."""
 _schedule_lock = threading.Lock()  # simulators in several threads share them
 
 
@@ -399,14 +403,18 @@ def _compile_builtin(num_stages: int, micro_batches: int, schedule: Schedule, la
     ids = _lane_ids(S, M, schedule, lanes)
     orders = [tuple(a.tolist()) for a in ids]
     lane_tasks = _read_only(np.stack(ids)) if len({len(a) for a in ids}) == 1 else None
-    stage_lane = [0] * S
-    for lane, order in enumerate(ids):
+    stage_lane = list(range(S)) if schedule in _CLOSED_DEPTH else [0] * S
+    for lane, order in enumerate(ids if schedule not in _CLOSED_DEPTH else ()):
         for st in np.unique((order // M) % S).tolist():
             stage_lane[st] = lane
     fwd_deps = [-1] * M + list(range(S * M - M))
     bwd_deps = [S * M + t for t in range(M, S * M)] + list(range(S * M - M, S * M))
-    return _Compiled(S, M, tuple(orders), tuple(fwd_deps + bwd_deps), *_stage_stats(orders, S, M), tuple(stage_lane),
-                     lane_tasks=lane_tasks)
+    if schedule in _CLOSED_DEPTH:  # each stage on its own lane, its backward of the last micro-batch last
+        stats = (max_in_flight(S, M, schedule, lanes), tuple(S * M + st * M + M - 1 for st in range(S)))
+    else:
+        stats = _stage_stats(orders, S, M)
+    return _Compiled(S, M, tuple(orders), tuple(fwd_deps + bwd_deps), *stats, tuple(stage_lane),
+                     lane_tasks=lane_tasks, schedule=schedule)
 
 
 def max_in_flight(num_stages: int, micro_batches: int, schedule: Schedule, lanes: int) -> tuple[int, ...]:
@@ -484,17 +492,42 @@ def _stage_stats(orders: list[tuple[int, ...]], S: int, M: int) -> tuple[tuple[i
     return tuple(peak), tuple(last)
 
 
+def _closed_depth(S: int, M: int, schedule: Schedule) -> npt.NDArray[np.int64]:
+    """Per task id, its depth in the DAG of lane and dependency edges (what the event loop gives with unit
+    durations and no lags) for gpipe and 1f1b, in closed form. Forward (s, j) runs at depth s + j while it is
+    among stage s's warm-up forwards and the first forward of its steady pairs (1f1b: j <= min(S - s - 1, M)),
+    then one pair (two tasks) per micro-batch: s + 2 j. A 1f1b backward (s, j) follows the backward of stage
+    s + 1, which the last stage runs right after its forward: 2 S - 1 - s + 2 j. Gpipe runs every forward
+    first: its last stage's backward j starts after its M forwards and j backwards, S - 1 + M + j, and each
+    stage before it one later. Tests compare both with the loop."""
+    s, j = np.repeat(np.arange(S), M), np.tile(np.arange(M), S)
+    if schedule is Schedule.GPIPE:
+        return np.concatenate([s + j, 2 * S - 2 - s + M + j])
+    if schedule is Schedule.ONE_F_ONE_B:
+        forward = np.where(j <= np.minimum(S - s - 1, M), s + j, s + 2 * j)
+        return np.concatenate([forward, 2 * S - 1 - s + 2 * j])
+    raise ValueError(f"schedule {schedule.value!r} has no closed-form depth")
+
+
+_CLOSED_DEPTH = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+
+
 def _levels(c: _Compiled) -> _Levels:
     """Group the tasks by depth: the event loop with unit durations and no lags starts each task at its depth."""
     n = 2 * c.num_stages * c.micro_batches
-    depth = np.array(_run(c, [1.0] * n, [0.0] * n)[0])
+    closed = c.schedule is not None and c.schedule in _CLOSED_DEPTH
+    depth = _closed_depth(c.num_stages, c.micro_batches, c.schedule) if closed and c.schedule is not None else \
+        np.array(_run(c, [1.0] * n, [0.0] * n)[0])
     task = _read_only(np.argsort(depth, kind="stable"))
     position = np.empty(n + 1, dtype=np.intp)  # task id -> position; index -1 ("none") -> n
     position[task] = np.arange(n)
     position[n] = n
     prev = np.full(n, -1, dtype=np.intp)  # task id -> the task before it on its lane
-    for order in c.orders:
-        prev[list(order[1:])] = order[:-1]
+    if c.lane_tasks is not None:
+        prev[c.lane_tasks[:, 1:]] = c.lane_tasks[:, :-1]
+    else:
+        for order in c.orders:
+            prev[list(order[1:])] = order[:-1]
     prev_position = _read_only(position[prev[task]])
     dep_position = _read_only(position[np.array(c.deps, dtype=np.intp)[task]])
     bounds = [0, *(np.flatnonzero(np.diff(depth[task])) + 1).tolist(), n]

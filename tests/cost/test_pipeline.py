@@ -440,23 +440,62 @@ def test_in_flight_counts_and_lane_peaks_follow_the_lane_orders(schedule: Schedu
         lane_peaks(4, 4, schedule, 4 if schedule is not Schedule.INTERLEAVED_1F1B else 2, [1.0])
 
 
-def test_a_deep_schedule_finds_its_levels_after_its_first_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Finding the levels costs more than a run of the loop: the first evaluations run the loop, the
-    next finds them, and all give the same times."""
+def test_a_deep_interleaved_schedule_finds_its_levels_after_its_first_evaluations(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding an interleaved schedule's levels costs more than a run of the loop: the first evaluations run
+    the loop, the next finds them, and all give the same times."""
     from collections import OrderedDict
 
     from tagplan.cost import pipeline
 
     monkeypatch.setattr(pipeline, "_schedule_cache", OrderedDict())
     monkeypatch.setattr(pipeline, "_schedule_uses", {})
-    stages = heterogeneous(32, 5)
+    stages = heterogeneous(64, 5)
     results = []
     for _ in range(pipeline._LOOP_EVALUATIONS):
-        results.append(simulate_pipeline(stages, 64, ONE_F_ONE_B))
-        assert pipeline._schedule_cache[32, 64, ONE_F_ONE_B, 32].levels is None
-    results.append(simulate_pipeline(stages, 64, ONE_F_ONE_B))
-    assert pipeline._schedule_cache[32, 64, ONE_F_ONE_B, 32].levels is not None
+        results.append(simulate_pipeline(stages, 64, INTERLEAVED, lanes=32))
+        assert pipeline._schedule_cache[64, 64, INTERLEAVED, 32].levels is None
+    results.append(simulate_pipeline(stages, 64, INTERLEAVED, lanes=32))
+    assert pipeline._schedule_cache[64, 64, INTERLEAVED, 32].levels is not None
     assert all(r == results[0] for r in results)
+
+
+@pytest.mark.parametrize("schedule", [GPIPE, ONE_F_ONE_B])
+def test_gpipe_and_1f1b_take_their_levels_from_the_first_evaluation(schedule: Schedule,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their depths are in closed form: no run of the loop finds them, so a deep shape the grid simulates once
+    is evaluated level by level, to the bit what the loop gives."""
+    from collections import OrderedDict
+
+    from tagplan.cost import pipeline
+
+    monkeypatch.setattr(pipeline, "_schedule_cache", OrderedDict())
+    monkeypatch.setattr(pipeline, "_schedule_uses", {})
+    monkeypatch.setattr(pipeline, "_run", _no_loop)
+    stages = heterogeneous(32, 5)
+    first = simulate_pipeline(stages, 64, schedule, record_tasks=False)
+    assert pipeline._schedule_cache[32, 64, schedule, 32].levels is not None
+    monkeypatch.undo()
+    compiled = _compiled_schedule(32, 64, schedule, 32)
+    assert first == _simulate(replace(compiled, levels=None), stages, record_tasks=False)  # the event loop's
+
+
+def _no_loop(*_: object) -> None:
+    raise AssertionError("the event loop ran")
+
+
+@pytest.mark.parametrize("schedule", [GPIPE, ONE_F_ONE_B])
+def test_closed_form_depths_are_the_event_loops_unit_time_starts(schedule: Schedule) -> None:
+    from tagplan.cost.pipeline import _closed_depth, _run
+
+    for num_stages in range(1, 13):
+        for M in (*range(1, 15), 31, 64):
+            compiled = _compile_builtin(num_stages, M, schedule, num_stages)
+            n = 2 * num_stages * M
+            assert _closed_depth(num_stages, M, schedule).tolist() == _run(compiled, [1.0] * n, [0.0] * n)[0], \
+                (num_stages, M)
+    with pytest.raises(ValueError, match="no closed-form depth"):
+        _closed_depth(4, 4, INTERLEAVED)
 
 
 def test_an_evicted_schedule_forgets_its_evaluations_and_a_bad_shape_is_never_counted(
