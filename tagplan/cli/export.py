@@ -26,6 +26,7 @@ from tagplan.cli.options import (
     emit,
     load_calibration_option,
     load_cluster_option,
+    positive_float,
     positive_int,
 )
 from tagplan.errors import SpecError
@@ -65,6 +66,9 @@ def add_export_commands(sub: Subparsers) -> None:
                                                     "its factory builds it")
     ver.add_argument("--plan", required=True, help="a Plan JSON file")
     ver.add_argument("--procs", type=positive_int, default=None, help="local processes (default: the plan's devices)")
+    ver.add_argument("--timeout-s", type=positive_float, default=300.0,
+                     help="time limit of the run in seconds (default 300); a plan of many ranks on few cores needs "
+                          "more (32 ranks on 2 cores take about 3 minutes a step)")
     add_calibration_option(ver, "the one pinned beside the active GNN version, else the shipped defaults; "
                                 "for the predicted step time")
     add_json_option(ver, "the verification report")
@@ -142,7 +146,7 @@ def _verify(args: argparse.Namespace) -> int:
     spec = parse_model_spec(args.model)
     calibration = load_calibration_option(args)
     plan = load_plan(args.plan)
-    report = verify(spec, plan, procs=args.procs)
+    report = verify(spec, plan, procs=args.procs, timeout_s=args.timeout_s)
     out = {k: v for k, v in dataclasses.asdict(report).items() if k != "plan"}
     if report.passed:
         try:  # each rank ran one torch thread: the device is this CPU with one core

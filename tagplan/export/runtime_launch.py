@@ -30,6 +30,8 @@ class RankRun:
     returncode: int | None  # None: killed (timed out or stopped after another rank failed)
     lines: tuple[dict[str, Any], ...]
     stderr_tail: str
+    timed_out: bool = False
+    """Killed because the run reached its time limit with no rank failed before it."""
 
 
 def free_port() -> int:
@@ -68,18 +70,21 @@ def _launch_once(program: Path, procs: int, args: list[str], *, timeout_s: float
         proc = subprocess.Popen([sys.executable, str(program), *args], cwd=program.parent, env=env, stdout=out,
                                 stderr=err)
         running.append((proc, out, err))
-    codes = _wait([p for p, _, _ in running], timeout_s)
+    codes, timed_out = _wait([p for p, _, _ in running], timeout_s)
     for _, out, err in running:
         out.close()
         err.close()
-    return [_collect(logs, rank, code) for rank, code in enumerate(codes)]
+    return [_collect(logs, rank, code, timed_out=timed_out and code is None) for rank, code in enumerate(codes)]
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int | None]:
-    """Poll until all exit; after the first failure (or the timeout) kill the rest after GRACE_S."""
+def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> tuple[list[int | None], bool]:
+    """Poll until all exit; after the first failure (or the timeout) kill the rest after GRACE_S. Also whether
+    the run reached `timeout_s` before any rank failed (the ranks still running are then killed for time)."""
     deadline = time.monotonic() + timeout_s
+    failed = False
     while any(p.poll() is None for p in procs):
         if any(p.returncode not in (None, 0) for p in procs):
+            failed = True
             deadline = min(deadline, time.monotonic() + GRACE_S)
         if time.monotonic() > deadline:
             break
@@ -92,10 +97,10 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int | 
             codes.append(None)
         else:
             codes.append(p.returncode)
-    return codes
+    return codes, not failed and None in codes
 
 
-def _collect(logs: Path, rank: int, code: int | None) -> RankRun:
+def _collect(logs: Path, rank: int, code: int | None, *, timed_out: bool = False) -> RankRun:
     lines = []
     for text in (logs / f"rank{rank}.out").read_text().splitlines():
         if text.startswith("{"):
@@ -104,4 +109,4 @@ def _collect(logs: Path, rank: int, code: int | None) -> RankRun:
             except json.JSONDecodeError:
                 continue
     stderr = (logs / f"rank{rank}.err").read_text()
-    return RankRun(rank, code, tuple(lines), stderr[-3000:])
+    return RankRun(rank, code, tuple(lines), stderr[-3000:], timed_out)

@@ -180,8 +180,16 @@ def _judge(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], loss: flo
 
 
 def _failure(dump: Path, runs: list[RankRun]) -> tuple[str, str] | None:
-    """(worst, message) when the program did not finish: the first error a rank recorded (the others
-    are usually their peers losing it), plus any rank that died without recording one."""
+    """(worst, message) when the program did not finish: the run's time limit where it was reached (the errors
+    after it are ranks losing their stopped peers), else the first error a rank recorded (the others are
+    usually their peers losing it), plus any rank that died without recording one."""
+    stopped = [r.rank for r in runs if r.timed_out]
+    if stopped:
+        done = sum(1 for r in runs if r.lines)
+        return "(time limit)", (f"the program did not finish within its time limit: {len(stopped)} of {len(runs)} "
+                                f"ranks were still running ({done} had reported a step) and were stopped; a plan "
+                                "of this many ranks on this machine needs a longer limit (tagplan verify "
+                                "--timeout-s)")
     errors = sorted((json.loads(p.read_text()) for p in dump.glob("error_rank*.json")), key=lambda e: e["time"])
     recorded = {e["rank"] for e in errors}
     silent = [r for r in runs if r.returncode != 0 and r.rank not in recorded]

@@ -55,3 +55,15 @@ def test_the_launched_ranks_are_told_which_device_to_run_on(tmp_path: Path, devi
     runs = launch(program, 2, [], timeout_s=60, device=device)
     assert [r.returncode for r in runs] == [0, 0]
     assert [r.lines for r in runs] == [({"device": device, "rank": "0"},), ({"device": device, "rank": "1"},)]
+
+
+def test_ranks_still_running_at_the_time_limit_are_marked_timed_out_not_when_a_peer_failed_first(
+        tmp_path: Path) -> None:
+    program = tmp_path / "train.py"  # rank 0 finishes, rank 1 outlives the limit
+    program.write_text("import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(30)\n")
+    runs = launch(program, 2, [], timeout_s=3)
+    assert [(r.returncode, r.timed_out) for r in runs] == [(0, False), (None, True)]
+    failing = tmp_path / "fail.py"  # rank 0 fails at once: rank 1 is stopped for it, not for the time limit
+    failing.write_text("import os, sys, time\nif os.environ['RANK'] == '0':\n    sys.exit(3)\ntime.sleep(30)\n")
+    runs = launch(failing, 2, [], timeout_s=20)
+    assert [(r.returncode, r.timed_out) for r in runs] == [(3, False), (None, False)]

@@ -225,6 +225,23 @@ def test_fsdp_zero3_with_tp2_and_recompute_matches(gpt_spec: str) -> None:
     assert report.passed, report.message
 
 
+def test_a_run_stopped_at_its_time_limit_says_so_rather_than_blaming_a_peer(tmp_path: Path) -> None:
+    # ranks stopped for time leave their peers failing on closed connections: the limit is the cause
+    dump = tmp_path / "verify"
+    dump.mkdir()
+    (dump / "error_rank1.json").write_text(json.dumps({"rank": 1, "time": 1.0, "op": "layers.3.mlp.experts (row)",
+                                                       "error": "Connection closed by peer"}))
+    step = {"step": 0, "time_s": 9.0, "stages": [0]}
+    runs = [RankRun(0, None, (step,), "", timed_out=True), RankRun(1, 1, (), "closed")]
+    report = _compare(dump, runs, 1.0, {}, atol=ATOL, rtol=RTOL)
+    assert not report.passed and report.worst_parameter == "(time limit)"
+    assert "did not finish within its time limit: 1 of 2 ranks were still running (1 had reported a step)" \
+        in report.message and "--timeout-s" in report.message
+    runs[0] = RankRun(0, None, (), "")  # stopped after the peer's failure: the peer's error is the cause
+    assert "failed on rank 1 in layers.3.mlp.experts (row)" in _compare(dump, runs, 1.0, {}, atol=ATOL,
+                                                                        rtol=RTOL).message
+
+
 @pytest.mark.slow
 def test_gpipe_two_stages_of_zero1_replicas_match(gpt_spec: str) -> None:
     plan = Plan(schedule="gpipe", micro_batches=2, stages=(_stage((0, 2), (0, 1), dp=2, zero=1),
