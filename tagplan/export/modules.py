@@ -172,7 +172,8 @@ class Experts(nn.Module):
             if rows.numel():
                 routed = tokens[rows]
                 hidden = _GatedProduct.apply(functional.linear(routed, gate[e]), functional.linear(routed, up[e]))
-                out = out.index_add(0, rows, functional.linear(hidden, down[e]) * weights[rows, slot, None])
+                routed_out = functional.linear(hidden, down[e]) * weights[rows, slot, None]
+                out = out.index_add(0, rows, routed_out.to(out.dtype))  # autocast computes in 16 bits
         return out.view_as(x)
 
 

@@ -78,6 +78,20 @@ def test_experts_send_each_token_to_its_top_k_experts_weighted_by_the_renormalis
     assert torch.allclose(experts(x, logits), torch.stack(expected), atol=1e-6)
 
 
+def test_experts_run_under_16_bit_autocast_as_a_bf16_plan_runs_them() -> None:
+    from tagplan.export.modules import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(model_config(MOE_SPEC, seq_len=16))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = moe(x)  # 16-bit router logits and expert outputs, summed into the tokens' dtype
+    assert low.dtype == torch.float32 and low.shape == (2, 3, 64)
+    assert torch.allclose(low, moe(x), rtol=0.05, atol=0.02)
+
+
 def test_moe_stages_with_tensor_parallelism_split_or_keep_experts_and_refuse_other_mixes() -> None:
     graph, config = load_model(MOE_SPEC, seq_len=16), model_config(MOE_SPEC, seq_len=16)
     split = Plan(stages=(_stage((0, 2), (0,)), _stage((2, 4), (1, 2), tp=2)))  # tagplan's defaults: FFN split
