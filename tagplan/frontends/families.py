@@ -106,10 +106,36 @@ def llama_block(shape: TransformerShape, seq: int, nbytes: int, *, moe: bool = F
         routed = seq * shape.top_k
         y = _swiglu(b, d, h, ffn, "experts", tokens=routed, experts=shape.experts)
         m = b.all_to_all("combine", y, h, shape.top_k)
+        _expert_loop_kernels(b, shape.experts)
     else:
         m = _swiglu(b, n, h, ffn)
     b.elementwise("residual_2", (r, m), h, saves_input=False)
     return b.build(h)
+
+
+def _expert_loop_kernels(b: BlockBuilder, experts: int) -> None:
+    """The eager kernels of an expert bank run as tagplan's torch program runs it (`export.modules.Experts`: one
+    expert after another, each on the tokens routed to it). Per expert: its three GEMMs, SwiGLU's activation and
+    product (the `experts.*` ops' own counts, once per expert); routing its tokens (a comparison, `nonzero`, a
+    gather and autocast's casts of the gathered fp32 tokens for gate and up: `dispatch`); and adding its
+    weighted output back (a gather of the routing weights, a product, a cast back to fp32 and an `index_add`:
+    `combine`), with their backwards. Once per block: the router's softmax, top-k and renormalisation and the
+    output buffer (`dispatch`). Counted from the module under a dispatch mode (tests/frontends/
+    test_eager_kernels.py); on CUDA each expert's `nonzero` also waits for the GPU, which this count does not
+    cost."""
+    per_expert = {"dispatch": ((5, 11), (2, 0)), "combine": ((4, 7), (1, 0))}
+    once = {"dispatch": (5, 5)}
+    for i, op in enumerate(b.ops):
+        if op.name in per_expert:
+            (fwd, bwd), casts = per_expert[op.name]
+            fixed = once.get(op.name, (0, 0))
+            b.ops[i] = op.model_copy(update={
+                "eager_kernels": (fixed[0] + experts * fwd, fixed[1] + experts * bwd),
+                "eager_cast_kernels": (experts * casts[0], experts * casts[1])})
+        elif op.name.startswith("experts.") and op.eager_kernels is not None:
+            b.ops[i] = op.model_copy(update={
+                "eager_kernels": (experts * op.eager_kernels[0], experts * op.eager_kernels[1]),
+                "eager_cast_kernels": (experts * op.eager_cast_kernels[0], experts * op.eager_cast_kernels[1])})
 
 
 def llama_ffn(h: int) -> int:

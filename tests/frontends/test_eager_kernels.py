@@ -96,3 +96,28 @@ def test_without_autocast_the_blocks_issue_their_kernels_less_the_casts() -> Non
     shape = TransformerShape(layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100)
     forward, _ = _forward_kernels(LlamaBlock(shape, tp=1), torch.randn(2, 16, 64), autocast=False)
     assert _totals(llama_block(shape, 16, 2), autocast=False)[0] == forward
+
+
+@pytest.mark.parametrize("experts", [4, 8])
+@pytest.mark.parametrize("autocast", [True, False])
+def test_an_expert_bank_issues_the_kernels_of_the_torch_programs_loop_over_its_experts(experts: int,
+                                                                                      autocast: bool) -> None:
+    """The moe block's kernels beyond a llama block's (router, routing, every expert's GEMMs and its gathers and
+    scatters) against the same difference between the exported program's moe and llama blocks."""
+    from tagplan.export.modules import Block as ProgramBlock
+    from tagplan.export.shapes import model_config
+
+    torch.manual_seed(0)
+    dense = "llama?layers=1&hidden=64&heads=4&kv_heads=2&vocab=100&ffn=128"
+    counted = []
+    for spec in (dense, f"moe?layers=1&hidden=64&heads=4&kv_heads=2&vocab=100&ffn=128&experts={experts}&top_k=2"):
+        block = ProgramBlock(model_config(spec, seq_len=16))
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        forward, backward = _forward_kernels(block, torch.randn(2, 16, 64), autocast=autocast)
+        counted.append((forward, backward()))
+    shape = TransformerShape(layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100, experts=experts, top_k=2)
+    ir_dense, ir_moe = _totals(llama_block(shape, 16, 2), autocast=autocast), _totals(
+        llama_block(shape, 16, 2, moe=True), autocast=autocast)
+    assert ir_moe[0] - ir_dense[0] == counted[1][0] - counted[0][0]  # e.g. 66 forward with 4 experts under autocast
+    assert ir_moe[1] - ir_dense[1] == pytest.approx(counted[1][1] - counted[0][1], abs=1)
