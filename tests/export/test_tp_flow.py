@@ -8,7 +8,7 @@ from tagplan.cost.sharding import Layout
 from tagplan.export import ExportError
 from tagplan.export.shapes import model_config
 from tagplan.export.torch_checks import check_expressible, tied_split_alike
-from tagplan.export.tp_flow import Flow, block_flow, head_flow, loss_split
+from tagplan.export.tp_flow import ExpertsFlow, Flow, block_flow, experts_flow, experts_strategy, head_flow, loss_split
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.plan import Plan, Stage
 
@@ -79,3 +79,23 @@ def test_tied_copies_on_unequal_tp_are_unalike_and_without_tp_alike() -> None:
     assert not tied_split_alike(uneven, model)
     assert tied_split_alike(Plan(stages=(Stage(layers=(0, 2), devices=(0,)), Stage(layers=(2, 4), devices=(1,)))),
                             model)
+
+
+def test_moe_experts_split_their_ffn_or_run_whole_and_the_router_hands_on_logits_in_its_layout() -> None:
+    split = {"router": "sequence", "experts.gate": "column", "experts.up": "column", "experts.down": "row"}
+    assert experts_strategy(split) == "split"
+    # every token through this rank's FFN pieces: tokens and logits made whole, the output reduced into the stream
+    assert experts_flow(split, sp=True) == ExpertsFlow(tokens=S, logits=S, runs=R, split=True, departs=S)
+    assert experts_flow({**split, "router": "column"}, sp=False) == ExpertsFlow(R, R, R, True, R)
+    whole = {"experts.gate": "sequence", "experts.up": "sequence", "experts.down": "sequence"}
+    assert experts_strategy(whole) == "sequence"
+    assert experts_flow(whole, sp=False) == ExpertsFlow(tokens=R, logits=R, runs=S, split=False, departs=R)
+    assert experts_strategy({}) == "replicate"  # missing ops are replicated
+    mixes = ({**whole, "experts.up": "column"}, dict.fromkeys(whole, "experts"), {**split, "experts.down": "column"})
+    for mixed in mixes:
+        assert experts_strategy(mixed) is None
+        with pytest.raises(ValueError, match="are not"):
+            experts_flow(mixed, sp=True)
+    flow = block_flow("moe", split, sp=True)
+    assert flow.flows["router"] == Flow(S, S) and flow.gathers["mlp"] is False  # the experts convert for themselves
+    assert "experts.gate" not in flow.flows and flow.flows["attn.q"] == Flow(R, H)
