@@ -162,7 +162,7 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(c.experts, c.hidden, c.ffn))
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        gate, up, down = (_local(p) for p in (self.gate, self.up, self.down))
+        gate, up, down = (local(p) for p in (self.gate, self.up, self.down))
         tokens, scores = x.flatten(0, -2), logits.flatten(0, -2)
         weights, chosen = functional.softmax(scores, dim=-1).topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -177,9 +177,10 @@ class Experts(nn.Module):
         return out.view_as(x)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a weight split over a tensor-parallel group (a DTensor), else the weight itself."""
-    return param.to_local() if isinstance(param, DTensor) else param
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `t` (a DTensor's local tensor, sharing its storage: e.g. a weight split over a
+    tensor-parallel group), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class MoE(nn.Module):

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tagplan.export.modules import local
 from tagplan.export.runtime_parallel import StageModule
 
 INIT_SCALE = 2.0**16
@@ -59,11 +60,6 @@ def make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimiz
     if name in ("sgd", "sgd_momentum"):
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if name == "sgd_momentum" else 0.0)
     return torch.optim.Adam(params, lr=1e-3)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `t` (a DTensor's local tensor, sharing its storage), else `t`."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def laid_out_grad(p: nn.Parameter) -> torch.Tensor | None:

@@ -228,3 +228,14 @@ def test_grad_reduce_flags_reach_the_files_and_the_summary(tmp_path: Path, capsy
     with pytest.raises(SystemExit) as stop:  # argparse: no runtime reduces in fp8
         main([*base, "--format", "torch", "--out", str(tmp_path / "t"), "--grad-reduce-dtype", "fp8"])
     assert stop.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_verify_takes_a_time_limit_and_reports_reaching_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = write_plan(tmp_path / "dp2.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1}], 1)
+    with pytest.raises(SystemExit) as refused:
+        main(["verify", "--model", TINY, "--plan", str(plan), "--timeout-s", "0"])
+    assert refused.value.code == 2 and "argument --timeout-s: 0 must be a positive number" in capsys.readouterr().err
+    # one second does not cover starting torch in two processes: the run is stopped for time, and says so
+    assert main(["verify", "--model", TINY, "--plan", str(plan), "--timeout-s", "1", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["worst_parameter"] == "(time limit)" and "did not finish within its time limit" in out["message"]
