@@ -29,7 +29,7 @@ from tagplan.cli.options import (
 from tagplan.cost.comm import CommMode
 from tagplan.errors import SpecError
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
-from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS, Objective, PlanProblem, Scorer
+from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS, WORKERS, Objective, PlanProblem, Scorer
 from tagplan.search.result import PlanResult
 
 
@@ -59,6 +59,9 @@ def add_planning_commands(sub: Subparsers) -> None:
     cmd.add_argument("--exhaustive-limit", type=int, default=0,
                      help="also enumerate the whole space when it has at most this many plans")
     cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--workers", type=int, choices=WORKERS, default=None,
+                     help="processes: 2 runs the practitioner baselines in a second process beside the search "
+                          "(the same answer, sooner); default 2 where this process may run on two cores or more")
     cmd.add_argument("--scorer", choices=[s.value for s in Scorer], default=Scorer.AUTO.value,
                      help="search prior: the GNN, or uniform (simulator); auto: the GNN only where its checkpoint's "
                           "card records a measured wall-clock gain for this class of problem (docs/PLANNER.md); "
@@ -139,7 +142,17 @@ def plan_problem(args: argparse.Namespace) -> PlanProblem:
     return PlanProblem(model, cluster, workload, objective=Objective(args.objective), budget_s=args.budget_s,
                        max_evaluations=args.max_evaluations, seed=args.seed, time_bound_s=args.time_bound_s,
                        calibration=load_calibration_option(args), scorer=Scorer(args.scorer),
-                       comm_mode=CommMode(args.comm_mode), exhaustive_limit=args.exhaustive_limit)
+                       comm_mode=CommMode(args.comm_mode), exhaustive_limit=args.exhaustive_limit,
+                       workers=_workers(getattr(args, "workers", None)))
+
+
+def _workers(asked: int | None) -> int:
+    """`--workers`, or by default 2 where this process may run on two cores or more."""
+    if asked is not None:
+        return asked
+    from tagplan.search.background import usable_cores
+
+    return 2 if usable_cores() >= 2 else 1
 
 
 def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None = None,

@@ -72,22 +72,39 @@ def run_baselines(sim: Simulator, judge: Judge, *, deadline: float | None = None
     `complete=True` walks every micro-batch size that fits and every virtual-stage count instead of
     stopping past a series' fastest (the benchmark's reference; the planner's seeds use the quicker walk).
     """
+    return {name: family(judge) for name, family in baseline_families(sim, deadline=deadline, complete=complete)}
+
+
+BaselineFamily = Callable[[Judge], Baseline]
+
+
+def baseline_families(sim: Simulator, *, deadline: float | None = None,
+                      complete: bool = False) -> list[tuple[str, BaselineFamily]]:
+    """The baselines as independent computations, in the order `run_baselines` runs them: each judges its plans
+    with the judge it is given and shares nothing with the others (the planner runs them in other processes
+    beside its search: `search.background`)."""
     nodes = tuple(range(len(sim.cluster.nodes)))
-    out = {"megatron_grid": megatron_grid(sim, judge, nodes, deadline=deadline, complete=complete),
-           "data_parallel": data_parallel_best(sim, judge, nodes, complete=complete)}
     fastest = fastest_type_nodes(sim)
-    if fastest == nodes:
-        out["fastest_nodes"] = Baseline("fastest_nodes", None, "the cluster has one GPU type")
-    else:
-        grid = megatron_grid(sim, judge, fastest, deadline=deadline, complete=complete)
-        dp = data_parallel_best(sim, judge, fastest, complete=complete)
-        found = [b for b in (grid, dp) if b.candidate is not None]
+
+    def grid(judge: Judge) -> Baseline:
+        return megatron_grid(sim, judge, nodes, deadline=deadline, complete=complete)
+
+    def data_parallel(judge: Judge) -> Baseline:
+        return data_parallel_best(sim, judge, nodes, complete=complete)
+
+    def fastest_nodes(judge: Judge) -> Baseline:
+        if fastest == nodes:
+            return Baseline("fastest_nodes", None, "the cluster has one GPU type")
+        found = [b for b in (megatron_grid(sim, judge, fastest, deadline=deadline, complete=complete),
+                             data_parallel_best(sim, judge, fastest, complete=complete)) if b.candidate is not None]
         best = min(found, key=_time, default=None)
         type_name = sim.cluster.nodes[fastest[0]].device.name
-        out["fastest_nodes"] = (Baseline("fastest_nodes", best.candidate, config=f"{best.config}; only the "
-                                         f"{len(fastest)} {type_name} nodes") if best is not None else
-                                Baseline("fastest_nodes", None, f"nothing fits on the {type_name} nodes alone"))
-    return out
+        if best is None:
+            return Baseline("fastest_nodes", None, f"nothing fits on the {type_name} nodes alone")
+        return Baseline("fastest_nodes", best.candidate, config=f"{best.config}; only the {len(fastest)} "
+                                                                  f"{type_name} nodes")
+
+    return [("megatron_grid", grid), ("data_parallel", data_parallel), ("fastest_nodes", fastest_nodes)]
 
 
 def fastest_type_nodes(sim: Simulator) -> tuple[int, ...]:

@@ -23,20 +23,22 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from tagplan.cost.bounds import lower_bound_s, plan_value
 from tagplan.cost.report import Report
 from tagplan.cost.simulator import ReduceOverlap, Simulator
 from tagplan.errors import SpecError
 from tagplan.ir.plan import Plan
-from tagplan.search.baselines import run_baselines
+from tagplan.search.background import Background
+from tagplan.search.baselines import BaselineFamily, baseline_families
 from tagplan.search.exhaustive import exhaustive
 from tagplan.search.mcts import Prior, SearchStats, mcts, uniform_prior
 from tagplan.search.pareto import frontier
 from tagplan.search.problem import Objective, PlanProblem
 from tagplan.search.rebalance import rebalance_seeds
 from tagplan.search.recompute import fewest_per_stage, fewest_recomputed, fully_recomputed
-from tagplan.search.refine import refine_sharding
+from tagplan.search.refine import INTRA_MEMO, refine_sharding
 from tagplan.search.result import Baseline, Candidate, PlanResult, Predictor, SearchInfo
 from tagplan.search.space import PlanSpace, PlanState
 
@@ -65,6 +67,7 @@ class SimulatorEvaluator:
         sim = space.sim
         self.lower_bound_s = lower_bound_s(sim.model, sim.cluster, sim.workload)
         self.candidates: dict[str, Candidate] = {}  # keyed by the plan's JSON (plans with sharding are unhashable)
+        self.known: dict[str, Candidate] = {}  # judged ahead (`_prefetch_refinements`), not yet asked for
 
     def __call__(self, state: PlanState) -> float:
         """T_lb / T for a plan that fits, 1% of it otherwise."""
@@ -76,8 +79,13 @@ class SimulatorEvaluator:
         key = plan.to_json()
         hit = self.candidates.get(key)
         if hit is None:
-            hit = self.candidates[key] = Candidate(plan, self.space.sim.simulate(plan), source)
+            known = self.known.pop(key, None)
+            hit = self.candidates[key] = known if known is not None else self.judge(plan, source)
         return hit
+
+    def judge(self, plan: Plan, source: str) -> Candidate:
+        """`plan` simulated, kept nowhere."""
+        return Candidate(plan, self.space.sim.simulate(plan), source)
 
     def value(self, report: Report) -> float:
         """The scale-free value of a report (`cost.bounds.plan_value`)."""
@@ -104,23 +112,27 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                     comm_mode=problem.comm_mode, fold=problem.fold, reduce_overlap=reduce_overlap)
     space = PlanSpace(sim, frugal=problem.objective is Objective.GPUS)
     judge = SimulatorEvaluator(space)
-    baselines = run_baselines(sim, judge.candidate, deadline=start + BASELINE_BUDGET_SHARE * problem.budget_s)
-    for baseline in baselines.values():  # the baselines' plans as seeds, each stage recomputing what it needs
-        if baseline.candidate is not None:
-            _per_stage_seed(baseline.candidate.plan, judge)
-    # the pipelined configurations judged so far, their layers split by stage speed (mixed GPUs, embedding, head)
-    rebalance_seeds(sim, judge.candidate, list(judge.candidates.values()))
-    baseline_evaluations = len(judge.candidates)
+    families = baseline_families(sim, deadline=start + BASELINE_BUDGET_SHARE * problem.budget_s)
+    prefetch = problem.objective is Objective.TIME and admissible is None and correction is None
+    if problem.workers > 1:  # the baselines in a forked process, the search here beside them
+        with Background(partial(_baseline_part, space, families, prefetch)) as child:
+            stats = _search(space, problem, prior_factory, progress, searcher := SimulatorEvaluator(space),
+                            time.perf_counter() - start)
+            if prefetch:  # while the baselines run, this process refines its own incumbents
+                _prefetch_refinements(sim, list(searcher.candidates.values()), searcher, stop=child.ready)
+            part = child.result()
+        judge.candidates.update(part.candidates)
+        judge.known.update(searcher.known | part.known)
+        setattr(sim, INTRA_MEMO, part.intra_memo | getattr(sim, INTRA_MEMO, {}))
+        baselines = part.baselines  # their candidates are those of part.candidates (one pickle keeps them one)
+        baseline_evaluations = len(part.candidates)
+    else:  # one process: the baselines first, then the search, which finds their plans judged
+        baselines = _baselines_and_seeds(families, judge)
+        baseline_evaluations = len(judge.candidates)
+        stats = _search(space, problem, prior_factory, progress, searcher := judge, time.perf_counter() - start)
+    for key, cand in searcher.candidates.items():  # after the baselines' and the seeds', as one process has them
+        judge.candidates.setdefault(key, cand)
     notes: list[str] = []
-    stats = SearchStats(evaluations=0, cache_hits=0, simulations=0, wall_s=0.0, stopped_by="no plan in the space")
-    if space.actions(PlanState()):
-        prior = prior_factory(space) if prior_factory is not None else uniform_prior
-        remaining_s = max(problem.budget_s - (time.perf_counter() - start), MIN_SEARCH_S)
-        found = mcts(space, PlanState(), prior=prior, evaluator=judge, max_evaluations=problem.max_evaluations,
-                     max_wall_s=remaining_s, seed=problem.seed, progress=progress, local=space)
-        for state, _ in found.evaluated:
-            judge.candidate(space.to_plan(state))
-        stats = found.stats
     if not judge.candidates:
         raise SpecError(f"no plan gives every data-parallel replica a whole sample of the global batch "
                         f"{problem.workload.global_batch} on this cluster; raise the batch")
@@ -162,6 +174,71 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                                       if best.plan.stages[i].dp_cp > 1},
                       predictor=Predictor(problem.calibration.name, correction.version if correction else None,
                                           applied))
+
+
+def _search(space: PlanSpace, problem: PlanProblem, prior_factory: PriorFactory | None, progress: Progress | None,
+            judge: SimulatorEvaluator, elapsed_s: float) -> SearchStats:
+    """MCTS over the decision process, every plan it evaluated judged by `judge`, within what is left of the
+    budget after `elapsed_s` (at least `MIN_SEARCH_S`)."""
+    if not space.actions(PlanState()):
+        return SearchStats(evaluations=0, cache_hits=0, simulations=0, wall_s=0.0, stopped_by="no plan in the space")
+    prior = prior_factory(space) if prior_factory is not None else uniform_prior
+    found = mcts(space, PlanState(), prior=prior, evaluator=judge, max_evaluations=problem.max_evaluations,
+                 max_wall_s=max(problem.budget_s - elapsed_s, MIN_SEARCH_S), seed=problem.seed, progress=progress,
+                 local=space)
+    for state, _ in found.evaluated:
+        judge.candidate(space.to_plan(state))
+    return found.stats
+
+
+def _baselines_and_seeds(families: list[tuple[str, BaselineFamily]], judge: SimulatorEvaluator) -> dict[str, Baseline]:
+    """Every baseline family in turn, then the seeds built from what they judged: each baseline's plan with each
+    stage recomputing what it needs, and the pipelined plans with their layers split by stage speed."""
+    baselines = {name: family(judge.candidate) for name, family in families}
+    for baseline in baselines.values():
+        if baseline.candidate is not None:
+            _per_stage_seed(baseline.candidate.plan, judge)
+    # the pipelined configurations judged so far, their layers split by stage speed (mixed GPUs, embedding, head)
+    rebalance_seeds(judge.space.sim, judge.candidate, list(judge.candidates.values()))
+    return baselines
+
+
+@dataclass(frozen=True)
+class _BaselinePart:
+    """What the baselines' process sends back (`_baseline_part`)."""
+
+    baselines: dict[str, Baseline]
+    candidates: list[tuple[str, Candidate]]  # every plan it judged, in order, by its JSON
+    known: dict[str, Candidate]  # the refinements of its incumbents, judged
+    intra_memo: dict[tuple[object, ...], object]  # the intra-stage solutions they took
+
+
+def _baseline_part(space: PlanSpace, families: list[tuple[str, BaselineFamily]], prefetch: bool) -> _BaselinePart:
+    """In the baselines' process: the baselines and seeds (`_baselines_and_seeds`), then, with `prefetch`, the
+    refinements the time objective will ask of the plans among them that were the fastest so far."""
+    judge = SimulatorEvaluator(space)
+    baselines = _baselines_and_seeds(families, judge)
+    if prefetch:
+        _prefetch_refinements(space.sim, list(judge.candidates.values()), judge)
+    return _BaselinePart(baselines, list(judge.candidates.items()), judge.known,
+                         dict(getattr(space.sim, INTRA_MEMO, {})))
+
+
+def _prefetch_refinements(sim: Simulator, judged: list[Candidate], judge: SimulatorEvaluator, *,
+                          stop: Callable[[], bool] = lambda: False) -> None:
+    """Refine the plans of `judged` (in the order judged) that fit and were faster than each before them, and
+    judge the refined plans into `judge.known`, until `stop()`: the time objective's refinements
+    (`_incumbents`), done ahead while a process would wait. The incumbents of the whole pool are among those of
+    each part of it (the baselines', the search's), so the planner then finds them done."""
+    for cand in _incumbents([c for c in judged if c.report.fits]):
+        if stop():
+            return
+        refined, _, _ = refine_sharding(sim, cand.plan)
+        if refined is None:
+            continue
+        key = refined.to_json()
+        if key not in judge.known and key not in judge.candidates:
+            judge.known[key] = judge.judge(refined, "search+intra")
 
 
 def _per_stage_seed(plan: Plan, judge: SimulatorEvaluator) -> None:

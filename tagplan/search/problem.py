@@ -19,8 +19,11 @@ from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, Workload
 
 DEFAULT_BUDGET_S = 30.0
 DEFAULT_MAX_EVALUATIONS = 400
+WORKERS = (1, 2)
+"""The planner's process counts: one, or the baselines in a second process beside the search."""
 
-__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_GLOBAL_BATCH", "DEFAULT_MAX_EVALUATIONS", "Objective", "PlanProblem", "Scorer"]
+__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_GLOBAL_BATCH", "DEFAULT_MAX_EVALUATIONS", "WORKERS", "Objective", "PlanProblem",
+           "Scorer"]
 
 
 class Objective(StrEnum):
@@ -47,7 +50,9 @@ class PlanProblem:
     `time_bound_s`: for the memory and GPU objectives, the slowest acceptable iteration
     (default 1.25 x the fastest found); `exhaustive_limit`: also enumerate the whole space when
     it holds at most this many plans (0: never); `fold=False` costs every layer on its own (an
-    ablation); `comm_mode`: `BYTES_ONLY` ignores the topology (an ablation).
+    ablation); `comm_mode`: `BYTES_ONLY` ignores the topology (an ablation). `workers`: the processes the
+    planner runs at once: 1, or 2 to run the practitioner baselines in a forked process beside the search
+    (`search.background`: the same plans judged, the same answer, sooner where two cores are free).
     """
 
     model: ModelGraph
@@ -63,8 +68,12 @@ class PlanProblem:
     comm_mode: CommMode = CommMode.TOPOLOGY
     exhaustive_limit: int = 0
     fold: bool = True
+    workers: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.workers, bool) or self.workers not in WORKERS:
+            raise SpecError(f"workers={self.workers!r}: must be 1 (one process) or 2 (the baselines in a second "
+                            "process beside the search)")
         if not self.budget_s > 0:
             raise SpecError(f"budget_s={self.budget_s}: must be a positive number of seconds")
         if self.max_evaluations < 1:

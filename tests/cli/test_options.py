@@ -118,3 +118,20 @@ def test_plan_for_a_target_refuses_a_reduction_it_cannot_run(capsys: pytest.Capt
     assert "grad_reduce_dtype=bf16" in capsys.readouterr().err  # the program reduces in fp32
     assert main(["plan", *PROBLEM, "--exportable", "megatron", "--grad-reduce-dtype", "fp16"]) == 2
     assert "Accepted with dtype bf16: fp32, bf16" in capsys.readouterr().err
+
+
+def test_plan_runs_the_baselines_beside_the_search_where_two_cores_are_free(monkeypatch: pytest.MonkeyPatch,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from tagplan.cli.planning import plan_problem
+    from tagplan.search import background
+
+    def workers(*extra: str) -> int:
+        return plan_problem(build_parser().parse_args(["plan", *PROBLEM, *extra])).workers
+
+    monkeypatch.setattr(background, "usable_cores", lambda: 2)
+    assert workers() == 2 and workers("--workers", "1") == 1
+    monkeypatch.setattr(background, "usable_cores", lambda: 1)
+    assert workers() == 1 and workers("--workers", "2") == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", *PROBLEM, "--workers", "3"])
+    assert "invalid choice: 3" in capsys.readouterr().err
