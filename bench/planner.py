@@ -416,8 +416,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"- Homogeneous cases against the grid: {_fmt(summary['homogeneous_min'], '.3f', 'x')} at worst "
             "(target: within 1%, i.e. >= 0.99x).",
             f"- \"wall s\" is the planner's search on {results.get('suite_measured_on', 'an unrecorded machine')}, "
-            "one process; the 175B mixed case's target is under 10 s. `tagplan plan` runs the baselines in a "
-            "second process beside the search where two cores are free (`--workers`, the same answer):",
+            "one process; the 175B mixed case's target is under 10 s. `tagplan plan` runs the baselines in other "
+            "processes beside the search where cores are free (`--workers`, the same answer):",
             *_cold_lines(results),
             "", "Baseline configurations:", ""]
     out += [f"- {r['case']}: grid {r['megatron_grid_config']}" + (

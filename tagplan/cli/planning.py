@@ -60,8 +60,9 @@ def add_planning_commands(sub: Subparsers) -> None:
                      help="also enumerate the whole space when it has at most this many plans")
     cmd.add_argument("--seed", type=int, default=0)
     cmd.add_argument("--workers", type=int, choices=WORKERS, default=None,
-                     help="processes: 2 runs the practitioner baselines in a second process beside the search "
-                          "(the same answer, sooner); default 2 where this process may run on two cores or more")
+                     help="processes: 2 runs the practitioner baselines in a second process beside the search, 3 "
+                          "splits them over two (the same answer, sooner); default: as many as this process has "
+                          "cores, up to 3")
     cmd.add_argument("--scorer", choices=[s.value for s in Scorer], default=Scorer.AUTO.value,
                      help="search prior: the GNN, or uniform (simulator); auto: the GNN only where its checkpoint's "
                           "card records a measured wall-clock gain for this class of problem (docs/PLANNER.md); "
@@ -147,12 +148,12 @@ def plan_problem(args: argparse.Namespace) -> PlanProblem:
 
 
 def _workers(asked: int | None) -> int:
-    """`--workers`, or by default 2 where this process may run on two cores or more."""
+    """`--workers`, or by default as many processes as this one has cores, up to the most the planner runs."""
     if asked is not None:
         return asked
     from tagplan.search.background import usable_cores
 
-    return 2 if usable_cores() >= 2 else 1
+    return min(usable_cores(), max(WORKERS))
 
 
 def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None = None,

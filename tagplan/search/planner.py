@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -38,7 +39,7 @@ from tagplan.search.pareto import frontier
 from tagplan.search.problem import Objective, PlanProblem
 from tagplan.search.rebalance import rebalance_seeds
 from tagplan.search.recompute import fewest_per_stage, fewest_recomputed, fully_recomputed
-from tagplan.search.refine import INTRA_MEMO, refine_sharding
+from tagplan.search.refine import refine_sharding
 from tagplan.search.result import Baseline, Candidate, PlanResult, Predictor, SearchInfo
 from tagplan.search.space import PlanSpace, PlanState
 
@@ -114,22 +115,25 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
     judge = SimulatorEvaluator(space)
     families = baseline_families(sim, deadline=start + BASELINE_BUDGET_SHARE * problem.budget_s)
     prefetch = problem.objective is Objective.TIME and admissible is None and correction is None
-    if problem.workers > 1:  # the baselines in a forked process, the search here beside them
-        with Background(partial(_baseline_part, space, families, prefetch)) as child:
+    if problem.workers > 1:  # the baselines in forked processes, the search here beside them
+        children = [Background(partial(_run_families, space, group)) for group in _deal(families, problem.workers - 1)]
+        with ExitStack() as stack:
+            for child in children:
+                stack.callback(child.cancel)  # the search raised (a progress callback stops it): stop them
             stats = _search(space, problem, prior_factory, progress, searcher := SimulatorEvaluator(space),
                             time.perf_counter() - start)
             if prefetch:  # while the baselines run, this process refines its own incumbents
-                _prefetch_refinements(sim, list(searcher.candidates.values()), searcher, stop=child.ready)
-            part = child.result()
-        judge.candidates.update(part.candidates)
-        judge.known.update(searcher.known | part.known)
-        setattr(sim, INTRA_MEMO, part.intra_memo | getattr(sim, INTRA_MEMO, {}))
-        baselines = part.baselines  # their candidates are those of part.candidates (one pickle keeps them one)
-        baseline_evaluations = len(part.candidates)
+                _prefetch_refinements(sim, list(searcher.candidates.values()), searcher,
+                                      stop=lambda: all(child.ready() for child in children))
+            baselines = _merged([ran for child in children for ran in child.result()], judge)
+        judge.known.update(searcher.known)
     else:  # one process: the baselines first, then the search, which finds their plans judged
-        baselines = _baselines_and_seeds(families, judge)
-        baseline_evaluations = len(judge.candidates)
-        stats = _search(space, problem, prior_factory, progress, searcher := judge, time.perf_counter() - start)
+        baselines = {name: family(judge.candidate) for name, family in families}
+        searcher = judge
+    _seed(baselines, judge)
+    baseline_evaluations = len(judge.candidates)
+    if searcher is judge:
+        stats = _search(space, problem, prior_factory, progress, judge, time.perf_counter() - start)
     for key, cand in searcher.candidates.items():  # after the baselines' and the seeds', as one process has them
         judge.candidates.setdefault(key, cand)
     notes: list[str] = []
@@ -191,37 +195,45 @@ def _search(space: PlanSpace, problem: PlanProblem, prior_factory: PriorFactory 
     return found.stats
 
 
-def _baselines_and_seeds(families: list[tuple[str, BaselineFamily]], judge: SimulatorEvaluator) -> dict[str, Baseline]:
-    """Every baseline family in turn, then the seeds built from what they judged: each baseline's plan with each
-    stage recomputing what it needs, and the pipelined plans with their layers split by stage speed."""
-    baselines = {name: family(judge.candidate) for name, family in families}
+def _seed(baselines: dict[str, Baseline], judge: SimulatorEvaluator) -> None:
+    """Judge the seeds built from what the baselines judged: each baseline's plan with each stage recomputing what
+    it needs, and the pipelined plans with their layers split by stage speed (mixed GPUs, embedding, head)."""
     for baseline in baselines.values():
         if baseline.candidate is not None:
             _per_stage_seed(baseline.candidate.plan, judge)
-    # the pipelined configurations judged so far, their layers split by stage speed (mixed GPUs, embedding, head)
     rebalance_seeds(judge.space.sim, judge.candidate, list(judge.candidates.values()))
-    return baselines
 
 
-@dataclass(frozen=True)
-class _BaselinePart:
-    """What the baselines' process sends back (`_baseline_part`)."""
-
-    baselines: dict[str, Baseline]
-    candidates: list[tuple[str, Candidate]]  # every plan it judged, in order, by its JSON
-    known: dict[str, Candidate]  # the refinements of its incumbents, judged
-    intra_memo: dict[tuple[object, ...], object]  # the intra-stage solutions they took
+Ran = tuple[str, Baseline, list[tuple[str, Candidate]]]
+"""A baseline family run in another process: its name, its baseline, and every plan it judged (by its JSON)."""
 
 
-def _baseline_part(space: PlanSpace, families: list[tuple[str, BaselineFamily]], prefetch: bool) -> _BaselinePart:
-    """In the baselines' process: the baselines and seeds (`_baselines_and_seeds`), then, with `prefetch`, the
-    refinements the time objective will ask of the plans among them that were the fastest so far."""
-    judge = SimulatorEvaluator(space)
-    baselines = _baselines_and_seeds(families, judge)
-    if prefetch:
-        _prefetch_refinements(space.sim, list(judge.candidates.values()), judge)
-    return _BaselinePart(baselines, list(judge.candidates.items()), judge.known,
-                         dict(getattr(space.sim, INTRA_MEMO, {})))
+def _deal(families: list[tuple[str, BaselineFamily]], processes: int) -> list[list[tuple[str, BaselineFamily]]]:
+    """The families in `processes` consecutive groups (as many as there are families at most)."""
+    n = min(processes, len(families))
+    return [families[k * len(families) // n:(k + 1) * len(families) // n] for k in range(n)]
+
+
+def _run_families(space: PlanSpace, families: list[tuple[str, BaselineFamily]]) -> list[Ran]:
+    """In a baselines' process: each family with an evaluator of its own."""
+    out = []
+    for name, family in families:
+        judge = SimulatorEvaluator(space)
+        out.append((name, family(judge.candidate), list(judge.candidates.items())))
+    return out
+
+
+def _merged(ran: list[Ran], judge: SimulatorEvaluator) -> dict[str, Baseline]:
+    """The baselines by name and their plans in `judge`, in the families' order, each plan under the first family
+    that judged it: as one process running them in turn has them."""
+    out: dict[str, Baseline] = {}
+    for name, baseline, judged in ran:
+        for key, cand in judged:
+            judge.candidates.setdefault(key, cand)
+        if baseline.candidate is not None:  # the candidate the judge holds (another family's, judged first)
+            baseline = replace(baseline, candidate=judge.candidates[baseline.candidate.plan.to_json()])
+        out[name] = baseline
+    return out
 
 
 def _prefetch_refinements(sim: Simulator, judged: list[Candidate], judge: SimulatorEvaluator, *,

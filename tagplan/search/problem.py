@@ -19,8 +19,8 @@ from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, Workload
 
 DEFAULT_BUDGET_S = 30.0
 DEFAULT_MAX_EVALUATIONS = 400
-WORKERS = (1, 2)
-"""The planner's process counts: one, or the baselines in a second process beside the search."""
+WORKERS = (1, 2, 3)
+"""The planner's process counts: one; the baselines in a second process beside the search; or in two."""
 
 __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_GLOBAL_BATCH", "DEFAULT_MAX_EVALUATIONS", "WORKERS", "Objective", "PlanProblem",
            "Scorer"]
@@ -51,8 +51,9 @@ class PlanProblem:
     (default 1.25 x the fastest found); `exhaustive_limit`: also enumerate the whole space when
     it holds at most this many plans (0: never); `fold=False` costs every layer on its own (an
     ablation); `comm_mode`: `BYTES_ONLY` ignores the topology (an ablation). `workers`: the processes the
-    planner runs at once: 1, or 2 to run the practitioner baselines in a forked process beside the search
-    (`search.background`: the same plans judged, the same answer, sooner where two cores are free).
+    planner runs at once: 1; 2 to run the practitioner baselines in a forked process beside the search; 3 to
+    split them over two (`search.background`: the same plans judged, the same answer, sooner where cores are
+    free).
     """
 
     model: ModelGraph
@@ -72,8 +73,8 @@ class PlanProblem:
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or self.workers not in WORKERS:
-            raise SpecError(f"workers={self.workers!r}: must be 1 (one process) or 2 (the baselines in a second "
-                            "process beside the search)")
+            raise SpecError(f"workers={self.workers!r}: must be 1 (one process), 2 (the baselines in a second "
+                            "process beside the search) or 3 (the baseline families in two)")
         if not self.budget_s > 0:
             raise SpecError(f"budget_s={self.budget_s}: must be a positive number of seconds")
         if self.max_evaluations < 1:

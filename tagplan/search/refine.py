@@ -12,14 +12,13 @@ from tagplan.cost.simulator import Simulator
 from tagplan.ir.plan import Plan, ShardStrategy, Stage
 from tagplan.search.intra import IntraSolution, solve_block
 
-INTRA_MEMO = "intra_memo"
-"""The attribute of a `Simulator` that holds its intra-stage solutions (by block, tp, device, link, shares)."""
+_SOLUTIONS: str = "intra_memo"
 
 
 def refine_sharding(sim: Simulator, plan: Plan) -> tuple[Plan | None, int, int]:
     """(plan with solved sharding or None if nothing changed, solves run, memo hits)."""
-    memo: dict[tuple[object, ...], IntraSolution | None] = getattr(sim, INTRA_MEMO, None) or {}
-    setattr(sim, INTRA_MEMO, memo)
+    memo: dict[tuple[object, ...], IntraSolution | None] = getattr(sim, _SOLUTIONS, None) or {}
+    setattr(sim, _SOLUTIONS, memo)
     solves = hits = 0
     stages: list[Stage] = []
     changed = False

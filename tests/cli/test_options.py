@@ -120,8 +120,8 @@ def test_plan_for_a_target_refuses_a_reduction_it_cannot_run(capsys: pytest.Capt
     assert "Accepted with dtype bf16: fp32, bf16" in capsys.readouterr().err
 
 
-def test_plan_runs_the_baselines_beside_the_search_where_two_cores_are_free(monkeypatch: pytest.MonkeyPatch,
-                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_runs_the_baselines_beside_the_search_where_cores_are_free(monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     from tagplan.cli.planning import plan_problem
     from tagplan.search import background
 
@@ -131,7 +131,9 @@ def test_plan_runs_the_baselines_beside_the_search_where_two_cores_are_free(monk
     monkeypatch.setattr(background, "usable_cores", lambda: 2)
     assert workers() == 2 and workers("--workers", "1") == 1
     monkeypatch.setattr(background, "usable_cores", lambda: 1)
-    assert workers() == 1 and workers("--workers", "2") == 2
+    assert workers() == 1 and workers("--workers", "3") == 3
+    monkeypatch.setattr(background, "usable_cores", lambda: 64)
+    assert workers() == 3
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["plan", *PROBLEM, "--workers", "3"])
-    assert "invalid choice: 3" in capsys.readouterr().err
+        build_parser().parse_args(["plan", *PROBLEM, "--workers", "4"])
+    assert "invalid choice: 4" in capsys.readouterr().err
