@@ -478,31 +478,68 @@ class Simulator:
         """Per group of devices that hold the very same parts, the memory of each stage they hold
         (interleaved plans hold several), in stage order, from each stage's samples per replica,
         local parameters and micro-batches in flight at its peak. The groups are the replicas' device
-        groups, or single devices where two stages' replica groups overlap without being equal."""
+        groups, or single devices where two stages' replica groups overlap without being equal.
+
+        Where every lane's stages share their tensor-parallel groups and the lanes share no device (every
+        1F1B, GPipe and Megatron-interleaved plan), the groups are read lane by lane: each stage's memory
+        once per distinct (samples, fused attention) of its groups, and groups whose stages all hold the
+        same memories share one list (on 1024 GPUs a stage has hundreds of groups and a lane a dozen
+        stages: what counting group by group, stage by stage cost)."""
+        lanes = _lanes(plan)
+        if _lane_aligned(plan, lanes):
+            held: dict[tuple[int, ...], list[DeviceMemory]] = {}
+            for _, members in lanes:
+                per_stage = [self._group_memories(plan.stages[i], samples[i], params[i], in_flight[i])
+                             for i in members]
+                groups = plan.stages[members[0]].tp_groups
+                if all(len(mems) == 1 for mems in per_stage):  # every group holds the same: one list for all
+                    column = [mems[0] for mems in per_stage]
+                    held.update(dict.fromkeys(groups, column))
+                    continue
+                shared: dict[tuple[int, ...], list[DeviceMemory]] = {}  # one list per distinct column
+                for g, group in enumerate(groups):
+                    column = [mems[g] if len(mems) > 1 else mems[0] for mems in per_stage]
+                    held[group] = shared.setdefault(tuple(map(id, column)), column)
+            return held
         placed: list[tuple[tuple[int, ...], DeviceMemory]] = []
         for i, stage in enumerate(plan.stages):
-            fused_sample = self._activation_memory(stage)
-            scores = self._score_memory(stage)
-            unfused_sample = (fused_sample[0] + scores[0], fused_sample[1] + scores[1])
-            memo: dict[tuple[float, bool], DeviceMemory] = {}  # replicas with equal shares hold equal memory
-            for g, devices in enumerate(stage.tp_groups):
-                n = samples[i][g]
-                fused = self._fused[devices[0]] or not (scores[0] or scores[1])
-                mem = memo.get((n, fused))
-                if mem is None:
-                    mem = memo[n, fused] = self._stage_memory(
-                        stage, params[i], n, fused_sample if fused else unfused_sample, in_flight[i])
-                placed.append((devices, mem))
-        held: dict[tuple[int, ...], list[DeviceMemory]] = {}
+            mems = self._group_memories(stage, samples[i], params[i], in_flight[i])
+            placed += zip(stage.tp_groups, mems * len(stage.tp_groups) if len(mems) == 1 else mems, strict=True)
+        by_group: dict[tuple[int, ...], list[DeviceMemory]] = {}
         for devices, mem in placed:
-            held.setdefault(devices, []).append(mem)
-        if sum(map(len, held)) == len(set().union(*held)):  # the groups are disjoint
-            return held
+            by_group.setdefault(devices, []).append(mem)
+        if sum(map(len, by_group)) == len(set().union(*by_group)):  # the groups are disjoint
+            return by_group
         by_device: dict[tuple[int, ...], list[DeviceMemory]] = {}
         for devices, mem in placed:
             for d in devices:
                 by_device.setdefault((d,), []).append(mem)
         return by_device
+
+    def _group_memories(self, stage: Stage, samples: tuple[float, ...], params: float,
+                        in_flight: float) -> list[DeviceMemory]:
+        """Per tensor-parallel group of `stage`, the memory one of its devices holds for it; replicas with equal
+        shares and the same attention kernel share one `DeviceMemory`, and where every group does, the list
+        holds that one alone."""
+        fused_sample = self._activation_memory(stage)
+        scores = self._score_memory(stage)
+        unfused_sample = (fused_sample[0] + scores[0], fused_sample[1] + scores[1])
+        kinds = self._fused_kinds(stage.devices)
+        if min(samples) == max(samples) and len(kinds) == 1:
+            fused = kinds[0] or not (scores[0] or scores[1])
+            return [self._stage_memory(stage, params, samples[0], fused_sample if fused else unfused_sample,
+                                       in_flight)]
+        memo: dict[tuple[float, bool], DeviceMemory] = {}
+        out = []
+        for g, devices in enumerate(stage.tp_groups):
+            n = samples[g]
+            fused = self._fused[devices[0]] or not (scores[0] or scores[1])
+            mem = memo.get((n, fused))
+            if mem is None:
+                mem = memo[n, fused] = self._stage_memory(stage, params, n, fused_sample if fused else unfused_sample,
+                                                          in_flight)
+            out.append(mem)
+        return out
 
     def _in_flight(self, plan: Plan, in_flight_counts: tuple[int, ...], lanes: int) -> list[float]:
         """Micro-batches whose activations each stage holds at its device's peak.
@@ -671,6 +708,14 @@ def _disjoint_stages(plan: Plan) -> bool:
     if len(plan.stages) == 1:
         return True
     return sum(len(s.devices) for s in plan.stages) == len(set().union(*(s.devices for s in plan.stages)))
+
+
+def _lane_aligned(plan: Plan, lanes: list[tuple[tuple[int, ...], list[int]]]) -> bool:
+    """Whether the stages of each lane share their tensor-parallel groups (one tp) and no two lanes share a
+    device: each group then holds its lane's stages and nothing else."""
+    if any(len({plan.stages[i].tp for i in members}) > 1 for _, members in lanes):
+        return False
+    return len(lanes) == 1 or sum(len(devices) for devices, _ in lanes) == len(set().union(*(d for d, _ in lanes)))
 
 
 def _lanes(plan: Plan) -> list[tuple[tuple[int, ...], list[int]]]:
