@@ -2,14 +2,15 @@
 
 `Background(work)` forks a child that runs `work()` on a copy of this process's memory (nothing is pickled on
 the way in: the simulator, its caches and the closures come as they are) and sends back its result, pickled,
-through a pipe. `result()` waits for it and raises what `work` raised. Where no child runs or none answers
-(a platform without `fork`, a daemonic process such as the service's job processes, which may not have
-children, a child killed by a signal or out of memory), `result()` runs `work()` here instead: what the caller
-gets never depends on whether the child ran, only when.
+through a pipe. `result()` waits for it and raises what `work` raised. Where no child was started (a platform
+without `fork`, a daemonic process such as the service's job processes, which may not have children: `forked`
+is False, and a caller can do the work its own way), or the child dies without a word (killed by a signal or
+out of memory) or does not answer within `result`'s time limit (it is then killed), `result()` runs
+`fallback()` here instead (`work` by default; a caller whose work reads a clock passes one that starts afresh).
 
 The child runs nothing but `work` and leaves with `os._exit` (multiprocessing's fork start), so it flushes
 none of this process's buffers and runs none of its exit handlers. `cancel()` (also on leaving a `with`)
-stops a child whose result is no longer wanted.
+stops a child whose result is no longer wanted; a wait interrupted by an exception stops it too.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def usable_cores() -> int:
 class Background(Generic[T]):
     """`work()` in a forked child (module docstring); `forked` says whether a child was started."""
 
-    def __init__(self, work: Callable[[], T]) -> None:
+    def __init__(self, work: Callable[[], T], *, fallback: Callable[[], T] | None = None) -> None:
         self._work = work
+        self._fallback = fallback or work
         self._process: Any = None
         self._pipe: Connection | None = None
         try:
@@ -49,7 +51,7 @@ class Background(Generic[T]):
             process = context.Process(target=_child, args=(work, send), daemon=True)
             process.start()
         except (ValueError, AssertionError, OSError) as err:  # no fork here; a daemonic process; out of resources
-            log.debug("background work runs in this process: %s", err)
+            log.debug("no background process: %s", err)
             return
         send.close()  # the child holds the write end: its death reads as end of file here
         self._process, self._pipe = process, receive
@@ -62,20 +64,24 @@ class Background(Generic[T]):
         """Whether `result()` would return at once: the child has answered or is gone (or none was started)."""
         return self._pipe is None or self._pipe.poll()
 
-    def result(self) -> T:
-        """The child's result, or what its `work()` raised; `work()` run here where no child answered."""
+    def result(self, timeout_s: float | None = None) -> T:
+        """The child's result, or what its `work()` raised; `fallback()` run here where no child answered within
+        `timeout_s` seconds (None: no limit)."""
         if self._pipe is None:
-            return self._work()
+            return self._fallback()
+        message = None
         try:
-            message = self._pipe.recv()
+            if self._pipe.poll(timeout_s):
+                message = self._pipe.recv()
+            else:
+                log.warning("a background process gave no answer in %.0f s; it is stopped and its work runs here",
+                            timeout_s)
         except (EOFError, OSError):  # the child died without a word
-            message = None
-        finally:
-            self._close()
+            log.warning("a background process died (exit code %s); its work runs here", self._process.exitcode)
+        finally:  # a wait interrupted by anything else stops the child before joining it
+            self.cancel()
         if message is None:
-            log.warning("a background process died (exit code %s); its work runs in this process",
-                        self._process.exitcode)
-            return self._work()
+            return self._fallback()
         kind, value = message
         if kind == "error":
             raise value
@@ -83,13 +89,10 @@ class Background(Generic[T]):
         return result
 
     def cancel(self) -> None:
-        """Stop the child if it still runs (its result is not wanted)."""
+        """Stop the child if it still runs (its result is not wanted) and release it."""
         if self._pipe is not None:
-            self._process.kill()
-            self._close()
-
-    def _close(self) -> None:
-        if self._pipe is not None:
+            if self._process.is_alive():
+                self._process.kill()
             self._pipe.close()
             self._pipe = None
             self._process.join()

@@ -46,6 +46,9 @@ from tagplan.search.space import PlanSpace, PlanState
 DEFAULT_TIME_SLACK = 1.25  # memory / GPU objectives accept plans up to 25% slower than the fastest
 BASELINE_BUDGET_SHARE = 0.5  # the baselines' grid may take up to this share of the wall-clock budget
 MIN_SEARCH_S = 1.0  # the search runs at least this long after the baselines
+MIN_BASELINE_WAIT_S = 30.0
+"""Beside the search, the baselines' processes are waited for until the end of the budget, and at least this
+long after the search (their grid stops at half the budget, past the configuration it is walking)."""
 PriorFactory = Callable[[PlanSpace], Prior]
 Admissible = Callable[[Plan], str | None]
 RERANK_TOP_K = 16  # candidates the learned correction re-ranks (the simulator's fastest that fit)
@@ -115,8 +118,8 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
     judge = SimulatorEvaluator(space)
     families = baseline_families(sim, deadline=start + BASELINE_BUDGET_SHARE * problem.budget_s)
     prefetch = problem.objective is Objective.TIME and admissible is None and correction is None
-    if problem.workers > 1:  # the baselines in forked processes, the search here beside them
-        children = [Background(partial(_run_families, space, group)) for group in _deal(families, problem.workers - 1)]
+    children = _start_families(sim, space, families, problem) if problem.workers > 1 else []
+    if children:  # the baselines in forked processes, the search here beside them
         with ExitStack() as stack:
             for child in children:
                 stack.callback(child.cancel)  # the search raised (a progress callback stops it): stop them
@@ -125,13 +128,15 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
             if prefetch:  # while the baselines run, this process refines its own incumbents
                 _prefetch_refinements(sim, list(searcher.candidates.values()), searcher,
                                       stop=lambda: all(child.ready() for child in children))
-            baselines = _merged([ran for child in children for ran in child.result()], judge)
-        judge.known.update(searcher.known)
+            ran = [child.result(timeout_s=max(start + problem.budget_s - time.perf_counter(), MIN_BASELINE_WAIT_S))
+                   for child in children]
+            baselines = _merged([family for part in ran for family in part], judge)
     else:  # one process: the baselines first, then the search, which finds their plans judged
         baselines = {name: family(judge.candidate) for name, family in families}
         searcher = judge
     _seed(baselines, judge)
     baseline_evaluations = len(judge.candidates)
+    judge.known.update(searcher.known)  # after the seeds: a refinement judged ahead is the search's, not a seed's
     if searcher is judge:
         stats = _search(space, problem, prior_factory, progress, judge, time.perf_counter() - start)
     for key, cand in searcher.candidates.items():  # after the baselines' and the seeds', as one process has them
@@ -212,6 +217,27 @@ def _deal(families: list[tuple[str, BaselineFamily]], processes: int) -> list[li
     """The families in `processes` consecutive groups (as many as there are families at most)."""
     n = min(processes, len(families))
     return [families[k * len(families) // n:(k + 1) * len(families) // n] for k in range(n)]
+
+
+def _start_families(sim: Simulator, space: PlanSpace, families: list[tuple[str, BaselineFamily]],
+                    problem: PlanProblem) -> list[Background[list[Ran]]]:
+    """The families dealt to `problem.workers` - 1 forked processes (`_deal`); none where this process cannot
+    fork (it then runs them itself before the search, as with one worker, so their time limit means the same).
+    A process that dies or does not answer has its families run here afresh, their time limit counted anew."""
+    children = []
+    for group in _deal(families, problem.workers - 1):
+        names = {name for name, _ in group}
+
+        def again(names: set[str] = names) -> list[Ran]:
+            fresh = baseline_families(sim, deadline=time.perf_counter() + BASELINE_BUDGET_SHARE * problem.budget_s)
+            return _run_families(space, [(name, family) for name, family in fresh if name in names])
+
+        children.append(Background(partial(_run_families, space, group), fallback=again))
+    if all(child.forked for child in children):
+        return children
+    for child in children:
+        child.cancel()
+    return []
 
 
 def _run_families(space: PlanSpace, families: list[tuple[str, BaselineFamily]]) -> list[Ran]:

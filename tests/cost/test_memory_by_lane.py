@@ -28,6 +28,8 @@ PLANS = {
     "a stage over both GPU types": Plan(micro_batches=4, schedule=Schedule.ONE_F_ONE_B, stages=(
         _stage((0, 4), range(0, 4), dp=2, tp=2), _stage((4, 9), range(4, 12), dp=4, tp=2),
         _stage((9, 10), range(12, 16), dp=2, tp=2))),
+    "context parallel": Plan(micro_batches=2, schedule=Schedule.ONE_F_ONE_B, stages=(
+        _stage((0, 10), range(0, 16), dp=4, cp=2, tp=2, zero=1),)),
     "interleaved": Plan(micro_batches=8, schedule=Schedule.INTERLEAVED_1F1B, stages=tuple(
         _stage(layers, range(0, 8) if k % 2 == 0 else range(8, 16), dp=2, tp=4, zero=1)
         for k, layers in enumerate([(0, 3), (3, 5), (5, 8), (8, 10)]))),
@@ -56,3 +58,16 @@ def test_groups_of_one_stage_without_fused_attention_hold_the_attention_scores()
     scores_per_sample = 2 * 16 * 1024 * 1024 / 2  # a layer's fp16/bf16 scores and their softmax, heads over tp=2
     assert held[8] - held[4] >= scores_per_sample  # at least one layer's scores of one sample
     assert held[4] == held[7] and held[8] == held[11]
+
+
+def test_a_lane_whose_stages_differ_in_tp_is_counted_group_by_group() -> None:
+    # (plans whose lanes share devices are refused before the simulator sees them)
+    mixed_tp = Plan(micro_batches=4, schedule=Schedule.INTERLEAVED_1F1B, stages=(
+        _stage((0, 5), range(0, 8), dp=4, tp=2), _stage((5, 10), range(0, 8), dp=2, tp=4)))
+    assert not simulator_module._lane_aligned(mixed_tp, simulator_module._lanes(mixed_tp))
+    sim = Simulator(MODEL, CLUSTER, Workload(global_batch=32, seq_len=1024))
+    alone = sim.memory_bytes(mixed_tp.model_copy(update={"schedule": Schedule.ONE_F_ONE_B, "stages": (
+        _stage((0, 10), range(0, 8), dp=4, tp=2),)}))
+    held = sim.memory_bytes(mixed_tp)
+    assert set(held) == set(range(8)) and len(set(held.values())) == 1  # every device holds both stages alike
+    assert 0 < held[0] != alone[0]

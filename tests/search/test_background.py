@@ -73,3 +73,15 @@ def test_a_daemonic_process_which_may_not_fork_runs_the_work_itself() -> None:
     forked, (pid, value) = receive.recv()
     process.join()
     assert not forked and value == 9 and pid == process.pid
+
+
+def test_a_child_silent_past_its_time_limit_is_stopped_and_the_fallback_runs_here() -> None:
+    def slow_in_a_child() -> int:
+        if os.getpid() != PARENT:
+            time.sleep(60)
+        return 1
+
+    child = Background(slow_in_a_child, fallback=lambda: 2)
+    started = time.perf_counter()
+    assert child.result(timeout_s=0.5) == 2
+    assert time.perf_counter() - started < 10 and not multiprocessing.active_children()
