@@ -448,17 +448,21 @@ class Simulator:
         """Whether a stage whose devices hold it alone fits them, where every tensor-parallel group holds the
         same memory (equal samples, one kind of attention kernel): one `DeviceMemory` against the stage's least
         device memory, as `_memory` and `_fits` would find group by group; None where the groups differ."""
-        if min(samples) != max(samples):
-            return None
-        fused_kinds = self._fused_kinds(stage.devices)
-        if len(fused_kinds) != 1:
+        mem = self._uniform_memory(stage, samples, self.coster.local_params(stage), in_flight)
+        return None if mem is None else _total([mem]) <= self._least_mem(stage.devices)
+
+    def _uniform_memory(self, stage: Stage, samples: tuple[float, ...], params: float,
+                        in_flight: float) -> DeviceMemory | None:
+        """The one `DeviceMemory` every tensor-parallel group of `stage` holds, where they all hold the same (equal
+        samples, one kind of attention kernel); None where the groups differ."""
+        kinds = self._fused_kinds(stage.devices)
+        if min(samples) != max(samples) or len(kinds) != 1:
             return None
         fused_sample = self._activation_memory(stage)
         scores = self._score_memory(stage)
-        fused = fused_kinds[0] or not (scores[0] or scores[1])
+        fused = kinds[0] or not (scores[0] or scores[1])
         per_sample = fused_sample if fused else (fused_sample[0] + scores[0], fused_sample[1] + scores[1])
-        mem = self._stage_memory(stage, self.coster.local_params(stage), samples[0], per_sample, in_flight)
-        return _total([mem]) <= self._least_mem(stage.devices)
+        return self._stage_memory(stage, params, samples[0], per_sample, in_flight)
 
     def _fused_kinds(self, devices: tuple[int, ...]) -> tuple[bool, ...]:
         """The distinct fused-attention flags of `devices` (memoised per device set)."""
@@ -521,14 +525,12 @@ class Simulator:
         """Per tensor-parallel group of `stage`, the memory one of its devices holds for it; replicas with equal
         shares and the same attention kernel share one `DeviceMemory`, and where every group does, the list
         holds that one alone."""
+        uniform = self._uniform_memory(stage, samples, params, in_flight)
+        if uniform is not None:
+            return [uniform]
         fused_sample = self._activation_memory(stage)
         scores = self._score_memory(stage)
         unfused_sample = (fused_sample[0] + scores[0], fused_sample[1] + scores[1])
-        kinds = self._fused_kinds(stage.devices)
-        if min(samples) == max(samples) and len(kinds) == 1:
-            fused = kinds[0] or not (scores[0] or scores[1])
-            return [self._stage_memory(stage, params, samples[0], fused_sample if fused else unfused_sample,
-                                       in_flight)]
         memo: dict[tuple[float, bool], DeviceMemory] = {}
         out = []
         for g, devices in enumerate(stage.tp_groups):
