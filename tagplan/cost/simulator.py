@@ -117,14 +117,19 @@ class Simulator:
         stages."""
         if plan.schedule is Schedule.INTERLEAVED_1F1B:
             raise ValueError("stage_fits: an interleaved plan's devices hold several stages; ask fits(plan)")
-        per_micro = self.workload.global_batch // plan.micro_batches
-        samples = self._samples(stage, per_micro)
         in_flight = max_in_flight(len(plan.stages), plan.micro_batches, plan.schedule, len(_lanes(plan)))[index]
-        verdict = self._uniform_fits(stage, samples, float(in_flight))
+        return self.stage_fits_alone(stage, plan.micro_batches, float(in_flight))
+
+    def stage_fits_alone(self, stage: Stage, micro_batches: int, in_flight: float) -> bool:
+        """Whether `stage` fits its devices, holding them alone, with `in_flight` micro-batches of its
+        activations held at its peak and the global batch in `micro_batches` micro-batches (`stage_fits` where
+        the caller has the schedule's in-flight count already)."""
+        samples = self._samples(stage, self.workload.global_batch // micro_batches)
+        verdict = self._uniform_fits(stage, samples, in_flight)
         if verdict is not None:
             return verdict
-        mem = self._memory(plan.model_copy(update={"stages": (stage,)}), [samples],
-                           [self.coster.local_params(stage)], [float(in_flight)])
+        alone = Plan.model_construct(micro_batches=micro_batches, schedule=Schedule.ONE_F_ONE_B, stages=(stage,))
+        mem = self._memory(alone, [samples], [self.coster.local_params(stage)], [in_flight])
         return self._fits(mem)
 
     def memory_bytes(self, plan: Plan) -> dict[int, float]:

@@ -5,7 +5,8 @@ fewer nodes for the GPU objective; a decision only where there is a choice) -> p
 device groups of the stages -> tensor-parallel degree of each stage -> the context-parallel degree
 of the whole plan (from `LONG_CONTEXT_TOKENS`; data parallel is the rest of each group) -> each
 layer boundary, among candidates near the compute-balanced split for the
-stages' real speeds -> batch split across unequal replicas (even or by speed) -> micro-batches ->
+stages' real speeds (or, where memory forbids that split under every option, near the nearest cut that can
+fit: `search.capacity`) -> batch split across unequal replicas (even or by speed) -> micro-batches ->
 recomputation and ZeRO.
 
 Local structure (`neighbours`, `region`, for `search.polish`): the plans one decision away from a
@@ -30,6 +31,7 @@ from typing import Any, cast
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.plan import Plan, Schedule, Stage, context_split_whole
+from tagplan.search.capacity import Capacity
 from tagplan.search.groups import Partition, partitions, stage_counts, tp_options
 from tagplan.search.recompute import fewest_recomputed
 
@@ -85,6 +87,7 @@ class PlanSpace:
         self.max_stages = min(max_stages, self.layers, sim.cluster.num_devices)
         self.radius = boundary_radius
         self._speeds: dict[tuple[int, ...], float] = {}
+        self._capacities: dict[tuple[object, ...], Capacity | None] = {}
 
     @cached_property
     def layer_flops(self) -> list[float]:
@@ -345,18 +348,43 @@ class PlanSpace:
         return options[0]
 
     def _boundary_candidates(self, state: PlanState) -> list[int]:
-        """Layer cut after the balanced point for the stages' speeds, and its neighbours."""
+        """Layer cut after the balanced point for the stages' speeds, and its neighbours; where memory forbids
+        that point under every memory option, the nearest cut that can fit and its neighbours (`Capacity`)."""
         k = len(state.bounds)
         start = state.bounds[-1] if state.bounds else 0
         remaining = state.stages - k if state.stages else 1
-        speeds = [self._speed(g) for g in (state.groups or ())[k:]]
+        ideal = self._balanced_cut(start, [self._speed(g) for g in (state.groups or ())[k:]])
+        low, high = start + 1, self.layers - (remaining - 1)
+        capacity = self._capacity(state)
+        if capacity is not None:
+            floor, cap = max(low, capacity.floor(k)), min(high, capacity.cap(k, start))
+            if floor <= cap:
+                low, high = floor, cap
+                ideal = min(max(ideal, low), high)
+        cands = [min(max(ideal + d, low), high) for d in (0, 1, -1, 2, -2)[: 2 * self.radius + 1]]
+        return list(dict.fromkeys(cands))
+
+    def _balanced_cut(self, start: int, speeds: list[float]) -> int:
+        """The end of the stage from layer `start` that gives it its speed's share of the remaining FLOPs."""
         cum = self.cumulative_flops
         target = cum[start] + (cum[-1] - cum[start]) * speeds[0] / sum(speeds)
         i = min(bisect.bisect_left(cum, target), self.layers)  # first cut whose prefix reaches the target
-        ideal = i if i > start and cum[i] - target < target - cum[i - 1] else max(i - 1, start + 1)
-        low, high = start + 1, self.layers - (remaining - 1)
-        cands = [min(max(ideal + d, low), high) for d in (0, 1, -1, 2, -2)[: 2 * self.radius + 1]]
-        return list(dict.fromkeys(cands))
+        return i if i > start and cum[i] - target < target - cum[i - 1] else max(i - 1, start + 1)
+
+    def _capacity(self, state: PlanState) -> Capacity | None:
+        """The memory limits of the state's pipeline shape where they bind (`Capacity`), else None; memoised."""
+        key = (state.groups, state.tps, state.cp)
+        if key not in self._capacities:
+            groups = state.groups or ()
+            speeds = [self._speed(g) for g in groups]
+            cuts: list[int] = []
+            for k in range(len(groups) - 1):
+                start = cuts[-1] if cuts else 0
+                cut = self._balanced_cut(start, speeds[k:])
+                cuts.append(min(max(cut, start + 1), self.layers - (len(groups) - 1 - k)))
+            capacity = Capacity(self.sim, groups, state.tps, state.cp or 1, cuts) if len(groups) > 1 else None
+            self._capacities[key] = capacity if capacity is not None and capacity.binding else None
+        return self._capacities[key]
 
     def _speed(self, group: tuple[int, ...]) -> float:
         """Sum of the group's dense peaks (FLOP/s), memoised per group."""

@@ -1,0 +1,91 @@
+"""Memory-bound layer cuts (`search.capacity`): a model that fits a mixed cluster only with a split far from
+the compute-balanced one."""
+
+from itertools import combinations
+
+from tagplan.cost.simulator import Simulator
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.model_spec import load_model
+from tagplan.ir import Workload
+from tagplan.ir.plan import Plan, Schedule, Stage
+from tagplan.search.capacity import Capacity
+from tagplan.search.planner import plan
+from tagplan.search.problem import PlanProblem
+from tagplan.search.space import PlanSpace, PlanState
+
+TIGHT = ("gpt3-13b", "rtx4090x4:nodes=2+g4dn.12xlarge")  # 8 x 24 GB + 4 x 16 GB for 13B under Adam: 82% full
+
+
+def tight_sim() -> Simulator:
+    model, cluster = TIGHT
+    return Simulator(load_model(model, seq_len=2048), load_cluster(cluster), Workload(global_batch=32, seq_len=2048))
+
+
+GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))  # a stage per node: two RTX 4090 nodes, then the T4 node
+
+
+def frugal_plan(sim: Simulator, cuts: tuple[int, ...], micro_batches: int = 8) -> Plan:
+    """Every node a data-parallel stage of 4 under ZeRO-3 and full recomputation, split at `cuts`."""
+    bounds = [0, *cuts, len(sim.model.layers)]
+    return Plan(micro_batches=micro_batches, schedule=Schedule.ONE_F_ONE_B, stages=tuple(
+        Stage(layers=(bounds[k], bounds[k + 1]), devices=group, dp=4, tp=1, recompute=True, zero=3)
+        for k, group in enumerate(GROUPS)))
+
+
+def stage_peak_fits(sim: Simulator, plan: Plan, k: int) -> bool:
+    """Whether stage k's devices hold their memory, by the whole plan's memory count (not the per-stage check)."""
+    held = sim.memory_bytes(plan)
+    return all(held[d] <= sim.cluster.devices[d].spec.mem_bytes for d in plan.stages[k].devices)
+
+
+def test_the_limits_are_exactly_the_cuts_that_fit() -> None:
+    """Every split of the three stages checked by the plan's own memory count: the first stage's feasible ends
+    are exactly [floor(0), cap(0, 0)], and from each start the second stage's ends that fit are those up to
+    cap(1, start)."""
+    sim = tight_sim()
+    layers = len(sim.model.layers)
+    capacity = Capacity(sim, GROUPS, (1, 1, 1), 1, balanced=(19, 38))
+    assert capacity.binding  # the compute-balanced split does not fit even under ZeRO-3 and full recomputation
+    feasible = [cuts for cuts in combinations(range(1, layers), 2)
+                if all(stage_peak_fits(sim, frugal_plan(sim, cuts), k) for k in range(3))]
+    assert feasible  # a split that fits exists
+    firsts = {c for c, _ in feasible}
+    assert min(firsts) == capacity.floor(0) and max(firsts) == capacity.cap(0, 0)
+    for start in sorted(firsts):
+        fit_second = [end for end in range(start + 1, layers)
+                      if stage_peak_fits(sim, frugal_plan(sim, (start, end)), 1)]
+        assert max(fit_second) == capacity.cap(1, start)
+    assert min(c for _, c in feasible) == capacity.floor(1)
+
+
+def test_a_roomy_shape_is_not_bound() -> None:
+    sim = Simulator(load_model("gpt3-1.3b", seq_len=2048), load_cluster(TIGHT[1]),
+                    Workload(global_batch=32, seq_len=2048))
+    assert not Capacity(sim, GROUPS, (1, 1, 1), 1, balanced=(12, 24)).binding
+    space = PlanSpace(sim)
+    state = PlanState(nodes=(0, 1, 2), stages=3, groups=GROUPS, tps=(1, 1, 1), cp=1)
+    assert space._capacity(state) is None
+
+
+def test_the_decision_process_offers_the_cuts_that_fit() -> None:
+    """On the tight shape every boundary the decision process offers lies inside the limits, the balanced cut first
+    moved to the nearest one that fits; so the default completion of the shape is a plan that fits."""
+    sim = tight_sim()
+    space = PlanSpace(sim)
+    state = PlanState(nodes=(0, 1, 2), stages=3, groups=GROUPS, tps=(1, 1, 1), cp=1)
+    capacity = space._capacity(state)
+    assert capacity is not None
+    first = [a.value for a in space.actions(state)]
+    assert all(capacity.floor(0) <= c <= capacity.cap(0, 0) for c in first)
+    assert first[0] == capacity.cap(0, 0)  # the 4090s would balance to more layers than they hold
+    done = space.complete(state)
+    assert sim.fits(space.to_plan(done))
+
+
+def test_the_planner_finds_a_plan_that_fits_where_the_balanced_split_cannot() -> None:
+    """Before the limits the planner searched near the compute-balanced split only and answered that no plan fits."""
+    model, cluster = TIGHT
+    result = plan(PlanProblem(load_model(model, seq_len=2048), load_cluster(cluster),
+                              Workload(global_batch=32, seq_len=2048), max_evaluations=200))
+    assert result.best.report.fits
+    assert set(result.best.plan.devices) == set(range(12))  # the T4 node holds a share: the 4090s cannot hold it all
