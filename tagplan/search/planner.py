@@ -348,6 +348,11 @@ def _exhaustive(space: PlanSpace, limit: int) -> Baseline:
 def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None,
             judge: SimulatorEvaluator) -> tuple[Candidate, list[str]]:
     if not pool:
+        if objective is Objective.MEMORY:  # how far from fitting the least memory the search found is
+            fallback = min(judge.candidates.values(), key=lambda c: (c.report.peak_memory_bytes,
+                                                                     c.report.iteration_time_s))
+            return fallback, ["no plan fits in memory; the infeasible plan of least peak memory the search "
+                              "simulated is returned"]
         fallback = max(judge.candidates.values(), key=lambda c: judge.value(c.report))
         return fallback, ["no plan fits in memory; the fastest infeasible plan the search simulated is returned"]
     fastest = min(pool, key=lambda c: c.report.iteration_time_s)

@@ -289,3 +289,15 @@ def test_workers_other_than_one_or_two_are_refused(workers: object) -> None:
     with pytest.raises(SpecError, match=f"workers={workers!r}: must be 1"):
         PlanProblem(load_model("gpt?layers=4&hidden=256&heads=4&vocab=500", seq_len=128), load_cluster("p3.8xlarge"),
                     Workload(global_batch=8, seq_len=128), workers=workers)  # type: ignore[arg-type]
+
+
+def test_memory_objective_without_a_fitting_plan_returns_the_least_memory() -> None:
+    """Where nothing fits, the memory objective answers with the infeasible plan closest to fitting (the least peak
+    memory simulated), the time objective with the fastest."""
+    args = (load_model("gpt3-175b", seq_len=2048), load_cluster("rtx4090x4"), Workload(global_batch=8, seq_len=2048))
+    fastest = _plan(*args, max_evaluations=40)
+    least = _plan(*args, max_evaluations=40, objective=Objective.MEMORY)
+    assert not fastest.best.report.fits and not least.best.report.fits
+    assert least.best.report.peak_memory_bytes < fastest.best.report.peak_memory_bytes
+    assert fastest.best.report.iteration_time_s <= least.best.report.iteration_time_s
+    assert any("least peak memory" in note for note in least.notes)
