@@ -72,6 +72,8 @@ CASES = [
     ("175B on 512 A100 + 512 V100", "gpt3-175b", "dgx-a100-80gb:nodes=64+p3.16xlarge:nodes=64", 1536, 2048, True),
     ("175B on 128 DGX-A100 (1024 GPUs)", "gpt3-175b", "dgx-a100-80gb:nodes=128", 1536, 2048, False),
     ("Llama-3-8B at 32k tokens on 2 DGX-H100", "llama3-8b", "dgx-h100:nodes=2", 16, 32768, False),
+    # memory-bound: 13B's training state fills 82% of 8 x 24 GB + 4 x 16 GB; no uniform layout fits
+    ("13B on rtx4090x4 x2 + g4dn (memory-bound)", "gpt3-13b", "rtx4090x4:nodes=2+g4dn.12xlarge", 32, 2048, True),
 ]
 BASELINES = ("megatron_grid", "split_grid", "data_parallel", "fastest_nodes")
 SPLIT_GRID_SEEDS = 64
@@ -92,6 +94,8 @@ EXHAUSTIVE = [
      "dgx-h100+dgx-a100-80gb+dgx-a100-40gb", 16, 2048),
     ("Llama 4L on B200 + H100 + A100", "llama?layers=4&hidden=3072&heads=24&vocab=8000",
      "dgx-b200+dgx-h100+dgx-a100-80gb", 24, 2048),
+    ("GPT 8L, 8B, on 4090 + T4 (memory-bound)", "gpt?layers=8&hidden=9216&heads=72&vocab=8000",
+     "rtx4090x4+g4dn.12xlarge", 16, 1024),
 ]
 BUDGETS = (50, 200, 400, 1000, 5000)
 BUDGET_CASES = (4, 5, 6, 12)  # heterogeneous suite rows for the budget curve
@@ -545,19 +549,25 @@ def main() -> None:
     parser.add_argument("--update-suite", action="store_true",
                         help="rerun only the suite table, put it into bench/results/planner.json and rewrite "
                              "docs/PLANNER_RESULTS.md (when only the costing of the suite's plans changed)")
+    parser.add_argument("--update-exhaustive", action="store_true",
+                        help="rerun only the exhaustive gaps, put them into bench/results/planner.json and rewrite "
+                             "docs/PLANNER_RESULTS.md (when only the decision process changed)")
     parser.add_argument("--update-timing", action="store_true",
                         help="rerun only the cold-start wall-clock of the timed cases (`cold_walls`), put it into "
                              "bench/results/planner.json and rewrite docs/PLANNER_RESULTS.md")
     parser.add_argument("--record-guidance", action="store_true",
                         help="write the measured guidance classes into the shipped GNN card (`--scorer auto` reads it)")
     args = parser.parse_args()
-    if args.markdown or args.update_guidance or args.update_suite or args.update_timing:  # summary from the rows
+    if (args.markdown or args.update_guidance or args.update_suite or args.update_timing
+            or args.update_exhaustive):  # summary from the rows
         path = Path(__file__).parent / "results" / "planner.json"
         results = json.loads(path.read_text())
         if args.update_suite:
             results["suite"] = [suite_row(c, evaluations=results["evaluations"], budget_s=results["budget_s"])
                                 for c in CASES]
             results["suite_measured_on"] = measured_on()
+        if args.update_exhaustive:
+            results["exhaustive"] = [exhaustive_row(c) for c in EXHAUSTIVE]
         if args.update_suite or args.update_timing:
             results["cold_wall_s"] = cold_walls(results["evaluations"], results["budget_s"])
         if args.update_guidance:
