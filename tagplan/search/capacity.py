@@ -8,7 +8,8 @@ split of 18, 17 and 7 does; searching near the balanced split, the planner then 
 
 `Capacity` describes one pipeline shape (its device groups, TP degrees and context-parallel degree) under
 the most frugal options the search can still choose for it: full recomputation, ZeRO-3 wherever a stage has
-data parallelism, the most micro-batches (the fewest samples per replica) and a 1F1B schedule. Memory grows
+data parallelism, the most micro-batches (the fewest samples per replica), a 1F1B schedule, and any of the batch
+splits the search may give the stage (even, or by speed where its replicas differ). Memory grows
 with the layers a stage holds, so each limit is a binary search over one end, each probe the simulator's
 closed-form memory check of one stage holding its devices alone (`Simulator.stage_fits_alone`, no timing):
 
@@ -23,33 +24,38 @@ which case the decision process keeps its candidates as they were.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from tagplan.cost.pipeline import max_in_flight
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.plan import Schedule, Stage
 from tagplan.search.groups import Partition
 
+SampleSplits = Callable[[tuple[int, ...], int, int], Collection[tuple[int, ...] | None]]
+"""(device group, devices per replica, samples per micro-batch) -> the splits of the micro-batch over the group's
+replicas that the search may give it (`Stage.batch_samples`; None: the exact even split)."""
+
 
 class Capacity:
     """The layer cuts that can fit, per stage, for one pipeline shape (see the module)."""
 
-    def __init__(self, sim: Simulator, groups: Partition, tps: Sequence[int], cp: int,
-                 balanced: Sequence[int]) -> None:
-        """`balanced`: the compute-balanced cuts (end layer of every stage but the last)."""
+    def __init__(self, sim: Simulator, groups: Partition, tps: Sequence[int], cp: int, *,
+                 balanced_bounds: Sequence[int], micro_batches: int, splits: SampleSplits) -> None:
+        """`balanced_bounds`: the compute-balanced cuts (end layer of every stage but the last);
+        `micro_batches`: the most micro-batches the search may choose for the shape; `splits`: the batch splits it
+        may give a stage (each checked: a cut fits where one of them does)."""
         self.sim = sim
         self.layers = len(sim.model.layers)
         self._meshes = [(group, tp, len(group) // (tp * cp)) for group, tp in zip(groups, tps, strict=True)]
         self._cp = cp
-        batch = sim.workload.global_batch
-        widest = max(dp * cp for _, _, dp in self._meshes)
-        self._micro = max(m for m in range(1, batch + 1) if batch % m == 0 and batch // m >= widest)
+        self._micro_batches = micro_batches
+        self._splits = splits
         stages = len(self._meshes)
-        self._in_flight = [float(n) for n in max_in_flight(stages, self._micro, Schedule.ONE_F_ONE_B, stages)]
-        bounds = [0, *balanced, self.layers]
+        self._in_flight = [float(n) for n in max_in_flight(stages, micro_batches, Schedule.ONE_F_ONE_B, stages)]
         self._caps: dict[tuple[int, int], int] = {}
         self._floors: list[int] | None = None
-        self.binding = not all(self._fits(k, bounds[k], bounds[k + 1]) for k in range(len(self._meshes)))
+        bounds = [0, *balanced_bounds, self.layers]
+        self.binding = not all(self._fits(k, bounds[k], bounds[k + 1]) for k in range(stages))
 
     def cap(self, k: int, start: int) -> int:
         """The last end stage `k` can take from layer `start` and fit (start + 1 where not even one layer fits),
@@ -67,7 +73,9 @@ class Capacity:
         return hit
 
     def floor(self, k: int) -> int:
-        """The first end of stage `k` whose remaining layers the later stages can hold (see the module)."""
+        """The first end of stage `k` whose remaining layers the later stages can hold (see the module); where a
+        later stage cannot hold even one layer, it is counted as holding one (the shape cannot fit: some floor
+        then lies above its cap)."""
         if self._floors is None:
             floors = [self.layers] * len(self._meshes)
             for j in range(len(self._meshes) - 1, 0, -1):
@@ -84,12 +92,9 @@ class Capacity:
         return self._floors[k]
 
     def _fits(self, k: int, start: int, end: int) -> bool:
-        return self.sim.stage_fits_alone(self._stage(k, start, end), self._micro, self._in_flight[k])
-
-    def _stage(self, k: int, start: int, end: int) -> Stage:
         group, tp, dp = self._meshes[k]
-        per_micro = self.sim.workload.global_batch // self._micro
-        base, extra = divmod(per_micro, dp)
-        samples = None if extra == 0 else tuple(base + (1 if r < extra else 0) for r in range(dp))
-        return Stage(layers=(start, end), devices=group, dp=dp, tp=tp, cp=self._cp, batch_samples=samples,
-                     recompute=True, zero=3 if dp * self._cp > 1 else 0)
+        per_micro = self.sim.workload.global_batch // self._micro_batches
+        return any(self.sim.stage_fits_alone(
+            Stage(layers=(start, end), devices=group, dp=dp, tp=tp, cp=self._cp, batch_samples=samples,
+                  recompute=True, zero=3 if dp * self._cp > 1 else 0), self._micro_batches, self._in_flight[k])
+            for samples in self._splits(group, tp * self._cp, per_micro))

@@ -345,14 +345,19 @@ def _exhaustive(space: PlanSpace, limit: int) -> Baseline:
     return Baseline("exhaustive", cand, config=f"best of all {found[2]} plans of the decision process")
 
 
+def _overcommit(report: Report) -> float:
+    """The peak use of the plan's worst device over that device's memory (> 1: does not fit)."""
+    worst = report.worst_device_memory
+    return worst.memory_bytes / worst.mem_bytes
+
+
 def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None,
             judge: SimulatorEvaluator) -> tuple[Candidate, list[str]]:
     if not pool:
-        if objective is Objective.MEMORY:  # how far from fitting the least memory the search found is
-            fallback = min(judge.candidates.values(), key=lambda c: (c.report.peak_memory_bytes,
-                                                                     c.report.iteration_time_s))
-            return fallback, ["no plan fits in memory; the infeasible plan of least peak memory the search "
-                              "simulated is returned"]
+        if objective is Objective.MEMORY:  # the plan nearest to fitting: its worst device least over its memory
+            fallback = min(judge.candidates.values(), key=lambda c: (_overcommit(c.report), c.report.iteration_time_s))
+            return fallback, ["no plan fits in memory; the infeasible plan nearest to fitting the search simulated "
+                              "(its worst device least over its memory) is returned"]
         fallback = max(judge.candidates.values(), key=lambda c: judge.value(c.report))
         return fallback, ["no plan fits in memory; the fastest infeasible plan the search simulated is returned"]
     fastest = min(pool, key=lambda c: c.report.iteration_time_s)

@@ -87,7 +87,7 @@ class PlanSpace:
         self.max_stages = min(max_stages, self.layers, sim.cluster.num_devices)
         self.radius = boundary_radius
         self._speeds: dict[tuple[int, ...], float] = {}
-        self._capacities: dict[tuple[object, ...], Capacity | None] = {}
+        self._capacities: dict[tuple[Partition | None, tuple[int, ...], int | None], Capacity | None] = {}
 
     @cached_property
     def layer_flops(self) -> list[float]:
@@ -382,9 +382,17 @@ class PlanSpace:
                 start = cuts[-1] if cuts else 0
                 cut = self._balanced_cut(start, speeds[k:])
                 cuts.append(min(max(cut, start + 1), self.layers - (len(groups) - 1 - k)))
-            capacity = Capacity(self.sim, groups, state.tps, state.cp or 1, cuts) if len(groups) > 1 else None
+            capacity = None
+            if len(groups) > 1:
+                capacity = Capacity(self.sim, groups, state.tps, state.cp or 1, balanced_bounds=cuts,
+                                    micro_batches=max(self._micro_batch_counts(state)), splits=self._sample_splits)
             self._capacities[key] = capacity if capacity is not None and capacity.binding else None
         return self._capacities[key]
+
+    def _sample_splits(self, group: tuple[int, ...], width: int, micro: int) -> set[tuple[int, ...] | None]:
+        """The splits of a `micro`-sample micro-batch over `group`'s replicas (`width` devices each) a stage may take:
+        even, or by speed (the same where the replicas are alike)."""
+        return {self._samples(group, width, micro, by_speed=False), self._samples(group, width, micro, by_speed=True)}
 
     def _speed(self, group: tuple[int, ...]) -> float:
         """Sum of the group's dense peaks (FLOP/s), memoised per group."""
@@ -418,7 +426,7 @@ class PlanSpace:
         4 x depth; without a by-speed split, counts that split every stage evenly come first."""
         batch = self.sim.workload.global_batch
         dps = [len(g) // (t * (state.cp or 1)) for g, t in zip(state.groups or (), state.tps, strict=True)]
-        valid = [m for m in divisors(batch) if batch // m >= max(dps)]
+        valid = self._micro_batch_counts(state)
         depth = state.stages or 1
 
         def order(m: int) -> tuple[bool, float, int]:
@@ -426,6 +434,13 @@ class PlanSpace:
             return (uneven, abs(m - 4 * depth) / (4 * depth), m)
 
         return sorted(valid, key=order)[:6]
+
+    def _micro_batch_counts(self, state: PlanState) -> list[int]:
+        """Micro-batch counts M dividing the batch whose micro-batches give every replica of the state's stages a
+        sample (a replica's samples are split by sequence over its context-parallel ranks)."""
+        batch = self.sim.workload.global_batch
+        dps = [len(g) // (t * (state.cp or 1)) for g, t in zip(state.groups or (), state.tps, strict=True)]
+        return [m for m in divisors(batch) if batch // m >= max(dps)]
 
     def to_plan(self, state: PlanState) -> Plan:
         """The Plan a terminal state describes."""

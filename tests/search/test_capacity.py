@@ -8,7 +8,6 @@ from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir import Workload
 from tagplan.ir.plan import Plan, Schedule, Stage
-from tagplan.search.capacity import Capacity
 from tagplan.search.planner import plan
 from tagplan.search.problem import PlanProblem
 from tagplan.search.space import PlanSpace, PlanState
@@ -24,12 +23,14 @@ def tight_sim() -> Simulator:
 GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))  # a stage per node: two RTX 4090 nodes, then the T4 node
 
 
-def frugal_plan(sim: Simulator, cuts: tuple[int, ...], micro_batches: int = 8) -> Plan:
-    """Every node a data-parallel stage of 4 under ZeRO-3 and full recomputation, split at `cuts`."""
+def frugal_plan(sim: Simulator, cuts: tuple[int, ...], groups: tuple[tuple[int, ...], ...] = GROUPS, cp: int = 1,
+                micro_batches: int = 8) -> Plan:
+    """Every group a data-parallel (and context-parallel) stage under ZeRO-3 and full recomputation, split at
+    `cuts`; `micro_batches` the most the search may choose (one sample per replica)."""
     bounds = [0, *cuts, len(sim.model.layers)]
     return Plan(micro_batches=micro_batches, schedule=Schedule.ONE_F_ONE_B, stages=tuple(
-        Stage(layers=(bounds[k], bounds[k + 1]), devices=group, dp=4, tp=1, recompute=True, zero=3)
-        for k, group in enumerate(GROUPS)))
+        Stage(layers=(bounds[k], bounds[k + 1]), devices=group, dp=len(group) // cp, cp=cp, tp=1, recompute=True,
+              zero=3) for k, group in enumerate(groups)))
 
 
 def stage_peak_fits(sim: Simulator, plan: Plan, k: int) -> bool:
@@ -44,8 +45,8 @@ def test_the_limits_are_exactly_the_cuts_that_fit() -> None:
     cap(1, start)."""
     sim = tight_sim()
     layers = len(sim.model.layers)
-    capacity = Capacity(sim, GROUPS, (1, 1, 1), 1, balanced=(19, 38))
-    assert capacity.binding  # the compute-balanced split does not fit even under ZeRO-3 and full recomputation
+    capacity = PlanSpace(sim)._capacity(PlanState(nodes=(0, 1, 2), stages=3, groups=GROUPS, tps=(1, 1, 1), cp=1))
+    assert capacity is not None  # the balanced split (19, 38) does not fit even under ZeRO-3 and full recompute
     feasible = [cuts for cuts in combinations(range(1, layers), 2)
                 if all(stage_peak_fits(sim, frugal_plan(sim, cuts), k) for k in range(3))]
     assert feasible  # a split that fits exists
@@ -58,10 +59,23 @@ def test_the_limits_are_exactly_the_cuts_that_fit() -> None:
     assert min(c for _, c in feasible) == capacity.floor(1)
 
 
+def test_the_limits_with_context_parallelism_count_samples_per_replica() -> None:
+    """With context parallelism a replica's samples are split by sequence over its ranks, so the search may take
+    as many micro-batches as there are samples per data-parallel replica (4 here, not 2): the limits are the cuts
+    that fit at that count."""
+    sim = Simulator(load_model("gpt?layers=6&hidden=8192&heads=64&vocab=8000", seq_len=8192),
+                    load_cluster("rtx4090x4+g4dn.12xlarge"), Workload(global_batch=8, seq_len=8192))
+    groups = GROUPS[:2]
+    capacity = PlanSpace(sim)._capacity(PlanState(nodes=(0, 1), stages=2, groups=groups, tps=(1, 1), cp=2))
+    assert capacity is not None
+    fitting = [c for c in range(1, len(sim.model.layers))
+               if all(stage_peak_fits(sim, frugal_plan(sim, (c,), groups, cp=2, micro_batches=4), k) for k in (0, 1))]
+    assert fitting == list(range(capacity.floor(0), capacity.cap(0, 0) + 1))
+
+
 def test_a_roomy_shape_is_not_bound() -> None:
     sim = Simulator(load_model("gpt3-1.3b", seq_len=2048), load_cluster(TIGHT[1]),
                     Workload(global_batch=32, seq_len=2048))
-    assert not Capacity(sim, GROUPS, (1, 1, 1), 1, balanced=(12, 24)).binding
     space = PlanSpace(sim)
     state = PlanState(nodes=(0, 1, 2), stages=3, groups=GROUPS, tps=(1, 1, 1), cp=1)
     assert space._capacity(state) is None
