@@ -8,7 +8,8 @@ Tables (bench/results/planner.json, docs/PLANNER_RESULTS.md):
    and the best plan on the fastest GPU type's nodes alone. "vs best" divides the best of those by the
    planner's time; every plan gives each replica whole samples.
 2. Exhaustive gaps: small cases (two- and three-node mixes) where the whole decision process is
-   enumerated apart from the search (its plans never join the planner's pool).
+   enumerated apart from the search (its plans never join the planner's pool); and the same on
+   `RANDOM_EXHAUSTIVE_CASES` problems drawn at random (`random_cases`, a fixed seed): cases nobody chose.
 3. Quality against budget: 50 / 200 / 400 / 1000 / 5000 evaluations (a wall-clock cap per run); the
    search's evaluations form one sequence a budget only cuts, so each column is at least as fast.
 4. Guidance: wall-clock seconds of the search (baselines excluded) until its best plan is within 1% of
@@ -27,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -97,6 +99,10 @@ EXHAUSTIVE = [
     ("GPT 8L, 8B, on 4090 + T4 (memory-bound)", "gpt?layers=8&hidden=9216&heads=72&vocab=8000",
      "rtx4090x4+g4dn.12xlarge", 16, 1024),
 ]
+RANDOM_EXHAUSTIVE_SEED = 7
+RANDOM_EXHAUSTIVE_CASES = 10
+RANDOM_EXHAUSTIVE_LIMIT = 120_000
+"""Plans the random cases enumerate at most (a larger space is reported as such, not enumerated)."""
 BUDGETS = (50, 200, 400, 1000, 5000)
 BUDGET_CASES = (4, 5, 6, 12)  # heterogeneous suite rows for the budget curve
 GUIDANCE_CASES = (4, 6, 7, 12, 1, 0, 5, 8, 10, 11, 2, 3, 9, 13, 14)  # the first five chose GNNPrior's settings
@@ -229,16 +235,35 @@ def cold_walls(evaluations: int, budget_s: float, repeats: int = TIMED_REPEATS) 
     return out
 
 
-def exhaustive_row(case: tuple[str, str, str, int, int]) -> dict[str, Any]:
-    """The planner at its defaults against the enumerated optimum of its own decision process."""
+def exhaustive_row(case: tuple[str, str, str, int, int], limit: int = 200_000) -> dict[str, Any]:
+    """The planner at its defaults against the enumerated optimum of its own decision process (up to `limit`
+    plans)."""
     name, model, cluster, batch, seq = case
     m, c, w = _instance(model, cluster, batch, seq)
-    r = plan(PlanProblem(m, c, w, exhaustive_limit=200_000, budget_s=600))
+    r = plan(PlanProblem(m, c, w, exhaustive_limit=limit, budget_s=600))
     ex = r.baselines["exhaustive"]
     opt = ex.candidate.report.iteration_time_s if ex.candidate else None
     return {"case": name, "best_s": r.best.report.iteration_time_s, "exhaustive_s": opt,
             "space": ex.config or ex.reason, "gap": r.best.report.iteration_time_s / opt - 1 if opt else None,
             "evaluations": r.search.evaluations}
+
+
+def random_cases(seed: int = RANDOM_EXHAUSTIVE_SEED,
+                 n: int = RANDOM_EXHAUSTIVE_CASES) -> list[tuple[str, str, str, int, int]]:
+    """`n` problems drawn with `seed`: a GPT or Llama of 4-8 layers and hidden 256-16384 (some fill the memory of
+    the nodes they get), on 2-3 nodes of V100, T4, RTX 4090 and A100-40GB, at a random batch and sequence."""
+    rng = random.Random(seed)
+    nodes = ("p3.8xlarge", "g4dn.12xlarge", "rtx4090x4", "dgx-a100-40gb:nodes=1")
+    out = []
+    for _ in range(n):
+        family, layers = rng.choice(["gpt", "llama"]), rng.choice([4, 6, 8])
+        hidden = rng.choice([256, 1024, 4096, 8192, 12288, 16384])
+        vocab = rng.choice([500, 32000])
+        model = f"{family}?layers={layers}&hidden={hidden}&heads={max(hidden // 128, 2)}&vocab={vocab}"
+        cluster = "+".join(rng.choice(nodes) for _ in range(rng.choice([2, 2, 3])))
+        seq, batch = rng.choice([128, 512, 2048]), rng.choice([4, 8, 16, 32])
+        out.append((f"{family} {layers}L h{hidden} on {cluster}, batch {batch} x {seq}", model, cluster, batch, seq))
+    return out
 
 
 def budget_row(case: tuple[str, str, str, int, int, bool], cap_s: float) -> dict[str, Any]:
@@ -433,6 +458,17 @@ def markdown(results: dict[str, Any]) -> str:
             "| case | planner s | exhaustive s | gap | space |", "|---|---|---|---|---|"]
     out += [f"| {e['case']} | {e['best_s']:.4f} | {_fmt(e['exhaustive_s'], '.4f')} | {_fmt(e['gap'], '.2%')} | "
             f"{e['space']} |" for e in results["exhaustive"]]
+    drawn = results.get("random_exhaustive", [])
+    if drawn:
+        gaps = [e["gap"] for e in drawn if e["gap"] is not None]
+        out += ["", f"The same on {len(drawn)} problems drawn at random (`random_cases`, seed "
+                f"{RANDOM_EXHAUSTIVE_SEED}; "
+                f"enumerated up to {RANDOM_EXHAUSTIVE_LIMIT} plans): worst gap "
+                f"{_fmt(max(gaps) if gaps else None, '.2%')} over the {len(gaps)} enumerated. A negative gap is the "
+                "intra-stage refinement, which reaches plans outside the decision process.", "",
+                "| case | planner s | exhaustive s | gap | space |", "|---|---|---|---|---|"]
+        out += [f"| {e['case']} | {e['best_s']:.4f} | {_fmt(e['exhaustive_s'], '.4f')} | {_fmt(e['gap'], '.2%')} | "
+                f"{e['space']} |" for e in drawn]
     out += ["", "## Quality against budget (iteration s; 120 s cap per run)", "",
             "| case | " + " | ".join(f"{n} evals" for n in BUDGETS) + " |", "|---|" + "---|" * len(BUDGETS)]
     out += [f"| {b['case']} | " + " | ".join(f"{b[str(n)]:.3f}" for n in BUDGETS) + " |" for b in results["budget"]]
@@ -568,6 +604,7 @@ def main() -> None:
             results["suite_measured_on"] = measured_on()
         if args.update_exhaustive:
             results["exhaustive"] = [exhaustive_row(c) for c in EXHAUSTIVE]
+            results["random_exhaustive"] = [exhaustive_row(c, RANDOM_EXHAUSTIVE_LIMIT) for c in random_cases()]
         if args.update_suite or args.update_timing:
             results["cold_wall_s"] = cold_walls(results["evaluations"], results["budget_s"])
         if args.update_guidance:
@@ -593,7 +630,9 @@ def main() -> None:
         print(f"{r['case']:36s} planner {r['best_s']:.3f} s  best baseline {_fmt(r['best_baseline_s'])}  "
               f"vs best {_fmt(r['vs_best'], '.2f')}  wall {r['wall_s']:.1f} s", flush=True)
     exhaustive = [exhaustive_row(c) for c in (EXHAUSTIVE[:1] if args.quick else EXHAUSTIVE)]
-    for e in exhaustive:
+    drawn = [exhaustive_row(c, RANDOM_EXHAUSTIVE_LIMIT) for c in random_cases(n=1 if args.quick else
+                                                                              RANDOM_EXHAUSTIVE_CASES)]
+    for e in exhaustive + drawn:
         print(f"exhaustive: {e['case']:36s} gap {_fmt(e['gap'], '.2%')}  ({e['space']})", flush=True)
     budget_rows = [budget_row(CASES[i], 30.0 if args.quick else 120.0) for i in BUDGET_CASES[:1 if args.quick else 4]]
     for b in budget_rows:
@@ -603,7 +642,8 @@ def main() -> None:
         guidance.append(g := guidance_row(CASES[i]))
         print(f"guidance: {g['case']:36s} uniform {_fmt(g['uniform_s'], '.2f')} s  gnn {_fmt(g['gnn_s'], '.2f')} s  "
               f"speed-up {g['bound']}{g['speedup']:.2f}x", flush=True)
-    results = {"suite": rows, "exhaustive": exhaustive, "budget": budget_rows, "guidance": guidance,
+    results = {"suite": rows, "exhaustive": exhaustive, "random_exhaustive": drawn, "budget": budget_rows,
+               "guidance": guidance,
                "summary": summarize(rows, guidance), "evaluations": evaluations, "budget_s": budget,
                "cold_wall_s": {} if args.quick else cold_walls(evaluations, budget), "suite_measured_on": measured_on()}
     out = Path(__file__).parent / "results" / ("planner_quick.json" if args.quick else "planner.json")
