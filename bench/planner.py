@@ -243,7 +243,7 @@ def exhaustive_row(case: tuple[str, str, str, int, int], limit: int = 200_000) -
     r = plan(PlanProblem(m, c, w, exhaustive_limit=limit, budget_s=600))
     ex = r.baselines["exhaustive"]
     opt = ex.candidate.report.iteration_time_s if ex.candidate else None
-    return {"case": name, "best_s": r.best.report.iteration_time_s, "exhaustive_s": opt,
+    return {"case": name, "best_s": r.best.report.iteration_time_s, "fits": r.best.report.fits, "exhaustive_s": opt,
             "space": ex.config or ex.reason, "gap": r.best.report.iteration_time_s / opt - 1 if opt else None,
             "evaluations": r.search.evaluations}
 
@@ -467,8 +467,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{_fmt(max(gaps) if gaps else None, '.2%')} over the {len(gaps)} enumerated. A negative gap is the "
                 "intra-stage refinement, which reaches plans outside the decision process.", "",
                 "| case | planner s | exhaustive s | gap | space |", "|---|---|---|---|---|"]
-        out += [f"| {e['case']} | {e['best_s']:.4f} | {_fmt(e['exhaustive_s'], '.4f')} | {_fmt(e['gap'], '.2%')} | "
-                f"{e['space']} |" for e in drawn]
+        out += [f"| {e['case']} | {e['best_s']:.4f}{'' if e.get('fits', True) else ' (does not fit)'} | "
+                f"{_fmt(e['exhaustive_s'], '.4f')} | {_fmt(e['gap'], '.2%')} | {e['space']} |" for e in drawn]
     out += ["", "## Quality against budget (iteration s; 120 s cap per run)", "",
             "| case | " + " | ".join(f"{n} evals" for n in BUDGETS) + " |", "|---|" + "---|" * len(BUDGETS)]
     out += [f"| {b['case']} | " + " | ".join(f"{b[str(n)]:.3f}" for n in BUDGETS) + " |" for b in results["budget"]]
