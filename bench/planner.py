@@ -19,7 +19,7 @@ Run: `.venv/bin/python bench/planner.py [--quick]` (about 30 minutes on 2 cores;
 `--only SECTION [--cases TEXT]` runs one table (suite, exhaustive, budget or guidance) for the cases
 whose name contains TEXT and prints its rows without writing any file. `--markdown` rewrites
 docs/PLANNER_RESULTS.md from bench/results/planner.json; `--update-guidance` reruns the guidance table
-alone into it (about 6 minutes).
+alone into it (about 6 minutes); `--update-suite`, `--update-exhaustive` and `--update-timing` the others.
 """
 
 from __future__ import annotations

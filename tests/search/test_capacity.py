@@ -8,6 +8,7 @@ from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir import Workload
 from tagplan.ir.plan import Plan, Schedule, Stage
+from tagplan.search.capacity import Capacity, SampleSplits
 from tagplan.search.planner import plan
 from tagplan.search.problem import PlanProblem
 from tagplan.search.space import PlanSpace, PlanState
@@ -103,3 +104,29 @@ def test_the_planner_finds_a_plan_that_fits_where_the_balanced_split_cannot() ->
                               Workload(global_batch=32, seq_len=2048), max_evaluations=200))
     assert result.best.report.fits
     assert set(result.best.plan.devices) == set(range(12))  # the T4 node holds a share: the 4090s cannot hold it all
+
+
+def test_a_cut_fits_where_the_by_speed_split_fits() -> None:
+    """A stage of two RTX 4090s and two T4s given four samples a micro-batch: split by speed (3, 3, 1, 1) the T4s
+    hold less than split evenly, so the stage can take more layers. The limit is the by-speed one, and the whole
+    plan's memory count confirms that cut."""
+    sim = Simulator(load_model("gpt?layers=8&hidden=6144&heads=48&vocab=8000", seq_len=2048),
+                    load_cluster("rtx4090x4+g4dn.12xlarge"), Workload(global_batch=32, seq_len=2048))
+    space = PlanSpace(sim)
+    groups = ((0, 1, 4, 5), (2, 3, 6, 7))
+
+    def even(group: tuple[int, ...], width: int, micro: int) -> set[tuple[int, ...] | None]:
+        return {space._samples(group, width, micro, by_speed=False)}
+
+    def limits(splits: SampleSplits) -> Capacity:
+        return Capacity(sim, groups, (1, 1), 1, balanced_bounds=[5], micro_batches=4, splits=splits)
+
+    by_speed = space._samples(groups[0], 1, 8, by_speed=True)
+    assert by_speed is not None and by_speed[2] < by_speed[0]  # the T4 replicas take fewer samples
+    cap = limits(space._sample_splits).cap(0, 0)
+    assert cap > limits(even).cap(0, 0)
+    plan = Plan(micro_batches=4, schedule=Schedule.ONE_F_ONE_B, stages=(
+        Stage(layers=(0, cap), devices=groups[0], dp=4, tp=1, batch_samples=by_speed, recompute=True, zero=3),
+        Stage(layers=(cap, len(sim.model.layers)), devices=groups[1], dp=4, tp=1, batch_samples=by_speed,
+              recompute=True, zero=3)))
+    assert stage_peak_fits(sim, plan, 0)
