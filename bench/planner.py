@@ -440,7 +440,10 @@ def markdown(results: dict[str, Any]) -> str:
             f"- Geometric mean over the heterogeneous cases, against the best baseline: "
             f"{_fmt(summary['heterogeneous_geomean'], '.2f', 'x')} (target 1.25x); as run (plans and baselines "
             "costed as the exporters' runtimes run them): "
-            f"{_fmt(summary['heterogeneous_runnable_geomean'], '.2f', 'x')}.",
+            f"{_fmt(summary['heterogeneous_runnable_geomean'], '.2f', 'x')}. Against the baselines set up by hand "
+            "without a planner (the grid in either node order, data parallel, the fastest nodes alone; not the grid "
+            "split by speed, which is this bench's own heterogeneity-aware baseline): "
+            f"{_fmt(summary.get('heterogeneous_by_hand_geomean'), '.2f', 'x')}.",
             f"- Never worse than a baseline as run: {summary['never_worse_as_run']}.",
             f"- Homogeneous cases against the grid: {_fmt(summary['homogeneous_min'], '.3f', 'x')} at worst "
             "(target: within 1%, i.e. >= 0.99x).",
@@ -524,9 +527,18 @@ def _cold_lines(results: dict[str, Any]) -> list[str]:
             for name, by_workers in walls.items() for workers, ws in by_workers.items()]
 
 
+def _by_hand_s(row: dict[str, Any]) -> float | None:
+    """The best of the baselines a practitioner sets up without a planner (the grid in either node order, data
+    parallelism, the fastest nodes alone): every baseline but the grid split by speed, which is this bench's own
+    heterogeneity-aware strengthening."""
+    known = [row[f"{k}_s"] for k in BASELINES if k != "split_grid" and row[f"{k}_s"] is not None]
+    return min(known) if known else None
+
+
 def summarize(rows: list[dict[str, Any]], guidance: list[dict[str, Any]]) -> dict[str, Any]:
     """The targets' figures."""
     het = [r["vs_best"] for r in rows if r["heterogeneous"] and r["vs_best"]]
+    het_by_hand = [hand / r["best_s"] for r in rows if r["heterogeneous"] and (hand := _by_hand_s(r)) is not None]
     het_runnable = [r["runnable_vs_best"] for r in rows if r["heterogeneous"] and r["runnable_vs_best"]]
     hom = [r["megatron_grid_s"] / r["best_s"] for r in rows if not r["heterogeneous"] and r["megatron_grid_s"]]
     classes = []
@@ -543,6 +555,7 @@ def summarize(rows: list[dict[str, Any]], guidance: list[dict[str, Any]]) -> dic
             "never_worse_as_run": all(r["runnable_vs_best"] is None or r["runnable_vs_best"] >= 1 - 1e-9
                                       for r in rows),
             "heterogeneous_geomean": _geomean(het), "heterogeneous_runnable_geomean": _geomean(het_runnable),
+            "heterogeneous_by_hand_geomean": _geomean(het_by_hand),
             "homogeneous_min": min(hom) if hom else None,
             "guidance_geomean": _geomean([g["speedup"] for g in guidance]),
             "guidance_evaluation_geomean": _geomean([g["evaluation_ratio"] for g in guidance]),
