@@ -3,9 +3,8 @@
 Each job runs in a process of its own, forked from the worker (`_job_process`): the worker can
 always stop it, whatever the job is doing. The job process sends its progress and, at the end,
 its result or error through a pipe; it dies with the worker (parent-death signal, and it checks
-its parent), its address space is capped (`RLIMIT_AS`, `TAGPLAN_JOB_MEMORY_BYTES` beyond what
-it started with), and it runs at a lower CPU priority (`JOB_NICENESS`) so that on a busy machine
-its worker and the API still answer at once. The worker meanwhile
+its parent), and its address space is capped (`RLIMIT_AS`, `TAGPLAN_JOB_MEMORY_BYTES` beyond what
+it started with). The worker meanwhile
 - renews the lease every `heartbeat_s` in a second thread (at most a third of the lease, so two
   missed beats do not lose it) and writes the progress the job reported;
 - checks every `CANCEL_POLL_S` whether the job was cancelled, and kills the job process before it
@@ -51,7 +50,6 @@ log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 4000  # what a failed job keeps of its error (the log has the rest)
 POLL_S = 0.1  # how often the worker looks at its job process
 CANCEL_POLL_S = 0.5  # how often it asks the database whether the job was cancelled
-JOB_NICENESS = 10  # job processes yield the CPU to their worker and the API (cancel, heartbeats)
 PARENT_ENV = "TAGPLAN_PARENT_PID"  # set by WorkerPool: the worker exits when this process is gone
 _PR_SET_PDEATHSIG = 1
 
@@ -118,7 +116,8 @@ def run_one(store: JobStore, job: JobView, worker_id: str, settings: Settings, s
     beat.start()
     try:
         outcome = _supervise(store, job, settings, process, pipe, state, stop)
-        _kill(process)  # before the database write: a cancelled job's CPU is free at once
+        if process.is_alive():  # SIGKILL before the database write, so a cancelled job's CPU is free at once;
+            process.kill()  # its exit (freeing its memory) overlaps the write, and `_kill` reaps it below
         _record(store, job, worker_id, outcome, state)
     except LeaseLost:
         log.warning("job %s: lease lost to another worker; result dropped", job.id)
@@ -240,7 +239,6 @@ def _job_process(pipe: Connection, job: JobView, settings: Settings, parent_pid:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     die_with_parent(parent_pid)
     _cap_address_space(settings.job_memory_bytes)
-    os.nice(JOB_NICENESS)
 
     def progress(fraction: float, message: str) -> None:
         pipe.send(("progress", fraction, message))
