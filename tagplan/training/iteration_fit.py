@@ -27,9 +27,11 @@ fit that never saw it; it reports MAPE and Kendall tau before (the starting cali
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -102,22 +104,54 @@ class IterationFitReport:
     held_out_predictions_s: tuple[float, ...]
 
 
+def rebuild_record(record: IterationRecord, where: str) -> tuple[ModelGraph, Cluster, Plan]:
+    """The model, cluster and plan a record names; SpecError naming `where` when one does not load."""
+    from tagplan.frontends.cluster_file import parse_cluster_data
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.frontends.json_graph import graph_from_dict
+    from tagplan.frontends.model_spec import load_model
+    from tagplan.ir.plan import check_plan
+
+    w = record.workload
+    try:
+        model = (load_model(record.model, seq_len=w.seq_len, dtype=w.dtype) if isinstance(record.model, str)
+                 else graph_from_dict(record.model, source=f"{where}: model"))
+        cluster = (load_cluster(record.cluster) if isinstance(record.cluster, str)
+                   else parse_cluster_data(record.cluster, default_name="measured"))
+        plan = Plan.model_validate(record.plan)
+        check_plan(plan, model, cluster)
+    except (SpecError, ValueError) as err:
+        raise SpecError(f"{where}: {err}") from None
+    return model, cluster, plan
+
+
 def rebuild_cases(records: Sequence[IterationRecord]) -> list[IterationCase]:
     """The records' models, clusters and plans (SpecError naming the record that does not load)."""
-    from tagplan.training.traces import rebuild_record
-
+    shared: dict[str, Any] = {}  # records naming one model, cluster or workload share its object (`predict_s`)
     cases = []
     for i, record in enumerate(records):
         model, cluster, plan = rebuild_record(record, f"iteration record {i}")
-        cases.append(IterationCase(model, cluster, record.workload, plan, record.measured_s))
+        workload = record.workload
+        model = shared.setdefault(_key("model", record.model, workload.seq_len, workload.dtype), model)
+        cluster = shared.setdefault(_key("cluster", record.cluster), cluster)
+        workload = shared.setdefault(_key("workload", workload.model_dump(mode="json")), workload)
+        cases.append(IterationCase(model, cluster, workload, plan, record.measured_s))
     return cases
+
+
+def _key(*parts: Any) -> str:
+    return json.dumps(parts, sort_keys=True, default=str)
 
 
 def predict_s(cases: Sequence[IterationCase], calibration: Calibration) -> np.ndarray:
     """Simulated seconds per iteration of each case under `calibration`."""
+    sims: dict[tuple[int, int, int], Simulator] = {}  # cases of one model, cluster and workload share their costs
     out = []
     for c in cases:
-        sim = Simulator(c.model, c.cluster, c.workload, calibration=calibration)
+        key = (id(c.model), id(c.cluster), id(c.workload))
+        sim = sims.get(key)
+        if sim is None:
+            sim = sims[key] = Simulator(c.model, c.cluster, c.workload, calibration=calibration)
         out.append(sim.simulate(c.plan).iteration_time_s)
     return np.array(out)
 

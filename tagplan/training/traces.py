@@ -30,13 +30,11 @@ from torch_geometric.data import Batch, HeteroData
 from tagplan.cost.bounds import lower_bound_s
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.cost.simulator import Simulator
-from tagplan.datasets.traces.bundle import Bundle, IterationRecord
+from tagplan.datasets.traces.bundle import Bundle
 from tagplan.errors import SpecError
 from tagplan.gnn.features import FeatureCache, featurize
 from tagplan.gnn.model import PlanGNN, load_checkpoint, save_checkpoint
-from tagplan.ir.cluster import Cluster
-from tagplan.ir.model import ModelGraph
-from tagplan.ir.plan import Plan
+from tagplan.training.iteration_fit import rebuild_record
 from tagplan.training.registry import Registry
 from tagplan.training.train import git_commit
 
@@ -62,27 +60,6 @@ class Measured:
     simulator_s: float
     lower_bound_s: float
     device_types: tuple[str, ...] = ()  # the GPU types of the measured cluster
-
-
-def rebuild_record(record: IterationRecord, where: str) -> tuple[ModelGraph, Cluster, Plan]:
-    """The model, cluster and plan a record names; SpecError naming `where` when one does not load."""
-    from tagplan.frontends.cluster_file import parse_cluster_data
-    from tagplan.frontends.cluster_spec import load_cluster
-    from tagplan.frontends.json_graph import graph_from_dict
-    from tagplan.frontends.model_spec import load_model
-    from tagplan.ir.plan import check_plan
-
-    w = record.workload
-    try:
-        model = (load_model(record.model, seq_len=w.seq_len, dtype=w.dtype) if isinstance(record.model, str)
-                 else graph_from_dict(record.model, source=f"{where}: model"))
-        cluster = (load_cluster(record.cluster) if isinstance(record.cluster, str)
-                   else parse_cluster_data(record.cluster, default_name="measured"))
-        plan = Plan.model_validate(record.plan)
-        check_plan(plan, model, cluster)
-    except (SpecError, ValueError) as err:
-        raise SpecError(f"{where}: {err}") from None
-    return model, cluster, plan
 
 
 def measured_graphs(bundles: Sequence[Bundle], calibration: Calibration) -> list[Measured]:

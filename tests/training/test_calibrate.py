@@ -109,7 +109,7 @@ def test_calibrating_on_the_committed_cpu_bundle_brings_the_simulator_to_the_mea
 
     from tagplan.cost.simulator import Simulator
     from tagplan.datasets.traces.bundle import read_bundle
-    from tagplan.training.traces import rebuild_record
+    from tagplan.training.iteration_fit import rebuild_record
 
     measured = read_bundle(Path(__file__).parents[1] / "fixtures" / "traces" / "cpu-quick")
     fit = fit_calibration([measured.model_copy(update={"records": tuple(measured.ops() + measured.collectives())})])

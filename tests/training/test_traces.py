@@ -8,8 +8,9 @@ import pytest
 
 from tagplan.datasets.traces.bundle import Bundle, IterationRecord, read_bundle
 from tagplan.errors import SpecError
+from tagplan.training.iteration_fit import rebuild_record
 from tagplan.training.registry import Registry
-from tagplan.training.traces import TraceFinetune, finetune_on_traces, rebuild_record
+from tagplan.training.traces import TraceFinetune, finetune_on_traces
 
 BUNDLE = Path(__file__).parents[1] / "fixtures" / "traces" / "cpu-quick"
 
