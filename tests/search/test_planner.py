@@ -140,7 +140,7 @@ def test_result_carries_the_best_plans_simulation_and_timeline() -> None:
 
 
 def test_never_worse_than_a_baseline_and_exhaustive_stays_apart() -> None:
-    problem = (load_model("gpt?layers=6&hidden=512&heads=8&vocab=500", seq_len=256),
+    problem = (load_model("gpt?layers=4&hidden=512&heads=8&vocab=500", seq_len=256),
                load_cluster("p3.8xlarge+g4dn.12xlarge"), Workload(global_batch=16, seq_len=256))
     result = _plan(*problem, max_evaluations=20, exhaustive_limit=20000)
     for name, baseline in result.baselines.items():
