@@ -157,13 +157,13 @@ def test_an_overflow_on_the_mesh_runtime_halves_the_scale_on_every_rank(gpt_spec
 def test_zero3_shards_the_weights_between_steps_and_steps_as_the_unsharded_run(gpt_spec: str,
                                                                                 tmp_path: Path) -> None:
     spec = scaled_down(gpt_spec, seq_len=SEQ)
-    runs, _ = _run(spec, _two_stages(3), tmp_path / "verify", steps=2)
-    _grads_match(spec, _two_stages(3), runs, tmp_path / "verify" / "dump")  # FSDP2's summed shards, gathered
     # FSDP2 reduce-scatters after each micro-batch, so the sums round in another order than the
     # unsharded run's; Adam would turn that noise on the key bias (whose gradient is exactly zero)
     # into lr-sized steps, so the weights are compared under SGD with momentum (its state sharded too)
     sgd = {"optimizer": "sgd_momentum"}
     runs, sharded = _run(spec, _two_stages(3), tmp_path / "zero3", steps=2, extra=sgd)
+    # the first backward's gradients (dumped before any optimizer step): FSDP2's summed shards, gathered
+    _grads_match(spec, _two_stages(3), runs, sharded)
     unsharded_runs, unsharded = _run(spec, _two_stages(0), tmp_path / "zero0", steps=2, extra=sgd)
     _assert_close(_params(sharded), _params(unsharded))
     params = _params(sharded)  # the tied table (stage 0, sharded) and the head's copy took the same steps
@@ -185,10 +185,9 @@ def test_zero3_over_a_dp_by_tp_mesh_equals_the_unsharded_step(gpt_spec: str, tmp
         return Plan(micro_batches=2, stages=(_stage((0, 4), (0, 1, 2, 3), dp=2, tp=2, zero=zero,
                                                     batch_samples=(3, 1)),))
 
-    runs, _ = _run(spec, plan(3), tmp_path / "verify", steps=1)
-    _grads_match(spec, plan(3), runs, tmp_path / "verify" / "dump")
     sgd = {"optimizer": "sgd_momentum"}  # see the test above
     sharded_runs, sharded = _run(spec, plan(3), tmp_path / "zero3", steps=2, extra=sgd)
+    _grads_match(spec, plan(3), sharded_runs, sharded)  # the first backward's, before any step
     unsharded_runs, unsharded = _run(spec, plan(0), tmp_path / "zero0", steps=2, extra=sgd)
     _assert_close(_params(sharded), _params(unsharded))
     whole = {r.rank: r.lines[-1]["param_elements"] for r in unsharded_runs}  # this rank's tp pieces
