@@ -149,11 +149,10 @@ def _supervise(store: JobStore, job: JobView, settings: Settings, process: Any, 
         message = _receive(pipe)
         if message is not None and message[0] == "progress":  # then on to the checks: a job that
             state.progress, state.message = float(message[1]), str(message[2])  # chatters still stops
-            message = None
-        if message is not None and message[0] != "eof":
+        elif message is not None and message[0] != "eof":
             return _Outcome(kind=message[0], result=message[1] if message[0] == "ok" else None,
                             text="" if message[0] == "ok" else str(message[1]))
-        if message is not None or not process.is_alive():  # gone without a word: killed, or crashed
+        elif message is not None or not process.is_alive():  # gone without a word: killed, or crashed
             process.join(10)
             return _Outcome("error", text=f"the job process died (exit code {process.exitcode})")
         if state.lost.is_set():
