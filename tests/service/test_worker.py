@@ -23,8 +23,10 @@ pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 TINY_PLAN = {"model": "gpt?layers=2&hidden=64&heads=4&vocab=100", "cluster": "p3.8xlarge",
              "workload": {"global_batch": 8, "seq_len": 16}, "max_evaluations": 20}
+# long enough to be stopped mid-search (5000 evaluations take minutes here), bounded by its 10 s budget where a
+# test lets it finish
 LONG_PLAN = {"model": "gpt3-1.3b", "cluster": "p3.8xlarge:nodes=3+g4dn.12xlarge:nodes=1",
-             "workload": {"global_batch": 8}, "max_evaluations": 5000, "budget_s": 120}
+             "workload": {"global_batch": 8}, "max_evaluations": 5000, "budget_s": 10}
 
 
 @pytest.fixture
