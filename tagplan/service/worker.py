@@ -2,7 +2,8 @@
 
 Each job runs in a process of its own, forked from the worker (`_job_process`): the worker can
 always stop it, whatever the job is doing. The job process sends its progress and, at the end,
-its result or error through a pipe; it dies with the worker (parent-death signal, and it checks
+its result or error through a pipe (the worker reads all the job sent, even after the job exited, before it
+calls it dead); it dies with the worker (parent-death signal, and it checks
 its parent), and its address space is capped (`RLIMIT_AS`, `TAGPLAN_JOB_MEMORY_BYTES` beyond what
 it started with). The worker meanwhile
 - renews the lease every `heartbeat_s` in a second thread (at most a third of the lease, so two
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 4000  # what a failed job keeps of its error (the log has the rest)
 POLL_S = 0.1  # how often the worker looks at its job process
 CANCEL_POLL_S = 0.5  # how often it asks the database whether the job was cancelled
+MAX_QUEUED_MESSAGES = 10_000  # progress messages read in one go before the worker's checks run again
 PARENT_ENV = "TAGPLAN_PARENT_PID"  # set by WorkerPool: the worker exits when this process is gone
 _PR_SET_PDEATHSIG = 1
 
@@ -147,12 +149,17 @@ def _supervise(store: JobStore, job: JobView, settings: Settings, process: Any, 
     next_cancel_check = time.monotonic() + CANCEL_POLL_S
     while True:
         message = _receive(pipe)
-        if message is not None and message[0] == "progress":  # then on to the checks: a job that
-            state.progress, state.message = float(message[1]), str(message[2])  # chatters still stops
-        elif message is not None and message[0] != "eof":
+        read = 0
+        while message is not None and message[0] == "progress":  # all the progress queued, then the checks: a
+            state.progress, state.message = float(message[1]), str(message[2])  # result behind it is read first,
+            read += 1  # and a job that never stops sending progress is still checked
+            message = _receive(pipe, 0.0) if read < MAX_QUEUED_MESSAGES else None
+        if message is None and not process.is_alive():  # it may have sent its last word since the poll
+            message = _last_word(pipe, state)
+        if message is not None and message[0] != "eof":
             return _Outcome(kind=message[0], result=message[1] if message[0] == "ok" else None,
                             text="" if message[0] == "ok" else str(message[1]))
-        elif message is not None or not process.is_alive():  # gone without a word: killed, or crashed
+        if message is not None:  # gone without a word: killed, or crashed
             process.join(10)
             return _Outcome("error", text=f"the job process died (exit code {process.exitcode})")
         if state.lost.is_set():
@@ -176,14 +183,21 @@ def _supervise(store: JobStore, job: JobView, settings: Settings, process: Any, 
                                           f"(TAGPLAN_JOB_MEMORY_BYTES)")
 
 
-def _receive(pipe: Connection) -> tuple[Any, ...] | None:
-    """The job process's next message, None if it sent none for `POLL_S`, ("eof",) once it is gone."""
+def _receive(pipe: Connection, wait_s: float = POLL_S) -> tuple[Any, ...] | None:
+    """The job process's next message, None if it sent none for `wait_s`, ("eof",) once it is gone."""
     try:
-        if pipe.poll(POLL_S):
+        if pipe.poll(wait_s):
             return tuple(pipe.recv())
     except (EOFError, OSError):  # the job process closed its end: its exit code tells how it ended
         return ("eof",)
     return None
+
+
+def _last_word(pipe: Connection, state: _Running) -> tuple[Any, ...]:
+    """What an exited job process left in the pipe: its result or error message, else ("eof",)."""
+    while (message := _receive(pipe, 0.0)) is not None and message[0] == "progress":
+        state.progress, state.message = float(message[1]), str(message[2])
+    return message if message is not None else ("eof",)
 
 
 def _cancel_requested(store: JobStore, job_id: str) -> bool:
