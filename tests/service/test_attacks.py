@@ -224,19 +224,6 @@ def test_a_global_batch_of_1e9_is_cancelled_within_2_s(settings: Settings, tenan
     assert worker.poll() is None  # the worker lives on; only its job process was stopped
 
 
-def _children(pid: int) -> list[int]:
-    """The live processes whose parent is `pid` (Linux /proc)."""
-    found = []
-    for stat_file in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat_file.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat_file.parent.name))
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_the_worker_caps_a_job_s_wall_clock_and_memory(settings: Settings, store: JobStore, workers: Any,

@@ -1,6 +1,7 @@
 """The worker's watch over a job process (`worker._supervise`) against real forked processes that talk
-over a real pipe: a result sent right after progress is kept, and a job that sends progress without a
-pause is still stopped when cancelled."""
+over a real pipe: a result sent right after progress is kept (read live, after the job exited, or arriving just
+after a poll came back empty, or while the worker is stopping), and a job that sends progress without a pause is
+still stopped when cancelled."""
 
 from __future__ import annotations
 

@@ -15,7 +15,15 @@ from tagplan.datasets.traces.bundle import Fingerprint, IterationRecord, Manifes
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.workload import Workload
-from tagplan.training.iteration_fit import IterationCase, fit_parameters, kendall_tau, parameters, read_values
+from tagplan.training.iteration_fit import (
+    IterationCase,
+    fit_parameters,
+    kendall_tau,
+    parameters,
+    predict_s,
+    read_values,
+    rebuild_cases,
+)
 
 MODEL = "gpt?layers=4&hidden=512&heads=8&vocab=4096"
 CLUSTER = "dgx-a100-80gb:nodes=1"
@@ -225,3 +233,26 @@ def test_fit_recovers_a_cpus_dispatch_time_per_kernel_added_to_its_ops() -> None
     assert made[0].measured_s > 1.1 * untouched  # the CPU's dispatch adds to its ops' time (no default there)
     fitted, _ = fit_parameters(made, DEFAULT_CALIBRATION)
     assert fitted.host_dispatch_s["cpu-test"] == pytest.approx(2e-5, rel=0.3)
+
+
+def test_one_simulator_per_problem_predicts_as_a_fresh_one_per_record() -> None:
+    """`predict_s` shares a simulator between the cases of one model, cluster and workload: the same seconds as a
+    new simulator for each, and nothing carried from one calibration to the next call's."""
+    made = cases()
+    fresh = [Simulator(c.model, c.cluster, c.workload, calibration=TRUTH).simulate(c.plan).iteration_time_s
+             for c in made]
+    assert predict_s(made, TRUTH).tolist() == fresh
+    assert predict_s(made, DEFAULT_CALIBRATION).tolist() != fresh  # the calibration does count
+    assert predict_s(made, TRUTH).tolist() == fresh
+
+
+def test_records_naming_one_problem_share_its_objects() -> None:
+    made = cases()[:3]
+    longer = WORKLOAD.model_copy(update={"seq_len": 2 * WORKLOAD.seq_len})
+    workloads = (WORKLOAD, WORKLOAD, longer)
+    records = [IterationRecord(model=MODEL, cluster=CLUSTER, workload=w, plan=c.plan.model_dump(mode="json"),
+                               measured_s=c.measured_s) for c, w in zip(made, workloads, strict=True)]
+    rebuilt = rebuild_cases(records)
+    assert rebuilt[0].model is rebuilt[1].model and rebuilt[0].workload is rebuilt[1].workload
+    assert rebuilt[0].cluster is rebuilt[1].cluster is rebuilt[2].cluster
+    assert rebuilt[2].model is not rebuilt[0].model and rebuilt[2].model.seq_len == 2 * WORKLOAD.seq_len
