@@ -10,7 +10,8 @@ they share `checks` (the refusals and `ExportError`), which imports no other exp
 `capability.exportable(plan, fmt)` says whether (and why not) a format runs a plan.
 `shapes` reads a model SPEC's transformer shape, `modules` builds its torch layers, and
 `runtime_train` / `runtime_launch` are the program copied into an exported run and its local
-launcher; `verify` runs it against a one-process reference.
+launcher (`runtime_fork`: ranks forked from one interpreter that imported torch once); `verify`
+runs it against a one-process reference.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Each rank is started directly with torchrun's environment (RANK, LOCAL_RANK, WOR
 MASTER_ADDR, MASTER_PORT), one torch thread per rank, which saves the launcher agent's own
 interpreter start-up (seconds on a busy machine). When one rank fails the others are stopped
 after a short grace period, instead of waiting out the collective timeout.
+
+Where `TAGPLAN_RANK_SERVER` names a running rank server (`runtime_fork`), each rank is forked from
+it instead: the same program file, argv, environment and log files, without importing torch again.
 """
 
 from __future__ import annotations
@@ -17,9 +20,24 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
+
+from tagplan.export.runtime_fork import RANK_SERVER_ENV, start_rank
 
 GRACE_S = 5.0
+
+
+class Rank(Protocol):
+    """A started rank: a `subprocess.Popen`, or a `runtime_fork.ForkedRank`."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -61,23 +79,32 @@ def _launch_once(program: Path, procs: int, args: list[str], *, timeout_s: float
     port = free_port()
     logs = program.parent / "logs"
     logs.mkdir(exist_ok=True)
-    running = []
-    for rank in range(procs):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(procs),
-               "LOCAL_WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "TAGPLAN_DEVICE": device, "PYTHONWARNINGS": "ignore"}
-        out, err = (logs / f"rank{rank}.out").open("w"), (logs / f"rank{rank}.err").open("w")
-        proc = subprocess.Popen([sys.executable, str(program), *args], cwd=program.parent, env=env, stdout=out,
-                                stderr=err)
-        running.append((proc, out, err))
-    codes, timed_out = _wait([p for p, _, _ in running], timeout_s)
-    for _, out, err in running:
-        out.close()
-        err.close()
+    server = os.environ.get(RANK_SERVER_ENV)
+    running: list[Rank] = []
+    try:
+        for rank in range(procs):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(procs),
+                   "LOCAL_WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1", "TAGPLAN_DEVICE": device, "PYTHONWARNINGS": "ignore"}
+            env.pop(RANK_SERVER_ENV, None)
+            out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
+            if server:
+                running.append(start_rank(server, [str(program), *args], cwd=program.parent, env=env, stdout=out,
+                                          stderr=err))
+            else:
+                with out.open("w") as out_file, err.open("w") as err_file:
+                    running.append(subprocess.Popen([sys.executable, str(program), *args], cwd=program.parent,
+                                                    env=env, stdout=out_file, stderr=err_file))
+    except BaseException:
+        for started in running:
+            started.kill()
+            started.wait()
+        raise
+    codes, timed_out = _wait(running, timeout_s)
     return [_collect(logs, rank, code, timed_out=timed_out and code is None) for rank, code in enumerate(codes)]
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> tuple[list[int | None], bool]:
+def _wait(procs: list[Rank], timeout_s: float) -> tuple[list[int | None], bool]:
     """Poll until all exit; after the first failure (or the timeout) kill the rest after GRACE_S. Also whether
     the run reached `timeout_s` before any rank failed (the ranks still running are then killed for time)."""
     deadline = time.monotonic() + timeout_s

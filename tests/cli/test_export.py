@@ -10,6 +10,8 @@ import pytest
 from tagplan.cli import main
 from tagplan.ir.workload import DType
 
+pytestmark = pytest.mark.usefixtures("rank_server")  # ranks fork from the session's rank server (tests/conftest.py)
+
 TINY = "gpt?layers=2&hidden=64&heads=4&vocab=128"
 
 

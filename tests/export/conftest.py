@@ -26,3 +26,8 @@ def llama_spec() -> str:
 def cpu_device() -> DeviceSpec:
     """The measured CPU of the trace fixture (no bandwidth probe at test time)."""
     return read_bundle(BUNDLE).manifest.device
+
+
+@pytest.fixture(autouse=True)
+def _forked_ranks(rank_server: Path) -> None:
+    """Ranks started by these tests fork from the session's rank server (tests/conftest.py)."""
