@@ -1,56 +1,90 @@
 """Start the ranks of an exported program by forking one interpreter that has already imported torch.
 
 Each rank of an exported program spends seconds importing torch, torch.distributed and tagplan's
-runtime before its first step (4-6 s of CPU per rank on a 2-core machine). A rank server imports
-them once and forks every rank from there. The rank then runs the program file itself (`runpy`, as
-`__main__`, with its own argv, working folder, environment and log files) in a process of its own,
-and joins gloo (or NCCL) like any other process: only the import is shared.
+runtime before its first step (4-6 s of CPU per rank on a 2-core machine). A rank server
+(`runtime_fork_server`) imports them once and forks every rank from there. The rank then runs the
+program file itself (`runpy`, as `__main__`, with its own argv, working folder, environment and log
+files) in a process of its own, and joins gloo (or NCCL) like any other process: only the import is
+shared.
 
 `launch` (`runtime_launch`) uses the server whose Unix socket `TAGPLAN_RANK_SERVER` names, and
-starts plain `python train.py` processes when that is unset. Start one with `RankServer`:
+starts plain `python train.py` processes when that is unset or when the server refuses the ranks'
+settings. Start one with `RankServer`:
 
     with RankServer() as server:
         os.environ[RANK_SERVER_ENV] = str(server.socket_path)
 
-The server is one thread that never runs a tensor operation, so a fork inherits no thread pool. It
-is started with the settings `launch` gives every rank and that the interpreter reads only at start
-(one OpenMP thread, warnings ignored); it stops when the process that started it exits. One
-connection carries one rank: the request (a JSON line: argv, cwd, env, stdout and stderr paths),
-then the server's answers, {"pid": ...} once forked and {"code": ...} when the rank has exited
-(the exit code, negative for the signal that stopped it, as subprocess reports it). A rank's
-`os.environ` is exactly the request's env: what an interpreter's start adds to its own (LC_CTYPE
-under the C locale, PEP 538) it has in its locale, not in `os.environ`.
+What a forked rank shares with the server and a fresh interpreter would not: what the interpreter
+and torch read when they start (`START_SETTINGS`: a server refuses a request whose environment
+differs there, and `launch` then starts plain processes) and the string-hash seed (as ranks started
+with one PYTHONHASHSEED share theirs). `random` and numpy are reseeded in each rank.
+
+This module is the client: `RankServer` starts and stops a server, `start_rank` asks it for a rank
+and returns a `ForkedRank` (the part of `subprocess.Popen` that `launch` uses).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import importlib
 import json
 import os
-import random
-import runpy
-import selectors
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NoReturn
 
 RANK_SERVER_ENV = "TAGPLAN_RANK_SERVER"
 PRELOAD = ("tagplan.export.runtime_train",)  # the program's imports: torch, torch.distributed, the runtime
-SERVER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}  # read once, at the interpreter's start
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}  # the settings `launch` gives every rank
+START_SETTINGS = ("PYTHON", "TORCH_", "OMP_", "MKL_", "KMP_", "CUDA_", "LD_")
+"""Prefixes of the environment variables an interpreter, torch or its libraries read when they start."""
 START_TIMEOUT_S = 120.0
 POLL_S = 0.05
+SERVER_MODULE = "tagplan.export.runtime_fork_server"
 
 
 class RankServerError(RuntimeError):
     """The rank server did not start, or stopped while a rank was running."""
+
+
+class RankServerRefusedError(RankServerError):
+    """The rank server refused a rank (its environment differs where the server's start fixed it)."""
+
+
+@dataclass(frozen=True)
+class RankRequest:
+    """One rank to fork: `python *argv` in `cwd` with exactly `env`, its output into two files (absolute paths)."""
+
+    argv: tuple[str, ...]
+    cwd: str
+    env: dict[str, str]
+    stdout: str
+    stderr: str
+
+    def to_line(self) -> bytes:
+        return json.dumps(asdict(self)).encode() + b"\n"
+
+    @classmethod
+    def from_line(cls, line: bytes) -> RankRequest:
+        """The request of one JSON line; ValueError naming what is missing or of the wrong type."""
+        data = json.loads(line)
+        if not isinstance(data, dict):
+            raise ValueError(f"a request is a JSON object, not {type(data).__name__}")
+        missing = [key for key in ("argv", "cwd", "env", "stdout", "stderr") if key not in data]
+        if missing:
+            raise ValueError(f"the request lacks {', '.join(missing)}")
+        if not (isinstance(data["argv"], list) and data["argv"] and isinstance(data["env"], dict)):
+            raise ValueError("argv must be a non-empty list and env an object")
+        return cls(tuple(str(a) for a in data["argv"]), str(data["cwd"]),
+                   {str(k): str(v) for k, v in data["env"].items()}, str(data["stdout"]), str(data["stderr"]))
+
+
+def start_settings(env: dict[str, str]) -> dict[str, str]:
+    """The part of `env` that an interpreter and torch read once, when they start (`START_SETTINGS`)."""
+    return {k: v for k, v in env.items() if k.startswith(START_SETTINGS)}
 
 
 class ForkedRank:
@@ -60,7 +94,8 @@ class ForkedRank:
         self.pid = pid
         self.returncode: int | None = None
         self._conn = conn
-        self._buffer = received  # what the server sent after the pid (its exit code, if it was that quick)
+        self._buffer = received  # what the server sent after the pid: its exit code, if it was that quick
+        self._parse()
 
     def poll(self) -> int | None:
         """The exit code once the rank has exited, else None (never blocks)."""
@@ -79,10 +114,11 @@ class ForkedRank:
         return self.returncode
 
     def kill(self) -> None:
-        """SIGKILL the rank (the server reaps it and reports the signal)."""
+        """Ask the server to SIGKILL the rank (it does so only while the rank is its unreaped child, so a
+        reused pid is never hit); its exit code then reports the signal."""
         if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                self._conn.sendall(b'{"kill": true}\n')
 
     def _read(self, *, block: bool) -> None:
         self._conn.settimeout(POLL_S if block else 0.0)
@@ -90,12 +126,17 @@ class ForkedRank:
             data = self._conn.recv(4096)
         except (BlockingIOError, TimeoutError):
             return
+        except OSError:
+            data = b""
         if not data:
             self._conn.close()
-            self.kill()
-            raise RankServerError(f"the rank server stopped while rank pid {self.pid} ran")
+            raise RankServerError(f"the rank server stopped while rank pid {self.pid} ran (the server kills its "
+                                  "ranks when it stops)")
         self._buffer += data
-        while b"\n" in self._buffer:
+        self._parse()
+
+    def _parse(self) -> None:
+        while b"\n" in self._buffer and self.returncode is None:
             line, self._buffer = self._buffer.split(b"\n", 1)
             message = json.loads(line)
             if "code" in message:
@@ -104,12 +145,14 @@ class ForkedRank:
 
 
 class RankServer:
-    """A rank server in a process of its own, listening on `socket_path` until `close`."""
+    """A rank server in a process of its own, listening on `socket_path` until `close`; its output is in
+    `log_path`."""
 
     def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
         self.preload = preload  # modules the server imports before it listens
         self._folder = Path(tempfile.mkdtemp(prefix="tagplan-ranks-"))
         self.socket_path = self._folder / "ranks.sock"
+        self.log_path = self._folder / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -125,23 +168,25 @@ class RankServer:
         self.close()
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Start the server and wait until it listens (it has imported the runtime by then)."""
+        """Start the server and wait until it listens (it has imported `preload` by then)."""
         env = {**os.environ, **SERVER_ENV}
         env.pop(RANK_SERVER_ENV, None)
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(self.socket_path), str(os.getpid()),
-                                       *self.preload],
-                                      env=env, stdin=subprocess.DEVNULL)
+        with self.log_path.open("wb") as log:
+            self._proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, str(self.socket_path),
+                                           str(os.getpid()), *self.preload], env=env, stdin=subprocess.DEVNULL,
+                                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while not self.socket_path.exists():
-            if self._proc.poll() is not None:
-                raise RankServerError(f"the rank server exited with code {self._proc.returncode} before listening")
-            if time.monotonic() > deadline:
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                why = (f"exited with code {self._proc.returncode}" if self._proc.poll() is not None
+                       else f"did not listen within {timeout_s:.0f} s")
+                tail = self.log_path.read_text(errors="replace")[-2000:]
                 self.close()
-                raise RankServerError(f"the rank server did not listen within {timeout_s:.0f} s")
+                raise RankServerError(f"the rank server {why}; its output:\n{tail}")
             time.sleep(POLL_S)
 
     def close(self) -> None:
-        """Stop the server (ranks still running are left to their launcher) and remove its socket."""
+        """Stop the server (it kills the ranks still running) and remove its folder."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -149,7 +194,8 @@ class RankServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        self.socket_path.unlink(missing_ok=True)
+        for path in (self.socket_path, self.log_path):
+            path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self._folder.rmdir()
 
@@ -157,18 +203,20 @@ class RankServer:
 def start_rank(socket_path: str | Path, argv: list[str], *, cwd: Path, env: dict[str, str], stdout: Path,
                stderr: Path) -> ForkedRank:
     """Ask the server at `socket_path` to fork a rank running `python *argv` in `cwd` with exactly `env`,
-    its output written to `stdout` and `stderr`."""
+    its output written to `stdout` and `stderr` (relative paths are this process's, as for Popen).
+    RankServerRefusedError where the server's start settings differ from `env`'s."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(str(socket_path))
     except OSError as e:
         conn.close()
         raise RankServerError(f"no rank server listens at {RANK_SERVER_ENV}={socket_path}: {e}") from e
-    request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(stdout), "stderr": str(stderr)}
-    conn.sendall(json.dumps(request).encode() + b"\n")
+    request = RankRequest(tuple(argv), str(Path(cwd).resolve()), env, str(Path(stdout).resolve()),
+                          str(Path(stderr).resolve()))
+    conn.sendall(request.to_line())
     conn.settimeout(START_TIMEOUT_S)
     answer = b""
-    while not answer.endswith(b"\n"):
+    while b"\n" not in answer:
         data = conn.recv(4096)
         if not data:
             conn.close()
@@ -178,135 +226,6 @@ def start_rank(socket_path: str | Path, argv: list[str], *, cwd: Path, env: dict
     message = json.loads(first)
     if "pid" not in message:
         conn.close()
-        raise RankServerError(f"the rank server refused the rank: {message.get('error', message)}")
+        kind = RankServerRefusedError if message.get("refused") else RankServerError
+        raise kind(f"the rank server refused the rank: {message.get('error', message)}")
     return ForkedRank(conn, int(message["pid"]), rest)
-
-
-def serve(socket_path: Path, parent_pid: int, preload: tuple[str, ...] = PRELOAD) -> None:
-    """Import `preload`, listen on `socket_path`, fork a rank per connection and report its exit; return
-    when the process with `parent_pid` has exited (this process is reparented) or on SIGTERM."""
-    for name in preload:
-        importlib.import_module(name)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    stopping = False
-
-    def stop(_signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    partial = socket_path.with_suffix(".binding")
-    listener.bind(str(partial))
-    listener.listen(64)
-    os.replace(partial, socket_path)  # the socket appears only once it listens
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    ranks: dict[int, socket.socket] = {}
-    try:
-        while not stopping and os.getppid() == parent_pid:
-            if selector.select(timeout=POLL_S):
-                conn, _ = listener.accept()
-                _fork(conn, listener, ranks)
-            _reap(ranks)
-    finally:
-        listener.close()
-        socket_path.unlink(missing_ok=True)
-        for conn in ranks.values():
-            conn.close()
-
-
-def _fork(conn: socket.socket, listener: socket.socket, ranks: dict[int, socket.socket]) -> None:
-    conn.settimeout(10.0)
-    try:
-        request = _read_request(conn)
-    except (OSError, ValueError) as e:
-        with contextlib.suppress(OSError):
-            conn.sendall(json.dumps({"error": str(e)}).encode() + b"\n")
-        conn.close()
-        return
-    pid = os.fork()
-    if pid == 0:
-        for sock in (listener, conn, *ranks.values()):
-            sock.close()
-        _run_rank(request)
-    ranks[pid] = conn
-    with contextlib.suppress(OSError):
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-
-
-def _read_request(conn: socket.socket) -> dict[str, Any]:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(65536)
-        if not chunk:
-            raise ValueError("the connection closed before a whole request")
-        data += chunk
-    request = json.loads(data)
-    missing = [key for key in ("argv", "cwd", "env", "stdout", "stderr") if key not in request]
-    if missing:
-        raise ValueError(f"the request lacks {', '.join(missing)}")
-    return dict(request)
-
-
-def _reap(ranks: dict[int, socket.socket]) -> None:
-    while ranks:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        conn = ranks.pop(pid, None)
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-            conn.close()
-
-
-def _run_rank(request: dict[str, Any]) -> NoReturn:
-    """In the forked child: become `python *argv` in `cwd` with `env`, run the program, exit with its code."""
-    code = 1
-    try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(opened, fd)
-            os.close(opened)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        argv = [str(a) for a in request["argv"]]
-        sys.argv = argv
-        sys.path[0] = str(Path(argv[0]).resolve().parent)  # as `python train.py` puts the program's folder first
-        random.seed()  # a fresh interpreter's seed, not the server's
-        try:
-            runpy.run_path(argv[0], run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = _exit_code(e)
-        except BaseException:  # reported as the interpreter reports it, exit code 1
-            traceback.print_exc()
-            code = 1
-        atexit._run_exitfuncs()  # the exit handlers a normal interpreter exit runs
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
-
-def _exit_code(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code
-    print(e.code, file=sys.stderr)
-    return 1
-
-
-if __name__ == "__main__":
-    serve(Path(sys.argv[1]), int(sys.argv[2]), tuple(sys.argv[3:]))
-    os._exit(0)  # no interpreter teardown of torch's modules: seconds, and nothing to flush

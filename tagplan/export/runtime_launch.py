@@ -12,6 +12,7 @@ it instead: the same program file, argv, environment and log files, without impo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from tagplan.export.runtime_fork import RANK_SERVER_ENV, start_rank
+from tagplan.export.runtime_fork import RANK_SERVER_ENV, RankServerRefusedError, start_rank
 
 GRACE_S = 5.0
 
@@ -89,19 +90,33 @@ def _launch_once(program: Path, procs: int, args: list[str], *, timeout_s: float
             env.pop(RANK_SERVER_ENV, None)
             out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
             if server:
-                running.append(start_rank(server, [str(program), *args], cwd=program.parent, env=env, stdout=out,
-                                          stderr=err))
-            else:
-                with out.open("w") as out_file, err.open("w") as err_file:
-                    running.append(subprocess.Popen([sys.executable, str(program), *args], cwd=program.parent,
-                                                    env=env, stdout=out_file, stderr=err_file))
+                try:
+                    running.append(start_rank(server, [str(program), *args], cwd=program.parent, env=env,
+                                              stdout=out, stderr=err))
+                    continue
+                except RankServerRefusedError:  # its start settings are not these ranks': start them plainly
+                    if running:
+                        raise
+                    server = None
+            with out.open("w") as out_file, err.open("w") as err_file:
+                running.append(subprocess.Popen([sys.executable, str(program), *args], cwd=program.parent,
+                                                env=env, stdout=out_file, stderr=err_file))
+        codes, timed_out = _wait(running, timeout_s)
     except BaseException:
-        for started in running:
-            started.kill()
-            started.wait()
+        _stop(running)
         raise
-    codes, timed_out = _wait(running, timeout_s)
     return [_collect(logs, rank, code, timed_out=timed_out and code is None) for rank, code in enumerate(codes)]
+
+
+def _stop(ranks: list[Rank]) -> None:
+    """Kill every rank, then wait for each (a rank whose server is gone cannot be waited for: its server
+    killed it when it stopped)."""
+    for rank in ranks:
+        with contextlib.suppress(Exception):
+            rank.kill()
+    for rank in ranks:
+        with contextlib.suppress(Exception):
+            rank.wait()
 
 
 def _wait(procs: list[Rank], timeout_s: float) -> tuple[list[int | None], bool]:

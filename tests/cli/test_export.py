@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tagplan.cli import main
+from tagplan.export.runtime_fork import RANK_SERVER_ENV
 from tagplan.ir.workload import DType
 
 pytestmark = pytest.mark.usefixtures("rank_server")  # ranks fork from the session's rank server (tests/conftest.py)
@@ -232,7 +233,9 @@ def test_grad_reduce_flags_reach_the_files_and_the_summary(tmp_path: Path, capsy
     assert stop.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
 
 
-def test_verify_takes_a_time_limit_and_reports_reaching_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_takes_a_time_limit_and_reports_reaching_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(RANK_SERVER_ENV)  # plain processes: forked from the rank server, the run takes under 1 s
     plan = write_plan(tmp_path / "dp2.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1}], 1)
     with pytest.raises(SystemExit) as refused:
         main(["verify", "--model", TINY, "--plan", str(plan), "--timeout-s", "0"])

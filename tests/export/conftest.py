@@ -29,5 +29,8 @@ def cpu_device() -> DeviceSpec:
 
 
 @pytest.fixture(autouse=True)
-def _forked_ranks(rank_server: Path) -> None:
-    """Ranks started by these tests fork from the session's rank server (tests/conftest.py)."""
+def _forked_ranks(request: pytest.FixtureRequest) -> None:
+    """Ranks started by the slow tests here (those that run ranks) fork from the session's rank server
+    (tests/conftest.py); a run of the quick tests alone starts none."""
+    if request.node.get_closest_marker("slow") is not None:
+        request.getfixturevalue("rank_server")
