@@ -10,7 +10,6 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -182,13 +181,12 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
     prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices,
                           heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
     fix = correction(Registry(), problem.model, problem.cluster, problem.workload, calibration=problem.calibration)
-    from tagplan.export.capability import verdicts
+    from tagplan.export.capability import with_verdicts
 
     with _progress(problem.max_evaluations, enabled=show_progress) as tick:
         result = plan(problem, prior_factory=prior, progress=tick, admissible=admissible, correction=fix,
                       reduce_overlap=overlap)
-    return replace(result, exporters=verdicts(result.best.plan, problem.model, problem.workload, spec=spec,
-                                              cluster=problem.cluster))
+    return with_verdicts(result, problem.model, problem.workload, spec=spec, cluster=problem.cluster)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -196,7 +194,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty(),
                     exportable=args.exportable, spec=parse_model_spec(args.model))
-    feasible = result.best.report.fits
+    refused = result.exporters.get(args.exportable) if args.exportable else None
+    feasible = result.best.report.fits and refused is None
     if args.out and (feasible or args.allow_infeasible):
         Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))
     if args.timeline:
@@ -205,9 +204,11 @@ def _plan(args: argparse.Namespace) -> int:
     if feasible or args.allow_infeasible:
         return 0
     if not args.json:
-        print(f"no plan fits in memory: the best plan needs {result.best.report.peak_memory_bytes / 2**30:.1f} GiB "
-              f"on device {result.best.report.worst_device}"
-              + ("" if not args.out else f"; {args.out} not written (--allow-infeasible writes it)"))
+        why = (f"--exportable {args.exportable}: no plan that format runs fits in memory; the plan shown is not "
+               f"one ({refused})" if refused is not None else
+               f"no plan fits in memory: the best plan needs {result.best.report.peak_memory_bytes / 2**30:.1f} GiB "
+               f"on device {result.best.report.worst_device}")
+        print(why + ("" if not args.out else f"; {args.out} not written (--allow-infeasible writes it)"))
     return EXIT_INFEASIBLE
 
 

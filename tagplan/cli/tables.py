@@ -124,14 +124,30 @@ def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) ->
             + (", tensor-parallel collectives overlapped with compute" if workload.tp_comm_overlap else ""))
 
 
-def exporters_line(exporters: dict[str, str | None]) -> str:
-    """Which export formats run the best plan, and why each other one does not."""
+def exporters_line(exporters: dict[str, str | None], *, fits: bool = True) -> str:
+    """Which export formats run the best plan, and why each other one does not (`fits`: whether the plan
+    fits in memory; the formats express one that does not, but it would not run)."""
     runs = [fmt for fmt, reason in exporters.items() if reason is None]
     refusals = "; ".join(f"{fmt}: {' '.join(reason.split()).removeprefix(f'{fmt}: ')}"
                          for fmt, reason in exporters.items() if reason is not None)
     if not runs:
         return f"no export format runs this plan ({refusals})"
+    if not fits:
+        return (f"exports to {', '.join(runs)}, but does not run: it does not fit in memory"
+                + (f" (not {refusals})" if refusals else ""))
     return f"runs under: {', '.join(runs)}" + (f" (not {refusals})" if refusals else "")
+
+
+def formats_cell(exporters: dict[str, str | None] | None, *, fits: bool) -> str:
+    """A reported plan's row: the formats that run it, or why none does."""
+    if exporters is None:
+        return ""
+    runs = [fmt for fmt, reason in exporters.items() if reason is None]
+    if not fits:
+        return "none: does not fit in memory"
+    if runs:
+        return ", ".join(runs)
+    return "none: " + "; ".join(" ".join(str(reason).split()) for reason in exporters.values())
 
 
 def plan_result_table(result: PlanResult) -> Table:
@@ -146,18 +162,23 @@ def plan_result_table(result: PlanResult) -> Table:
     if result.workload is not None:
         lines.append(workload_line(result.workload, result.reduce_overlap))
     if result.exporters:
-        lines.append(exporters_line(result.exporters))
+        lines.append(exporters_line(result.exporters, fits=best.report.fits))
+    lines += [f"note: {note}" for note in result.notes]
     caption = "\n".join(lines) or None
     table = Table(title=title, caption=caption)
+    asked = bool(result.exporters)
     for col in ("plan", "stages (layers: dp x (cp x) tp @ devices)", "micro-batches", "iteration", "samples/s",
-                "peak memory", "GPUs", "vs best"):
+                "peak memory", "GPUs", "vs best", *(("runs under",) if asked else ())):
         table.add_column(col)
-    rows: list[tuple[str, Candidate | None, str]] = [("best", best, "")]
-    rows += [(name, b.candidate, b.reason or b.config) for name, b in result.baselines.items()]
-    rows += [(f"pareto {i}", c, "") for i, c in enumerate(result.pareto)]
-    for name, cand, reason in rows:
+    pareto = result.pareto_exporters or (None,) * len(result.pareto)
+    rows: list[tuple[str, Candidate | None, str, dict[str, str | None] | None]] = [
+        ("best", best, "", result.exporters or None)]
+    rows += [(name, b.candidate, b.reason or b.config, result.baseline_exporters.get(name))
+             for name, b in result.baselines.items()]
+    rows += [(f"pareto {i}", c, "", e) for i, (c, e) in enumerate(zip(result.pareto, pareto, strict=True))]
+    for name, cand, reason, exporters in rows:
         if cand is None:
-            table.add_row(name, f"n/a: {reason}", "", "", "", "", "", "")
+            table.add_row(name, f"n/a: {reason}", "", "", "", "", "", "", *(("",) if asked else ()))
             continue
         stages = "; ".join(f"[{s.layers[0]},{s.layers[1]}): {_mesh(s.dp, s.cp, s.tp).replace(' ', '')} @ "
                            f"{device_ranges(s.devices)}"
@@ -167,7 +188,8 @@ def plan_result_table(result: PlanResult) -> Table:
         r = cand.report
         table.add_row(name, stages, str(cand.plan.micro_batches), f"{r.iteration_time_s:.3f} s",
                       f"{r.throughput_samples_s:.2f}", si(r.peak_memory_bytes, "B"), str(r.devices_used),
-                      f"{r.iteration_time_s / best.report.iteration_time_s:.2f}x")
+                      f"{r.iteration_time_s / best.report.iteration_time_s:.2f}x",
+                      *((formats_cell(exporters, fits=r.fits),) if asked else ()))
     return table
 
 

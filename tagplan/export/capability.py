@@ -10,6 +10,7 @@ instantiate a user's module; Megatron's layer counts and shapes; DeepSpeed's par
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from tagplan.cost.simulator import ReduceOverlap
@@ -20,6 +21,7 @@ from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_devices, check_whole_samples
 from tagplan.ir.workload import DType, Workload
+from tagplan.search.result import PlanResult
 
 Target = Literal["torch", "megatron", "deepspeed"]
 TARGETS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
@@ -180,6 +182,26 @@ def verdicts(plan: Plan, model: ModelGraph, workload: Workload, *,
         out[fmt] = exportable(plan, fmt, model, global_batch=workload.global_batch, spec=spec, cluster=cluster,
                               tp_comm_overlap=workload.tp_comm_overlap)
     return out
+
+
+def with_verdicts(result: PlanResult, model: ModelGraph, workload: Workload, *, spec: ModelSpec | None = None,
+                  cluster: Cluster | None = None, refusals: dict[str, str] | None = None) -> PlanResult:
+    """`result` with every plan it reports judged by each export format (`verdicts`): the best plan,
+    each plan of the frontier and each baseline's plan, so that none is shown as runnable without
+    saying by which runtime, or why none runs it. `refusals` override a format's verdict on all of
+    them (the service's inline graph, which the torch program cannot build)."""
+    seen: dict[str, dict[str, str | None]] = {}
+
+    def judge(plan: Plan) -> dict[str, str | None]:
+        key = plan.model_dump_json()
+        if key not in seen:
+            seen[key] = {**verdicts(plan, model, workload, spec=spec, cluster=cluster), **(refusals or {})}
+        return seen[key]
+
+    return replace(result, exporters=judge(result.best.plan),
+                   pareto_exporters=tuple(judge(c.plan) for c in result.pareto),
+                   baseline_exporters={name: judge(b.candidate.plan) for name, b in result.baselines.items()
+                                       if b.candidate is not None})
 
 
 def _batch(plan: Plan) -> int:

@@ -307,8 +307,9 @@ def data_parallel_best(sim: Simulator, judge: Judge, nodes: Sequence[int], *, co
     devices = tuple(d for n in nodes for d in sim.cluster.node_devices(n))
     batch, n = sim.workload.global_batch, len(devices)
     if batch % n:
-        return Baseline("data_parallel", None, f"the global batch {batch} does not split into whole samples over "
-                                               f"{n} devices")
+        return Baseline("data_parallel", None, f"the global batch {batch} does not split into equal whole shares over "
+                                               f"{n} devices (plain data parallelism gives every replica the same "
+                                               "share; the planner's own plans may split it unevenly)")
     best: tuple[Candidate, str] | None = None
     for recompute in (False, True):
         for zero in range(4) if n > 1 else (0,):

@@ -147,12 +147,14 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                         f"{problem.workload.global_batch} on this cluster; raise the batch")
     baselines["exhaustive"] = _exhaustive(space, problem.exhaustive_limit)
     pool = [c for c in judge.candidates.values() if c.report.fits]
+    others = list(judge.candidates.values())  # what a problem with no plan in its pool falls back on
     if admissible is not None:
         kept = [k for c in pool if (k := _admitted(c, admissible, judge)) is not None]
-        if pool and not kept:
-            notes.append(f"no plan that fits is admissible ({admissible(pool[0].plan)})")
+        if not kept:
+            others, admissible_notes = _admissible_fallback(others, admissible, fitting=pool)
+            notes += admissible_notes
         pool = kept
-    best, chosen_notes = _choose(pool, problem.objective, problem.time_bound_s, judge)
+    best, chosen_notes = _choose(pool, problem.objective, problem.time_bound_s, others)
     notes += chosen_notes
     applied = False
     if correction is not None and problem.objective is Objective.TIME and best.report.fits:
@@ -351,14 +353,34 @@ def _overcommit(report: Report) -> float:
     return worst.memory_bytes / worst.mem_bytes
 
 
+def _admissible_fallback(candidates: list[Candidate], admissible: Admissible, *,
+                         fitting: list[Candidate]) -> tuple[list[Candidate], list[str]]:
+    """What to fall back on when no plan that fits is admissible: the admissible plans the search simulated
+    (none of them fits), or, where none is admissible, every plan (the answer is then not runnable as
+    asked, and the notes say so); and the notes that say which."""
+    admitted = [c for c in candidates if admissible(c.plan) is None]
+    if admitted:
+        why = f" ({admissible(fitting[0].plan)})" if fitting else ""
+        return admitted, [f"no plan that fits in memory is admissible{why}; the admissible plans the search "
+                          "simulated do not fit"]
+    first = fitting[0] if fitting else candidates[0]
+    return fitting or candidates, [f"no plan the search simulated is admissible ({admissible(first.plan)}); the "
+                                   "plan returned is not: it is the best of all, for reference"]
+
+
 def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None,
-            judge: SimulatorEvaluator) -> tuple[Candidate, list[str]]:
+            others: list[Candidate]) -> tuple[Candidate, list[str]]:
+    """The best of `pool` (fitting plans) for `objective`; with an empty pool, the best of `others` by the
+    same objective, each of which does not fit or is not admissible (the notes say which was returned)."""
     if not pool:
+        infeasible = [c for c in others if not c.report.fits]
+        if not infeasible:  # every fallback fits (none is admissible): the best of them by the objective
+            return _choose(others, objective, bound_s, [])[0], []
         if objective is Objective.MEMORY:  # the plan nearest to fitting: its worst device least over its memory
-            fallback = min(judge.candidates.values(), key=lambda c: (_overcommit(c.report), c.report.iteration_time_s))
+            fallback = min(infeasible, key=lambda c: (_overcommit(c.report), c.report.iteration_time_s))
             return fallback, ["no plan fits in memory; the infeasible plan nearest to fitting the search simulated "
                               "(its worst device least over its memory) is returned"]
-        fallback = max(judge.candidates.values(), key=lambda c: judge.value(c.report))
+        fallback = min(infeasible, key=lambda c: c.report.iteration_time_s)
         return fallback, ["no plan fits in memory; the fastest infeasible plan the search simulated is returned"]
     fastest = min(pool, key=lambda c: c.report.iteration_time_s)
     if objective is Objective.TIME:

@@ -87,6 +87,10 @@ class PlanResult:
     exporters: dict[str, str | None] = field(default_factory=dict)
     """Per export format, None when it runs the best plan, else why not; empty when nobody asked
     (the CLI and the service fill it in with `export.capability.verdicts`)."""
+    pareto_exporters: tuple[dict[str, str | None], ...] = ()
+    """The same for each plan of `pareto` (in its order); empty when nobody asked."""
+    baseline_exporters: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    """The same for each baseline that has a plan, by name; empty when nobody asked."""
 
     @property
     def idle_devices(self) -> list[int]:
@@ -103,8 +107,10 @@ class PlanResult:
         return {
             "objective": self.objective.value,
             "best": self.best.to_json(),
-            "pareto": [c.to_json() for c in self.pareto],
-            "baselines": {name: (b.candidate.to_json() if b.candidate else None) for name, b in self.baselines.items()},
+            "pareto": [_with_exporters(c.to_json(), e)
+                       for c, e in zip(self.pareto, self.pareto_exporters or [None] * len(self.pareto), strict=True)],
+            "baselines": {name: (_with_exporters(b.candidate.to_json(), self.baseline_exporters.get(name))
+                                 if b.candidate else None) for name, b in self.baselines.items()},
             "baseline_reasons": {name: b.reason for name, b in self.baselines.items() if b.candidate is None},
             "baseline_configs": {name: b.config for name, b in self.baselines.items() if b.candidate is not None},
             "idle_devices": self.idle_devices,
@@ -115,3 +121,9 @@ class PlanResult:
             "reduce_overlap": {str(i): hidden for i, hidden in self.reduce_overlap.items()},
             "exporters": dict(self.exporters),
         }
+
+
+def _with_exporters(plan_json: dict[str, Any], exporters: dict[str, str | None] | None) -> dict[str, Any]:
+    """A reported plan's JSON with its `exporters` verdicts (None for a format that runs it, else why not),
+    where they were asked for."""
+    return plan_json if exporters is None else {**plan_json, "exporters": dict(exporters)}

@@ -203,3 +203,60 @@ def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
     assert workload_line(Workload(grad_reduce_overlap=False)).endswith("after the backward")
     assert workload_line(Workload(tp_comm_overlap=True)).endswith(
         "overlapped with the backward, tensor-parallel collectives overlapped with compute")
+
+
+def test_plan_exportable_exits_1_when_the_format_runs_no_plan_that_fits(tmp_path, capsys, monkeypatch) -> None:
+    """A format that refuses every plan: no --out file, exit 1, and the output says the plan shown is not
+    one that format runs (before, the planner returned a refused plan, wrote it and exited 0)."""
+    import json
+
+    import tagplan.export.capability as capability
+
+    real = capability.exportable
+    monkeypatch.setattr(capability, "exportable", lambda plan, fmt, *a, **k: (
+        "deepspeed: refused here" if fmt == "deepspeed" else real(plan, fmt, *a, **k)))
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "gpt?layers=4&hidden=256&heads=4&vocab=500", "--cluster", "p3.8xlarge", "--batch",
+            "16", "--seq", "128", "--max-evaluations", "30", "--workers", "1", "--exportable", "deepspeed",
+            "--out", str(out)]
+    assert main(args) == 1
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--exportable deepspeed: no plan that format runs fits in memory" in text
+    assert "note: no plan the search simulated is admissible (deepspeed: refused here)" in text
+    assert not out.exists()
+    assert main([*args, "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["exporters"]["deepspeed"] == "deepspeed: refused here"
+    assert main([*args, "--allow-infeasible"]) == 0 and out.exists()
+
+
+def test_every_reported_plan_says_which_formats_run_it(capsys) -> None:
+    """The frontier's plans and the baselines' carry their own verdicts, in the JSON and in the table."""
+    import json
+
+    from tagplan.export.capability import verdicts
+    from tagplan.frontends.cluster_spec import load_cluster
+    from tagplan.frontends.model_spec import load_model, parse_model_spec
+    from tagplan.ir.plan import Plan
+    from tagplan.ir.workload import Workload
+
+    model_spec = "t5?layers=2&hidden=64&heads=4&vocab=128"  # the torch program builds no T5: every row says so
+    args = ["plan", "--model", model_spec, "--cluster", "p3.8xlarge", "--batch", "8", "--seq", "32",
+            "--max-evaluations", "30", "--workers", "1"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    model = load_model(model_spec, seq_len=32)
+    workload = Workload.model_validate(result["workload"])
+    reported = [*result["pareto"], *(b for b in result["baselines"].values() if b is not None)]
+    assert len(reported) >= 2
+    for entry in reported:
+        expected = verdicts(Plan.model_validate(entry["plan"]), model, workload, spec=parse_model_spec(model_spec),
+                            cluster=load_cluster("p3.8xlarge"))  # as the CLI judges them
+        assert entry["exporters"] == expected
+        assert entry["exporters"]["torch"] is not None  # a T5 is refused by the torch program
+    assert main(args) == 0
+    table = " ".join(capsys.readouterr().out.split())
+    refused = [e for e in [result["best"] | {"exporters": result["exporters"]}, *reported]
+               if all(v is not None for v in e["exporters"].values())]
+    assert refused  # Megatron builds no T5 either; DeepSpeed's config may still run some plans
+    assert "runs under" in table and table.count("none:") == len(refused)  # each such row says why

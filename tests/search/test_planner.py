@@ -307,3 +307,25 @@ def test_memory_objective_without_a_fitting_plan_returns_the_nearest_to_fitting(
     assert over(nearest) < over(fastest)
     assert fastest.best.report.iteration_time_s <= nearest.best.report.iteration_time_s
     assert any("nearest to fitting" in note for note in nearest.notes)
+
+
+def test_where_no_plan_that_fits_is_admissible_the_answer_is_an_admissible_one_and_says_so() -> None:
+    """`admissible` accepting only plans that do not fit: the best is one of those (not a fitting plan it
+    refused), and the notes say that no admissible plan fits; refusing every plan: the best is the fastest
+    plan of all, and the notes say it is not admissible."""
+    from tagplan.cost.simulator import Simulator
+
+    model, cluster = load_model("gpt3-1.3b", seq_len=1024), load_cluster("rtx4090x4")  # some plans fit, some not
+    workload = Workload(global_batch=16, seq_len=1024)
+    sim = Simulator(model, cluster, workload)
+    problem = PlanProblem(model, cluster, workload, max_evaluations=60, budget_s=20, workers=1)
+    free = plan(problem)
+    assert free.best.report.fits
+    only_oom = plan(problem, admissible=lambda p: "it fits" if sim.simulate(p).fits else None)
+    assert not only_oom.best.report.fits and not sim.simulate(only_oom.best.plan).fits
+    assert any("no plan that fits in memory is admissible (it fits)" in n for n in only_oom.notes)
+    assert not only_oom.pareto  # the frontier holds admissible plans that fit: none
+    nothing = plan(problem, admissible=lambda p: "never")
+    assert nothing.best.report.fits
+    assert nothing.best.report.iteration_time_s == free.best.report.iteration_time_s
+    assert any("no plan the search simulated is admissible (never)" in n for n in nothing.notes)

@@ -9,12 +9,11 @@ simulation the planner already recorded (`PlanResult.timeline()`), not a second 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 from tagplan.cost.calibration import Calibration
 from tagplan.errors import SpecError
-from tagplan.export.capability import verdicts
+from tagplan.export.capability import with_verdicts
 from tagplan.frontends import cluster_spec, model_spec
 from tagplan.frontends.cluster_file import parse_cluster_data
 from tagplan.frontends.cluster_spec import ClusterSpec
@@ -22,7 +21,6 @@ from tagplan.frontends.json_graph import graph_from_dict
 from tagplan.frontends.model_spec import ModelSpec
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
-from tagplan.ir.plan import Plan
 from tagplan.ir.summary import cluster_summary
 from tagplan.ir.workload import DType, Workload
 from tagplan.search.planner import plan
@@ -33,6 +31,7 @@ from tagplan.search.problem import (
     Objective,
     PlanProblem,
 )
+from tagplan.search.result import PlanResult
 from tagplan.service.jobs import Progress
 from tagplan.service.requests import (
     LimitError,
@@ -70,7 +69,7 @@ def run_plan(data: Any, settings: Settings, progress: Progress, *, tenant_id: in
                             heterogeneous=len({d.spec.name for d in problem.cluster.devices}) > 1)
     fix = correction(registry, problem.model, problem.cluster, problem.workload, calibration=problem.calibration)
     result = plan(problem, prior_factory=factory, progress=tick, correction=fix)
-    result = replace(result, exporters=exporters(request, problem, result.best.plan))
+    result = with_exporters(request, problem, result)
     progress(0.99, "writing the result")
     return {**result.to_json(), "timeline": result.timeline(), "request": echo(request, problem),
             "cluster": cluster_summary(problem.cluster, dtype=problem.workload.dtype), "gnn": gnn_version(registry)}
@@ -80,12 +79,14 @@ INLINE_GRAPH_REFUSAL = ("torch: the program builds the model from its SPEC (a zo
                         "hf:...); an inline graph has none")
 
 
-def exporters(request: PlanRequest, problem: PlanProblem, best: Plan) -> dict[str, str | None]:
-    """Which export formats run the best plan (`export.capability.verdicts`); an inline graph names
-    no model the torch program could build, so torch refuses it whatever the graph's family says."""
+def with_exporters(request: PlanRequest, problem: PlanProblem, result: PlanResult) -> PlanResult:
+    """`result` with the export formats that run each plan it reports (`export.capability.with_verdicts`); an
+    inline graph names no model the torch program could build, so torch refuses it whatever the graph's
+    family says."""
     if isinstance(request.model, ModelSpec):
-        return verdicts(best, problem.model, problem.workload, spec=request.model, cluster=problem.cluster)
-    return {**verdicts(best, problem.model, problem.workload, cluster=problem.cluster), "torch": INLINE_GRAPH_REFUSAL}
+        return with_verdicts(result, problem.model, problem.workload, spec=request.model, cluster=problem.cluster)
+    return with_verdicts(result, problem.model, problem.workload, cluster=problem.cluster,
+                         refusals={"torch": INLINE_GRAPH_REFUSAL})
 
 
 def plan_problem(request: PlanRequest, settings: Settings, calibration: Calibration) -> PlanProblem:
