@@ -124,7 +124,8 @@ def _moe_problems(plan: Plan, model: ModelGraph) -> list[str]:
                 out.append(f"stages[{i}] layer {j}: experts strategies {dict(zip(EXPERT_OPS, chosen, strict=True))}: "
                            f"the program splits each expert's FFN ({', '.join(EXPERTS_SPLIT)}) or runs whole "
                            f"experts (all three {' or all three '.join(WHOLE_EXPERTS)}); experts spread over the "
-                           "group (expert parallelism) need fmt='megatron' (--expert-model-parallel-size)")
+                           "group (expert parallelism) need Megatron-LM (fmt='megatron', --expert-model-parallel-size) "
+                           "where it accepts the rest of the plan")
             if resolved[ROUTER] not in ROUTER_LOGITS:
                 out.append(f"stages[{i}] layer {j}: router={resolved[ROUTER]!r}: the program runs the router as "
                            f"{', '.join(ROUTER_LOGITS)}")
