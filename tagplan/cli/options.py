@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from tagplan.ir.model import ModelGraph
 
 EXIT_BAD_INPUT = 2
-EXIT_INFEASIBLE = 1  # `plan`: no plan fits in memory (unless --allow-infeasible)
+EXIT_INFEASIBLE = 1  # `plan`: no plan (--exportable: none the format runs) fits in memory, unless --allow-infeasible
 """The exit code of bad input (a SpecError, or arguments argparse refuses)."""
 
 Subparsers = argparse._SubParsersAction

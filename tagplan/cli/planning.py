@@ -72,7 +72,8 @@ def add_planning_commands(sub: Subparsers) -> None:
     cmd.add_argument("--exportable", choices=["torch", "megatron", "deepspeed"], default=None,
                      help="return only plans this export format runs")
     cmd.add_argument("--allow-infeasible", action="store_true",
-                     help="when no plan fits in memory, still write --out and exit 0")
+                     help="when no plan fits in memory (with --exportable: none that format runs), still write "
+                          "--out and exit 0")
     add_json_option(cmd, "the full result (`PlanResult.to_json`)")
     cmd.set_defaults(func=_plan)
 
@@ -204,9 +205,10 @@ def _plan(args: argparse.Namespace) -> int:
     if feasible or args.allow_infeasible:
         return 0
     if not args.json:
+        what = f"plan that {args.exportable} runs" if args.exportable else "plan"
         why = (f"--exportable {args.exportable}: no plan that format runs fits in memory; the plan shown is not "
                f"one ({refused})" if refused is not None else
-               f"no plan fits in memory: the best plan needs {result.best.report.peak_memory_bytes / 2**30:.1f} GiB "
+               f"no {what} fits in memory: the best needs {result.best.report.peak_memory_bytes / 2**30:.1f} GiB "
                f"on device {result.best.report.worst_device}")
         print(why + ("" if not args.out else f"; {args.out} not written (--allow-infeasible writes it)"))
     return EXIT_INFEASIBLE

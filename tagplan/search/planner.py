@@ -147,17 +147,22 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                         f"{problem.workload.global_batch} on this cluster; raise the batch")
     baselines["exhaustive"] = _exhaustive(space, problem.exhaustive_limit)
     pool = [c for c in judge.candidates.values() if c.report.fits]
-    others = list(judge.candidates.values())  # what a problem with no plan in its pool falls back on
+    kind = ""  # what the fallback's notes call the plans it chose among
+    admissible_notes: list[str] = []
     if admissible is not None:
         kept = [k for c in pool if (k := _admitted(c, admissible, judge)) is not None]
-        if not kept:
-            others, admissible_notes = _admissible_fallback(others, admissible, fitting=pool)
-            notes += admissible_notes
+        # after `_admitted`, whose recompute variants are admissible plans too
+        others, kind, admissible_notes = (_admissible_fallback(list(judge.candidates.values()), admissible,
+                                                               fitting=pool) if not kept else ([], "", []))
+        notes += admissible_notes
         pool = kept
-    best, chosen_notes = _choose(pool, problem.objective, problem.time_bound_s, others)
+    else:
+        others = list(judge.candidates.values())
+    best, chosen_notes = _choose(pool, problem.objective, problem.time_bound_s, others, kind=kind)
     notes += chosen_notes
+    fallback = not pool  # the best is not a fitting, admissible plan: nothing to re-rank; the notes say what it is
     applied = False
-    if correction is not None and problem.objective is Objective.TIME and best.report.fits:
+    if correction is not None and problem.objective is Objective.TIME and not fallback:
         best, pool = _rerank(pool, correction)
         applied = True
     solves = hits = 0
@@ -170,7 +175,10 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
             solves, hits = solves + more_solves, hits + more_hits
             if refined is not None and (admissible is None or admissible(refined) is None):
                 better = judge.candidate(refined, "search+intra")
-                if better.report.fits and better.report.iteration_time_s < best.report.iteration_time_s:
+                if better.report.fits and (fallback or better.report.iteration_time_s < best.report.iteration_time_s):
+                    if fallback:  # a refinement made the fallback fit (and it is admissible): the notes no longer hold
+                        notes = [n for n in notes if n not in (*chosen_notes, *admissible_notes)]
+                        fallback = False
                     best = better
                     pool.append(better)
     simulation = sim.run(best.plan)  # the best plan's task times, for its timeline
@@ -354,34 +362,37 @@ def _overcommit(report: Report) -> float:
 
 
 def _admissible_fallback(candidates: list[Candidate], admissible: Admissible, *,
-                         fitting: list[Candidate]) -> tuple[list[Candidate], list[str]]:
+                         fitting: list[Candidate]) -> tuple[list[Candidate], str, list[str]]:
     """What to fall back on when no plan that fits is admissible: the admissible plans the search simulated
-    (none of them fits), or, where none is admissible, every plan (the answer is then not runnable as
-    asked, and the notes say so); and the notes that say which."""
+    (none of them fits), or, where none is admissible, the plans that fit (the answer is then not runnable as
+    asked, and the notes say so); what the notes call them; and the notes."""
     admitted = [c for c in candidates if admissible(c.plan) is None]
     if admitted:
-        why = f" ({admissible(fitting[0].plan)})" if fitting else ""
-        return admitted, [f"no plan that fits in memory is admissible{why}; the admissible plans the search "
-                          "simulated do not fit"]
+        why = [f"no plan that fits in memory is admissible ({admissible(fitting[0].plan)})"] if fitting else []
+        return admitted, "admissible ", why
     first = fitting[0] if fitting else candidates[0]
-    return fitting or candidates, [f"no plan the search simulated is admissible ({admissible(first.plan)}); the "
-                                   "plan returned is not: it is the best of all, for reference"]
+    return fitting or candidates, "", [f"no plan the search simulated is admissible ({admissible(first.plan)}); "
+                                       "the plan returned is not: it is the best of all, for reference"]
 
 
-def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None,
-            others: list[Candidate]) -> tuple[Candidate, list[str]]:
+def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None, others: list[Candidate], *,
+            kind: str = "") -> tuple[Candidate, list[str]]:
     """The best of `pool` (fitting plans) for `objective`; with an empty pool, the best of `others` by the
-    same objective, each of which does not fit or is not admissible (the notes say which was returned)."""
+    same objective, each of which does not fit or is not admissible (the notes say which was returned, `kind`
+    naming the plans they were: "admissible " or "")."""
     if not pool:
+        if not others:
+            raise ValueError("no candidate to choose from")
         infeasible = [c for c in others if not c.report.fits]
         if not infeasible:  # every fallback fits (none is admissible): the best of them by the objective
             return _choose(others, objective, bound_s, [])[0], []
         if objective is Objective.MEMORY:  # the plan nearest to fitting: its worst device least over its memory
             fallback = min(infeasible, key=lambda c: (_overcommit(c.report), c.report.iteration_time_s))
-            return fallback, ["no plan fits in memory; the infeasible plan nearest to fitting the search simulated "
-                              "(its worst device least over its memory) is returned"]
+            return fallback, [f"no {kind}plan fits in memory; the {kind}plan nearest to fitting the search "
+                              "simulated (its worst device least over its memory) is returned"]
         fallback = min(infeasible, key=lambda c: c.report.iteration_time_s)
-        return fallback, ["no plan fits in memory; the fastest infeasible plan the search simulated is returned"]
+        return fallback, [f"no {kind}plan fits in memory; the fastest {kind}plan the search simulated (it does "
+                          "not fit) is returned"]
     fastest = min(pool, key=lambda c: c.report.iteration_time_s)
     if objective is Objective.TIME:
         return fastest, []

@@ -325,7 +325,13 @@ def test_where_no_plan_that_fits_is_admissible_the_answer_is_an_admissible_one_a
     assert not only_oom.best.report.fits and not sim.simulate(only_oom.best.plan).fits
     assert any("no plan that fits in memory is admissible (it fits)" in n for n in only_oom.notes)
     assert not only_oom.pareto  # the frontier holds admissible plans that fit: none
-    nothing = plan(problem, admissible=lambda p: "never")
-    assert nothing.best.report.fits
-    assert nothing.best.report.iteration_time_s == free.best.report.iteration_time_s
+    assert any("no admissible plan fits in memory" in n for n in only_oom.notes)
+    from tagplan.search.planner import Correction
+
+    ones = Correction("v0001", lambda plans: [1.0] * len(plans))  # a learned correction re-ranks admissible plans
+    nothing = plan(problem, admissible=lambda p: "never", correction=ones)  # none: nothing to re-rank (it raised)
+    assert nothing.best.report.fits  # the best of all, for reference (`free` may refine its own further)
+    assert not nothing.predictor.correction_applied
+    assert nothing.best.report.iteration_time_s >= free.best.report.iteration_time_s
     assert any("no plan the search simulated is admissible (never)" in n for n in nothing.notes)
+    assert not any("fits in memory" in n for n in nothing.notes)
