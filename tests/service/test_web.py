@@ -292,6 +292,15 @@ def test_job_page_renders_in_chromium(service: Service, tmp_path: Path) -> None:
     names = set(result["baselines"]) | set(result.get("baseline_reasons", {}))
     assert {r["data-baseline"] for r in rows} == names
     assert len(index.tags("baselines", "tr", "chosen")) == 1
+    # each plan's "runs under": the formats whose verdict on it is null (the chosen plan's and each baseline's own)
+
+    def runs(exporters: dict[str, str | None]) -> str:
+        return ",".join(f for f, why in exporters.items() if why is None)
+
+    assert index.tags("baselines", "tr", "chosen")[0]["data-runs"] == runs(result["exporters"])
+    simulated = {r["data-baseline"]: r["data-runs"] for r in rows if result["baselines"].get(r["data-baseline"])}
+    assert simulated and simulated == {name: runs(result["baselines"][name]["exporters"]) for name in simulated}
+    assert "runs under</th>" in dom
 
     # stage legend: each stage's devices as runs in plan order ("24-31", "0-3, 8-11"), never backwards
     legend = {int(a["data-stage"]): a["data-devices"] for a in index.tags("stage-legend", "li")}

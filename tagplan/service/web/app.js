@@ -439,19 +439,32 @@
     return BASELINE_LABEL[name] || String(name).replace(/_/g, " ");
   }
 
+  /** The export formats that run a plan (its `exporters` verdicts: null where a format runs it), or why none does. */
+  function runsUnder(exporters, fits) {
+    if (!exporters) return { runs: "", cell: "–" };
+    const formats = Object.keys(exporters);
+    const runs = formats.filter((f) => exporters[f] === null);
+    if (fits === false) return { runs: "", cell: "none: does not fit in memory" };
+    if (runs.length) return { runs: runs.join(","), cell: runs.join(", ") };
+    return { runs: "", cell: "none: " + formats.map((f) => truncate(String(exporters[f]), 160)).join("; ") };
+  }
+
   function renderBaselines(result) {
     const best = result.best || {};
     const bt = reportOf(best).iteration_time_s;
     const baselines = result.baselines || {};
     const reasons = result.baseline_reasons || {};
     const names = Array.from(new Set(Object.keys(baselines).concat(Object.keys(reasons))));
-    const rowOf = (label, cand, cls, extra) => {
+    const rowOf = (label, cand, exporters, cls, extra) => {
       const r = reportOf(cand);
-      return '<tr class="' + cls + '"' + extra + "><th scope=\"row\">" + esc(label) + "</th>" +
+      const under = runsUnder(exporters, r.fits);
+      return '<tr class="' + cls + '"' + extra + ' data-runs="' + esc(under.runs) + '"><th scope="row">' +
+        esc(label) + "</th>" +
         '<td class="num">' + fmtSeconds(r.iteration_time_s) + "</td>" +
-        '<td class="num">' + fmtBytes(r.peak_memory_bytes) + (r.fits === false ? ' <span class="warn">(does not fit)</span>' : "") + "</td>";
+        '<td class="num">' + fmtBytes(r.peak_memory_bytes) + (r.fits === false ? ' <span class="warn">(does not fit)</span>' : "") + "</td>" +
+        '<td class="runs">' + esc(under.cell) + "</td>";
     };
-    let body = rowOf("chosen plan", best, "chosen", ' data-baseline="chosen"') +
+    let body = rowOf("chosen plan", best, result.exporters, "chosen", ' data-baseline="chosen"') +
       '<td class="num">1.00×</td><td>' + esc(describePlan(planOf(best))) + "</td></tr>";
     names.forEach((name) => {
       const cand = baselines[name];
@@ -459,20 +472,22 @@
         const t = reportOf(cand).iteration_time_s;
         const speedup = isNum(t) && isNum(bt) && bt > 0 ? t / bt : NaN;
         const cls = isNum(speedup) && speedup < 1 ? "slower" : "";
-        body += rowOf(baselineLabel(name), cand, "baseline", ' data-baseline="' + esc(name) + '"') +
+        body += rowOf(baselineLabel(name), cand, cand.exporters, "baseline", ' data-baseline="' + esc(name) + '"') +
           '<td class="num ' + cls + '">' + (isNum(speedup) ? speedup.toFixed(2) + "×" : "–") + "</td><td>" +
           esc(describePlan(planOf(cand))) + "</td></tr>";
       } else {
         body += '<tr class="baseline na" data-baseline="' + esc(name) + '"><th scope="row">' +
-          esc(baselineLabel(name)) + '</th><td class="num">–</td><td class="num">–</td><td class="num">–</td>' +
-          '<td class="reason">' + esc(reasons[name] || "does not apply") + "</td></tr>";
+          esc(baselineLabel(name)) + '</th><td class="num">–</td><td class="num">–</td><td class="runs">–</td>' +
+          '<td class="num">–</td><td class="reason">' + esc(reasons[name] || "does not apply") + "</td></tr>";
       }
     });
     return '<section id="baselines" data-testid="baselines" class="card" aria-labelledby="baselines-h">' +
       '<h3 id="baselines-h">Baselines</h3><div class="table-wrap"><table class="baselines">' +
-      "<caption>Speedup: a baseline's iteration time over the chosen plan's</caption>" +
+      "<caption>Speedup: a baseline's iteration time over the chosen plan's. Runs under: the export formats " +
+      "that run the plan, or why none does</caption>" +
       '<thead><tr><th scope="col">plan</th><th scope="col" class="num">iteration</th>' +
-      '<th scope="col" class="num">peak memory</th><th scope="col" class="num">speedup</th>' +
+      '<th scope="col" class="num">peak memory</th><th scope="col">runs under</th>' +
+      '<th scope="col" class="num">speedup</th>' +
       '<th scope="col">plan / reason</th></tr></thead><tbody>' + body + "</tbody></table></div></section>";
   }
 
