@@ -41,6 +41,7 @@ PRELOAD = ("tagplan.export.runtime_train",)  # the program's imports: torch, tor
 SERVER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}  # the settings `launch` gives every rank
 START_SETTINGS = ("PYTHON", "TORCH_", "OMP_", "MKL_", "KMP_", "CUDA_", "LD_")
 """Prefixes of the environment variables an interpreter, torch or its libraries read when they start."""
+FOLDER_PREFIX = "tagplan-ranks-"  # a server's temporary folder: its socket and its log
 START_TIMEOUT_S = 120.0
 POLL_S = 0.05
 SERVER_MODULE = "tagplan.export.runtime_fork_server"
@@ -121,6 +122,8 @@ class ForkedRank:
                 self._conn.sendall(b'{"kill": true}\n')
 
     def _read(self, *, block: bool) -> None:
+        if self._conn.fileno() == -1:  # closed after the server was found gone
+            raise RankServerError(f"the rank server stopped while rank pid {self.pid} ran")
         self._conn.settimeout(POLL_S if block else 0.0)
         try:
             data = self._conn.recv(4096)
@@ -150,9 +153,9 @@ class RankServer:
 
     def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
         self.preload = preload  # modules the server imports before it listens
-        self._folder = Path(tempfile.mkdtemp(prefix="tagplan-ranks-"))
+        self._folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
         self.socket_path = self._folder / "ranks.sock"
-        self.log_path = self._folder / "server.log"
+        self.log_path = server_files(self.socket_path)[2]
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -194,10 +197,15 @@ class RankServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        for path in (self.socket_path, self.log_path):
+        for path in server_files(self.socket_path):
             path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self._folder.rmdir()
+
+
+def server_files(socket_path: Path) -> tuple[Path, ...]:
+    """The files a server at `socket_path` makes in its folder: the socket, the socket while it binds, its log."""
+    return socket_path, socket_path.with_suffix(".binding"), socket_path.parent / "server.log"
 
 
 def start_rank(socket_path: str | Path, argv: list[str], *, cwd: Path, env: dict[str, str], stdout: Path,

@@ -35,13 +35,16 @@ import signal
 import socket
 import sys
 import threading
+import time
+import traceback
 from pathlib import Path
 from types import TracebackType
 from typing import NoReturn
 
-from tagplan.export.runtime_fork import POLL_S, RankRequest, start_settings
+from tagplan.export.runtime_fork import FOLDER_PREFIX, POLL_S, RankRequest, server_files, start_settings
 
 REQUEST_TIMEOUT_S = 10.0  # a client sends its request at once
+MAX_REQUEST_BYTES = 1 << 24  # an environment and a command line, not data
 
 
 class _Ranks:
@@ -105,7 +108,10 @@ def serve(socket_path: Path, parent_pid: int, preload: tuple[str, ...] = ()) -> 
         while not stopping and os.getppid() == parent_pid:
             for key, _ in selector.select(timeout=POLL_S):
                 if key.data is None:
-                    conn, _ = listener.accept()
+                    try:
+                        conn, _ = listener.accept()
+                    except OSError:
+                        continue
                     _fork(conn, listener, ranks, settings)
                 else:
                     _client_said(key.fileobj, key.data, ranks)  # type: ignore[arg-type]
@@ -140,14 +146,17 @@ def _fork(conn: socket.socket, listener: socket.socket, ranks: _Ranks, settings:
             _refuse(conn, f"the environment differs from the server's start in {', '.join(differ)}", refused=True)
             return
         pid = os.fork()
-    except (OSError, ValueError) as e:
-        _refuse(conn, str(e), refused=False)
+    except Exception as e:  # a malformed request (even one nested past the recursion limit), a failed fork
+        _refuse(conn, f"{type(e).__name__}: {e}", refused=False)
         return
     if pid == 0:
-        ranks.selector.close()
-        for sock in (listener, conn, *ranks.conns.values()):
-            sock.close()
-        _run_rank(request)
+        try:  # the child never returns into the server's loop, whatever happens here
+            ranks.selector.close()
+            for sock in (listener, conn, *ranks.conns.values()):
+                sock.close()
+            _run_rank(request)
+        finally:
+            os._exit(1)
     try:
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     except OSError:  # the client is gone: so is its rank
@@ -163,9 +172,15 @@ def _refuse(conn: socket.socket, why: str, *, refused: bool) -> None:
 
 
 def _read_request(conn: socket.socket) -> RankRequest:
-    conn.settimeout(REQUEST_TIMEOUT_S)
+    """One request line, within `REQUEST_TIMEOUT_S` in all and `MAX_REQUEST_BYTES` (the server serves one
+    connection at a time meanwhile)."""
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
     data = b""
     while not data.endswith(b"\n"):
+        left_s = deadline - time.monotonic()
+        if left_s <= 0 or len(data) > MAX_REQUEST_BYTES:
+            raise ValueError(f"no whole request within {REQUEST_TIMEOUT_S:.0f} s and {MAX_REQUEST_BYTES} bytes")
+        conn.settimeout(left_s)
         chunk = conn.recv(65536)
         if not chunk:
             raise ValueError("the connection closed before a whole request")
@@ -192,15 +207,19 @@ def _run_rank(request: RankRequest) -> NoReturn:
         sys.path[0] = str(Path(program).resolve().parent)  # as `python train.py` puts the program's folder first
         _reseed()
         code = _run(program)
+    except BaseException:  # the rank could not become the program (its output files, its folder): say why
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os._exit(code)
+        os._exit(code & 0xFF)  # the status an interpreter exits with: sys.exit(-2) is 254, sys.exit(256) is 0
 
 
 def _run(program: str) -> int:
     """Run the program as `__main__`; its exit code (after its threads and exit handlers, as an interpreter's)."""
+    interrupted = False
     try:
         runpy.run_path(program, run_name="__main__")
         code = 0
@@ -208,13 +227,13 @@ def _run(program: str) -> int:
         code = _exit_code(e)
     except KeyboardInterrupt as e:
         _print_exception(e, program)
-        code = -signal.SIGINT
+        code, interrupted = 1, True
     except BaseException as e:  # reported as the interpreter reports it, exit code 1
         _print_exception(e, program)
         code = 1
     threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own wait for non-daemon threads
     atexit._run_exitfuncs()
-    if code == -signal.SIGINT:  # an interpreter ends an uncaught KeyboardInterrupt by SIGINT itself
+    if interrupted:  # an interpreter ends an uncaught KeyboardInterrupt by SIGINT itself
         sys.stdout.flush()
         sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -251,13 +270,16 @@ def _exit_code(e: SystemExit) -> int:
 
 def _main() -> NoReturn:
     socket_path, parent_pid = Path(sys.argv[1]), int(sys.argv[2])
-    serve(socket_path, parent_pid, tuple(sys.argv[3:]))
-    if os.getppid() != parent_pid:  # the starter is gone and cannot remove the server's folder: do it here
-        for path in socket_path.parent.iterdir():
-            path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            socket_path.parent.rmdir()
-    os._exit(0)  # no interpreter teardown of torch's modules: seconds, and nothing to flush
+    try:
+        serve(socket_path, parent_pid, tuple(sys.argv[3:]))
+        if os.getppid() != parent_pid:  # the starter is gone and cannot remove the server's files: do it here
+            for path in server_files(socket_path):
+                path.unlink(missing_ok=True)
+            if socket_path.parent.name.startswith(FOLDER_PREFIX):
+                with contextlib.suppress(OSError):
+                    socket_path.parent.rmdir()  # only if nothing else is in it
+    finally:
+        os._exit(0)  # no interpreter teardown of torch's modules: seconds, and nothing to flush
 
 
 if __name__ == "__main__":

@@ -112,6 +112,8 @@ def test_a_server_refuses_ranks_whose_start_settings_differ_and_launch_starts_th
     ("import sys; sys.exit()", 0),
     ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9),
     ("raise KeyboardInterrupt", -2),
+    ("import sys; sys.exit(-2)", 254),  # a status, not SIGINT
+    ("import sys; sys.exit(2 ** 40)", 0),  # an interpreter keeps the low byte; the child still exits
 ])
 def test_a_forked_rank_exits_as_the_interpreter_would(tmp_path: Path, rank_server: Path, source: str,
                                                         code: int) -> None:
@@ -245,3 +247,16 @@ def test_the_server_stops_when_the_process_that_started_it_exits(tmp_path: Path)
     with pytest.raises(RankServerError, match="no rank server listens"):
         start_rank(out.stdout.split()[1], ["x.py"], cwd=tmp_path, env={}, stdout=tmp_path / "o",
                    stderr=tmp_path / "e")
+
+
+def test_a_server_whose_starter_is_gone_removes_only_its_own_files(tmp_path: Path) -> None:
+    """Its socket's folder may hold other files: those stay (the server's own go, and the folder only if it is
+    one of the servers' temporary folders)."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    (folder / "important.txt").write_text("keep")
+    (folder / "server.log").write_text("the server's")
+    done = subprocess.run([sys.executable, "-m", "tagplan.export.runtime_fork_server", str(folder / "x.sock"), "1"],
+                          capture_output=True, text=True, timeout=60)  # pid 1 is not its parent: it stops at once
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["important.txt"]
