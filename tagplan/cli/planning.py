@@ -187,7 +187,8 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
     with _progress(problem.max_evaluations, enabled=show_progress) as tick:
         result = plan(problem, prior_factory=prior, progress=tick, admissible=admissible, correction=fix,
                       reduce_overlap=overlap)
-    return with_verdicts(result, problem.model, problem.workload, spec=spec, cluster=problem.cluster)
+    return with_verdicts(result, problem.model, problem.workload, spec=spec, cluster=problem.cluster,
+                         calibration=problem.calibration)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -206,10 +207,10 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     if not args.json:
         what = f"plan that {args.exportable} runs" if args.exportable else "plan"
-        why = (f"--exportable {args.exportable}: no plan that format runs fits in memory; the plan shown is not "
-               f"one ({refused})" if refused is not None else
-               f"no {what} fits in memory: the best needs {result.best.report.peak_memory_bytes / 2**30:.1f} GiB "
-               f"on device {result.best.report.worst_device}")
+        why = (f"no {what} fits in memory: the best needs {result.best.report.peak_memory_bytes / 2**30:.1f} GiB "
+               f"on device {result.best.report.worst_device}" if not result.best.report.fits else
+               f"--exportable {args.exportable}: no plan that format runs fits in memory; the plan shown is not "
+               f"one ({refused})")
         print(why + ("" if not args.out else f"; {args.out} not written (--allow-infeasible writes it)"))
     return EXIT_INFEASIBLE
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Literal
 
-from tagplan.cost.simulator import ReduceOverlap
+from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
+from tagplan.cost.simulator import ReduceOverlap, Simulator
 from tagplan.errors import SpecError
 from tagplan.export import deepspeed, megatron
 from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind
@@ -185,17 +186,35 @@ def verdicts(plan: Plan, model: ModelGraph, workload: Workload, *,
 
 
 def with_verdicts(result: PlanResult, model: ModelGraph, workload: Workload, *, spec: ModelSpec | None = None,
-                  cluster: Cluster | None = None, refusals: dict[str, str] | None = None) -> PlanResult:
+                  cluster: Cluster | None = None, refusals: dict[str, str] | None = None,
+                  calibration: Calibration = DEFAULT_CALIBRATION) -> PlanResult:
     """`result` with every plan it reports judged by each export format (`verdicts`): the best plan,
     each plan of the frontier and each baseline's plan, so that none is shown as runnable without
-    saying by which runtime, or why none runs it. `refusals` override a format's verdict on all of
-    them (the service's inline graph, which the torch program cannot build)."""
+    saying by which runtime, or why none runs it. With the `cluster`, a format that expresses a plan
+    also has to fit it in memory as its runtime runs it (`runtime_workload`: e.g. the torch program's
+    fp32 master weights and eager activations), else its verdict says by how much it does not.
+    `refusals` override a format's verdict on all of them (the service's inline graph, which the torch
+    program cannot build)."""
     seen: dict[str, dict[str, str | None]] = {}
+    sims: dict[str, Simulator] = {}
+
+    def memory_refusal(plan: Plan, fmt: str) -> str | None:
+        if cluster is None:
+            return None
+        if fmt not in sims:
+            sims[fmt] = Simulator(model, cluster, runtime_workload(fmt, workload, spec), calibration=calibration)
+        if sims[fmt].fits(plan):
+            return None
+        used = sims[fmt].memory_bytes(plan)
+        device = max(used, key=lambda d: used[d] / cluster.devices[d].spec.mem_bytes)
+        return (f"{fmt}: the plan does not fit in memory as this runtime runs it: {used[device] / 2**30:.1f} GiB on "
+                f"device {device} of {cluster.devices[device].spec.mem_bytes / 2**30:.1f} GiB")
 
     def judge(plan: Plan) -> dict[str, str | None]:
         key = plan.model_dump_json()
         if key not in seen:
-            seen[key] = {**verdicts(plan, model, workload, spec=spec, cluster=cluster), **(refusals or {})}
+            found = {**verdicts(plan, model, workload, spec=spec, cluster=cluster), **(refusals or {})}
+            seen[key] = {fmt: why if why is not None else memory_refusal(plan, fmt) for fmt, why in found.items()}
         return seen[key]
 
     return replace(result, exporters=judge(result.best.plan),

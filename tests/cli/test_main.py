@@ -260,3 +260,19 @@ def test_every_reported_plan_says_which_formats_run_it(capsys) -> None:
                if all(v is not None for v in e["exporters"].values())]
     assert refused  # Megatron builds no T5 either; DeepSpeed's config may still run some plans
     assert "runs under" in table and table.count("none:") == len(refused)  # each such row says why
+
+
+def test_a_format_that_expresses_a_plan_but_cannot_fit_it_as_its_runtime_runs_it_does_not_run_it(capsys) -> None:
+    """13B on RTX 4090s: the plan fits as the planner costs it, but not with the torch program's fp32 master
+    weights and eager activations; the result says so rather than 'runs under: torch', and asking for torch
+    plans agrees (exit 1: none fits)."""
+    import json
+
+    args = ["plan", "--model", "gpt3-13b", "--cluster", "rtx4090x4:nodes=2+g4dn.12xlarge", "--batch", "32", "--seq",
+            "2048", "--max-evaluations", "60", "--budget-s", "20", "--workers", "1"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["best"]["report"]["fits"]
+    assert "torch: the plan does not fit in memory as this runtime runs it" in result["exporters"]["torch"]
+    assert main([*args, "--exportable", "torch"]) == 1
+    assert "no plan that torch runs fits in memory" in " ".join(capsys.readouterr().out.split())

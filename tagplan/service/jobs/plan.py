@@ -84,9 +84,10 @@ def with_exporters(request: PlanRequest, problem: PlanProblem, result: PlanResul
     inline graph names no model the torch program could build, so torch refuses it whatever the graph's
     family says."""
     if isinstance(request.model, ModelSpec):
-        return with_verdicts(result, problem.model, problem.workload, spec=request.model, cluster=problem.cluster)
+        return with_verdicts(result, problem.model, problem.workload, spec=request.model, cluster=problem.cluster,
+                             calibration=problem.calibration)
     return with_verdicts(result, problem.model, problem.workload, cluster=problem.cluster,
-                         refusals={"torch": INLINE_GRAPH_REFUSAL})
+                         refusals={"torch": INLINE_GRAPH_REFUSAL}, calibration=problem.calibration)
 
 
 def plan_problem(request: PlanRequest, settings: Settings, calibration: Calibration) -> PlanProblem:
