@@ -211,7 +211,8 @@ def _plan(args: argparse.Namespace) -> int:
                f"on device {result.best.report.worst_device}" if not result.best.report.fits else
                f"--exportable {args.exportable}: no plan that format runs fits in memory; the plan shown is not "
                f"one ({refused})")
-        print(why + ("" if not args.out else f"; {args.out} not written (--allow-infeasible writes it)"))
+        print(why + ("" if not args.out else f"; {args.out} not written (--allow-infeasible writes it)"),
+              file=sys.stderr)
     return EXIT_INFEASIBLE
 
 
