@@ -270,16 +270,22 @@ def _exit_code(e: SystemExit) -> int:
 
 def _main() -> NoReturn:
     socket_path, parent_pid = Path(sys.argv[1]), int(sys.argv[2])
+    code = 1
     try:
         serve(socket_path, parent_pid, tuple(sys.argv[3:]))
+        code = 0
         if os.getppid() != parent_pid:  # the starter is gone and cannot remove the server's files: do it here
             for path in server_files(socket_path):
                 path.unlink(missing_ok=True)
             if socket_path.parent.name.startswith(FOLDER_PREFIX):
                 with contextlib.suppress(OSError):
                     socket_path.parent.rmdir()  # only if nothing else is in it
+    except BaseException:  # e.g. a module it cannot import: its starter quotes this log
+        traceback.print_exc()
     finally:
-        os._exit(0)  # no interpreter teardown of torch's modules: seconds, and nothing to flush
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # no interpreter teardown of torch's modules: seconds, and nothing to flush
 
 
 if __name__ == "__main__":

@@ -260,3 +260,31 @@ def test_a_server_whose_starter_is_gone_removes_only_its_own_files(tmp_path: Pat
                           capture_output=True, text=True, timeout=60)  # pid 1 is not its parent: it stops at once
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in folder.iterdir()) == ["important.txt"]
+
+
+def test_a_server_that_cannot_start_says_why_and_leaves_no_folder() -> None:
+    server = RankServer(preload=("tagplan.no_such_module",))
+    with pytest.raises(RankServerError, match="exited with code 1") as failed:
+        server.start(timeout_s=60)
+    assert "ModuleNotFoundError" in str(failed.value) and "tagplan.no_such_module" in str(failed.value)
+    assert not server.socket_path.parent.exists()
+
+
+def test_an_endless_request_is_refused_and_the_server_serves_on(tmp_path: Path) -> None:
+    """A request with no end of line is cut off past 16 MiB (the server reads one request at a time)."""
+    with RankServer(preload=()) as server, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(str(server.socket_path))
+        conn.settimeout(30)
+        chunk = b"x" * (1 << 20)
+        try:
+            for _ in range(20):
+                conn.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused mid-way: the answer is already waiting
+        answer = json.loads(conn.recv(4096))
+        assert "no whole request" in answer["error"] and answer["refused"] is False
+        program = tmp_path / "ok.py"
+        program.write_text("print('ok')\n")
+        rank = start_rank(server.socket_path, [str(program)], cwd=tmp_path, env=_env(), stdout=tmp_path / "o",
+                          stderr=tmp_path / "e")
+        assert rank.wait() == 0
