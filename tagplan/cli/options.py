@@ -35,6 +35,10 @@ Subparsers = argparse._SubParsersAction
 """What `add_subparsers` returns; each command group adds its commands to it."""
 
 
+
+ATTENTION_KERNELS: dict[str, bool | None] = {"auto": None, "fused": True, "unfused": False}
+"""`--attention` -> `Workload.fused_attention`."""
+
 def positive_int(text: str) -> int:
     """argparse type: a whole number above zero."""
     try:
@@ -154,6 +158,11 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-comm-overlap", action="store_true",
                         help="the runtime runs tensor-parallel collectives in chunks under the GEMMs (Megatron-Core's "
                              "--tp-comm-overlap with Transformer Engine); default: every TP collective exposed")
+    parser.add_argument("--attention", choices=list(ATTENTION_KERNELS), default="auto",
+                        help="the runtime's attention kernel: auto = FlashAttention-2 where the GPU has it (sm80 and "
+                             "later), scores materialised before; fused = a fused kernel on every device (PyTorch's "
+                             "scaled_dot_product_attention); unfused = scores materialised everywhere (runtimes before "
+                             "FlashAttention, e.g. Megatron-LM of 2021, and eager attention)")
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
 
 
@@ -179,5 +188,6 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
     workload = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
                         optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None,
                         grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True),
-                        tp_comm_overlap=getattr(args, "tp_comm_overlap", False))
+                        tp_comm_overlap=getattr(args, "tp_comm_overlap", False),
+                        fused_attention=ATTENTION_KERNELS[getattr(args, "attention", "auto")])
     return model, load_cluster_option(args.cluster, args), workload

@@ -121,7 +121,9 @@ def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) ->
         when = "overlapped with the backward" if workload.grad_reduce_overlap else "after the backward"
     return (f"costed for: global batch {workload.global_batch}, sequence {workload.seq_len}, {workload.dtype.value}, "
             f"{workload.optimizer.value}, gradients reduced in {reduce} {when}"
-            + (", tensor-parallel collectives overlapped with compute" if workload.tp_comm_overlap else ""))
+            + (", tensor-parallel collectives overlapped with compute" if workload.tp_comm_overlap else "")
+            + {None: "", True: ", attention fused on every device",
+               False: ", attention scores materialised"}[workload.fused_attention])
 
 
 def exporters_line(exporters: dict[str, str | None], *, fits: bool = True) -> str:

@@ -336,6 +336,10 @@ class WorkloadRequest(BaseModel):
     tp_comm_overlap: StrictBool | None = Field(
         default=None, description="default false: every tensor-parallel collective exposed; true: they run in "
         "chunks under the GEMMs (Megatron-Core's --tp-comm-overlap)")
+    fused_attention: StrictBool | None = Field(
+        default=None, description="default: each GPU's own attention kernel (FlashAttention-2 from sm80, scores "
+        "materialised before); true: a fused kernel on every device; false: scores materialised everywhere "
+        "(runtimes before FlashAttention)")
 
 
 class PlanRequest(BaseModel):

@@ -117,6 +117,22 @@ def test_simulate_megatron_gpt3_175b_on_128_dgx(tmp_path, capsys: pytest.Capture
     assert any(e.get("cat") == "backward" for e in events)
 
 
+def test_simulate_costs_the_attention_kernel_the_runtime_has(capsys: pytest.CaptureFixture[str]) -> None:
+    """--attention unfused (a runtime before FlashAttention) on an A100 materialises the scores: slower, and more
+    activation memory, than the A100's own fused kernel; fused on a V100 is faster than its default."""
+
+    def simulate(cluster: str, attention: str) -> dict:
+        assert main(["simulate", "--model", "gpt3-125m", "--cluster", cluster, "--plan", "dp", "--batch", "8",
+                     "--seq", "2048", "--attention", attention, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    auto, unfused = simulate("dgx-a100-80gb", "auto"), simulate("dgx-a100-80gb", "unfused")
+    assert unfused["iteration_time_s"] > 1.05 * auto["iteration_time_s"]
+    assert unfused["peak_memory_bytes"] > auto["peak_memory_bytes"]
+    assert simulate("dgx-a100-80gb", "fused")["iteration_time_s"] == pytest.approx(auto["iteration_time_s"])
+    assert simulate("p3.8xlarge", "fused")["iteration_time_s"] < simulate("p3.8xlarge", "auto")["iteration_time_s"]
+
+
 def test_simulate_plan_file_and_bad_plan(tmp_path) -> None:
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"micro_batches": 2, "schedule": "1f1b", "stages": [
@@ -205,6 +221,7 @@ def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
     assert workload_line(Workload(grad_reduce_overlap=False)).endswith("after the backward")
     assert workload_line(Workload(tp_comm_overlap=True)).endswith(
         "overlapped with the backward, tensor-parallel collectives overlapped with compute")
+    assert workload_line(Workload(fused_attention=False)).endswith("backward, attention scores materialised")
 
 
 def test_plan_exportable_exits_1_when_the_format_runs_no_plan_that_fits(tmp_path, capsys, monkeypatch) -> None:

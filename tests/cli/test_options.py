@@ -137,3 +137,16 @@ def test_plan_runs_the_baselines_beside_the_search_where_cores_are_free(monkeypa
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", *PROBLEM, "--workers", "4"])
     assert "invalid choice: 4" in capsys.readouterr().err
+
+
+def test_attention_is_each_gpus_own_unless_asked() -> None:
+    from tagplan.cli.planning import plan_problem
+
+    def fused(*extra: str) -> bool | None:
+        return plan_problem(build_parser().parse_args(["plan", *PROBLEM, *extra])).workload.fused_attention
+
+    assert fused() is None
+    assert fused("--attention", "fused") is True
+    assert fused("--attention", "unfused") is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", *PROBLEM, "--attention", "flash"])

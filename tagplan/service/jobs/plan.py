@@ -102,7 +102,7 @@ def plan_problem(request: PlanRequest, settings: Settings, calibration: Calibrat
     workload = Workload(global_batch=asked.global_batch or DEFAULT_GLOBAL_BATCH, seq_len=model.seq_len, dtype=dtype,
                         grad_reduce_dtype=asked.grad_reduce_dtype,
                         grad_reduce_overlap=asked.grad_reduce_overlap is not False,
-                        tp_comm_overlap=asked.tp_comm_overlap is True,
+                        tp_comm_overlap=asked.tp_comm_overlap is True, fused_attention=asked.fused_attention,
                         **({"optimizer": asked.optimizer} if asked.optimizer is not None else {}))
     return PlanProblem(
         model=model, cluster=cluster, workload=workload, objective=request.objective or Objective.TIME,
@@ -136,7 +136,8 @@ def echo(request: PlanRequest, problem: PlanProblem) -> dict[str, Any]:
         "workload": WorkloadRequest(global_batch=w.global_batch, seq_len=w.seq_len, dtype=w.dtype,
                                     optimizer=w.optimizer,
                                     grad_reduce_dtype=w.grad_reduce_dtype or w.dtype.elementwise,
-                                    grad_reduce_overlap=w.grad_reduce_overlap, tp_comm_overlap=w.tp_comm_overlap),
+                                    grad_reduce_overlap=w.grad_reduce_overlap, tp_comm_overlap=w.tp_comm_overlap,
+                                    fused_attention=w.fused_attention),
         "objective": problem.objective, "budget_s": problem.budget_s, "max_evaluations": problem.max_evaluations,
         "seed": problem.seed, "time_bound_s": problem.time_bound_s})
     return filled.model_dump(mode="json")

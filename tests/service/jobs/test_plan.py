@@ -51,6 +51,15 @@ def test_the_problem_takes_the_planner_s_defaults_capped_by_the_limits(settings:
     assert (capped.budget_s, capped.max_evaluations) == (5.0, 7)
 
 
+def test_the_workload_says_which_attention_kernel_the_runtime_has(settings: Settings) -> None:
+    assert problem(TINY_PLAN, settings).workload.fused_attention is None  # each GPU's own
+    for value in (True, False):
+        asked = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "fused_attention": value}}
+        assert problem(asked, settings).workload.fused_attention is value
+    with pytest.raises(SpecError, match="fused_attention"):
+        problem({**TINY_PLAN, "workload": {"fused_attention": "flash"}}, settings)
+
+
 def test_the_workload_says_whether_the_runtime_overlaps_the_gradient_reduction(settings: Settings) -> None:
     assert problem(TINY_PLAN, settings).workload.grad_reduce_overlap is True
     after = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "grad_reduce_overlap": False}}
