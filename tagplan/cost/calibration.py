@@ -170,6 +170,13 @@ class Calibration(Record):
         "checkpoint call's own cost: stashing and restoring RNG state, re-entering autograd)")
     optimizer_scale: dict[str, float] = Field(default_factory=dict,
                                               description="per device type (or *): multiplies the optimizer step")
+    zero3_comm_scale: dict[str, float] = Field(
+        default_factory=dict, description="per device type (or *): multiplies the seconds of ZeRO-3's per-micro-batch "
+        "parameter gathers and gradient reduce-scatters (what the runtime's fetches achieve against the link model)")
+    zero3_overlap: dict[str, float] = Field(
+        default_factory=dict, description="per device type (or *): the fraction of ZeRO-3's per-micro-batch "
+        "collectives hidden under the compute, 0-1 (1, the default: prefetched, a task takes the longer of its compute "
+        "and its fetches; 0: every fetch waits, the two add)")
     eager_host_dispatch_s: float = Field(
         default=EAGER_HOST_DISPATCH_S, ge=0, description="s the host takes to issue one kernel under an eager "
         "runtime (`Workload.eager`) on a device `host_dispatch_s` does not name (`host_issue_s`)")
@@ -224,6 +231,13 @@ class Calibration(Record):
         if not queued:
             return table.get(device, 0.0)
         return table.get(device, table.get(ANY_DEVICE, self.eager_host_dispatch_s))
+
+    def zero3_factors(self, device: str) -> tuple[float, float]:
+        """(seconds scale, overlap fraction) of ZeRO-3's per-micro-batch collectives on `device`: its fitted
+        figures, else the any-device ones, else (1, 1)."""
+        scale = self.zero3_comm_scale.get(device, self.zero3_comm_scale.get(ANY_DEVICE, 1.0))
+        overlap = self.zero3_overlap.get(device, self.zero3_overlap.get(ANY_DEVICE, 1.0))
+        return scale, min(max(overlap, 0.0), 1.0)
 
     def optimizer_factor(self, device: str) -> float:
         """Multiplier of the optimizer step's time on `device` (1 unless fitted)."""

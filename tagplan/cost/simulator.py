@@ -43,6 +43,18 @@ class StagePlanCost:
     p2p_s: float  # send one micro-batch's activations to the next stage
     dp_sync_s: tuple[float, float]  # (gradient reduction, parameter all-gather after the step) seconds
     zero3_s: tuple[float, float]  # per micro-batch parameter gathers/reductions (forward, backward)
+    zero3_overlap: float = 1.0  # the fraction of them hidden under compute (`Calibration.zero3_overlap`)
+
+    @property
+    def task_s(self) -> tuple[float, float]:
+        """Forward and backward task seconds of one micro-batch with the ZeRO-3 collectives: prefetched (overlap
+        1) a task takes the longer of its compute and its fetches; otherwise the hidden part of the shorter of
+        the two is not paid again."""
+        fwd, bwd = (self.critical.forward_s, self.zero3_s[0]), (self.critical.backward_s, self.zero3_s[1])
+        if self.zero3_overlap >= 1.0:
+            return max(fwd), max(bwd)
+        hidden = self.zero3_overlap
+        return sum(fwd) - hidden * min(fwd), sum(bwd) - hidden * min(bwd)
 
 
 @dataclass(frozen=True)
@@ -212,7 +224,10 @@ class Simulator:
                    + self.calibration.overhead_s("p2p_overhead_s", device))
         reduce, gather = self._dp_sync(stage, params)
         reduce += self.coster.per_iteration_tp_s(stage)
-        return StagePlanCost(critical, samples, params, p2p, (reduce, gather), self._zero3(stage, params))
+        scale, overlap = self.calibration.zero3_factors(device)
+        gathers, reductions = self._zero3(stage, params)
+        return StagePlanCost(critical, samples, params, p2p, (reduce, gather), (gathers * scale, reductions * scale),
+                             overlap)
 
     def _samples(self, stage: Stage, per_micro: int) -> tuple[float, ...]:
         """Per tensor-parallel group of `stage` (`Stage.tp_group`), its share of a micro-batch of `per_micro`:
@@ -279,9 +294,8 @@ class Simulator:
         return gather, gather + scatter
 
     def _timing(self, plan: Plan, index: int, cost: StagePlanCost) -> StageTiming:
-        # ZeRO-3 prefetches parameters: a task takes the longer of its compute and its gathers.
-        fwd = max(cost.critical.forward_s, cost.zero3_s[0])
-        bwd = max(cost.critical.backward_s, cost.zero3_s[1])
+        # ZeRO-3 prefetches parameters: a task takes the longer of its compute and its gathers (`task_s`)
+        fwd, bwd = cost.task_s
         back = plan.stages[index - 1] if index > 0 else None
         send_back = 0.0
         if back is not None:
@@ -420,8 +434,7 @@ class Simulator:
         m = plan.micro_batches
         compute = m * sum(costs[i].critical.forward_compute_s + costs[i].critical.backward_compute_s for i in members)
         tp = m * sum(costs[i].critical.forward_tp_s + costs[i].critical.backward_tp_s for i in members)
-        busy = m * sum(max(costs[i].critical.forward_s, costs[i].zero3_s[0])
-                       + max(costs[i].critical.backward_s, costs[i].zero3_s[1]) for i in members)
+        busy = m * sum(sum(costs[i].task_s) for i in members)
         zero3_exposed = max(busy - compute - tp, 0.0)
         end, dp_exposed, optimizer = tail
         idle = max(end - busy, 0.0)

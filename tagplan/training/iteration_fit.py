@@ -8,6 +8,9 @@ The parameters (`cost.calibration.Calibration`; the defaults are the datasheet m
   collective call (the ranks' synchronisation, which a send does not pay: without it the link latency
   that gloo's collectives need also slowed every pipeline send);
 - an optimizer-step scale;
+- for runs with ZeRO-3 stages, a scale of the seconds of their per-micro-batch gathers and reduce-scatters and
+  the fraction of those hidden under compute (`Calibration.zero3_comm_scale`, `zero3_overlap`, at most 1; the
+  fit starts it at 1/2, since fully hidden fetches move no prediction and their seconds could not be fitted);
 - for eager runs, the host's time to issue one kernel (`Calibration.host_dispatch_s`: a floor of each block on
   a GPU, added to it on a CPU).
 
@@ -197,10 +200,12 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
     return [*params, Param(f"micro_batch_overhead_s/{key}", False), Param(f"iteration_overhead_s/{key}", False),
             Param(f"p2p_overhead_s/{key}", False), Param(f"collective_overhead_s/{key}", False),
             Param(f"recompute_overhead_s/{key}", False), Param(f"optimizer_scale/{key}", True),
+            # the overlap starts half way: fully hidden, the fetches' seconds move no prediction and would not be fitted
+            Param(f"zero3_comm_scale/{key}", True), Param(f"zero3_overlap/{key}", True, max_value=1.0, start=0.5),
             *([host] if eager else [])]
 
 
-_SCALES = ("compute_scale", "optimizer_scale")
+_SCALES = ("compute_scale", "optimizer_scale", "zero3_comm_scale", "zero3_overlap")
 
 
 def read_values(base: Calibration, params: Sequence[Param], unit_s: float) -> np.ndarray:
@@ -215,7 +220,8 @@ def read_values(base: Calibration, params: Sequence[Param], unit_s: float) -> np
             table = base.host_dispatch_s
             value = table.get(key, table.get(ANY_DEVICE, base.eager_host_dispatch_s if p.start is None else p.start))
         else:
-            value = getattr(base, head).get(key, 1.0 if head in _SCALES else 0.0)
+            unset = p.start if p.start is not None else 1.0 if head in _SCALES else 0.0
+            value = getattr(base, head).get(key, unset)
         out.append(math.log(value) if p.log_scale else value / unit_s)
     return np.array(out, dtype=float)
 
@@ -258,7 +264,8 @@ def fit_parameters(cases: Sequence[IterationCase], base: Calibration, *, max_ste
                              [params[k] for k in active], max_steps)
     full = x0.copy()
     full[active] = x
-    fitted = write_values(base, params, full, unit_s)
+    # only what the records inform: a parameter they cannot see keeps `base`'s figure, not the fit's start
+    fitted = write_values(base, [params[k] for k in active], full[active], unit_s)
     values = {params[k].name: float(math.exp(full[k]) if params[k].log_scale else max(full[k], 0.0) * unit_s)
               for k in active}
     return fitted, values
