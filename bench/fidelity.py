@@ -296,7 +296,7 @@ def as_device(calibration: Calibration, source: str, target: str) -> Calibration
 
     fields = ("compute", "memory_efficiency", "links", "launch_by_device", "compute_scale", "link_scales",
               "micro_batch_overhead_s", "iteration_overhead_s", "p2p_overhead_s", "collective_overhead_s",
-              "recompute_overhead_s", "optimizer_scale", "host_dispatch_s")
+              "recompute_overhead_s", "optimizer_scale", "host_dispatch_s", "zero3_comm_scale", "zero3_hidden_fraction")
     return calibration.model_copy(update={**{f: renamed(getattr(calibration, f)) for f in fields}, "layers": ()})
 
 

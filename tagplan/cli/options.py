@@ -34,10 +34,9 @@ EXIT_INFEASIBLE = 1  # `plan`: no plan (--exportable: none the format runs) fits
 Subparsers = argparse._SubParsersAction
 """What `add_subparsers` returns; each command group adds its commands to it."""
 
-
-
 ATTENTION_KERNELS: dict[str, bool | None] = {"auto": None, "fused": True, "unfused": False}
 """`--attention` -> `Workload.fused_attention`."""
+
 
 def positive_int(text: str) -> int:
     """argparse type: a whole number above zero."""

@@ -21,7 +21,8 @@ datasheet model: scales 1, overheads 0): an achieved-compute scale per device ty
 x scale), per link class an achieved-bandwidth scale and an added latency per step, a fixed
 overhead per stage per micro-batch, per iteration, per pipeline send, per collective call (the
 ranks' synchronisation, which a send does not pay) and per recomputed layer and micro-batch, and an
-optimizer-step scale. Measured layer times (`LayerTime`) replace the op model
+optimizer-step scale, and for ZeRO-3 stages a scale of their per-micro-batch fetches' seconds and the
+fraction of them hidden under compute. Measured layer times (`LayerTime`) replace the op model
 for the blocks they cover.
 """
 
@@ -171,12 +172,13 @@ class Calibration(Record):
     optimizer_scale: dict[str, float] = Field(default_factory=dict,
                                               description="per device type (or *): multiplies the optimizer step")
     zero3_comm_scale: dict[str, float] = Field(
-        default_factory=dict, description="per device type (or *): multiplies the seconds of ZeRO-3's per-micro-batch "
-        "parameter gathers and gradient reduce-scatters (what the runtime's fetches achieve against the link model)")
-    zero3_overlap: dict[str, float] = Field(
-        default_factory=dict, description="per device type (or *): the fraction of ZeRO-3's per-micro-batch "
-        "collectives hidden under the compute, 0-1 (1, the default: prefetched, a task takes the longer of its compute "
-        "and its fetches; 0: every fetch waits, the two add)")
+        default_factory=dict, description="per device type (or *), > 0: multiplies the seconds of ZeRO-3's "
+        "per-micro-batch parameter gathers and gradient reduce-scatters (what the runtime's fetches achieve against "
+        "the link model)")
+    zero3_hidden_fraction: dict[str, float] = Field(
+        default_factory=dict, description="per device type (or *), 0-1: how much of the shorter of a ZeRO-3 task's "
+        "compute and its fetches runs hidden under the other (1, the default: prefetched, the task takes the longer "
+        "of the two; 0: every fetch waits, they add)")
     eager_host_dispatch_s: float = Field(
         default=EAGER_HOST_DISPATCH_S, ge=0, description="s the host takes to issue one kernel under an eager "
         "runtime (`Workload.eager`) on a device `host_dispatch_s` does not name (`host_issue_s`)")
@@ -232,12 +234,22 @@ class Calibration(Record):
             return table.get(device, 0.0)
         return table.get(device, table.get(ANY_DEVICE, self.eager_host_dispatch_s))
 
+    @model_validator(mode="after")
+    def _check_zero3(self) -> Calibration:
+        bad = {k: v for k, v in self.zero3_comm_scale.items() if not v > 0}
+        if bad:
+            raise ValueError(f"zero3_comm_scale must be > 0 (a multiple of the fetches' seconds), got {bad}")
+        bad = {k: v for k, v in self.zero3_hidden_fraction.items() if not 0 <= v <= 1}
+        if bad:
+            raise ValueError(f"zero3_hidden_fraction must be in [0, 1], got {bad}")
+        return self
+
     def zero3_factors(self, device: str) -> tuple[float, float]:
-        """(seconds scale, overlap fraction) of ZeRO-3's per-micro-batch collectives on `device`: its fitted
+        """(seconds scale, hidden fraction) of ZeRO-3's per-micro-batch collectives on `device`: its fitted
         figures, else the any-device ones, else (1, 1)."""
         scale = self.zero3_comm_scale.get(device, self.zero3_comm_scale.get(ANY_DEVICE, 1.0))
-        overlap = self.zero3_overlap.get(device, self.zero3_overlap.get(ANY_DEVICE, 1.0))
-        return scale, min(max(overlap, 0.0), 1.0)
+        hidden = self.zero3_hidden_fraction.get(device, self.zero3_hidden_fraction.get(ANY_DEVICE, 1.0))
+        return scale, min(max(hidden, 0.0), 1.0)  # a fit's finite-difference step may probe just past 1
 
     def optimizer_factor(self, device: str) -> float:
         """Multiplier of the optimizer step's time on `device` (1 unless fitted)."""

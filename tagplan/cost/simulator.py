@@ -43,17 +43,17 @@ class StagePlanCost:
     p2p_s: float  # send one micro-batch's activations to the next stage
     dp_sync_s: tuple[float, float]  # (gradient reduction, parameter all-gather after the step) seconds
     zero3_s: tuple[float, float]  # per micro-batch parameter gathers/reductions (forward, backward)
-    zero3_overlap: float = 1.0  # the fraction of them hidden under compute (`Calibration.zero3_overlap`)
+    zero3_hidden_fraction: float = 1.0  # of the shorter of compute and fetches, hidden under the other (`Calibration`)
 
     @property
     def task_s(self) -> tuple[float, float]:
-        """Forward and backward task seconds of one micro-batch with the ZeRO-3 collectives: prefetched (overlap
-        1) a task takes the longer of its compute and its fetches; otherwise the hidden part of the shorter of
-        the two is not paid again."""
+        """Forward and backward task seconds of one micro-batch with the ZeRO-3 collectives: prefetched (hidden
+        fraction 1) a task takes the longer of its compute and its fetches; otherwise the hidden part of the shorter
+        of the two is not paid again."""
         fwd, bwd = (self.critical.forward_s, self.zero3_s[0]), (self.critical.backward_s, self.zero3_s[1])
-        if self.zero3_overlap >= 1.0:
+        if self.zero3_hidden_fraction >= 1.0:
             return max(fwd), max(bwd)
-        hidden = self.zero3_overlap
+        hidden = self.zero3_hidden_fraction
         return sum(fwd) - hidden * min(fwd), sum(bwd) - hidden * min(bwd)
 
 
@@ -224,10 +224,10 @@ class Simulator:
                    + self.calibration.overhead_s("p2p_overhead_s", device))
         reduce, gather = self._dp_sync(stage, params)
         reduce += self.coster.per_iteration_tp_s(stage)
-        scale, overlap = self.calibration.zero3_factors(device)
+        scale, hidden = self.calibration.zero3_factors(device)
         gathers, reductions = self._zero3(stage, params)
         return StagePlanCost(critical, samples, params, p2p, (reduce, gather), (gathers * scale, reductions * scale),
-                             overlap)
+                             hidden)
 
     def _samples(self, stage: Stage, per_micro: int) -> tuple[float, ...]:
         """Per tensor-parallel group of `stage` (`Stage.tp_group`), its share of a micro-batch of `per_micro`:

@@ -9,8 +9,9 @@ The parameters (`cost.calibration.Calibration`; the defaults are the datasheet m
   that gloo's collectives need also slowed every pipeline send);
 - an optimizer-step scale;
 - for runs with ZeRO-3 stages, a scale of the seconds of their per-micro-batch gathers and reduce-scatters and
-  the fraction of those hidden under compute (`Calibration.zero3_comm_scale`, `zero3_overlap`, at most 1; the
-  fit starts it at 1/2, since fully hidden fetches move no prediction and their seconds could not be fitted);
+  how much of them runs hidden under compute (`Calibration.zero3_comm_scale`, `zero3_hidden_fraction`, at most 1;
+  the fit starts the fraction at 1/2, since fully hidden fetches move no prediction and their seconds could not
+  be fitted);
 - for eager runs, the host's time to issue one kernel (`Calibration.host_dispatch_s`: a floor of each block on
   a GPU, added to it on a CPU).
 
@@ -201,11 +202,12 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
             Param(f"p2p_overhead_s/{key}", False), Param(f"collective_overhead_s/{key}", False),
             Param(f"recompute_overhead_s/{key}", False), Param(f"optimizer_scale/{key}", True),
             # the overlap starts half way: fully hidden, the fetches' seconds move no prediction and would not be fitted
-            Param(f"zero3_comm_scale/{key}", True), Param(f"zero3_overlap/{key}", True, max_value=1.0, start=0.5),
+            Param(f"zero3_comm_scale/{key}", True),
+            Param(f"zero3_hidden_fraction/{key}", True, max_value=1.0, start=0.5),
             *([host] if eager else [])]
 
 
-_SCALES = ("compute_scale", "optimizer_scale", "zero3_comm_scale", "zero3_overlap")
+_SCALES = ("compute_scale", "optimizer_scale", "zero3_comm_scale", "zero3_hidden_fraction")
 
 
 def read_values(base: Calibration, params: Sequence[Param], unit_s: float) -> np.ndarray:
@@ -220,8 +222,9 @@ def read_values(base: Calibration, params: Sequence[Param], unit_s: float) -> np
             table = base.host_dispatch_s
             value = table.get(key, table.get(ANY_DEVICE, base.eager_host_dispatch_s if p.start is None else p.start))
         else:
+            table = getattr(base, head)  # as the simulator reads it: the device's figure, else the any-device one
             unset = p.start if p.start is not None else 1.0 if head in _SCALES else 0.0
-            value = getattr(base, head).get(key, unset)
+            value = table.get(key, table.get(ANY_DEVICE, unset))
         out.append(math.log(value) if p.log_scale else value / unit_s)
     return np.array(out, dtype=float)
 
@@ -256,7 +259,7 @@ def fit_parameters(cases: Sequence[IterationCase], base: Calibration, *, max_ste
         return np.log(predict_s(cases, write_values(base, params, full, unit_s))) - truth
 
     every = list(range(len(params)))
-    jac0 = _jacobian(lambda x: residual(x, every), x0, residual(x0, every))
+    jac0 = _jacobian(lambda x: residual(x, every), x0, residual(x0, every), [p.upper for p in params])
     active = [k for k in every if np.max(np.abs(jac0[:, k])) > 1e-6]
     if not active:
         return base, {}
@@ -271,10 +274,13 @@ def fit_parameters(cases: Sequence[IterationCase], base: Calibration, *, max_ste
     return fitted, values
 
 
-def _jacobian(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray, fx: np.ndarray) -> np.ndarray:
-    step = 1e-3
+def _jacobian(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray, fx: np.ndarray,
+              upper: Sequence[float] | None = None) -> np.ndarray:
+    """Forward differences, backward where a step would cross a parameter's `upper` bound (a fraction at 1 would
+    otherwise probe only values the model clamps, and look insensitive)."""
     cols = []
     for k in range(len(x)):
+        step = -1e-3 if upper is not None and x[k] + 1e-3 > upper[k] else 1e-3
         moved = x.copy()
         moved[k] += step
         cols.append((f(moved) - fx) / step)
@@ -301,7 +307,7 @@ def _levenberg_marquardt(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray, p
     current, damping = loss(r, x), 1e-2
     for _ in range(max_steps):
         w = np.minimum(1.0, HUBER_DELTA / np.maximum(np.abs(r), 1e-12))
-        jac = _jacobian(f, x, r)
+        jac = _jacobian(f, x, r, [p.upper for p in params])
         normal = jac.T @ (w[:, None] * jac) + PRIOR * np.eye(len(x))
         gradient = jac.T @ (w * r) + PRIOR * (x - prior)
         improved = False

@@ -222,6 +222,7 @@ def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
     assert workload_line(Workload(tp_comm_overlap=True)).endswith(
         "overlapped with the backward, tensor-parallel collectives overlapped with compute")
     assert workload_line(Workload(fused_attention=False)).endswith("backward, attention scores materialised")
+    assert workload_line(Workload(fused_attention=True)).endswith("backward, attention fused on every device")
 
 
 def test_plan_exportable_exits_1_when_the_format_runs_no_plan_that_fits(tmp_path, capsys, monkeypatch) -> None:

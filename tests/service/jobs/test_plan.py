@@ -52,10 +52,15 @@ def test_the_problem_takes_the_planner_s_defaults_capped_by_the_limits(settings:
 
 
 def test_the_workload_says_which_attention_kernel_the_runtime_has(settings: Settings) -> None:
+    from tagplan.service.jobs.plan import echo
+
     assert problem(TINY_PLAN, settings).workload.fused_attention is None  # each GPU's own
-    for value in (True, False):
+    for value in (True, False, None):  # None: an explicit null, as if left out
         asked = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "fused_attention": value}}
-        assert problem(asked, settings).workload.fused_attention is value
+        planned = problem(asked, settings)
+        assert planned.workload.fused_attention is value
+        request = read_request(PlanRequest, asked, "plan request")
+        assert echo(request, planned)["workload"]["fused_attention"] is value  # the result says what was costed
     with pytest.raises(SpecError, match="fused_attention"):
         problem({**TINY_PLAN, "workload": {"fused_attention": "flash"}}, settings)
 
