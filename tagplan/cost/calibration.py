@@ -249,7 +249,7 @@ class Calibration(Record):
         figures, else the any-device ones, else (1, 1)."""
         scale = self.zero3_comm_scale.get(device, self.zero3_comm_scale.get(ANY_DEVICE, 1.0))
         hidden = self.zero3_hidden_fraction.get(device, self.zero3_hidden_fraction.get(ANY_DEVICE, 1.0))
-        return scale, min(max(hidden, 0.0), 1.0)  # a fit's finite-difference step may probe just past 1
+        return scale, min(max(hidden, 0.0), 1.0)  # model_copy (the fit's updates) skips the validator
 
     def optimizer_factor(self, device: str) -> float:
         """Multiplier of the optimizer step's time on `device` (1 unless fitted)."""

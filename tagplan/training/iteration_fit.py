@@ -201,7 +201,7 @@ def parameters(cases: Sequence[IterationCase]) -> list[Param]:
     return [*params, Param(f"micro_batch_overhead_s/{key}", False), Param(f"iteration_overhead_s/{key}", False),
             Param(f"p2p_overhead_s/{key}", False), Param(f"collective_overhead_s/{key}", False),
             Param(f"recompute_overhead_s/{key}", False), Param(f"optimizer_scale/{key}", True),
-            # the overlap starts half way: fully hidden, the fetches' seconds move no prediction and would not be fitted
+            # the fraction starts half way: fully hidden, the fetches' seconds move no prediction and go unfitted
             Param(f"zero3_comm_scale/{key}", True),
             Param(f"zero3_hidden_fraction/{key}", True, max_value=1.0, start=0.5),
             *([host] if eager else [])]
