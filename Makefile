@@ -46,6 +46,7 @@ bench: $(STAMP_RUN)
 	$(BIN)/python bench/gnn.py
 	$(BIN)/python bench/fidelity.py
 	$(BIN)/python bench/fidelity_amp.py
+	$(BIN)/python bench/fidelity_megatron_a100.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -277,7 +277,7 @@ def _series(sim: Simulator, devices: tuple[int, ...], point: GridPoint) -> Itera
     (interleaved: whose micro-batch count pp divides, as Megatron requires)."""
     layers, batch, pp, chunks = len(sim.model.layers), sim.workload.global_batch, point.pp, point.chunks
     per_stage = len(devices) // pp
-    bounds = _even_bounds(layers, pp * chunks)
+    bounds = even_bounds(layers, pp * chunks)
     schedule = Schedule.ONE_F_ONE_B if chunks == 1 else Schedule.INTERLEAVED_1F1B
     # virtual stage k = c * pp + s runs on device group s (Megatron's round-robin layout)
     stages = tuple(Stage(layers=(bounds[k], bounds[k + 1]),
@@ -291,7 +291,7 @@ def _series(sim: Simulator, devices: tuple[int, ...], point: GridPoint) -> Itera
                                                               stages=stages)
 
 
-def _even_bounds(layers: int, parts: int) -> list[int]:
+def even_bounds(layers: int, parts: int) -> list[int]:
     """Boundaries of `parts` consecutive stages splitting the blocks evenly, the embedding on the
     first part, the head on the last."""
     if layers <= 2:
