@@ -34,6 +34,7 @@ from functools import cached_property
 
 from pydantic import Field, model_validator
 
+from tagplan.cost.object_memo import object_memo
 from tagplan.ir.base import Record
 from tagplan.ir.cluster import Cluster, Node
 from tagplan.ir.model import OpKind
@@ -282,10 +283,30 @@ def calibrated_cluster(cluster: Cluster, calibration: Calibration) -> Cluster:
     loses its per-pair overrides: the measurement already averages over the node's real links); one
     with an `inter` fit gets NICs whose per-GPU share is the fitted bandwidth, and the network the
     largest fitted latency. Link scales (`Calibration.link_scales`) then multiply the resulting
-    bandwidths and add their latency. Returns `cluster` itself when nothing applies.
+    bandwidths and add their latency. Returns `cluster` itself when nothing applies. Memoised per
+    cluster object and link figures (`object_memo`): a fit's many tries that leave the links alone get
+    the same calibrated cluster, and with it its memoised links and group topologies.
     """
     if not calibration.links and not calibration.link_scales:
         return cluster
+    key = (tuple((k, v.bandwidth_Bps, v.latency_s) for k, v in sorted(calibration.links.items())),
+           tuple((k, v.bandwidth_scale, v.latency_s) for k, v in sorted(calibration.link_scales.items())))
+    memo = object_memo(cluster, "calibrated_cluster")
+    hit = memo.pop(key, None)
+    if hit is None:
+        hit = _calibrated_cluster(cluster, calibration)
+        if len(memo) >= CALIBRATED_VARIANTS:
+            del memo[next(iter(memo))]  # the least recently used
+    memo[key] = hit
+    return hit
+
+
+CALIBRATED_VARIANTS = 8
+"""Calibrated copies kept per cluster (least recently used dropped): a fit's tries move one link figure
+at a time, so a handful covers them."""
+
+
+def _calibrated_cluster(cluster: Cluster, calibration: Calibration) -> Cluster:
     nodes: list[Node] = []
     latencies: list[float] = []
     changed = False

@@ -49,6 +49,7 @@ from enum import StrEnum
 from itertools import pairwise
 
 from tagplan.cost.mesh_rings import MESH_LIMIT, mesh_ring
+from tagplan.cost.object_memo import object_memo
 from tagplan.ir.cluster import Cluster, Link, LinkKind
 
 BYTES_ONLY_BANDWIDTH_Bps = 1e10
@@ -330,7 +331,8 @@ def pair_plan(cluster: Cluster, src_group: Sequence[int], dst_group: Sequence[in
 class CommModel:
     """Communication costs on one cluster, with explicit memo tables keyed by the device groups.
 
-    `memo` maps tuple(devices) -> GroupTopology and `pair_memo` (src, dst) -> PairPlan; after the
+    `memo` maps tuple(devices) -> GroupTopology and `pair_memo` (src, dst) -> PairPlan, both shared by
+    every model on the same cluster object (`object_memo`: they depend on its links alone); after the
     first call for a group every further call is O(1) arithmetic (plus hashing the key).
     """
 
@@ -343,8 +345,8 @@ class CommModel:
         self.mode = CommMode(mode)
         self._overhead_of = collective_overhead_s
         self._overheads: dict[tuple[int, ...], float] = {}
-        self.memo: dict[tuple[int, ...], GroupTopology] = {}
-        self.pair_memo: dict[tuple[tuple[int, ...], tuple[int, ...]], PairPlan] = {}
+        self.memo: dict[tuple[int, ...], GroupTopology] = object_memo(cluster, "group_topology")
+        self.pair_memo: dict[tuple[tuple[int, ...], tuple[int, ...]], PairPlan] = object_memo(cluster, "pair_plan")
 
     def topology(self, devices: Sequence[int]) -> GroupTopology:
         """The memoised `group_topology` of `devices` (order matters: it fixes the ring)."""

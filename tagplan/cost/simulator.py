@@ -22,6 +22,7 @@ from tagplan.cost.memory import (
     model_state_bytes,
     transient_bytes_per_sample,
 )
+from tagplan.cost.object_memo import object_memo
 from tagplan.cost.pipeline import PipelineResult, StageTiming, lane_peaks, max_in_flight, simulate_pipeline
 from tagplan.cost.report import Breakdown, DeviceMemoryReport, Report, StageReport
 from tagplan.cost.sharding import divides
@@ -702,10 +703,15 @@ class Simulator:
 
 
 def attention_cluster(cluster: Cluster, fused: bool | None) -> Cluster:
-    """`cluster` with every device's attention kernel set to `fused` (None: as each device has it)."""
+    """`cluster` with every device's attention kernel set to `fused` (None: as each device has it); one copy
+    per cluster object (`object_memo`), so that simulators of the same cluster share its link memos."""
     if fused is None or all(n.device.fused_attention is fused for n in cluster.nodes):
         return cluster
-    return cluster.with_device_figures(fused_attention=fused)
+    memo = object_memo(cluster, "attention_cluster")
+    copy = memo.get(fused)
+    if copy is None:
+        copy = memo[fused] = cluster.with_device_figures(fused_attention=fused)
+    return copy
 
 
 def _exposed_p2p_s(timings: list[StageTiming], micro_batches: int) -> float:
