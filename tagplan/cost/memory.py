@@ -16,7 +16,9 @@
   forward is not replayed.
 - Under an eager runtime's autocast over fp32 weights (`Workload.eager`, 16-bit compute), each micro-batch
   in flight also keeps the 16-bit copy of every weight a GEMM multiplied (`Simulator._cast_copies_bytes`).
-- Transient: the largest single op output of the stage (e.g. the logits) and its gradient.
+- Transient: the largest single op output of the stage (e.g. the logits) and its gradient. A fused
+  cross-entropy (`Workload.fused_loss`) keeps the 16-bit logits instead of the fp32 softmax, and they then
+  count once more here, as their gradient.
 - `FRAMEWORK_OVERHEAD_BYTES`: CUDA context (0.3-0.5 GB), cuBLAS workspaces, NCCL buffers for
   the communicators, and caching-allocator fragmentation; PyTorch jobs typically show 0.7-1.5
   GB beyond what tensors account for. One documented constant, not tuned per case.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tagplan.ir.model import Block
+from tagplan.ir.model import Block, Op, OpKind
 from tagplan.ir.workload import Workload
 
 FRAMEWORK_OVERHEAD_BYTES = 1.0e9
@@ -64,7 +66,31 @@ def model_state_bytes(params: float, workload: Workload, *, zero: int, dp: int) 
     return weights, grads, optim
 
 
-def transient_bytes_per_sample(blocks: list[Block], *, tp: int) -> float:
-    """The largest op output of the stage and its gradient, per sample."""
-    largest = max((b.largest_output_bytes for b in blocks), default=0.0)
-    return 2.0 * largest / tp
+def transient_bytes_per_sample(blocks: list[Block], *, tp: int, fused_loss: bool = False) -> float:
+    """The largest op output of the stage and its gradient, per sample. Under a fused loss
+    (`Workload.fused_loss`) the loss writes per-token figures only, and the logits it reads it keeps as
+    an activation (`fused_loss_saved_bytes`), so they count here once, as their gradient."""
+    if not fused_loss:
+        return 2.0 * max((b.largest_output_bytes for b in blocks), default=0.0) / tp
+    largest = 0.0
+    for block in blocks:
+        losses = [op for op in block.ops if is_loss(op, block)]
+        logits = {src for op in losses for src in op.inputs}
+        for op in block.ops:
+            if op in losses:
+                written = op.bytes_written - op.saved_bytes  # the per-token loss, not the fp32 softmax
+                largest = max(largest, 2.0 * written)
+            else:
+                largest = max(largest, (1.0 if op.name in logits else 2.0) * op.bytes_written)
+    return largest / tp
+
+
+def is_loss(op: Op, block: Block) -> bool:
+    """A head's softmax: the model's loss (cross-entropy over the logits)."""
+    return op.kind is OpKind.SOFTMAX and block.kind == "head"
+
+
+def fused_loss_saved_bytes(op: Op, nbytes: float) -> float:
+    """What a fused cross-entropy keeps for its backward per sample: the logits at `nbytes` an element, where the
+    eager loss keeps its fp32 softmax (`op.saved_bytes`, 4 bytes an element)."""
+    return op.saved_bytes * nbytes / 4.0

@@ -19,6 +19,8 @@ from tagplan.cost.comm import Collective, CommMode, CommModel
 from tagplan.cost.compute import model_flops
 from tagplan.cost.memory import (
     DeviceMemory,
+    fused_loss_saved_bytes,
+    is_loss,
     model_state_bytes,
     transient_bytes_per_sample,
 )
@@ -600,7 +602,8 @@ class Simulator:
                 saved = sum(n * self._saved_of(b, stage) for b, n in units)
             # one recomputed layer's activations are live during its backward, kept as the runtime keeps them
             recomputing = max((self._saved_of(self.model.block_by_hash[h], stage) for h in replayed), default=0.0)
-            working = recomputing + transient_bytes_per_sample(blocks, tp=stage.tp)
+            working = recomputing + transient_bytes_per_sample(blocks, tp=stage.tp,
+                                                               fused_loss=self.workload.fused_loss)
             hit = self.coster.memory_memo[key] = (saved, working)
         return hit
 
@@ -618,8 +621,11 @@ class Simulator:
         copy the weight gradient reads); what other ops save stays in the elementwise dtype. Where the
         runtime fuses pointwise chains (`Workload.fused_activation`), a pointwise op does not keep an
         input that another pointwise op of the block made from inputs it keeps: the fused backward
-        recomputes it (SwiGLU keeps gate and up, not silu(gate) as well)."""
+        recomputes it (SwiGLU keeps gate and up, not silu(gate) as well). A fused loss (`Workload.fused_loss`)
+        keeps the 16-bit logits, not the fp32 softmax."""
         dtype = self.workload.dtype
+        if self.workload.fused_loss and is_loss(op, block):
+            return fused_loss_saved_bytes(op, dtype.elementwise.nbytes)
         if op.kind is OpKind.MATMUL and dtype.quantized:
             return op.saved_bytes * dtype.gemm_nbytes / dtype.nbytes
         if self.workload.fused_activation and op.kind is OpKind.ELEMENTWISE and op.saved_bytes and op.inputs:

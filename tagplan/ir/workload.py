@@ -118,6 +118,12 @@ class Workload(Record):
         "product: Megatron-Core's bias_swiglu_impl) into one function that keeps only the chain's own inputs for "
         "its backward and recomputes the rest (the gated MLP keeps its two projections, not also the activated "
         "one). False: each pointwise op keeps its inputs (PyTorch eager, Hugging Face)")
+    fused_loss: bool = Field(
+        default=False, description="the runtime's cross-entropy is one fused kernel over the 16-bit logits (flash-"
+        "attn's CrossEntropyLoss, llm-foundry's default for MPT; Megatron-Core's --cross-entropy-loss-fusion): the "
+        "loss keeps the logits it read for its backward and writes per-token figures, where an eager loss upcasts "
+        "them and keeps the fp32 softmax, and its fp32 output and gradient are the stage's largest transients. "
+        "Costed in memory only. False: PyTorch's cross_entropy on upcast logits")
     eager: bool = Field(
         default=False, description="the runtime runs the model op by op as eager PyTorch, under autocast when it "
         "computes in 16 bits (`autocast`; tagplan's torch program, its measured iterations): the host issues each "

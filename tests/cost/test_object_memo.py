@@ -61,7 +61,7 @@ def test_simulators_sharing_a_cluster_give_what_fresh_ones_give() -> None:
     b = Simulator(model, cluster, workload, calibration=Calibration(link_scales=slow, compute_scale={"*": 2.0}))
     assert a.comm.memo is b.comm.memo  # the group topologies are computed once per cluster
     # a link scale that changes gives other topologies, and a slower iteration
-    slower = Simulator(model, cluster, workload,
-                       calibration=Calibration(link_scales={"*/inter": LinkScale(bandwidth_scale=0.05, latency_s=1e-4)}))
+    thin = {"*/inter": LinkScale(bandwidth_scale=0.05, latency_s=1e-4)}
+    slower = Simulator(model, cluster, workload, calibration=Calibration(link_scales=thin))
     assert slower.comm.memo is not a.comm.memo
     assert slower.simulate(plan).iteration_time_s > a.simulate(plan).iteration_time_s
