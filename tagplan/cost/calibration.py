@@ -294,11 +294,18 @@ def calibrated_cluster(cluster: Cluster, calibration: Calibration) -> Cluster:
     memo = object_memo(cluster, "calibrated_cluster")
     hit = memo.pop(key, None)
     if hit is None:
-        hit = _calibrated_cluster(cluster, calibration)
+        copy = _calibrated_cluster(cluster, calibration)
+        # the memo must not hold `cluster` itself: it would keep the object its own memo is dropped with alive
+        hit = _UNCHANGED if copy is cluster else copy
         if len(memo) >= CALIBRATED_VARIANTS:
             del memo[next(iter(memo))]  # the least recently used
     memo[key] = hit
-    return hit
+    return cluster if hit is _UNCHANGED else hit
+
+
+_UNCHANGED = object()
+"""`calibrated_cluster`'s memo entry for link figures that change nothing on the cluster (e.g. a fit for a device
+type it does not have)."""
 
 
 CALIBRATED_VARIANTS = 8

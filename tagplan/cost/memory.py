@@ -77,20 +77,20 @@ def transient_bytes_per_sample(blocks: list[Block], *, tp: int, fused_loss: bool
         losses = [op for op in block.ops if is_loss(op, block)]
         logits = {src for op in losses for src in op.inputs}
         for op in block.ops:
-            if op in losses:
-                written = op.bytes_written - op.saved_bytes  # the per-token loss, not the fp32 softmax
-                largest = max(largest, 2.0 * written)
+            if op in losses:  # the per-token loss, not the fp32 softmax (what the eager loss writes and keeps)
+                largest = max(largest, 2.0 * max(op.bytes_written - op.saved_bytes, 0.0))
             else:
                 largest = max(largest, (1.0 if op.name in logits else 2.0) * op.bytes_written)
     return largest / tp
 
 
 def is_loss(op: Op, block: Block) -> bool:
-    """A head's softmax: the model's loss (cross-entropy over the logits)."""
+    """A head's softmax: the model's loss (cross-entropy over the logits; a traced head whose loss is one
+    `cross_entropy` op, or that has none, has no such op, and `Workload.fused_loss` leaves it as it is)."""
     return op.kind is OpKind.SOFTMAX and block.kind == "head"
 
 
-def fused_loss_saved_bytes(op: Op, nbytes: float) -> float:
-    """What a fused cross-entropy keeps for its backward per sample: the logits at `nbytes` an element, where the
-    eager loss keeps its fp32 softmax (`op.saved_bytes`, 4 bytes an element)."""
-    return op.saved_bytes * nbytes / 4.0
+def fused_loss_saved_bytes(op: Op, block: Block) -> float:
+    """What a fused cross-entropy keeps for its backward per sample: the logits it reads, as the ops that make
+    them write them (the model's 16-bit logits), where the eager loss keeps its fp32 softmax."""
+    return sum(other.bytes_written for other in block.ops if other.name in op.inputs)

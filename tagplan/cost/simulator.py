@@ -625,7 +625,7 @@ class Simulator:
         keeps the 16-bit logits, not the fp32 softmax."""
         dtype = self.workload.dtype
         if self.workload.fused_loss and is_loss(op, block):
-            return fused_loss_saved_bytes(op, dtype.elementwise.nbytes)
+            return fused_loss_saved_bytes(op, block)
         if op.kind is OpKind.MATMUL and dtype.quantized:
             return op.saved_bytes * dtype.gemm_nbytes / dtype.nbytes
         if self.workload.fused_activation and op.kind is OpKind.ELEMENTWISE and op.saved_bytes and op.inputs:

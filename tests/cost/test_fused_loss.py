@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tagplan.cost.memory import transient_bytes_per_sample
+from tagplan.cost.memory import fused_loss_saved_bytes, is_loss, transient_bytes_per_sample
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
+from tagplan.ir.model import Block, Op, OpKind
 from tagplan.ir.plan import Plan, Stage
 from tagplan.ir.workload import Workload
 
@@ -43,3 +44,18 @@ def test_a_stage_without_the_head_is_unchanged() -> None:
     model = load_model(f"gpt?layers=2&hidden=128&heads=2&vocab={VOCAB}", seq_len=SEQ)
     body = [model.block_of(i) for i in range(1, 3)]
     assert transient_bytes_per_sample(body, tp=1, fused_loss=True) == transient_bytes_per_sample(body, tp=1)
+
+
+def test_the_kept_logits_are_what_the_ops_that_make_them_write() -> None:
+    """A head as a tracer records it (every tensor at the model's dtype, the loss a log_softmax over a cast), not
+    only as the analytic builder does (an fp32 softmax kept): the fused loss keeps the logits its inputs wrote."""
+    logits = Op(name="cast", kind=OpKind.ELEMENTWISE, flops=0, bytes_read=2000, bytes_written=2000, inputs=("mm",))
+    matmul = Op(name="mm", kind=OpKind.MATMUL, flops=1, bytes_read=10, bytes_written=2000, saved_bytes=10)
+    loss = Op(name="log_softmax", kind=OpKind.SOFTMAX, flops=5, bytes_read=2000, bytes_written=2000,
+              saved_bytes=2000, inputs=("cast",))
+    head = Block(hash="h", kind="head", ops=(matmul, logits, loss), params=0, output_bytes=0)
+    assert is_loss(loss, head) and not is_loss(matmul, head)
+    assert fused_loss_saved_bytes(loss, head) == 2000
+    # the loss writes nothing beyond what it keeps; the logits count once (their gradient); the matmul's output twice
+    assert transient_bytes_per_sample([head], tp=1, fused_loss=True) == 2 * 2000
+    assert not is_loss(loss, head.model_copy(update={"kind": "block"}))
