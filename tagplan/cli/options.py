@@ -36,6 +36,8 @@ Subparsers = argparse._SubParsersAction
 
 ATTENTION_KERNELS: dict[str, bool | None] = {"auto": None, "fused": True, "unfused": False}
 """`--attention` -> `Workload.fused_attention`."""
+LOSS_KERNELS: dict[str, bool] = {"eager": False, "fused": True}
+"""`--loss` -> `Workload.fused_loss`."""
 
 
 def positive_int(text: str) -> int:
@@ -162,6 +164,11 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
                              "later), scores materialised before; fused = a fused kernel on every device (PyTorch's "
                              "scaled_dot_product_attention); unfused = scores materialised everywhere (runtimes before "
                              "FlashAttention, e.g. Megatron-LM of 2021, and eager attention)")
+    parser.add_argument("--loss", choices=list(LOSS_KERNELS), default="eager",
+                        help="the runtime's cross-entropy: eager = PyTorch's on upcast logits, keeping an fp32 "
+                             "softmax (default); fused = one kernel over the 16-bit logits, keeping them (flash-attn's "
+                             "CrossEntropyLoss, llm-foundry's default; Megatron-Core's --cross-entropy-loss-fusion): "
+                             "less memory on the stage holding the head")
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
 
 
@@ -188,5 +195,6 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
                         optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None,
                         grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True),
                         tp_comm_overlap=getattr(args, "tp_comm_overlap", False),
-                        fused_attention=ATTENTION_KERNELS[getattr(args, "attention", "auto")])
+                        fused_attention=ATTENTION_KERNELS[getattr(args, "attention", "auto")],
+                        fused_loss=LOSS_KERNELS[getattr(args, "loss", "eager")])
     return model, load_cluster_option(args.cluster, args), workload

@@ -123,7 +123,8 @@ def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) ->
             f"{workload.optimizer.value}, gradients reduced in {reduce} {when}"
             + (", tensor-parallel collectives overlapped with compute" if workload.tp_comm_overlap else "")
             + {None: "", True: ", attention fused on every device",
-               False: ", attention scores materialised"}[workload.fused_attention])
+               False: ", attention scores materialised"}[workload.fused_attention]
+            + (", the loss fused over 16-bit logits" if workload.fused_loss else ""))
 
 
 def exporters_line(exporters: dict[str, str | None], *, fits: bool = True) -> str:

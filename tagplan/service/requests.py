@@ -340,6 +340,9 @@ class WorkloadRequest(BaseModel):
         default=None, description="default: each GPU's own attention kernel (FlashAttention-2 from sm80, scores "
         "materialised before); true: a fused kernel on every device; false: scores materialised everywhere "
         "(runtimes before FlashAttention)")
+    fused_loss: StrictBool | None = Field(
+        default=None, description="default false: PyTorch's cross-entropy on upcast logits (an fp32 softmax kept); "
+        "true: one fused kernel over the 16-bit logits (flash-attn's, llm-foundry's default), which keeps them")
 
 
 class PlanRequest(BaseModel):

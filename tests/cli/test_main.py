@@ -133,6 +133,20 @@ def test_simulate_costs_the_attention_kernel_the_runtime_has(capsys: pytest.Capt
     assert simulate("p3.8xlarge", "fused")["iteration_time_s"] < simulate("p3.8xlarge", "auto")["iteration_time_s"]
 
 
+def test_simulate_costs_the_loss_kernel_the_runtime_has(capsys: pytest.CaptureFixture[str]) -> None:
+    """--loss fused keeps the 16-bit logits, not an fp32 softmax: less memory, the same time."""
+
+    def simulate(loss: str) -> dict:
+        assert main(["simulate", "--model", "gpt3-125m", "--cluster", "dgx-a100-80gb", "--plan", "dp", "--batch", "64",
+                     "--seq", "2048", "--loss", loss, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    eager, fused = simulate("eager"), simulate("fused")
+    logits = 64 // 8 * 2048 * 50257  # per GPU: 8 samples of 2048 tokens over GPT-2's vocabulary
+    assert eager["peak_memory_bytes"] - fused["peak_memory_bytes"] == pytest.approx(logits * (12 - 4), rel=0.01)
+    assert fused["iteration_time_s"] == eager["iteration_time_s"]
+
+
 def test_simulate_plan_file_and_bad_plan(tmp_path) -> None:
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"micro_batches": 2, "schedule": "1f1b", "stages": [
@@ -223,6 +237,7 @@ def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
         "overlapped with the backward, tensor-parallel collectives overlapped with compute")
     assert workload_line(Workload(fused_attention=False)).endswith("backward, attention scores materialised")
     assert workload_line(Workload(fused_attention=True)).endswith("backward, attention fused on every device")
+    assert workload_line(Workload(fused_loss=True)).endswith(", the loss fused over 16-bit logits")
 
 
 def test_plan_exportable_exits_1_when_the_format_runs_no_plan_that_fits(tmp_path, capsys, monkeypatch) -> None:

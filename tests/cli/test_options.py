@@ -150,3 +150,16 @@ def test_attention_is_each_gpus_own_unless_asked() -> None:
     assert fused("--attention", "unfused") is False
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", *PROBLEM, "--attention", "flash"])
+
+
+def test_the_loss_is_eager_unless_asked() -> None:
+    from tagplan.cli.planning import plan_problem
+
+    def fused(*extra: str) -> bool:
+        return plan_problem(build_parser().parse_args(["plan", *PROBLEM, *extra])).workload.fused_loss
+
+    assert fused() is False
+    assert fused("--loss", "fused") is True
+    assert fused("--loss", "eager") is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", *PROBLEM, "--loss", "liger"])
