@@ -47,6 +47,7 @@ bench: $(STAMP_RUN)
 	$(BIN)/python bench/fidelity.py
 	$(BIN)/python bench/fidelity_amp.py
 	$(BIN)/python bench/fidelity_megatron_a100.py
+	$(BIN)/python bench/fidelity_mpt.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
