@@ -22,12 +22,12 @@ iteration time and its Kendall tau:
   bound, since the paper does not say which ran);
 - with `--fit`: the iteration calibration (`iteration_fit.fit_parameters`) fitted on every row, each row
   scored again, and what the planner makes of it: bench/planner.py's GPT-3 175B on 16 DGX A100s (a current
-  runtime: bf16, FlashAttention-2), planned with the defaults and with that calibration. One fit takes about 17
-  minutes on 2 cores (23 simulations per evaluation, the deepest pipelines 0.3 s each), so it is not
-  cross-validated here.
+  runtime: bf16, FlashAttention-2), planned with the defaults and with that calibration; with `--folds K` also
+  cross-validated: each row predicted by the fit on the K - 1 folds without it (rows dealt round-robin,
+  `iteration_fit.cross_validate`).
 
-Run: `.venv/bin/python bench/fidelity_megatron_a100.py [--fit]` (about 15 s; with `--fit` about 20
-minutes); writes bench/results/fidelity_megatron_a100.json, and with `--fit`
+Run: `.venv/bin/python bench/fidelity_megatron_a100.py [--fit [--folds K]]` (about 15 s; with `--fit` some
+minutes, K + 1 fits with `--folds`); writes bench/results/fidelity_megatron_a100.json, and with `--fit`
 bench/results/fidelity_megatron_a100_fit.json.
 """
 
@@ -50,7 +50,7 @@ from tagplan.ir.model import ModelGraph, OpKind
 from tagplan.ir.plan import Plan, Schedule, ShardStrategy, Stage
 from tagplan.ir.workload import DType, Workload
 from tagplan.search.baselines import even_bounds
-from tagplan.training.iteration_fit import IterationCase, fit_parameters, predict_s, score
+from tagplan.training.iteration_fit import IterationCase, cross_validate, fit_parameters, predict_s, score
 
 DATA = Path(__file__).parent / "data" / "megatron_a100_measured.json"
 OUT = Path(__file__).parent / "results" / "fidelity_megatron_a100.json"
@@ -241,7 +241,24 @@ def main() -> int:
     print(f"wrote {OUT} in {out['wall_s']:.0f} s")
     if "--fit" in sys.argv[1:]:
         fit_start = time.perf_counter()
-        fitted, values = fit_parameters(cases, Calibration())
+        folds = int(sys.argv[sys.argv.index("--folds") + 1]) if "--folds" in sys.argv else 0
+        held_out: dict[str, Any] | None = None
+        if folds >= 2:  # each row also predicted by a fit on the folds without it
+            fitted, report = cross_validate(cases, Calibration(), folds=folds)
+            values = dict(report.parameters)
+            held_s = np.array(report.held_out_predictions_s)
+            held = [{"params_b": r["params_b"], "gpus": r["gpus"], "runtime": r["runtime"], "held_out_s": float(t),
+                     "error": tflops(r, float(t)) / r["tflops_per_gpu"] - 1} for r, t in zip(rows, held_s, strict=True)]
+            held_out = {"folds": folds, "rows": held, "ptdp": summary([held[i] for i in ptdp]),
+                        "zero3": summary([held[i] for i in zero3]),
+                        "score": {"mape": score(held_s, truth).mape, "kendall_tau": score(held_s, truth).kendall_tau}}
+            print(f"held out ({folds} folds): MAPE {held_out['score']['mape']:.1%}, "
+                  f"tau {held_out['score']['kendall_tau']:.2f}; Megatron-LM rows median "
+                  f"{held_out['ptdp']['median_abs_error']:.1%}, worst {held_out['ptdp']['worst_abs_error']:.1%}; "
+                  f"ZeRO-3 rows median {held_out['zero3']['median_abs_error']:.1%}, "
+                  f"worst {held_out['zero3']['worst_abs_error']:.1%}")
+        else:
+            fitted, values = fit_parameters(cases, Calibration())
         refit = row_scores(cases, rows, fitted, interleaved=False)
         fit: dict[str, Any] = {"parameters": values, "rows": refit,
                                "ptdp": summary([refit[i] for i in ptdp]), "zero3": summary([refit[i] for i in zero3]),
@@ -253,7 +270,7 @@ def main() -> int:
         planner = {"defaults": planned(Calibration()), "fitted": planned(fitted)}
         for name, p in planner.items():
             print(f"planner ({name}): {p['configuration']}, predicted {p['predicted_s']:.1f} s")
-        OUT_FIT.write_text(json.dumps({"fitted_on_all": fit, "planner": planner,
+        OUT_FIT.write_text(json.dumps({"fitted_on_all": fit, "held_out": held_out, "planner": planner,
                                        "wall_s": time.perf_counter() - fit_start}, indent=2))
         print(f"wrote {OUT_FIT}")
     return 0
