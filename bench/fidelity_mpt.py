@@ -19,7 +19,8 @@ gathers bf16 weights, so autocast keeps no copies): rows are costed at their ker
 Scored, per row, predicted against measured tokens/s per GPU (error = predicted / measured - 1), per table the
 median and worst |error|, the MAPE of the iteration time and its Kendall tau, and the memory verdicts (a row that
 ran is predicted to fit). With `--fit` the iteration calibration (`iteration_fit`, its parameters per device type)
-cross-validated over all rows: each row predicted by the fit on the other folds (5, or `--folds K`).
+cross-validated over all rows: each row predicted by the fit on the other folds (5, or `--folds K`), and what
+the planner makes of the fit on all rows (`PLANNED`).
 
 Run: `.venv/bin/python bench/fidelity_mpt.py [--fit [--folds K]]` (about 2 s; with `--fit` about 20 minutes here);
 writes bench/results/fidelity_mpt.json, and with `--fit` bench/results/fidelity_mpt_fit.json.
@@ -53,6 +54,8 @@ OUT_FIT = Path(__file__).parent / "results" / "fidelity_mpt_fit.json"
 PRESETS = {"a100_80gb": "dgx-a100-80gb", "a100_40gb": "dgx-a100-40gb", "h100_80gb": "dgx-h100"}
 """Published GPU -> cluster preset (8 GPUs a node; the A100 presets' 8 x 200 Gb/s are the tables' 1600 Gb/s)."""
 DTYPES = {"amp_bf16": DType.BF16, "bf16": DType.BF16, "amp_fp8": DType.FP8}
+PLANNED = ("gpt?layers=32&hidden=4096&heads=32&vocab=50368", "dgx-h100:nodes=2", 256, 2048)
+"""`--fit` also plans MPT-7B on 16 H100s (batch 256 x 2048 tokens) with the defaults and with the fitted calibration."""
 FOLDS = 5
 """`--fit`'s cross-validation folds (rows dealt round-robin, `iteration_fit.cross_validate`)."""
 
@@ -167,6 +170,22 @@ def print_table(title: str, tables: dict[str, dict[str, Any]], whole: dict[str, 
               f"{'' if within is None else f'{within:.2f}':>16s}")
 
 
+def planned(calibration: Calibration) -> dict[str, Any]:
+    """The planner's best plan for `PLANNED` under `calibration` (its configuration, predicted seconds)."""
+    from tagplan.search.planner import plan
+    from tagplan.search.problem import PlanProblem
+
+    spec, cluster_spec, batch, seq = PLANNED
+    model = load_model(spec, seq_len=seq)
+    workload = Workload(global_batch=batch, seq_len=seq, fused_loss=True)
+    best = plan(PlanProblem(model, load_cluster(cluster_spec), workload, calibration=calibration, workers=1)).best
+    stages = best.plan.stages
+    return {"predicted_s": best.report.iteration_time_s, "source": best.source, "plan": best.plan.to_json(),
+            "configuration": f"{len(stages)} stages, tp {sorted({s.tp for s in stages})}, dp "
+                             f"{sorted({s.dp for s in stages})}, ZeRO {sorted({s.zero for s in stages})}, "
+                             f"{best.plan.micro_batches} micro-batches"}
+
+
 def main() -> int:
     start = time.perf_counter()
     OUT.parent.mkdir(parents=True, exist_ok=True)
@@ -193,6 +212,9 @@ def main() -> int:
                "held_out_by_table": by_table(held), "held_out": summary(held),
                "in_sample_by_table": by_table(in_sample), "in_sample": summary(in_sample), "held_out_rows": held,
                "wall_s": time.perf_counter() - start}
+        fit["planner"] = {"defaults": planned(Calibration()), "fitted": planned(fitted)}
+        for name, p in fit["planner"].items():
+            print(f"planner ({name}): {p['configuration']}, predicted {p['predicted_s']:.2f} s")
         print("fitted on all rows:", {k: round(v, 4) for k, v in report.parameters.items()})
         print_table(f"each row predicted by the fit on the other {folds - 1} of {folds} folds:",
                     fit["held_out_by_table"], fit["held_out"])
