@@ -57,6 +57,9 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     The torch program runs its PyTorch modules op by op under autocast (`eager`: the host issues each
     op's eager kernels, casts included); Megatron-Core's fused kernels, and DeepSpeed's 16-bit weights
     (no autocast casts), are costed one kernel per op.
+    None of the three runs a fused cross-entropy as exported (`fused_loss`): the torch program's loss upcasts
+    the logits, the Megatron exporter does not write `--cross-entropy-loss-fusion`, DeepSpeed runs the
+    model's own loss.
     ExportError (a SpecError) for a `grad_reduce_dtype` the target cannot reduce in."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
@@ -81,6 +84,8 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     fused = fmt == "megatron" or (fmt == "torch" and builds_own_modules(spec))  # bias_swiglu_impl; _GatedProduct
     if fused and not workload.fused_activation:
         update["fused_activation"] = True
+    if workload.fused_loss:  # none runs a fused cross-entropy as exported
+        update["fused_loss"] = False
     return workload.model_copy(update=update) if update else workload
 
 

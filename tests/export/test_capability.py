@@ -126,6 +126,9 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     # DeepSpeed keeps 16-bit weights (no autocast casts)
     assert not bf16.eager and not runtime_workload("megatron", bf16).eager
     assert runtime_workload("torch", bf16).eager and not runtime_workload("deepspeed", bf16).eager
+    # none runs a fused cross-entropy as exported: a fused loss the user stated is costed as they run theirs
+    fused_loss = bf16.model_copy(update={"fused_loss": True})
+    assert not any(runtime_workload(fmt, fused_loss).fused_loss for fmt in ("torch", "megatron", "deepspeed"))
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         runtime_workload("onnx", bf16)
 
