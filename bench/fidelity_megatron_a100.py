@@ -26,8 +26,8 @@ iteration time and its Kendall tau:
   cross-validated: each row predicted by the fit on the K - 1 folds without it (rows dealt round-robin,
   `iteration_fit.cross_validate`).
 
-Run: `.venv/bin/python bench/fidelity_megatron_a100.py [--fit [--folds K]]` (about 15 s; with `--fit` some
-minutes, K + 1 fits with `--folds`); writes bench/results/fidelity_megatron_a100.json, and with `--fit`
+Run: `.venv/bin/python bench/fidelity_megatron_a100.py [--fit [--folds K]]` (about 6 s; with `--fit` some
+minutes, K + 1 fits with `--folds`: about an hour with 5); writes bench/results/fidelity_megatron_a100.json, and with `--fit`
 bench/results/fidelity_megatron_a100_fit.json.
 """
 
