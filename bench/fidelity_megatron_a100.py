@@ -27,8 +27,8 @@ iteration time and its Kendall tau:
   `iteration_fit.cross_validate`).
 
 Run: `.venv/bin/python bench/fidelity_megatron_a100.py [--fit [--folds K]]` (about 6 s; with `--fit` some
-minutes, K + 1 fits with `--folds`: about an hour with 5); writes bench/results/fidelity_megatron_a100.json, and with `--fit`
-bench/results/fidelity_megatron_a100_fit.json.
+minutes, K + 1 fits with `--folds`: about an hour with 5); writes bench/results/fidelity_megatron_a100.json, and
+with `--fit` bench/results/fidelity_megatron_a100_fit.json.
 """
 
 from __future__ import annotations
