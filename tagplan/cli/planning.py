@@ -10,6 +10,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty(),
                     exportable=args.exportable, spec=parse_model_spec(args.model))
+    if args.exportable and getattr(args, "loss", "eager") == "fused":  # runtime_workload costed the eager loss
+        result = replace(result, notes=(*result.notes, f"--loss fused: {args.exportable} runs an eager cross-entropy "
+                                        "as exported (the logits upcast, an fp32 softmax kept), and every plan was "
+                                        "costed as it runs"))
     refused = result.exporters.get(args.exportable) if args.exportable else None
     feasible = result.best.report.fits and refused is None
     if args.out and (feasible or args.allow_infeasible):

@@ -124,7 +124,7 @@ def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) ->
             + (", tensor-parallel collectives overlapped with compute" if workload.tp_comm_overlap else "")
             + {None: "", True: ", attention fused on every device",
                False: ", attention scores materialised"}[workload.fused_attention]
-            + (", the loss fused over 16-bit logits" if workload.fused_loss else ""))
+            + (", the loss fused over its logits" if workload.fused_loss else ""))
 
 
 def exporters_line(exporters: dict[str, str | None], *, fits: bool = True) -> str:

@@ -147,6 +147,21 @@ def test_simulate_costs_the_loss_kernel_the_runtime_has(capsys: pytest.CaptureFi
     assert fused["iteration_time_s"] == eager["iteration_time_s"]
 
 
+def test_plan_says_when_the_exported_runtime_does_not_fuse_the_loss(capsys: pytest.CaptureFixture[str]) -> None:
+    """--loss fused with --exportable: the exported program runs an eager loss, so the plan is costed with it, and
+    the result says so rather than dropping what the user stated."""
+
+    def plan(*extra: str) -> dict:
+        main(["plan", "--model", "gpt3-125m", "--cluster", "dgx-a100-80gb", "--batch", "16", "--seq", "512",
+              "--max-evaluations", "20", "--budget-s", "10", "--workers", "1", "--json", *extra])
+        return json.loads(capsys.readouterr().out)
+
+    exported = plan("--loss", "fused", "--exportable", "torch")
+    assert exported["workload"]["fused_loss"] is False
+    assert any(note.startswith("--loss fused: torch runs an eager cross-entropy") for note in exported["notes"])
+    assert not any("--loss" in note for note in plan("--loss", "fused")["notes"])  # not exported: costed as stated
+
+
 def test_simulate_plan_file_and_bad_plan(tmp_path) -> None:
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"micro_batches": 2, "schedule": "1f1b", "stages": [
@@ -237,7 +252,7 @@ def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
         "overlapped with the backward, tensor-parallel collectives overlapped with compute")
     assert workload_line(Workload(fused_attention=False)).endswith("backward, attention scores materialised")
     assert workload_line(Workload(fused_attention=True)).endswith("backward, attention fused on every device")
-    assert workload_line(Workload(fused_loss=True)).endswith(", the loss fused over 16-bit logits")
+    assert workload_line(Workload(fused_loss=True)).endswith(", the loss fused over its logits")
 
 
 def test_plan_exportable_exits_1_when_the_format_runs_no_plan_that_fits(tmp_path, capsys, monkeypatch) -> None:

@@ -65,6 +65,20 @@ def test_the_workload_says_which_attention_kernel_the_runtime_has(settings: Sett
         problem({**TINY_PLAN, "workload": {"fused_attention": "flash"}}, settings)
 
 
+def test_the_workload_says_whether_the_runtime_fuses_the_loss(settings: Settings) -> None:
+    from tagplan.service.jobs.plan import echo
+
+    assert problem(TINY_PLAN, settings).workload.fused_loss is False  # PyTorch's eager loss unless asked
+    for value, costed in ((True, True), (False, False), (None, False)):  # None: an explicit null, as if left out
+        asked = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "fused_loss": value}}
+        planned = problem(asked, settings)
+        assert planned.workload.fused_loss is costed
+        request = read_request(PlanRequest, asked, "plan request")
+        assert echo(request, planned)["workload"]["fused_loss"] is costed  # the result says what was costed
+    with pytest.raises(SpecError, match="fused_loss"):
+        problem({**TINY_PLAN, "workload": {"fused_loss": "yes"}}, settings)
+
+
 def test_the_workload_says_whether_the_runtime_overlaps_the_gradient_reduction(settings: Settings) -> None:
     assert problem(TINY_PLAN, settings).workload.grad_reduce_overlap is True
     after = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "grad_reduce_overlap": False}}
