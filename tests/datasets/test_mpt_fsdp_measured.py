@@ -62,3 +62,23 @@ def test_each_row_is_the_fsdp_iteration_it_ran(bench: ModuleType, data: dict[str
         assert report.stages[0].samples_per_micro_batch == row["micro_batch_size"]
         tokens_per_s_per_gpu = row["global_batch"] * row["seq_len"] / (case.measured_s * row["gpus"])
         assert tokens_per_s_per_gpu == pytest.approx(row["tokens_per_s_per_gpu"], rel=1e-12)
+
+
+def test_the_ranking_within_a_model_is_by_throughput_and_skips_small_groups(bench: ModuleType) -> None:
+    """`within_model_tau` ranks each (table, model) group's tokens/s per GPU: a group whose predicted order is the
+    measured one reversed scores -1, one in order +1 (median of the two: 0), and groups under four runs count not."""
+
+    def run(model: str, tokens: float, measured_s: float, predicted_s: float) -> dict[str, Any]:
+        return {"table": "t", "model": model, "tokens_per_gpu": tokens, "measured_s": measured_s,
+                "predicted_s": predicted_s}
+
+    in_order = [run("a", 100.0, s, 2 * s) for s in (1.0, 2.0, 3.0, 4.0)]
+    reversed_ = [run("b", 100.0, s, 5.0 - s) for s in (1.0, 2.0, 3.0, 4.0)]
+    small = [run("c", 100.0, s, 10.0 - s) for s in (1.0, 2.0, 3.0)]
+    assert bench.within_model_tau(in_order) == pytest.approx(1.0)
+    assert bench.within_model_tau(reversed_) == pytest.approx(-1.0)
+    assert bench.within_model_tau(in_order + reversed_ + small) == pytest.approx(0.0)
+    assert bench.within_model_tau(small) is None
+    # throughput, not time: equal measured times rank by tokens per GPU (by time alone they would not rank at all)
+    by_tokens = [run("d", t, 1.0, t * t) for t in (1.0, 2.0, 3.0, 4.0)]  # predicted throughput 1 / t: reversed
+    assert bench.within_model_tau(by_tokens) == pytest.approx(-1.0)
