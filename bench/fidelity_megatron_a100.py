@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from planned import planned
 
 from tagplan.cost.calibration import Calibration
 from tagplan.cost.sharding import default_strategies
@@ -191,23 +192,6 @@ def summary(entries: list[dict[str, Any]], key: str = "error") -> dict[str, floa
     return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors), "rows": len(errors)}
 
 
-def planned(calibration: Calibration) -> dict[str, Any]:
-    """The planner's best plan for `PLANNED` under `calibration` (its configuration, predicted seconds)."""
-    from tagplan.search.planner import plan
-    from tagplan.search.problem import PlanProblem
-
-    spec, cluster_spec, batch = PLANNED
-    model = load_model(spec, seq_len=SEQ)
-    workload = Workload(global_batch=batch, seq_len=SEQ)
-    result = plan(PlanProblem(model, load_cluster(cluster_spec), workload, calibration=calibration, workers=1))
-    best = result.best
-    stages = best.plan.stages
-    return {"predicted_s": best.report.iteration_time_s, "source": best.source, "plan": best.plan.to_json(),
-            "configuration": f"{len(stages)} stages, tp {sorted({s.tp for s in stages})}, dp "
-                             f"{sorted({s.dp for s in stages})}, ZeRO {sorted({s.zero for s in stages})}, "
-                             f"{best.plan.micro_batches} micro-batches, {best.plan.schedule.value}"}
-
-
 def main() -> int:
     start = time.perf_counter()
     data = json.loads(DATA.read_text())
@@ -267,7 +251,10 @@ def main() -> int:
         print("fitted on every row:", {k: round(v, 4) for k, v in values.items()})
         for e in refit:
             print(f"  {e['runtime']:7s} {e['params_b']:7.1f} {e['gpus']:5d} {e['error']:+7.1%}")
-        planner = {"defaults": planned(Calibration()), "fitted": planned(fitted)}
+        spec, cluster_spec, batch = PLANNED
+        model, workload = load_model(spec, seq_len=SEQ), Workload(global_batch=batch, seq_len=SEQ)
+        planner = {name: planned(model, cluster_spec, workload, c)
+                   for name, c in (("defaults", Calibration()), ("fitted", fitted))}
         for name, p in planner.items():
             print(f"planner ({name}): {p['configuration']}, predicted {p['predicted_s']:.1f} s")
         OUT_FIT.write_text(json.dumps({"fitted_on_all": fit, "held_out": held_out, "planner": planner,

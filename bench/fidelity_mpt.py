@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from planned import planned
 
 from tagplan.cost.calibration import Calibration
 from tagplan.cost.simulator import Simulator
@@ -170,22 +171,6 @@ def print_table(title: str, tables: dict[str, dict[str, Any]], whole: dict[str, 
               f"{'' if within is None else f'{within:.2f}':>16s}")
 
 
-def planned(calibration: Calibration) -> dict[str, Any]:
-    """The planner's best plan for `PLANNED` under `calibration` (its configuration, predicted seconds)."""
-    from tagplan.search.planner import plan
-    from tagplan.search.problem import PlanProblem
-
-    spec, cluster_spec, batch, seq = PLANNED
-    model = load_model(spec, seq_len=seq)
-    workload = Workload(global_batch=batch, seq_len=seq, fused_loss=True)
-    best = plan(PlanProblem(model, load_cluster(cluster_spec), workload, calibration=calibration, workers=1)).best
-    stages = best.plan.stages
-    return {"predicted_s": best.report.iteration_time_s, "source": best.source, "plan": best.plan.to_json(),
-            "configuration": f"{len(stages)} stages, tp {sorted({s.tp for s in stages})}, dp "
-                             f"{sorted({s.dp for s in stages})}, ZeRO {sorted({s.zero for s in stages})}, "
-                             f"{best.plan.micro_batches} micro-batches"}
-
-
 def main() -> int:
     start = time.perf_counter()
     OUT.parent.mkdir(parents=True, exist_ok=True)
@@ -212,7 +197,10 @@ def main() -> int:
                "held_out_by_table": by_table(held), "held_out": summary(held),
                "in_sample_by_table": by_table(in_sample), "in_sample": summary(in_sample), "held_out_rows": held,
                "wall_s": time.perf_counter() - start}
-        fit["planner"] = {"defaults": planned(Calibration()), "fitted": planned(fitted)}
+        spec, cluster_spec, batch, seq = PLANNED
+        model, workload = load_model(spec, seq_len=seq), Workload(global_batch=batch, seq_len=seq, fused_loss=True)
+        fit["planner"] = {name: planned(model, cluster_spec, workload, c)
+                          for name, c in (("defaults", Calibration()), ("fitted", fitted))}
         for name, p in fit["planner"].items():
             print(f"planner ({name}): {p['configuration']}, predicted {p['predicted_s']:.2f} s")
         print("fitted on all rows:", {k: round(v, 4) for k, v in report.parameters.items()})
