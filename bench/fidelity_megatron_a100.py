@@ -49,7 +49,7 @@ from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.model import ModelGraph, OpKind
 from tagplan.ir.plan import Plan, Schedule, ShardStrategy, Stage
-from tagplan.ir.workload import DType, Workload
+from tagplan.ir.workload import DType, LossKernel, Workload
 from tagplan.search.baselines import even_bounds
 from tagplan.training.iteration_fit import IterationCase, cross_validate, fit_parameters, predict_s, score
 
@@ -109,9 +109,10 @@ def zero3_plan(row: dict[str, Any], model: ModelGraph) -> Plan:
 
 
 def workload_of(row: dict[str, Any], *, zero3: bool) -> Workload:
-    # Megatron-LM's local DDP all-reduced after the backward; DeepSpeed's ZeRO-3 prefetches its gathers
+    # Megatron-LM's local DDP all-reduced after the backward; DeepSpeed's ZeRO-3 prefetches its gathers; both ran
+    # Megatron's GPT model, whose vocab-parallel cross-entropy turns the fp32 softmax into the gradient in place
     return Workload(global_batch=row["batch"], seq_len=SEQ, dtype=DType.FP16, fused_attention=False,
-                    grad_reduce_overlap=zero3)
+                    grad_reduce_overlap=zero3, loss=LossKernel.IN_PLACE)
 
 
 def cases_of(data: dict[str, Any]) -> tuple[list[IterationCase], list[dict[str, Any]]]:

@@ -45,7 +45,7 @@ from tagplan.frontends.model_spec import load_model
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Stage
-from tagplan.ir.workload import DType, Workload
+from tagplan.ir.workload import DType, LossKernel, Workload
 from tagplan.training.iteration_fit import IterationCase, cross_validate, kendall_tau, predict_s, score
 
 DATA = Path(__file__).parent / "data" / "mpt_fsdp_measured.json"
@@ -78,7 +78,7 @@ def plan_of(row: dict[str, Any], model: ModelGraph) -> Plan:
 
 def workload_of(row: dict[str, Any]) -> Workload:
     return Workload(global_batch=row["global_batch"], seq_len=row["seq_len"], dtype=DTYPES[row["precision"]],
-                    fused_attention=True, fused_loss=True,
+                    fused_attention=True, loss=LossKernel.FUSED,
                     grad_reduce_dtype=DType.FP32 if row["mp_mode"] == "DEFAULT" else None)
 
 
@@ -198,7 +198,8 @@ def main() -> int:
                "in_sample_by_table": by_table(in_sample), "in_sample": summary(in_sample), "held_out_rows": held,
                "wall_s": time.perf_counter() - start}
         spec, cluster_spec, batch, seq = PLANNED
-        model, workload = load_model(spec, seq_len=seq), Workload(global_batch=batch, seq_len=seq, fused_loss=True)
+        model = load_model(spec, seq_len=seq)
+        workload = Workload(global_batch=batch, seq_len=seq, loss=LossKernel.FUSED)
         fit["planner"] = {name: planned(model, cluster_spec, workload, c)
                           for name, c in (("defaults", Calibration()), ("fitted", fitted))}
         for name, p in fit["planner"].items():

@@ -27,7 +27,7 @@ from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.plan import Plan, Schedule, Stage
-from tagplan.ir.workload import DType, Workload
+from tagplan.ir.workload import DType, LossKernel, Workload
 
 DATA = Path(__file__).parent / "data" / "nemo_performance_summary.json"
 SYSTEMS = {"H100-SXM-80GB": ("dgx-h100", 8), "B200": ("dgx-b200", 8), "GB200": ("gb200-nvl72", 72),
@@ -180,7 +180,9 @@ def score_row(row: dict[str, Any], *, sustained_peak_fraction: float | None = No
         cluster = cluster.with_device_figures(cluster.devices[0].spec.name,
                                               sustained_peak_fraction=sustained_peak_fraction)
     workload = Workload(global_batch=c["global_batch"], seq_len=m["seq"], dtype=dtype, tp_comm_overlap=True,
-                        fused_activation=True)  # Megatron-Core: overlapped TP collectives, fused SwiGLU
+                        fused_activation=True, loss=LossKernel.IN_PLACE)
+    # Megatron-Core: overlapped TP collectives, fused SwiGLU, its own cross-entropy (the in-place one; Transformer
+    # Engine's, where a preset chose it, keeps less)
     sim = Simulator(model, cluster, workload, calibration=calibration)
     plan = _plan(row, len(model.layers))
     report = sim.simulate(plan)

@@ -20,7 +20,7 @@ from tagplan.cost.baselines import megatron_plan
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
-from tagplan.ir.workload import Workload
+from tagplan.ir.workload import LossKernel, Workload
 
 # model, heads, hidden, layers, TP, PP, DP, GPUs, global batch, published TFLOP/s per GPU, MFU
 ROWS = [
@@ -45,7 +45,8 @@ def simulate_row(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: i
     cluster = load_cluster(f"dgx-h100:nodes={gpus // 8}")
     if sustained_peak_fraction is not None:
         cluster = cluster.with_device_figures("H100-SXM", sustained_peak_fraction=sustained_peak_fraction)
-    workload = Workload(global_batch=batch, seq_len=SEQ, tp_comm_overlap=True, fused_activation=True)  # Megatron-Core
+    workload = Workload(global_batch=batch, seq_len=SEQ, tp_comm_overlap=True, fused_activation=True,
+                        loss=LossKernel.IN_PLACE)  # Megatron-Core, its own cross-entropy
     sim = Simulator(model, cluster, workload)
     baseline = megatron_plan(sim, tp=tp, pp=pp)
     if baseline.plan is None:

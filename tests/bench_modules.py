@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -11,7 +12,10 @@ BENCH = Path(__file__).parents[1] / "bench"
 
 
 def load_bench(name: str) -> ModuleType:
-    """bench/`name`.py, imported by path (bench/ is not a package)."""
+    """bench/`name`.py, imported by path (bench/ is not a package); bench/ is appended to the import path, so
+    that its scripts' imports of each other (`from planned import planned`) resolve as when they run."""
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

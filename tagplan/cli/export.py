@@ -30,7 +30,7 @@ from tagplan.cli.options import (
     positive_int,
 )
 from tagplan.errors import SpecError
-from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, DType, Optimizer
+from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, DType, LossKernel, Optimizer
 
 if TYPE_CHECKING:
     from tagplan.ir.cluster import DeviceSpec
@@ -55,6 +55,10 @@ def add_export_commands(sub: Subparsers) -> None:
                      help="the plan was costed with tensor-parallel collectives overlapped (plan --tp-comm-overlap): "
                           "Megatron-LM writes --tp-comm-overlap; the torch program runs them exposed (noted: slower "
                           "than predicted)")
+    exp.add_argument("--loss", choices=[k.value for k in LossKernel], default=LossKernel.EAGER.value,
+                     help="the cross-entropy the plan was costed with (plan --loss): fused makes Megatron-LM write "
+                          "Transformer Engine's fused loss; the torch program and DeepSpeed run PyTorch's eager one "
+                          "(noted where it keeps more than was costed)")
     exp.add_argument("--out", required=True, help="directory to write")
     add_json_option(exp, "the format, the files written and the gradient reduction written")
     exp.set_defaults(func=_export)
@@ -95,7 +99,7 @@ def add_export_commands(sub: Subparsers) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tagplan.export.dispatch import export, grad_reduce_settings, tp_comm_settings
+    from tagplan.export.dispatch import export, grad_reduce_settings, loss_settings, tp_comm_settings
     from tagplan.frontends.model_spec import parse_model_spec
     from tagplan.frontends.plan_file import load_plan
 
@@ -107,12 +111,13 @@ def _export(args: argparse.Namespace) -> int:
     written = export(spec, plan, Path(args.out), fmt=args.fmt, seq_len=args.seq, global_batch=args.batch,
                      cluster=cluster, dtype=dtype, optimizer=Optimizer(args.optimizer),
                      grad_reduce_dtype=reduce_dtype, grad_reduce_overlap=args.grad_reduce_overlap,
-                     tp_comm_overlap=args.tp_comm_overlap)
+                     tp_comm_overlap=args.tp_comm_overlap, loss=LossKernel(args.loss))
     reduce = grad_reduce_settings(plan, fmt=args.fmt, dtype=dtype, cluster=cluster, grad_reduce_dtype=reduce_dtype,
                                   grad_reduce_overlap=args.grad_reduce_overlap)
     tp_comm = tp_comm_settings(plan, fmt=args.fmt, tp_comm_overlap=args.tp_comm_overlap)
-    emit({"format": args.fmt, "files": [str(p) for p in written], "grad_reduce": reduce.as_json(), "tp_comm": tp_comm},
-         args.json, _export_text)
+    loss = loss_settings(fmt=args.fmt, loss=LossKernel(args.loss))
+    emit({"format": args.fmt, "files": [str(p) for p in written], "grad_reduce": reduce.as_json(), "tp_comm": tp_comm,
+          "loss": loss}, args.json, _export_text)
     return 0
 
 
@@ -124,8 +129,11 @@ def _export_text(result: dict[str, Any]) -> str:
     tp_comm = result["tp_comm"]
     overlap = ["tensor-parallel collectives: overlapped with compute (--tp-comm-overlap written)"] \
         if tp_comm["overlapped"] else []
-    return "\n".join(lines + _reduce_lines(result["grad_reduce"]) + overlap
-                     + [f"note: {n}" for n in tp_comm["notes"]])
+    loss = result["loss"]
+    fused = ["cross-entropy: Transformer Engine's fused kernel (--cross-entropy-loss-fusion "
+             "--cross-entropy-fusion-impl te written)"] if loss["fused_written"] else []
+    return "\n".join(lines + _reduce_lines(result["grad_reduce"]) + overlap + fused
+                     + [f"note: {n}" for n in tp_comm["notes"] + loss["notes"]])
 
 
 def _reduce_lines(reduce: dict[str, Any]) -> list[str]:

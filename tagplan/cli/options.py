@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from tagplan.ir.workload import REDUCE_DTYPES, DType, Optimizer, Workload
+from tagplan.ir.workload import REDUCE_DTYPES, DType, LossKernel, Optimizer, Workload
 from tagplan.search.problem import DEFAULT_GLOBAL_BATCH
 
 if TYPE_CHECKING:
@@ -36,8 +36,6 @@ Subparsers = argparse._SubParsersAction
 
 ATTENTION_KERNELS: dict[str, bool | None] = {"auto": None, "fused": True, "unfused": False}
 """`--attention` -> `Workload.fused_attention`."""
-LOSS_KERNELS: dict[str, bool] = {"eager": False, "fused": True}
-"""`--loss` -> `Workload.fused_loss`."""
 
 
 def positive_int(text: str) -> int:
@@ -164,11 +162,12 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
                              "later), scores materialised before; fused = a fused kernel on every device (PyTorch's "
                              "scaled_dot_product_attention); unfused = scores materialised everywhere (runtimes before "
                              "FlashAttention, e.g. Megatron-LM of 2021, and eager attention)")
-    parser.add_argument("--loss", choices=list(LOSS_KERNELS), default="eager",
-                        help="the runtime's cross-entropy: eager = PyTorch's on upcast logits, keeping an fp32 "
-                             "softmax (default); fused = one kernel over the 16-bit logits, keeping them (flash-attn's "
-                             "CrossEntropyLoss, llm-foundry's default; Megatron-Core's --cross-entropy-loss-fusion): "
-                             "less memory on the stage holding the head")
+    parser.add_argument("--loss", choices=[k.value for k in LossKernel], default=LossKernel.EAGER.value,
+                        help="the runtime's cross-entropy, which sets the memory of the stage holding the head: eager "
+                             "= PyTorch's on upcast logits, keeping an fp32 softmax (default); in-place = Megatron-"
+                             "Core's, the fp32 softmax turned into the gradient in place; fused = one kernel over the "
+                             "16-bit logits, keeping them (flash-attn's CrossEntropyLoss, llm-foundry's default, "
+                             "Transformer Engine's: Megatron-Core's --cross-entropy-fusion-impl te)")
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
 
 
@@ -196,5 +195,5 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
                         grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True),
                         tp_comm_overlap=getattr(args, "tp_comm_overlap", False),
                         fused_attention=ATTENTION_KERNELS[getattr(args, "attention", "auto")],
-                        fused_loss=LOSS_KERNELS[getattr(args, "loss", "eager")])
+                        loss=LossKernel(getattr(args, "loss", LossKernel.EAGER.value)))
     return model, load_cluster_option(args.cluster, args), workload

@@ -29,8 +29,15 @@ from tagplan.cli.options import (
 from tagplan.cost.comm import CommMode
 from tagplan.errors import SpecError
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
+from tagplan.ir.workload import LossKernel
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS, WORKERS, Objective, PlanProblem, Scorer
 from tagplan.search.result import PlanResult
+
+_LOSS_RUN = {LossKernel.EAGER: "PyTorch's eager cross-entropy (the logits upcast, an fp32 softmax kept)",
+             LossKernel.IN_PLACE: "Megatron-Core's own cross-entropy (the fp32 softmax turned into the gradient in "
+                                  "place)",
+             LossKernel.FUSED: "Transformer Engine's fused cross-entropy (the 16-bit logits kept)"}
+"""What `plan --exportable` says a format's runtime runs in place of the loss asked for (`runtime_loss`)."""
 
 
 def add_planning_commands(sub: Subparsers) -> None:
@@ -197,10 +204,12 @@ def _plan(args: argparse.Namespace) -> int:
 
     result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty(),
                     exportable=args.exportable, spec=parse_model_spec(args.model))
-    if args.exportable and getattr(args, "loss", "eager") == "fused":  # runtime_workload costed the eager loss
-        result = replace(result, notes=(*result.notes, f"--loss fused: {args.exportable} runs an eager cross-entropy "
-                                        "as exported (the logits upcast, an fp32 softmax kept), and every plan was "
-                                        "costed as it runs"))
+    from tagplan.export.capability import runtime_loss
+
+    asked = LossKernel(getattr(args, "loss", LossKernel.EAGER.value))
+    if args.exportable and (runs := runtime_loss(args.exportable, asked)) is not asked:  # as runtime_workload costed
+        result = replace(result, notes=(*result.notes, f"--loss {asked.value}: {args.exportable} runs "
+                                        f"{_LOSS_RUN[runs]} as exported, and every plan was costed as it runs"))
     refused = result.exporters.get(args.exportable) if args.exportable else None
     feasible = result.best.report.fits and refused is None
     if args.out and (feasible or args.allow_infeasible):

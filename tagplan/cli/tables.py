@@ -13,7 +13,7 @@ from rich.table import Table
 from tagplan.cost.report import Report
 from tagplan.ir.plan import Plan, Stage
 from tagplan.ir.summary import device_ranges
-from tagplan.ir.workload import Workload
+from tagplan.ir.workload import LossKernel, Workload
 from tagplan.search.result import Candidate, PlanResult
 
 
@@ -124,7 +124,8 @@ def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) ->
             + (", tensor-parallel collectives overlapped with compute" if workload.tp_comm_overlap else "")
             + {None: "", True: ", attention fused on every device",
                False: ", attention scores materialised"}[workload.fused_attention]
-            + (", the loss fused over its logits" if workload.fused_loss else ""))
+            + {LossKernel.EAGER: "", LossKernel.IN_PLACE: ", the loss's fp32 softmax turned into its gradient in place",
+               LossKernel.FUSED: ", the loss fused over its logits"}[workload.loss])
 
 
 def exporters_line(exporters: dict[str, str | None], *, fits: bool = True) -> str:

@@ -16,9 +16,12 @@
   forward is not replayed.
 - Under an eager runtime's autocast over fp32 weights (`Workload.eager`, 16-bit compute), each micro-batch
   in flight also keeps the 16-bit copy of every weight a GEMM multiplied (`Simulator._cast_copies_bytes`).
-- Transient: the largest single op output of the stage (e.g. the logits) and its gradient. A fused
-  cross-entropy (`Workload.fused_loss`) keeps the 16-bit logits instead of the fp32 softmax, and they then
-  count once more here, as their gradient.
+- Transient: the largest single op output of the stage (e.g. the logits) and its gradient. The loss
+  (`Workload.loss`, `LossKernel`): PyTorch's eager cross-entropy keeps the fp32 softmax, and its fp32 output
+  and gradient are the transients; Megatron-Core's (in-place) keeps the fp32 softmax too but turns it into
+  the gradient in place, so the logits count here once, as the 16-bit gradient it casts back (or the 16-bit
+  logits beside their fp32 copy in the forward); a fused kernel keeps the 16-bit logits instead of the fp32
+  softmax, and they count here once more, as their gradient.
 - `FRAMEWORK_OVERHEAD_BYTES`: CUDA context (0.3-0.5 GB), cuBLAS workspaces, NCCL buffers for
   the communicators, and caching-allocator fragmentation; PyTorch jobs typically show 0.7-1.5
   GB beyond what tensors account for. One documented constant, not tuned per case.
@@ -29,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tagplan.ir.model import Block, Op, OpKind
-from tagplan.ir.workload import Workload
+from tagplan.ir.workload import LossKernel, Workload
 
 FRAMEWORK_OVERHEAD_BYTES = 1.0e9
 
@@ -66,11 +69,12 @@ def model_state_bytes(params: float, workload: Workload, *, zero: int, dp: int) 
     return weights, grads, optim
 
 
-def transient_bytes_per_sample(blocks: list[Block], *, tp: int, fused_loss: bool = False) -> float:
-    """The largest op output of the stage and its gradient, per sample. Under a fused loss
-    (`Workload.fused_loss`) the loss writes per-token figures only, and the logits it reads it keeps as
-    an activation (`fused_loss_saved_bytes`), so they count here once, as their gradient."""
-    if not fused_loss:
+def transient_bytes_per_sample(blocks: list[Block], *, tp: int, loss: LossKernel = LossKernel.EAGER) -> float:
+    """The largest op output of the stage and its gradient, per sample. Under an in-place or fused loss
+    (`Workload.loss`) the loss's own transients are per-token figures, and the logits count once: as the
+    16-bit gradient (in-place: cast back from the fp32 softmax it overwrote, which it keeps as an activation;
+    fused: beside the logits it keeps, `fused_loss_saved_bytes`)."""
+    if loss is LossKernel.EAGER:
         return 2.0 * max((b.largest_output_bytes for b in blocks), default=0.0) / tp
     largest = 0.0
     for block in blocks:
@@ -86,7 +90,7 @@ def transient_bytes_per_sample(blocks: list[Block], *, tp: int, fused_loss: bool
 
 def is_loss(op: Op, block: Block) -> bool:
     """A head's softmax: the model's loss (cross-entropy over the logits; a traced head whose loss is one
-    `cross_entropy` op, or that has none, has no such op, and `Workload.fused_loss` leaves it as it is)."""
+    `cross_entropy` op, or that has none, has no such op, and `Workload.loss` leaves it as it is)."""
     return op.kind is OpKind.SOFTMAX and block.kind == "head"
 
 

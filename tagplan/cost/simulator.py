@@ -33,7 +33,7 @@ from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import Block, ModelGraph, Op, OpKind
 from tagplan.ir.plan import Plan, Schedule, Stage, check_plan, check_whole_samples
-from tagplan.ir.workload import Workload
+from tagplan.ir.workload import LossKernel, Workload
 
 
 @dataclass(frozen=True)
@@ -602,8 +602,7 @@ class Simulator:
                 saved = sum(n * self._saved_of(b, stage) for b, n in units)
             # one recomputed layer's activations are live during its backward, kept as the runtime keeps them
             recomputing = max((self._saved_of(self.model.block_by_hash[h], stage) for h in replayed), default=0.0)
-            working = recomputing + transient_bytes_per_sample(blocks, tp=stage.tp,
-                                                               fused_loss=self.workload.fused_loss)
+            working = recomputing + transient_bytes_per_sample(blocks, tp=stage.tp, loss=self.workload.loss)
             hit = self.coster.memory_memo[key] = (saved, working)
         return hit
 
@@ -621,10 +620,10 @@ class Simulator:
         copy the weight gradient reads); what other ops save stays in the elementwise dtype. Where the
         runtime fuses pointwise chains (`Workload.fused_activation`), a pointwise op does not keep an
         input that another pointwise op of the block made from inputs it keeps: the fused backward
-        recomputes it (SwiGLU keeps gate and up, not silu(gate) as well). A fused loss (`Workload.fused_loss`)
-        keeps the 16-bit logits, not the fp32 softmax."""
+        recomputes it (SwiGLU keeps gate and up, not silu(gate) as well). A fused loss (`Workload.loss`)
+        keeps the 16-bit logits, not the fp32 softmax (the eager and in-place losses keep the softmax)."""
         dtype = self.workload.dtype
-        if self.workload.fused_loss and is_loss(op, block):
+        if self.workload.loss is LossKernel.FUSED and is_loss(op, block):
             return fused_loss_saved_bytes(op, block)
         if op.kind is OpKind.MATMUL and dtype.quantized:
             return op.saved_bytes * dtype.gemm_nbytes / dtype.nbytes

@@ -21,7 +21,7 @@ from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_devices, check_whole_samples
-from tagplan.ir.workload import DType, Workload
+from tagplan.ir.workload import DType, LossKernel, Workload
 from tagplan.search.result import PlanResult
 
 Target = Literal["torch", "megatron", "deepspeed"]
@@ -57,9 +57,10 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     The torch program runs its PyTorch modules op by op under autocast (`eager`: the host issues each
     op's eager kernels, casts included); Megatron-Core's fused kernels, and DeepSpeed's 16-bit weights
     (no autocast casts), are costed one kernel per op.
-    None of the three runs a fused cross-entropy as exported (`fused_loss`): the torch program's loss upcasts
-    the logits, the Megatron exporter does not write `--cross-entropy-loss-fusion`, DeepSpeed runs the
-    model's own loss.
+    The loss (`loss`): Megatron-Core runs its own cross-entropy, the in-place one, or Transformer Engine's
+    fused one where the workload asks for a fused loss (the exporter then writes `--cross-entropy-loss-fusion
+    --cross-entropy-fusion-impl te`); the torch program's loss and DeepSpeed's (the model's own) are eager
+    PyTorch's over upcast logits.
     ExportError (a SpecError) for a `grad_reduce_dtype` the target cannot reduce in."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
@@ -84,9 +85,18 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     fused = fmt == "megatron" or (fmt == "torch" and builds_own_modules(spec))  # bias_swiglu_impl; _GatedProduct
     if fused and not workload.fused_activation:
         update["fused_activation"] = True
-    if workload.fused_loss:  # none runs a fused cross-entropy as exported
-        update["fused_loss"] = False
+    if (loss := runtime_loss(fmt, workload.loss)) is not workload.loss:
+        update["loss"] = loss
     return workload.model_copy(update=update) if update else workload
+
+
+def runtime_loss(fmt: Target | str, loss: LossKernel) -> LossKernel:
+    """The cross-entropy format `fmt`'s runtime runs for a plan costed with `loss`: Megatron-Core its own (in-place),
+    or Transformer Engine's fused kernel where `loss` is fused (the exporter writes it); the torch program and
+    DeepSpeed PyTorch's eager one."""
+    if fmt == "megatron":
+        return LossKernel.FUSED if loss is LossKernel.FUSED else LossKernel.IN_PLACE
+    return LossKernel.EAGER
 
 
 def reduce_overlap(fmt: Target | str, workload: Workload, cluster: Cluster | None = None) -> ReduceOverlap | None:

@@ -29,7 +29,7 @@ from tagplan.export.shapes import parsed
 from tagplan.frontends.model_spec import ModelSpec, build_model
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.plan import Plan
-from tagplan.ir.workload import DType, Optimizer
+from tagplan.ir.workload import DType, LossKernel, Optimizer
 
 Format = Literal["torch", "megatron", "deepspeed"]
 FORMATS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
@@ -38,7 +38,8 @@ FORMATS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
 def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Format, seq_len: int | None,
            global_batch: int, cluster: Cluster | None = None, dtype: DType = DType.BF16,
            optimizer: Optimizer = Optimizer.ADAM, grad_reduce_dtype: DType | None = None,
-           grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False) -> list[Path]:
+           grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False,
+           loss: LossKernel = LossKernel.EAGER) -> list[Path]:
     """Write `plan` for `model_spec` (a SPEC string or a parsed ModelSpec) in format `fmt` under
     `out_dir`; returns the paths written.
 
@@ -46,8 +47,8 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
     `cluster`'s devices when given) before any file is written; `cluster` also launches each
     format on the plan's nodes in its rank order (whichever node holds the first stage) and names
     their GPU types. `dtype`, `optimizer`, `grad_reduce_dtype` (None: the
-    runtime's own), `grad_reduce_overlap` and `tp_comm_overlap`: as the plan was costed
-    (`grad_reduce_settings` and `tp_comm_settings` say how they were written). ExportError when the
+    runtime's own), `grad_reduce_overlap`, `tp_comm_overlap` and `loss`: as the plan was costed
+    (`grad_reduce_settings`, `tp_comm_settings` and `loss_settings` say how they were written). ExportError when the
     format cannot express the plan; SpecError for bad input.
     """
     if fmt not in FORMATS:
@@ -70,7 +71,7 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
         config = model_config_from_spec(spec)
         return write_megatron(model, plan, out_dir, global_batch=global_batch, seq_len=seq, model_config=config,
                               grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
-                              tp_comm_overlap=tp_comm_overlap, cluster=cluster)
+                              tp_comm_overlap=tp_comm_overlap, loss=loss, cluster=cluster)
     return write_deepspeed(model, plan, out_dir, global_batch=global_batch, seq_len=seq,
                            grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
                            cluster=cluster)
@@ -90,6 +91,22 @@ def grad_reduce_settings(plan: Plan, *, fmt: Format, dtype: DType = DType.BF16, 
                            grad_reduce_overlap=grad_reduce_overlap)
     writer = megatron if fmt == "megatron" else deepspeed
     return writer.grad_reduce(plan, dtype, grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
+
+
+def loss_settings(*, fmt: Format, loss: LossKernel) -> dict[str, object]:
+    """How `export` (same arguments) makes the run's cross-entropy relate to the costing (`Workload.loss`):
+    `runs` the loss the runtime runs (`capability.runtime_workload`'s), `fused_written` when Megatron-LM's
+    Transformer Engine loss was written; `notes` where the run keeps more than was costed. JSON-ready."""
+    from tagplan.export.capability import runtime_loss
+
+    if fmt not in FORMATS:
+        raise unknown("export format", str(fmt), list(FORMATS))
+    runs = runtime_loss(fmt, loss)
+    notes = [] if runs is loss or runs is LossKernel.IN_PLACE else [
+        f"the plan was costed with a {loss.value} cross-entropy (--loss {loss.value}); the {fmt} runtime runs "
+        f"PyTorch's eager one over upcast logits, which keeps more memory on the stage holding the head (plan "
+        f"--exportable {fmt} costs it as {fmt} runs it)"]
+    return {"runs": runs.value, "fused_written": fmt == "megatron" and runs is LossKernel.FUSED, "notes": notes}
 
 
 def tp_comm_settings(plan: Plan, *, fmt: Format, tp_comm_overlap: bool) -> dict[str, object]:

@@ -38,6 +38,12 @@ tp > 1 export sets) when the plan was costed with `Workload.tp_comm_overlap` and
 cluster it is refused where the userbuffers cannot run (`tp_overlap_refusal`): a tensor-parallel group
 across nodes or over PCIe, or on GPUs before sm80.
 
+The loss as costed (`Workload.loss`): Megatron-Core's own cross-entropy is the in-place one (it keeps the fp32
+softmax and turns it into the gradient), which an eager or in-place costing describes (an eager one keeps more);
+a fused costing writes `--cross-entropy-loss-fusion --cross-entropy-fusion-impl te` (Transformer Engine's
+kernel, which keeps the 16-bit logits and writes the gradient over them; Megatron-Core's native fused kernel
+still upcasts, and is the in-place loss in memory).
+
 The flag spellings follow NVIDIA/Megatron-LM `megatron/training/arguments.py`; the simulator's
 assumptions (sequence parallelism with TP, the costed gradient reduction) are switched on so the
 run matches the prediction.
@@ -70,7 +76,7 @@ from tagplan.frontends.model_spec import ModelSpec
 from tagplan.ir.cluster import Cluster, LinkKind
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule, context_split_whole
-from tagplan.ir.workload import DType
+from tagplan.ir.workload import DType, LossKernel
 
 FMT = "megatron"
 DECODER_FAMILIES = ("gpt", "llama", "moe")  # the families pretrain_gpt.py builds
@@ -111,15 +117,15 @@ def model_config_from_spec(spec: str | ModelSpec) -> dict[str, Any]:
 def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int,
                        model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
                        grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False,
-                       cluster: Cluster | None = None) -> list[str]:
+                       loss: LossKernel = LossKernel.IN_PLACE, cluster: Cluster | None = None) -> list[str]:
     """The Megatron-LM command-line arguments (flags and values, in order) that run `plan`
     (launched on `cluster`'s nodes in the plan's rank order when given, `rank_order`).
 
     `model_config` is `model_config_from_spec`'s dict (None: derived from `model.name`, which is
     the SPEC for zoo and parametric models). `grad_reduce_dtype` and `grad_reduce_overlap`: the
     gradient reduction as costed (None: Megatron's own dtype); `tp_comm_overlap`: the TP collectives
-    as costed (`Workload.tp_comm_overlap`). ExportError when Megatron-LM cannot express the plan or
-    the reduction.
+    as costed (`Workload.tp_comm_overlap`); `loss`: the cross-entropy as costed (`Workload.loss`: fused writes
+    Transformer Engine's). ExportError when Megatron-LM cannot express the plan or the reduction.
     """
     validate(plan, model, cluster)
     check_reduce_dtype(grad_reduce_dtype)
@@ -152,6 +158,8 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     args += _model_args(family, shape, seq_len)
     args += ["--micro-batch-size", str(mbs), "--global-batch-size", str(global_batch)]
     args += _recompute_args(plan, model)
+    if loss is LossKernel.FUSED:  # Transformer Engine's kernel keeps the 16-bit logits, as costed
+        args += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"]
     args += _optimizer_args(plan, dp, overlap=grad_reduce_overlap)
     return args + reduce_args + _DTYPE_FLAG[model.dtype]
 
@@ -209,7 +217,7 @@ def uses_megatron_fsdp(plan: Plan) -> bool:
 def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int,
                    model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
                    grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False,
-                   cluster: Cluster | None = None) -> list[Path]:
+                   loss: LossKernel = LossKernel.IN_PLACE, cluster: Cluster | None = None) -> list[Path]:
     """Write `megatron_args.txt` (one flag per line) and the launch under `out_dir`; returns the paths.
 
     Without `cluster`: `launch.sh`, device d as global rank d. With it: `launch_node{k}.sh` per node
@@ -221,7 +229,7 @@ def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch
     node runs as it was costed."""
     args = megatron_arguments(model, plan, global_batch=global_batch, seq_len=seq_len, model_config=model_config,
                               grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
-                              tp_comm_overlap=tp_comm_overlap, cluster=cluster)
+                              tp_comm_overlap=tp_comm_overlap, loss=loss, cluster=cluster)
     out_dir.mkdir(parents=True, exist_ok=True)
     args_path = out_dir / "megatron_args.txt"
     args_path.write_text(_one_flag_per_line(args))

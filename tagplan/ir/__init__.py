@@ -3,10 +3,10 @@
 from tagplan.ir.cluster import Cluster, Device, DeviceSpec, Link, LinkKind, Network, Node, PairLink
 from tagplan.ir.model import Block, Layer, ModelGraph, Op, OpKind, PartitionDim
 from tagplan.ir.plan import Plan, Schedule, ShardStrategy, Stage, check_plan, check_whole_samples
-from tagplan.ir.workload import DType, Optimizer, Workload
+from tagplan.ir.workload import DType, LossKernel, Optimizer, Workload
 
 __all__ = [
-    "Block", "Cluster", "DType", "Device", "DeviceSpec", "Layer", "Link", "LinkKind",
+    "Block", "Cluster", "DType", "Device", "DeviceSpec", "Layer", "Link", "LinkKind", "LossKernel",
     "ModelGraph", "Network", "Node", "Op", "OpKind", "Optimizer", "PairLink", "PartitionDim",
     "Plan", "Schedule", "ShardStrategy", "Stage", "Workload", "check_plan", "check_whole_samples",
 ]

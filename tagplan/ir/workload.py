@@ -89,6 +89,22 @@ _STATE_BYTES = {
 }
 
 
+class LossKernel(StrEnum):
+    """How the runtime computes the cross-entropy over the logits, which sets what the stage holding the head keeps
+    (per logit, with 16-bit logits; `cost.memory`)."""
+
+    EAGER = "eager"
+    """PyTorch's cross_entropy on upcast logits: keeps the fp32 softmax, and its fp32 output and gradient are the
+    stage's largest transients (about 12 bytes)."""
+    IN_PLACE = "in-place"
+    """Megatron-Core's vocab-parallel cross-entropy (native, fused or not): upcasts the logits once, keeps the
+    fp32 softmax and turns it into the gradient in place, cast back to the logits' dtype (about 6 bytes)."""
+    FUSED = "fused"
+    """One kernel over the 16-bit logits that keeps them (flash-attn's CrossEntropyLoss, llm-foundry's default;
+    Transformer Engine's parallel_cross_entropy, Megatron-Core's --cross-entropy-fusion-impl te; the torch
+    program's fused loss): about 4 bytes."""
+
+
 REDUCE_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 """The dtypes a data-parallel gradient reduction runs in (no runtime reduces in fp8)."""
 
@@ -118,12 +134,11 @@ class Workload(Record):
         "product: Megatron-Core's bias_swiglu_impl) into one function that keeps only the chain's own inputs for "
         "its backward and recomputes the rest (the gated MLP keeps its two projections, not also the activated "
         "one). False: each pointwise op keeps its inputs (PyTorch eager, Hugging Face)")
-    fused_loss: bool = Field(
-        default=False, description="the runtime's cross-entropy is one fused kernel over the 16-bit logits (flash-"
-        "attn's CrossEntropyLoss, llm-foundry's default for MPT; Megatron-Core's --cross-entropy-loss-fusion): the "
-        "loss keeps the logits it read for its backward and writes per-token figures, where an eager loss upcasts "
-        "them and keeps the fp32 softmax, and its fp32 output and gradient are the stage's largest transients. "
-        "Costed in memory only. False: PyTorch's cross_entropy on upcast logits")
+    loss: LossKernel = Field(
+        default=LossKernel.EAGER, description="the runtime's cross-entropy (`LossKernel`): eager = PyTorch's on "
+        "upcast logits, keeping the fp32 softmax, its fp32 output and gradient the largest transients; in-place = "
+        "Megatron-Core's, the fp32 softmax turned into the gradient in place; fused = one kernel over the 16-bit "
+        "logits, keeping them (flash-attn, llm-foundry, Transformer Engine). Costed in memory only")
     eager: bool = Field(
         default=False, description="the runtime runs the model op by op as eager PyTorch, under autocast when it "
         "computes in 16 bits (`autocast`; tagplan's torch program, its measured iterations): the host issues each "

@@ -37,6 +37,7 @@ from pydantic import (
     StrictStr,
     ValidationError,
     WithJsonSchema,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -46,7 +47,7 @@ from tagplan.errors import SpecError
 from tagplan.frontends import presets
 from tagplan.frontends.cluster_spec import ClusterSpec, parse_cluster_spec
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
-from tagplan.ir.workload import DType, Optimizer
+from tagplan.ir.workload import DType, LossKernel, Optimizer
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_EVALUATIONS, Objective
 from tagplan.service.settings import Settings
 from tagplan.training.calibrations import resolve_calibration
@@ -340,9 +341,28 @@ class WorkloadRequest(BaseModel):
         default=None, description="default: each GPU's own attention kernel (FlashAttention-2 from sm80, scores "
         "materialised before); true: a fused kernel on every device; false: scores materialised everywhere "
         "(runtimes before FlashAttention)")
-    fused_loss: StrictBool | None = Field(
-        default=None, description="default false: PyTorch's cross-entropy on upcast logits (an fp32 softmax kept); "
-        "true: one fused kernel over the 16-bit logits (flash-attn's, llm-foundry's default), which keeps them")
+    loss: LossKernel | None = Field(
+        default=None, description="the runtime's cross-entropy, which sets the memory of the stage holding the head: "
+        "default eager (PyTorch's on upcast logits, an fp32 softmax kept); in-place (Megatron-Core's: the fp32 "
+        "softmax turned into the gradient in place); fused (one kernel over the 16-bit logits, which keeps them: "
+        "flash-attn's, llm-foundry's default, Transformer Engine's)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fused_loss(cls, data: Any) -> Any:
+        """The earlier boolean `fused_loss` (true: fused, false or null: eager), which stored jobs may hold; refused
+        beside `loss`, and when not a boolean or null."""
+        if not isinstance(data, dict) or "fused_loss" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("fused_loss")
+        if "loss" in data:
+            raise _refused("fused_loss", "fused_loss is the earlier spelling of loss; give loss alone")
+        if old is not None and not isinstance(old, bool):
+            raise _refused("fused_loss", f"fused_loss={old!r}: expected true or false (or give loss: "
+                                         f"{', '.join(k.value for k in LossKernel)})")
+        data["loss"] = LossKernel.FUSED.value if old else None
+        return data
 
 
 class PlanRequest(BaseModel):

@@ -244,3 +244,30 @@ def test_verify_takes_a_time_limit_and_reports_reaching_it(tmp_path: Path, capsy
     assert main(["verify", "--model", TINY, "--plan", str(plan), "--timeout-s", "1", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["worst_parameter"] == "(time limit)" and "did not finish within its time limit" in out["message"]
+
+
+def test_export_writes_the_loss_as_costed_or_says_what_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--loss fused: Megatron-LM writes Transformer Engine's fused cross-entropy; Megatron-Core otherwise runs its own
+    (no flag, nothing to note); the torch program runs PyTorch's eager loss and says it keeps more than costed."""
+    plan = write_plan(tmp_path / "plan.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1}])
+
+    def export(fmt: str, *extra: str) -> tuple[dict, list[str]]:
+        out = tmp_path / f"{fmt}{''.join(extra)}"
+        assert main(["export", "--model", TINY, "--plan", str(plan), "--seq", "16", "--format", fmt, "--out", str(out),
+                     "--json", *extra]) == 0
+        args = (out / "megatron_args.txt").read_text().split() if fmt == "megatron" else []
+        return json.loads(capsys.readouterr().out)["loss"], args
+
+    loss, args = export("megatron", "--loss", "fused")
+    assert args[args.index("--cross-entropy-loss-fusion") + 1:][:2] == ["--cross-entropy-fusion-impl", "te"]
+    assert loss == {"runs": "fused", "fused_written": True, "notes": []}
+    for asked in ("eager", "in-place"):
+        loss, args = export("megatron", "--loss", asked)
+        assert "--cross-entropy-loss-fusion" not in args
+        assert loss == {"runs": "in-place", "fused_written": False, "notes": []}  # keeps less than eager: no surprise
+    loss, _ = export("torch", "--loss", "fused")
+    assert loss["runs"] == "eager" and "keeps more memory" in loss["notes"][0]
+    assert export("torch")[0] == {"runs": "eager", "fused_written": False, "notes": []}
+    assert main(["export", "--model", TINY, "--plan", str(plan), "--seq", "16", "--format", "megatron", "--loss",
+                 "fused", "--out", str(tmp_path / "text")]) == 0
+    assert "cross-entropy: Transformer Engine's fused kernel" in capsys.readouterr().out

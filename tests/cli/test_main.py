@@ -157,9 +157,14 @@ def test_plan_says_when_the_exported_runtime_does_not_fuse_the_loss(capsys: pyte
         return json.loads(capsys.readouterr().out)
 
     exported = plan("--loss", "fused", "--exportable", "torch")
-    assert exported["workload"]["fused_loss"] is False
-    assert any(note.startswith("--loss fused: torch runs an eager cross-entropy") for note in exported["notes"])
+    assert exported["workload"]["loss"] == "eager"
+    assert any(note.startswith("--loss fused: torch runs PyTorch's eager cross-entropy") for note in exported["notes"])
     assert not any("--loss" in note for note in plan("--loss", "fused")["notes"])  # not exported: costed as stated
+    megatron = plan("--loss", "fused", "--exportable", "megatron")  # the exporter writes Transformer Engine's
+    assert megatron["workload"]["loss"] == "fused" and not any("--loss" in note for note in megatron["notes"])
+    eager = plan("--exportable", "megatron")  # Megatron-Core runs its own loss: costed so, and said
+    assert eager["workload"]["loss"] == "in-place"
+    assert any(note.startswith("--loss eager: megatron runs Megatron-Core's own") for note in eager["notes"])
 
 
 def test_simulate_plan_file_and_bad_plan(tmp_path) -> None:
@@ -242,7 +247,7 @@ def test_the_caption_names_the_refusals_when_no_format_runs_the_plan() -> None:
 
 def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
     from tagplan.cli.tables import workload_line
-    from tagplan.ir.workload import Workload
+    from tagplan.ir.workload import LossKernel, Workload
 
     assert workload_line(Workload(), {0: True, 1: False}).endswith(
         "overlapped with the backward on stages [0], after it on stages [1]")
@@ -252,7 +257,9 @@ def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
         "overlapped with the backward, tensor-parallel collectives overlapped with compute")
     assert workload_line(Workload(fused_attention=False)).endswith("backward, attention scores materialised")
     assert workload_line(Workload(fused_attention=True)).endswith("backward, attention fused on every device")
-    assert workload_line(Workload(fused_loss=True)).endswith(", the loss fused over its logits")
+    assert workload_line(Workload(loss=LossKernel.FUSED)).endswith(", the loss fused over its logits")
+    assert workload_line(Workload(loss=LossKernel.IN_PLACE)).endswith(
+        ", the loss's fp32 softmax turned into its gradient in place")
 
 
 def test_plan_exportable_exits_1_when_the_format_runs_no_plan_that_fits(tmp_path, capsys, monkeypatch) -> None:

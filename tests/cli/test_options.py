@@ -12,6 +12,7 @@ import tagplan.cli
 from tagplan.cli import build_parser
 from tagplan.cli.options import cluster_options
 from tagplan.frontends.cluster_spec import ClusterOptions
+from tagplan.ir.workload import LossKernel
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_EVALUATIONS
 
 CLI = Path(tagplan.cli.__file__).parent
@@ -155,11 +156,12 @@ def test_attention_is_each_gpus_own_unless_asked() -> None:
 def test_the_loss_is_eager_unless_asked() -> None:
     from tagplan.cli.planning import plan_problem
 
-    def fused(*extra: str) -> bool:
-        return plan_problem(build_parser().parse_args(["plan", *PROBLEM, *extra])).workload.fused_loss
+    def loss(*extra: str) -> LossKernel:
+        return plan_problem(build_parser().parse_args(["plan", *PROBLEM, *extra])).workload.loss
 
-    assert fused() is False
-    assert fused("--loss", "fused") is True
-    assert fused("--loss", "eager") is False
+    assert loss() is LossKernel.EAGER
+    assert loss("--loss", "fused") is LossKernel.FUSED
+    assert loss("--loss", "in-place") is LossKernel.IN_PLACE
+    assert loss("--loss", "eager") is LossKernel.EAGER
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", *PROBLEM, "--loss", "liger"])

@@ -11,6 +11,7 @@ import pytest
 from bench_modules import BENCH, load_bench
 
 from tagplan.cost.simulator import Simulator
+from tagplan.ir.workload import LossKernel
 
 PEAK_FLOPS = {("a100_80gb", "bf16"): 312e12, ("a100_40gb", "bf16"): 312e12, ("h100_80gb", "bf16"): 989e12,
               ("h100_80gb", "fp8"): 1979e12}
@@ -57,7 +58,7 @@ def test_each_row_is_the_fsdp_iteration_it_ran(bench: ModuleType, data: dict[str
         (stage,) = case.plan.stages
         assert (stage.dp, stage.zero, stage.recompute) == (row["gpus"], 3, row["activation_checkpointing"])
         assert case.plan.micro_batches == row["grad_accum"]
-        assert case.workload.fused_loss and case.workload.fused_attention
+        assert case.workload.loss is LossKernel.FUSED and case.workload.fused_attention
         report = Simulator(case.model, case.cluster, case.workload).simulate(case.plan)
         assert report.stages[0].samples_per_micro_batch == row["micro_batch_size"]
         tokens_per_s_per_gpu = row["global_batch"] * row["seq_len"] / (case.measured_s * row["gpus"])

@@ -10,7 +10,7 @@ from tagplan.export.checks import ExportError
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model, parse_model_spec
 from tagplan.ir.plan import Plan, Stage
-from tagplan.ir.workload import DType, Workload
+from tagplan.ir.workload import DType, LossKernel, Workload
 
 HETERO = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2),
                                        Stage(layers=(2, 4), devices=(2, 3), dp=2)))
@@ -126,9 +126,13 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     # DeepSpeed keeps 16-bit weights (no autocast casts)
     assert not bf16.eager and not runtime_workload("megatron", bf16).eager
     assert runtime_workload("torch", bf16).eager and not runtime_workload("deepspeed", bf16).eager
-    # none runs a fused cross-entropy as exported: a fused loss the user stated is costed as they run theirs
-    fused_loss = bf16.model_copy(update={"fused_loss": True})
-    assert not any(runtime_workload(fmt, fused_loss).fused_loss for fmt in ("torch", "megatron", "deepspeed"))
+    # the loss as each runs it: Megatron-Core its own in-place one, or Transformer Engine's fused one where asked (the
+    # exporter writes it); the torch program and DeepSpeed PyTorch's eager one, whatever the user stated
+    for asked in LossKernel:
+        stated = bf16.model_copy(update={"loss": asked})
+        assert runtime_workload("megatron", stated).loss is (
+            LossKernel.FUSED if asked is LossKernel.FUSED else LossKernel.IN_PLACE)
+        assert runtime_workload("torch", stated).loss is runtime_workload("deepspeed", stated).loss is LossKernel.EAGER
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         runtime_workload("onnx", bf16)
 

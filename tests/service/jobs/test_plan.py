@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from tagplan.errors import SpecError
+from tagplan.ir.workload import LossKernel
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_EVALUATIONS, Objective
 from tagplan.service.jobs import LimitError, run_job
 from tagplan.service.jobs.plan import plan_problem
@@ -65,18 +66,26 @@ def test_the_workload_says_which_attention_kernel_the_runtime_has(settings: Sett
         problem({**TINY_PLAN, "workload": {"fused_attention": "flash"}}, settings)
 
 
-def test_the_workload_says_whether_the_runtime_fuses_the_loss(settings: Settings) -> None:
+def test_the_workload_says_which_loss_the_runtime_runs(settings: Settings) -> None:
     from tagplan.service.jobs.plan import echo
 
-    assert problem(TINY_PLAN, settings).workload.fused_loss is False  # PyTorch's eager loss unless asked
-    for value, costed in ((True, True), (False, False), (None, False)):  # None: an explicit null, as if left out
-        asked = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "fused_loss": value}}
+    assert problem(TINY_PLAN, settings).workload.loss is LossKernel.EAGER  # PyTorch's eager loss unless asked
+    for value, costed in (("fused", LossKernel.FUSED), ("in-place", LossKernel.IN_PLACE), ("eager", LossKernel.EAGER),
+                          (None, LossKernel.EAGER)):  # None: an explicit null, as if left out
+        asked = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "loss": value}}
         planned = problem(asked, settings)
-        assert planned.workload.fused_loss is costed
+        assert planned.workload.loss is costed
         request = read_request(PlanRequest, asked, "plan request")
-        assert echo(request, planned)["workload"]["fused_loss"] is costed  # the result says what was costed
-    with pytest.raises(SpecError, match="fused_loss"):
-        problem({**TINY_PLAN, "workload": {"fused_loss": "yes"}}, settings)
+        assert echo(request, planned)["workload"]["loss"] == costed.value  # the result says what was costed
+    for bad in ("liger", True):
+        with pytest.raises(SpecError, match="loss"):
+            problem({**TINY_PLAN, "workload": {"loss": bad}}, settings)
+    # the earlier boolean field, which jobs stored before it was renamed hold, still means what it meant
+    for old, costed in ((True, LossKernel.FUSED), (False, LossKernel.EAGER), (None, LossKernel.EAGER)):
+        assert problem({**TINY_PLAN, "workload": {"fused_loss": old}}, settings).workload.loss is costed
+    for bad in ({"fused_loss": True, "loss": "fused"}, {"fused_loss": "yes"}):
+        with pytest.raises(SpecError, match="fused_loss"):
+            problem({**TINY_PLAN, "workload": bad}, settings)
 
 
 def test_the_workload_says_whether_the_runtime_overlaps_the_gradient_reduction(settings: Settings) -> None:

@@ -1,4 +1,6 @@
-"""A fused cross-entropy (flash-attn's, llm-foundry's default) keeps the 16-bit logits, not the fp32 softmax."""
+"""The loss kernel sets the head's memory: a fused cross-entropy (flash-attn's, llm-foundry's default, Transformer
+Engine's) keeps the 16-bit logits, not the fp32 softmax; Megatron-Core's in-place one keeps the fp32 softmax but
+holds no fp32 output or gradient beside it."""
 
 from __future__ import annotations
 
@@ -10,12 +12,12 @@ from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.model import Block, Op, OpKind
 from tagplan.ir.plan import Plan, Stage
-from tagplan.ir.workload import Workload
+from tagplan.ir.workload import LossKernel, Workload
 
 SEQ, VOCAB, SAMPLES = 256, 32000, 4
 
 
-def memory(*, fused: bool, pipelined: bool = False) -> tuple[float, float, float, float]:
+def memory(loss: LossKernel, *, pipelined: bool = False) -> tuple[float, float, float, float]:
     """(kept activations, transient, peak, iteration s) of the stage holding the head."""
     model = load_model(f"gpt?layers=2&hidden=128&heads=2&vocab={VOCAB}", seq_len=SEQ)
     n = len(model.layers)
@@ -23,18 +25,21 @@ def memory(*, fused: bool, pipelined: bool = False) -> tuple[float, float, float
               else (Stage(layers=(0, n), devices=(0,)),))
     plan = Plan(micro_batches=1, stages=stages)
     report = Simulator(model, load_cluster("dgx-h100:nodes=1"),
-                       Workload(global_batch=SAMPLES, seq_len=SEQ, fused_loss=fused)).simulate(plan)
+                       Workload(global_batch=SAMPLES, seq_len=SEQ, loss=loss)).simulate(plan)
     m = report.stages[-1].memory
     return m.activations_bytes, m.other_bytes, report.peak_memory_bytes, report.iteration_time_s
 
 
+@pytest.mark.parametrize("loss", [LossKernel.FUSED, LossKernel.IN_PLACE])
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_the_head_keeps_16_bit_logits_and_holds_their_gradient_once(pipelined: bool) -> None:
+def test_the_head_holds_the_logits_gradient_once(loss: LossKernel, pipelined: bool) -> None:
     (kept, transient, peak, seconds), (kept_f, transient_f, peak_f, seconds_f) = (
-        memory(fused=False, pipelined=pipelined), memory(fused=True, pipelined=pipelined))
+        memory(LossKernel.EAGER, pipelined=pipelined), memory(loss, pipelined=pipelined))
     logits = SAMPLES * SEQ * VOCAB  # elements per micro-batch
-    assert kept - kept_f == pytest.approx(logits * (4 - 2), rel=1e-9)  # the fp32 softmax -> the bf16 logits
-    # eager: the fp32 softmax output (and per-token loss) and its gradient; fused: the bf16 logits' gradient
+    # fused: the fp32 softmax -> the bf16 logits; in-place: the fp32 softmax kept (it becomes the gradient)
+    assert kept - kept_f == pytest.approx(logits * (4 - 2) if loss is LossKernel.FUSED else 0.0, rel=1e-9)
+    # eager: the fp32 softmax output (and per-token loss) and its gradient; fused and in-place: the bf16 logits'
+    # gradient (in-place: cast back from the softmax it overwrote)
     assert transient - transient_f == pytest.approx(2 * (logits * 4 + SAMPLES * SEQ * 4) - logits * 2, rel=1e-9)
     assert peak - peak_f == pytest.approx((kept - kept_f) + (transient - transient_f), rel=1e-9)
     assert seconds_f == seconds  # memory only
@@ -43,7 +48,8 @@ def test_the_head_keeps_16_bit_logits_and_holds_their_gradient_once(pipelined: b
 def test_a_stage_without_the_head_is_unchanged() -> None:
     model = load_model(f"gpt?layers=2&hidden=128&heads=2&vocab={VOCAB}", seq_len=SEQ)
     body = [model.block_of(i) for i in range(1, 3)]
-    assert transient_bytes_per_sample(body, tp=1, fused_loss=True) == transient_bytes_per_sample(body, tp=1)
+    for loss in (LossKernel.FUSED, LossKernel.IN_PLACE):
+        assert transient_bytes_per_sample(body, tp=1, loss=loss) == transient_bytes_per_sample(body, tp=1)
 
 
 def test_the_kept_logits_are_what_the_ops_that_make_them_write() -> None:
@@ -57,5 +63,13 @@ def test_the_kept_logits_are_what_the_ops_that_make_them_write() -> None:
     assert is_loss(loss, head) and not is_loss(matmul, head)
     assert fused_loss_saved_bytes(loss, head) == 2000
     # the loss writes nothing beyond what it keeps; the logits count once (their gradient); the matmul's output twice
-    assert transient_bytes_per_sample([head], tp=1, fused_loss=True) == 2 * 2000
+    assert transient_bytes_per_sample([head], tp=1, loss=LossKernel.FUSED) == 2 * 2000
     assert not is_loss(loss, head.model_copy(update={"kind": "block"}))
+
+
+def test_the_losses_rank_by_what_they_keep() -> None:
+    """Per logit at 16 bits: eager about 12 bytes, in-place about 6, fused about 4 (the head's stage peak)."""
+    peaks = {loss: memory(loss)[2] for loss in LossKernel}
+    logits = SAMPLES * SEQ * VOCAB
+    assert peaks[LossKernel.EAGER] - peaks[LossKernel.IN_PLACE] == pytest.approx(6 * logits, rel=0.01)
+    assert peaks[LossKernel.IN_PLACE] - peaks[LossKernel.FUSED] == pytest.approx(2 * logits, rel=0.01)
