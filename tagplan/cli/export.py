@@ -73,6 +73,10 @@ def add_export_commands(sub: Subparsers) -> None:
     ver.add_argument("--timeout-s", type=positive_float, default=300.0,
                      help="time limit of the run in seconds (default 300); a plan of many ranks on few cores needs "
                           "more (32 ranks on 2 cores take about 3 minutes a step)")
+    ver.add_argument("--loss", choices=[LossKernel.EAGER.value, LossKernel.FUSED.value],
+                     default=LossKernel.EAGER.value,
+                     help="the program's cross-entropy: eager (PyTorch's) or fused (the program's own, as export "
+                          "--loss fused writes it); the reference runs the eager one")
     add_calibration_option(ver, "the one pinned beside the active GNN version, else the shipped defaults; "
                                 "for the predicted step time")
     add_json_option(ver, "the verification report")
@@ -130,8 +134,9 @@ def _export_text(result: dict[str, Any]) -> str:
     overlap = ["tensor-parallel collectives: overlapped with compute (--tp-comm-overlap written)"] \
         if tp_comm["overlapped"] else []
     loss = result["loss"]
-    fused = ["cross-entropy: Transformer Engine's fused kernel (--cross-entropy-loss-fusion "
-             "--cross-entropy-fusion-impl te written)"] if loss["fused_written"] else []
+    written = ("Transformer Engine's fused kernel (--cross-entropy-loss-fusion --cross-entropy-fusion-impl te written)"
+               if result["format"] == "megatron" else "the program's fused cross-entropy (the 16-bit logits kept)")
+    fused = [f"cross-entropy: {written}"] if loss["fused_written"] else []
     return "\n".join(lines + _reduce_lines(result["grad_reduce"]) + overlap + fused
                      + [f"note: {n}" for n in tp_comm["notes"] + loss["notes"]])
 
@@ -154,7 +159,7 @@ def _verify(args: argparse.Namespace) -> int:
     spec = parse_model_spec(args.model)
     calibration = load_calibration_option(args)
     plan = load_plan(args.plan)
-    report = verify(spec, plan, procs=args.procs, timeout_s=args.timeout_s)
+    report = verify(spec, plan, procs=args.procs, timeout_s=args.timeout_s, loss=LossKernel(args.loss))
     out = {k: v for k, v in dataclasses.asdict(report).items() if k != "plan"}
     if report.passed:
         try:  # each rank ran one torch thread: the device is this CPU with one core

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from tagplan.ir.workload import REDUCE_DTYPES, DType, LossKernel, Optimizer, Workload
+from tagplan.ir.workload import LOSS_KERNEL_TEXT, REDUCE_DTYPES, DType, LossKernel, Optimizer, Workload
 from tagplan.search.problem import DEFAULT_GLOBAL_BATCH
 
 if TYPE_CHECKING:
@@ -162,12 +162,10 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
                              "later), scores materialised before; fused = a fused kernel on every device (PyTorch's "
                              "scaled_dot_product_attention); unfused = scores materialised everywhere (runtimes before "
                              "FlashAttention, e.g. Megatron-LM of 2021, and eager attention)")
-    parser.add_argument("--loss", choices=[k.value for k in LossKernel], default=LossKernel.EAGER.value,
-                        help="the runtime's cross-entropy, which sets the memory of the stage holding the head: eager "
-                             "= PyTorch's on upcast logits, keeping an fp32 softmax (default); in-place = Megatron-"
-                             "Core's, the fp32 softmax turned into the gradient in place; fused = one kernel over the "
-                             "16-bit logits, keeping them (flash-attn's CrossEntropyLoss, llm-foundry's default, "
-                             "Transformer Engine's: Megatron-Core's --cross-entropy-fusion-impl te)")
+    parser.add_argument("--loss", choices=[k.value for k in LossKernel], default=None,
+                        help="the runtime's cross-entropy, which sets the memory of the stage holding the head: "
+                             + "; ".join(f"{k.value} = {LOSS_KERNEL_TEXT[k]}" for k in LossKernel)
+                             + " (default eager)")
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
 
 
@@ -195,5 +193,5 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
                         grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True),
                         tp_comm_overlap=getattr(args, "tp_comm_overlap", False),
                         fused_attention=ATTENTION_KERNELS[getattr(args, "attention", "auto")],
-                        loss=LossKernel(getattr(args, "loss", LossKernel.EAGER.value)))
+                        loss=LossKernel(getattr(args, "loss", None) or LossKernel.EAGER.value))
     return model, load_cluster_option(args.cluster, args), workload

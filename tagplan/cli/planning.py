@@ -29,15 +29,9 @@ from tagplan.cli.options import (
 from tagplan.cost.comm import CommMode
 from tagplan.errors import SpecError
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
-from tagplan.ir.workload import LossKernel
+from tagplan.ir.workload import LOSS_KERNEL_TEXT, LossKernel
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS, WORKERS, Objective, PlanProblem, Scorer
 from tagplan.search.result import PlanResult
-
-_LOSS_RUN = {LossKernel.EAGER: "PyTorch's eager cross-entropy (the logits upcast, an fp32 softmax kept)",
-             LossKernel.IN_PLACE: "Megatron-Core's own cross-entropy (the fp32 softmax turned into the gradient in "
-                                  "place)",
-             LossKernel.FUSED: "Transformer Engine's fused cross-entropy (the 16-bit logits kept)"}
-"""What `plan --exportable` says a format's runtime runs in place of the loss asked for (`runtime_loss`)."""
 
 
 def add_planning_commands(sub: Subparsers) -> None:
@@ -201,15 +195,17 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
 
 def _plan(args: argparse.Namespace) -> int:
     from tagplan.cli.tables import plan_result_table
+    from tagplan.export.capability import exported_loss
 
     result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty(),
                     exportable=args.exportable, spec=parse_model_spec(args.model))
-    from tagplan.export.capability import runtime_loss
-
-    asked = LossKernel(getattr(args, "loss", LossKernel.EAGER.value))
-    if args.exportable and (runs := runtime_loss(args.exportable, asked)) is not asked:  # as runtime_workload costed
-        result = replace(result, notes=(*result.notes, f"--loss {asked.value}: {args.exportable} runs "
-                                        f"{_LOSS_RUN[runs]} as exported, and every plan was costed as it runs"))
+    given = getattr(args, "loss", None)
+    asked = LossKernel(given or LossKernel.EAGER.value)
+    if args.exportable and (runs := exported_loss(args.exportable, asked)) is not asked:  # as runtime_workload costed
+        said = f"--loss {asked.value}" if given else "the default --loss eager"
+        result = replace(result, notes=(*result.notes, f"{said}: {args.exportable} runs the {runs.value} cross-entropy "
+                                        f"({LOSS_KERNEL_TEXT[runs]}) as exported, and every plan was costed as it "
+                                        "runs"))
     refused = result.exporters.get(args.exportable) if args.exportable else None
     feasible = result.best.report.fits and refused is None
     if args.out and (feasible or args.allow_infeasible):

@@ -57,10 +57,10 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     The torch program runs its PyTorch modules op by op under autocast (`eager`: the host issues each
     op's eager kernels, casts included); Megatron-Core's fused kernels, and DeepSpeed's 16-bit weights
     (no autocast casts), are costed one kernel per op.
-    The loss (`loss`): Megatron-Core runs its own cross-entropy, the in-place one, or Transformer Engine's
-    fused one where the workload asks for a fused loss (the exporter then writes `--cross-entropy-loss-fusion
-    --cross-entropy-fusion-impl te`); the torch program's loss and DeepSpeed's (the model's own) are eager
-    PyTorch's over upcast logits.
+    The loss (`loss`, `exported_loss`): Megatron-Core runs its own cross-entropy, the in-place one, or Transformer
+    Engine's fused one where the workload asks for a fused loss (the exporter then writes
+    `--cross-entropy-loss-fusion --cross-entropy-fusion-impl te`); the torch program runs its own fused loss
+    where asked (`runtime_loss.FusedCrossEntropy`), else PyTorch's eager one; DeepSpeed the model's own, eager.
     ExportError (a SpecError) for a `grad_reduce_dtype` the target cannot reduce in."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
@@ -85,18 +85,18 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     fused = fmt == "megatron" or (fmt == "torch" and builds_own_modules(spec))  # bias_swiglu_impl; _GatedProduct
     if fused and not workload.fused_activation:
         update["fused_activation"] = True
-    if (loss := runtime_loss(fmt, workload.loss)) is not workload.loss:
+    if (loss := exported_loss(fmt, workload.loss)) is not workload.loss:
         update["loss"] = loss
     return workload.model_copy(update=update) if update else workload
 
 
-def runtime_loss(fmt: Target | str, loss: LossKernel) -> LossKernel:
+def exported_loss(fmt: Target | str, loss: LossKernel) -> LossKernel:
     """The cross-entropy format `fmt`'s runtime runs for a plan costed with `loss`: Megatron-Core its own (in-place),
-    or Transformer Engine's fused kernel where `loss` is fused (the exporter writes it); the torch program and
-    DeepSpeed PyTorch's eager one."""
-    if fmt == "megatron":
-        return LossKernel.FUSED if loss is LossKernel.FUSED else LossKernel.IN_PLACE
-    return LossKernel.EAGER
+    or Transformer Engine's fused kernel where `loss` is fused (the exporter writes it); the torch program its fused
+    one where `loss` is fused, else PyTorch's eager one; DeepSpeed the model's own, eager."""
+    if loss is LossKernel.FUSED and fmt in ("megatron", "torch"):
+        return LossKernel.FUSED
+    return LossKernel.IN_PLACE if fmt == "megatron" else LossKernel.EAGER
 
 
 def reduce_overlap(fmt: Target | str, workload: Workload, cluster: Cluster | None = None) -> ReduceOverlap | None:

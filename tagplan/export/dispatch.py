@@ -29,7 +29,7 @@ from tagplan.export.shapes import parsed
 from tagplan.frontends.model_spec import ModelSpec, build_model
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.plan import Plan
-from tagplan.ir.workload import DType, LossKernel, Optimizer
+from tagplan.ir.workload import LOSS_KERNEL_TEXT, DType, LossKernel, Optimizer
 
 Format = Literal["torch", "megatron", "deepspeed"]
 FORMATS: tuple[str, ...] = ("torch", "megatron", "deepspeed")
@@ -65,7 +65,8 @@ def export(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, fmt: Forma
 
         train = write_torch_program(model_spec, plan, out_dir, seq_len=seq, global_batch=global_batch,
                                     cluster=cluster, dtype=dtype, optimizer=optimizer,
-                                    grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap)
+                                    grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
+                                    loss=loss)
         return [train, train.with_name("plan.json"), *sorted(out_dir.glob("launch_node*.sh"))]
     if fmt == "megatron":
         config = model_config_from_spec(spec)
@@ -95,18 +96,19 @@ def grad_reduce_settings(plan: Plan, *, fmt: Format, dtype: DType = DType.BF16, 
 
 def loss_settings(*, fmt: Format, loss: LossKernel) -> dict[str, object]:
     """How `export` (same arguments) makes the run's cross-entropy relate to the costing (`Workload.loss`):
-    `runs` the loss the runtime runs (`capability.runtime_workload`'s), `fused_written` when Megatron-LM's
-    Transformer Engine loss was written; `notes` where the run keeps more than was costed. JSON-ready."""
-    from tagplan.export.capability import runtime_loss
+    `runs` the loss the runtime runs (`capability.runtime_workload`'s), `fused_written` when a fused loss was
+    written (Megatron-LM's Transformer Engine flags, the torch program's own); `notes` where the run keeps more
+    than was costed. JSON-ready."""
+    from tagplan.export.capability import exported_loss
 
     if fmt not in FORMATS:
         raise unknown("export format", str(fmt), list(FORMATS))
-    runs = runtime_loss(fmt, loss)
-    notes = [] if runs is loss or runs is LossKernel.IN_PLACE else [
-        f"the plan was costed with a {loss.value} cross-entropy (--loss {loss.value}); the {fmt} runtime runs "
-        f"PyTorch's eager one over upcast logits, which keeps more memory on the stage holding the head (plan "
+    runs = exported_loss(fmt, loss)
+    notes = [] if runs is loss or runs is LossKernel.IN_PLACE else [  # Megatron-Core's in-place keeps less than eager
+        f"the plan was costed with the {loss.value} cross-entropy (--loss {loss.value}); the {fmt} runtime runs the "
+        f"{runs.value} one ({LOSS_KERNEL_TEXT[runs]}), which keeps more memory on the stage holding the head (plan "
         f"--exportable {fmt} costs it as {fmt} runs it)"]
-    return {"runs": runs.value, "fused_written": fmt == "megatron" and runs is LossKernel.FUSED, "notes": notes}
+    return {"runs": runs.value, "fused_written": runs is LossKernel.FUSED, "notes": notes}
 
 
 def tp_comm_settings(plan: Plan, *, fmt: Format, tp_comm_overlap: bool) -> dict[str, object]:

@@ -117,7 +117,7 @@ def model_config_from_spec(spec: str | ModelSpec) -> dict[str, Any]:
 def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_len: int,
                        model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
                        grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False,
-                       loss: LossKernel = LossKernel.IN_PLACE, cluster: Cluster | None = None) -> list[str]:
+                       loss: LossKernel = LossKernel.EAGER, cluster: Cluster | None = None) -> list[str]:
     """The Megatron-LM command-line arguments (flags and values, in order) that run `plan`
     (launched on `cluster`'s nodes in the plan's rank order when given, `rank_order`).
 
@@ -125,7 +125,8 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     the SPEC for zoo and parametric models). `grad_reduce_dtype` and `grad_reduce_overlap`: the
     gradient reduction as costed (None: Megatron's own dtype); `tp_comm_overlap`: the TP collectives
     as costed (`Workload.tp_comm_overlap`); `loss`: the cross-entropy as costed (`Workload.loss`: fused writes
-    Transformer Engine's). ExportError when Megatron-LM cannot express the plan or the reduction.
+    Transformer Engine's; the others run Megatron-Core's own, which keeps no more than they were costed with).
+    ExportError when Megatron-LM cannot express the plan or the reduction.
     """
     validate(plan, model, cluster)
     check_reduce_dtype(grad_reduce_dtype)
@@ -217,7 +218,7 @@ def uses_megatron_fsdp(plan: Plan) -> bool:
 def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch: int, seq_len: int,
                    model_config: dict[str, Any] | None = None, grad_reduce_dtype: DType | None = None,
                    grad_reduce_overlap: bool = True, tp_comm_overlap: bool = False,
-                   loss: LossKernel = LossKernel.IN_PLACE, cluster: Cluster | None = None) -> list[Path]:
+                   loss: LossKernel = LossKernel.EAGER, cluster: Cluster | None = None) -> list[Path]:
     """Write `megatron_args.txt` (one flag per line) and the launch under `out_dir`; returns the paths.
 
     Without `cluster`: `launch.sh`, device d as global rank d. With it: `launch_node{k}.sh` per node

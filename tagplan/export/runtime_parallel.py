@@ -43,11 +43,14 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.nn import functional
 
 from tagplan.cost.sharding import Layout
 from tagplan.export.modules import Block, build_layer, op_paths, set_stage_recompute, tied_param_names
+from tagplan.export.runtime_loss import token_losses
 from tagplan.export.shapes import ModelConfig
 from tagplan.export.tp_flow import EXPERT_OPS, NEEDS, ExpertsFlow, Flow, block_flow, experts_flow, head_flow
+from tagplan.ir.workload import LossKernel
 
 SEQUENCE = Shard(1)  # activations (batch, seq, hidden) split along the sequence
 PLACEMENT = {Layout.R: Replicate(), Layout.S: SEQUENCE, Layout.H: Shard(2)}  # tp_flow's layouts on a tp mesh
@@ -222,10 +225,23 @@ class LossSplit:
     """How the last stage's logits lie on its tp ranks when the loss reads them (`tp_flow.loss_split`):
     "vocab" (a column head's part of the vocabulary: `loss_parallel`, whose backward must run inside it
     too), "tokens" (a token-split or row head's part of the tokens: each rank's share of the loss, summed
-    over the ranks) or None (whole logits, `mesh` None)."""
+    over the ranks) or None (whole logits, `mesh` None). `kernel`: the cross-entropy the program runs
+    (`export.runtime_loss`): eager, or fused (its own collectives over a vocabulary split, no DTensor)."""
 
     kind: str | None = None
     mesh: DeviceMesh | None = None
+    kernel: LossKernel = LossKernel.EAGER
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, *, reduction: str = "mean") -> torch.Tensor:
+        """The cross-entropy of this rank's `logits` [b, s, V or V / tp] against `labels` (all of the rank's
+        micro-batch's tokens; `labels` picks this rank's): the mean (or sum) over the tokens this rank holds."""
+        target = self.labels(labels).flatten()
+        if self.kernel is LossKernel.EAGER:
+            return functional.cross_entropy(self.logits(logits).flatten(0, 1).float(), target, reduction=reduction)
+        mesh = self.mesh if self.kind == "vocab" else None  # the ranks that split the vocabulary
+        per_token = token_losses(logits, target, group=mesh.get_group() if mesh else None,
+                                 vocab_start=mesh.get_local_rank() * logits.shape[-1] if mesh else 0)
+        return per_token.sum() if reduction == "sum" else per_token.mean()
 
     def logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's local logits as the loss reads them (a vocabulary split: the DTensor `loss_parallel` takes)."""
@@ -244,8 +260,8 @@ class LossSplit:
         return self.labels(labels).numel() / labels.numel()
 
     def context(self) -> contextlib.AbstractContextManager[None]:
-        """`loss_parallel` for a vocabulary-parallel loss (forward and backward), else nothing."""
-        return loss_parallel() if self.kind == "vocab" else contextlib.nullcontext()
+        """`loss_parallel` for an eager vocabulary-parallel loss (forward and backward), else nothing."""
+        return loss_parallel() if self.kind == "vocab" and self.kernel is LossKernel.EAGER else contextlib.nullcontext()
 
     def value(self, loss: torch.Tensor) -> torch.Tensor:
         """A loss as a plain detached tensor: this rank's share where the tokens are split (`total` sums them)."""

@@ -40,10 +40,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.nn import functional
 
 from tagplan.export.modules import build_layer, set_stage_recompute, tied_param_names
 from tagplan.export.runtime_layout import Action, StageLayout, Transfer, transfers
+from tagplan.export.runtime_loss import kernel_of
 from tagplan.export.runtime_optim import ZeroShard
 from tagplan.export.runtime_parallel import (
     LossSplit,
@@ -164,7 +164,7 @@ class PipelineRunner:
         self.scattered: dict[int, set[str]] = {}  # per stage, gradients a ZeRO shard reduce-scatters later
         last = len(layouts) - 1  # a column or token-split head's logits stay split: the loss reads their parts
         mesh = groups.tp_mesh.get(last) if cfg.get("loss_split") and last in parts else None
-        self.split = LossSplit(cfg.get("loss_split") if mesh is not None else None, mesh)
+        self.split = LossSplit(cfg.get("loss_split") if mesh is not None else None, mesh, kernel_of(cfg))
 
     def _sp(self, s: int, edge: int) -> bool:
         """Whether stage s's input (edge 0) or output (edge 1) is split along the sequence on its tp ranks."""
@@ -243,9 +243,7 @@ class PipelineRunner:
             self.inputs[(s, m)] = x
         y = self.parts[s](x)
         if s == len(self.layouts) - 1:
-            target = self.split.labels(labels[rows].to(self.device))
-            logits = self.split.logits(y).flatten(0, 1).float()
-            loss = functional.cross_entropy(logits, target.flatten(), reduction="sum")
+            loss = self.split.loss(y, labels[rows].to(self.device), reduction="sum")
             loss = loss / (self.cfg["global_batch"] * self.cfg["seq_len"])
             self.outputs[(s, m)] = loss
             return self.split.value(loss)

@@ -52,6 +52,7 @@ from torch.nn import functional
 
 from tagplan.export.node_launch import startup_problems
 from tagplan.export.runtime_layout import programs, stage_layouts
+from tagplan.export.runtime_loss import kernel_of
 from tagplan.export.runtime_optim import TrainOptimizer, full_params, train_optimizer
 from tagplan.export.runtime_parallel import (
     CURRENT_OP,
@@ -106,7 +107,8 @@ class Runner:
 
     def __init__(self, cfg: dict[str, Any], config: ModelConfig, parts: dict[int, StageModule], rank: Rank) -> None:
         self.parts, self.micro = parts, cfg["micro_batches"]
-        self.split = LossSplit(cfg.get("loss_split"), rank.mesh["tp"] if cfg.get("loss_split") else None)
+        self.split = LossSplit(cfg.get("loss_split"), rank.mesh["tp"] if cfg.get("loss_split") else None,
+                               kernel_of(cfg))
         self.num_stages = len(cfg["stages"])
         self.schedule: Any = None
         self.loss_scale = 1.0  # the backward runs on loss * loss_scale (fp16); reported losses are unscaled
@@ -125,7 +127,7 @@ class Runner:
 
     def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         split = self.split
-        return loss_fn(split.logits(logits), split.labels(labels)) * (split.share(labels) * self.loss_scale)
+        return split.loss(logits, labels) * (split.share(labels) * self.loss_scale)
 
     def _example_io(self, cfg: dict[str, Any], config: ModelConfig, index: int, device: torch.device) -> tuple[
             torch.Tensor, torch.Tensor]:
@@ -163,7 +165,7 @@ class Runner:
                     part.set_requires_gradient_sync(m == self.micro - 1)
                 x = part(x)
             with self.split.context():
-                loss = loss_fn(self.split.logits(x), self.split.labels(y)) * self.split.share(y)
+                loss = self.split.loss(x, y) * self.split.share(y)
                 (loss * (self.loss_scale / self.micro)).backward()
             losses.append(self.split.value(loss))
         return float(self.split.total(torch.stack(losses).mean()))

@@ -87,7 +87,7 @@ from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, build_model
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph, OpKind
 from tagplan.ir.plan import Plan, Schedule, ShardStrategy, check_whole_samples
-from tagplan.ir.workload import DType, Optimizer
+from tagplan.ir.workload import DType, LossKernel, Optimizer
 
 FMT = "torch"
 PROGRAM_SOURCE = Path(__file__).with_name("runtime_train.py")
@@ -136,9 +136,10 @@ def split_ops(config: ModelConfig, model: ModelGraph, layer: int) -> list[str]:
 def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: ModelConfig, *, seq_len: int,
                    global_batch: int, steps: int, seed: int, table: list[dict[str, Any]],
                    dtype: DType = DType.FP32, optimizer: Optimizer = Optimizer.ADAM,
-                   reduce: GradReduce | None = None) -> dict[str, Any]:
+                   reduce: GradReduce | None = None, loss: LossKernel = LossKernel.EAGER) -> dict[str, Any]:
     """The plan.json the program reads (format `runtime_train.PROGRAM_FORMAT`); `reduce` (how it
-    reduces gradients, `grad_reduce`) is recorded for people as `grad_reduce`, the program does not read it."""
+    reduces gradients, `grad_reduce`) is recorded for people as `grad_reduce`, the program does not read it;
+    `loss`: the cross-entropy it runs (`capability.exported_loss`: eager, or fused; an in-place costing runs eager)."""
     ranks = pipeline_ranks(plan)
     stages = []
     for i, stage in enumerate(plan.stages):
@@ -160,7 +161,8 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
             "loss_split": loss_split(config.family, head_strategy(plan, model), plan.stages[-1].tp),
             "mesh": {"pp": len(set(ranks)), "dp": first.dp, "tp": first.tp}, "world_size": len(plan.devices),
             "ranks": table, "stages": stages, "plan": plan.model_dump(mode="json"),
-            "grad_reduce": (reduce or grad_reduce(plan, runtime, dtype=dtype)).as_json()}
+            "grad_reduce": (reduce or grad_reduce(plan, runtime, dtype=dtype)).as_json(),
+            "loss": (LossKernel.FUSED if loss is LossKernel.FUSED else LossKernel.EAGER).value}
 
 
 def head_strategy(plan: Plan, model: ModelGraph) -> str:
@@ -256,14 +258,15 @@ def _carry_user_file(spec: ModelSpec, out_dir: Path) -> str | None:
 def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, *, seq_len: int, global_batch: int,
                         steps: int = 3, seed: int = 0, cluster: Cluster | None = None, dtype: DType = DType.FP32,
                         optimizer: Optimizer = Optimizer.ADAM, grad_reduce_dtype: DType | None = None,
-                        grad_reduce_overlap: bool = True) -> Path:
+                        grad_reduce_overlap: bool = True, loss: LossKernel = LossKernel.EAGER) -> Path:
     """Write `train.py`, `plan.json` and `launch_node{k}.sh` per node into `out_dir` (created);
     return the path of `train.py`.
 
     `cluster` gives the nodes and GPU types (node order, start-up check); without it the plan runs
-    on one host. `dtype`, `optimizer`, `grad_reduce_dtype` and `grad_reduce_overlap`: as the plan
-    was costed (`grad_reduce`). ExportError when the model, plan or gradient reduction cannot be
-    expressed, or `global_batch` gives some replica a fraction of a sample.
+    on one host. `dtype`, `optimizer`, `grad_reduce_dtype`, `grad_reduce_overlap` and `loss`: as the plan
+    was costed (`grad_reduce`; a fused loss runs `runtime_loss.FusedCrossEntropy`). ExportError when the
+    model, plan or gradient reduction cannot be expressed, or `global_batch` gives some replica a fraction of
+    a sample.
     """
     text = model_spec.text if isinstance(model_spec, ModelSpec) else model_spec  # what plan.json names
     if dtype.quantized:
@@ -283,7 +286,7 @@ def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, 
     out_dir.mkdir(parents=True, exist_ok=True)
     text = _carry_user_file(spec, out_dir) or text
     cfg = program_config(text, plan, model, config, seq_len=seq_len, global_batch=global_batch, steps=steps,
-                         seed=seed, table=table, dtype=dtype, optimizer=optimizer, reduce=reduce)
+                         seed=seed, table=table, dtype=dtype, optimizer=optimizer, reduce=reduce, loss=loss)
     (out_dir / "plan.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for old in out_dir.glob("launch_node*.sh"):
         old.unlink()

@@ -43,7 +43,7 @@ from tagplan.frontends.cpu import build_cpu_cluster
 from tagplan.frontends.model_spec import ModelSpec, build_model, load_model
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.plan import Plan, check_whole_samples
-from tagplan.ir.workload import DType, Optimizer, Workload
+from tagplan.ir.workload import DType, LossKernel, Optimizer, Workload
 
 RTOL, ATOL = 1e-4, 1e-6
 SEED = 0
@@ -70,12 +70,14 @@ class VerifyReport:
 
 def verify(model_spec: str | ModelSpec, plan: Plan, *, procs: int | None = None, seq_len: int = 16,
            global_batch: int | None = None, atol: float = ATOL, rtol: float = RTOL, steps: int = 3,
-           timeout_s: float = 300.0, keep_dir: Path | None = None) -> VerifyReport:
+           timeout_s: float = 300.0, keep_dir: Path | None = None,
+           loss: LossKernel = LossKernel.EAGER) -> VerifyReport:
     """Run `plan` for `model_spec` scaled down on local processes and compare with one process.
 
     `procs` caps the processes this machine may run (default: the plan's device count); a plan
     needing more raises ExportError, as does one the program cannot express. `global_batch`
-    defaults to 2 samples per replica and micro-batch. `keep_dir` keeps the program and its logs.
+    defaults to 2 samples per replica and micro-batch. `keep_dir` keeps the program and its logs. `loss`: the
+    program's cross-entropy (`export.runtime_loss`; the reference runs PyTorch's eager one).
     """
     spec = parsed(model_spec)
     check_expressible(plan, build_model(spec), config=torch_config(spec, seq_len=seq_len))
@@ -87,7 +89,7 @@ def verify(model_spec: str | ModelSpec, plan: Plan, *, procs: int | None = None,
     with tempfile.TemporaryDirectory(prefix="tagplan-verify-") as tmp:
         folder = keep_dir or Path(tmp)
         program = write_torch_program(small, plan, folder, seq_len=seq_len, global_batch=batch, steps=steps,
-                                      seed=SEED)
+                                      seed=SEED, loss=loss)
         dump = folder / "verify"
         shutil.rmtree(dump, ignore_errors=True)  # a kept folder may hold an earlier run's files
         dump.mkdir()

@@ -105,6 +105,15 @@ class LossKernel(StrEnum):
     program's fused loss): about 4 bytes."""
 
 
+LOSS_KERNEL_TEXT: dict[LossKernel, str] = {
+    LossKernel.EAGER: "PyTorch's, on upcast logits, keeping an fp32 softmax",
+    LossKernel.IN_PLACE: "Megatron-Core's, the fp32 softmax turned into the gradient in place",
+    LossKernel.FUSED: "one kernel over the 16-bit logits, keeping them (flash-attn's, llm-foundry's default, "
+                      "Transformer Engine's)",
+}
+"""Each loss kernel in a phrase, for help texts and notes."""
+
+
 REDUCE_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 """The dtypes a data-parallel gradient reduction runs in (no runtime reduces in fp8)."""
 
@@ -135,10 +144,8 @@ class Workload(Record):
         "its backward and recomputes the rest (the gated MLP keeps its two projections, not also the activated "
         "one). False: each pointwise op keeps its inputs (PyTorch eager, Hugging Face)")
     loss: LossKernel = Field(
-        default=LossKernel.EAGER, description="the runtime's cross-entropy (`LossKernel`): eager = PyTorch's on "
-        "upcast logits, keeping the fp32 softmax, its fp32 output and gradient the largest transients; in-place = "
-        "Megatron-Core's, the fp32 softmax turned into the gradient in place; fused = one kernel over the 16-bit "
-        "logits, keeping them (flash-attn, llm-foundry, Transformer Engine). Costed in memory only")
+        default=LossKernel.EAGER, description="the runtime's cross-entropy (`LossKernel`, `LOSS_KERNEL_TEXT`), which "
+        "sets what the stage holding the head keeps. Costed in memory only")
     eager: bool = Field(
         default=False, description="the runtime runs the model op by op as eager PyTorch, under autocast when it "
         "computes in 16 bits (`autocast`; tagplan's torch program, its measured iterations): the host issues each "

@@ -47,7 +47,7 @@ from tagplan.errors import SpecError
 from tagplan.frontends import presets
 from tagplan.frontends.cluster_spec import ClusterSpec, parse_cluster_spec
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
-from tagplan.ir.workload import DType, LossKernel, Optimizer
+from tagplan.ir.workload import LOSS_KERNEL_TEXT, DType, LossKernel, Optimizer
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_EVALUATIONS, Objective
 from tagplan.service.settings import Settings
 from tagplan.training.calibrations import resolve_calibration
@@ -343,26 +343,21 @@ class WorkloadRequest(BaseModel):
         "(runtimes before FlashAttention)")
     loss: LossKernel | None = Field(
         default=None, description="the runtime's cross-entropy, which sets the memory of the stage holding the head: "
-        "default eager (PyTorch's on upcast logits, an fp32 softmax kept); in-place (Megatron-Core's: the fp32 "
-        "softmax turned into the gradient in place); fused (one kernel over the 16-bit logits, which keeps them: "
-        "flash-attn's, llm-foundry's default, Transformer Engine's)")
+        + "; ".join(f"{k.value}: {LOSS_KERNEL_TEXT[k]}" for k in LossKernel) + " (default eager)")
+    fused_loss: StrictBool | None = Field(
+        default=None, exclude=True, description="the earlier spelling of `loss`, read for the jobs stored with it: "
+        "true is loss fused, false or null eager; not given beside loss")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _fused_loss(cls, data: Any) -> Any:
-        """The earlier boolean `fused_loss` (true: fused, false or null: eager), which stored jobs may hold; refused
-        beside `loss`, and when not a boolean or null."""
-        if not isinstance(data, dict) or "fused_loss" not in data:
-            return data
-        data = dict(data)
-        old = data.pop("fused_loss")
-        if "loss" in data:
-            raise _refused("fused_loss", "fused_loss is the earlier spelling of loss; give loss alone")
-        if old is not None and not isinstance(old, bool):
-            raise _refused("fused_loss", f"fused_loss={old!r}: expected true or false (or give loss: "
-                                         f"{', '.join(k.value for k in LossKernel)})")
-        data["loss"] = LossKernel.FUSED.value if old else None
-        return data
+    @model_validator(mode="after")
+    def _earlier_fused_loss(self) -> WorkloadRequest:
+        """`fused_loss` as `loss` (never both)."""
+        if self.fused_loss is not None:
+            if self.loss is not None:
+                raise ValueError(f"fused_loss={str(self.fused_loss).lower()} beside loss={self.loss.value!r}: "
+                                 "fused_loss is the earlier spelling of loss; give loss alone")
+            self.loss = LossKernel.FUSED if self.fused_loss else LossKernel.EAGER
+            self.fused_loss = None
+        return self
 
 
 class PlanRequest(BaseModel):

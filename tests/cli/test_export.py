@@ -101,6 +101,8 @@ def test_verify_runs_a_pipeline_on_gloo_and_compares_with_one_process(tmp_path: 
     out = json.loads(capsys.readouterr().out)
     assert out["passed"] and out["max_abs_error"] < 1e-5 and len(out["step_time_s"]) == 2
     assert out["predicted_vs_measured"]["predicted_s"] > 0
+    assert main(["verify", "--model", TINY, "--plan", str(plan), "--loss", "fused", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"]  # the program's fused loss against the eager reference
 
 
 HF_LLAMA = ("hf:LlamaConfig?num_hidden_layers=2&hidden_size=256&intermediate_size=512&num_attention_heads=4"
@@ -247,8 +249,8 @@ def test_verify_takes_a_time_limit_and_reports_reaching_it(tmp_path: Path, capsy
 
 
 def test_export_writes_the_loss_as_costed_or_says_what_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--loss fused: Megatron-LM writes Transformer Engine's fused cross-entropy; Megatron-Core otherwise runs its own
-    (no flag, nothing to note); the torch program runs PyTorch's eager loss and says it keeps more than costed."""
+    """--loss fused: Megatron-LM writes Transformer Engine's fused cross-entropy and the torch program runs its own;
+    Megatron-Core otherwise runs its own (no flag, nothing to note); a loss the program does not run is noted."""
     plan = write_plan(tmp_path / "plan.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1}])
 
     def export(fmt: str, *extra: str) -> tuple[dict, list[str]]:
@@ -265,9 +267,15 @@ def test_export_writes_the_loss_as_costed_or_says_what_runs(tmp_path: Path, caps
         loss, args = export("megatron", "--loss", asked)
         assert "--cross-entropy-loss-fusion" not in args
         assert loss == {"runs": "in-place", "fused_written": False, "notes": []}  # keeps less than eager: no surprise
-    loss, _ = export("torch", "--loss", "fused")
+    assert export("torch", "--loss", "fused")[0] == {"runs": "fused", "fused_written": True, "notes": []}
+    assert json.loads((tmp_path / "torch--lossfused" / "plan.json").read_text())["loss"] == "fused"
+    loss, _ = export("torch", "--loss", "in-place")  # the program runs no in-place loss: eager keeps more
     assert loss["runs"] == "eager" and "keeps more memory" in loss["notes"][0]
+    assert json.loads((tmp_path / "torch--lossin-place" / "plan.json").read_text())["loss"] == "eager"
     assert export("torch")[0] == {"runs": "eager", "fused_written": False, "notes": []}
     assert main(["export", "--model", TINY, "--plan", str(plan), "--seq", "16", "--format", "megatron", "--loss",
                  "fused", "--out", str(tmp_path / "text")]) == 0
     assert "cross-entropy: Transformer Engine's fused kernel" in capsys.readouterr().out
+    assert main(["export", "--model", TINY, "--plan", str(plan), "--seq", "16", "--format", "torch", "--loss",
+                 "fused", "--out", str(tmp_path / "torch-text")]) == 0
+    assert "cross-entropy: the program's fused cross-entropy" in capsys.readouterr().out

@@ -156,15 +156,19 @@ def test_plan_says_when_the_exported_runtime_does_not_fuse_the_loss(capsys: pyte
               "--max-evaluations", "20", "--budget-s", "10", "--workers", "1", "--json", *extra])
         return json.loads(capsys.readouterr().out)
 
-    exported = plan("--loss", "fused", "--exportable", "torch")
+    exported = plan("--loss", "fused", "--exportable", "deepspeed")
     assert exported["workload"]["loss"] == "eager"
-    assert any(note.startswith("--loss fused: torch runs PyTorch's eager cross-entropy") for note in exported["notes"])
+    assert any(note.startswith("--loss fused: deepspeed runs the eager cross-entropy (PyTorch's")
+               for note in exported["notes"])
+    torch_program = plan("--loss", "fused", "--exportable", "torch")  # the program runs its own fused loss
+    assert torch_program["workload"]["loss"] == "fused" and not any("--loss" in n for n in torch_program["notes"])
     assert not any("--loss" in note for note in plan("--loss", "fused")["notes"])  # not exported: costed as stated
     megatron = plan("--loss", "fused", "--exportable", "megatron")  # the exporter writes Transformer Engine's
     assert megatron["workload"]["loss"] == "fused" and not any("--loss" in note for note in megatron["notes"])
     eager = plan("--exportable", "megatron")  # Megatron-Core runs its own loss: costed so, and said
     assert eager["workload"]["loss"] == "in-place"
-    assert any(note.startswith("--loss eager: megatron runs Megatron-Core's own") for note in eager["notes"])
+    assert any(note.startswith("the default --loss eager: megatron runs the in-place cross-entropy (Megatron-Core's")
+               for note in eager["notes"])
 
 
 def test_simulate_plan_file_and_bad_plan(tmp_path) -> None:

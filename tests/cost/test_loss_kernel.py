@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tagplan.cost.memory import fused_loss_saved_bytes, is_loss, transient_bytes_per_sample
+from tagplan.cost.report import Report
 from tagplan.cost.simulator import Simulator
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
@@ -17,32 +18,38 @@ from tagplan.ir.workload import LossKernel, Workload
 SEQ, VOCAB, SAMPLES = 256, 32000, 4
 
 
-def memory(loss: LossKernel, *, pipelined: bool = False) -> tuple[float, float, float, float]:
-    """(kept activations, transient, peak, iteration s) of the stage holding the head."""
+def report(loss: LossKernel, *, pipelined: bool = False, tp: int = 1) -> Report:
     model = load_model(f"gpt?layers=2&hidden=128&heads=2&vocab={VOCAB}", seq_len=SEQ)
     n = len(model.layers)
-    stages = ((Stage(layers=(0, 2), devices=(0,)), Stage(layers=(2, n), devices=(1,))) if pipelined
-              else (Stage(layers=(0, n), devices=(0,)),))
-    plan = Plan(micro_batches=1, stages=stages)
-    report = Simulator(model, load_cluster("dgx-h100:nodes=1"),
-                       Workload(global_batch=SAMPLES, seq_len=SEQ, loss=loss)).simulate(plan)
-    m = report.stages[-1].memory
-    return m.activations_bytes, m.other_bytes, report.peak_memory_bytes, report.iteration_time_s
+    stages = ((Stage(layers=(0, 2), devices=(0,)), Stage(layers=(2, n), devices=tuple(range(1, 1 + tp)), tp=tp))
+              if pipelined else (Stage(layers=(0, n), devices=tuple(range(tp)), tp=tp),))
+    sim = Simulator(model, load_cluster("dgx-h100:nodes=1"), Workload(global_batch=SAMPLES, seq_len=SEQ, loss=loss))
+    return sim.simulate(Plan(micro_batches=1, stages=stages))
+
+
+def memory(loss: LossKernel, *, pipelined: bool = False, tp: int = 1) -> tuple[float, float, float, float]:
+    """(kept activations, transient, peak, iteration s) of one device of the stage holding the head."""
+    r = report(loss, pipelined=pipelined, tp=tp)
+    m = r.stages[-1].memory
+    return m.activations_bytes, m.other_bytes, r.peak_memory_bytes, r.iteration_time_s
 
 
 @pytest.mark.parametrize("loss", [LossKernel.FUSED, LossKernel.IN_PLACE])
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_the_head_holds_the_logits_gradient_once(loss: LossKernel, pipelined: bool) -> None:
+@pytest.mark.parametrize(("pipelined", "tp"), [(False, 1), (True, 1), (False, 2), (True, 2)])
+def test_the_head_holds_the_logits_gradient_once(loss: LossKernel, pipelined: bool, tp: int) -> None:
     (kept, transient, peak, seconds), (kept_f, transient_f, peak_f, seconds_f) = (
-        memory(LossKernel.EAGER, pipelined=pipelined), memory(loss, pipelined=pipelined))
-    logits = SAMPLES * SEQ * VOCAB  # elements per micro-batch
+        memory(LossKernel.EAGER, pipelined=pipelined, tp=tp), memory(loss, pipelined=pipelined, tp=tp))
+    logits = SAMPLES * SEQ * VOCAB / tp  # elements per micro-batch on one device: the vocabulary split over tp
     # fused: the fp32 softmax -> the bf16 logits; in-place: the fp32 softmax kept (it becomes the gradient)
     assert kept - kept_f == pytest.approx(logits * (4 - 2) if loss is LossKernel.FUSED else 0.0, rel=1e-9)
     # eager: the fp32 softmax output (and per-token loss) and its gradient; fused and in-place: the bf16 logits'
     # gradient (in-place: cast back from the softmax it overwrote)
-    assert transient - transient_f == pytest.approx(2 * (logits * 4 + SAMPLES * SEQ * 4) - logits * 2, rel=1e-9)
+    assert transient - transient_f == pytest.approx(2 * (logits * 4 + SAMPLES * SEQ * 4 / tp) - logits * 2, rel=1e-9)
     assert peak - peak_f == pytest.approx((kept - kept_f) + (transient - transient_f), rel=1e-9)
     assert seconds_f == seconds  # memory only
+    if pipelined:  # the stage without the head keeps what it kept
+        assert report(loss, pipelined=True, tp=tp).stages[0].memory == report(
+            LossKernel.EAGER, pipelined=True, tp=tp).stages[0].memory
 
 
 def test_a_stage_without_the_head_is_unchanged() -> None:

@@ -24,6 +24,7 @@ from tagplan.export.verify import ATOL, RTOL, _compare, _judge, predicted_vs_mea
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.plan import Plan, Stage
+from tagplan.ir.workload import LossKernel
 
 ONE_STAGE = (0, 4)  # embed, two blocks, head
 MOE_SPEC = "moe?layers=2&hidden=64&heads=4&kv_heads=2&vocab=128&experts=4&top_k=2&ffn=96"
@@ -467,3 +468,19 @@ def test_a_row_heads_partial_logits_are_reduce_scattered_over_the_tokens_for_the
     write_torch_program(llama_spec, plan, tmp_path, seq_len=16, global_batch=4)
     assert json.loads((tmp_path / "plan.json").read_text())["loss_split"] == "tokens"
     _passes(llama_spec, plan)
+
+
+@pytest.mark.slow
+def test_the_fused_loss_matches_one_process_over_a_vocabulary_split_and_a_pipeline(gpt_spec: str,
+                                                                                    tmp_path: Path) -> None:
+    """plan.json's "loss": "fused" runs `runtime_loss.FusedCrossEntropy`: a head split by vocabulary over tp (its
+    collectives in the forward) and a pipeline's last stage both match the one-process eager reference."""
+    split = Plan(micro_batches=2, stages=(_stage(ONE_STAGE, (0, 1), tp=2),))
+    report = verify(gpt_spec, split, loss=LossKernel.FUSED, keep_dir=tmp_path / "split")
+    assert report.passed, report.message
+    assert report.loss == pytest.approx(report.reference_loss, rel=1e-6)
+    written = json.loads((tmp_path / "split" / "plan.json").read_text())
+    assert written["loss"] == "fused" and written["loss_split"] == "vocab"
+    pipeline = Plan(schedule="1f1b", micro_batches=2, stages=(_stage((0, 2), (0,)), _stage((2, 4), (1,))))
+    report = verify(gpt_spec, pipeline, loss=LossKernel.FUSED)
+    assert report.passed, report.message

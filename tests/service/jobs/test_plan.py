@@ -83,9 +83,15 @@ def test_the_workload_says_which_loss_the_runtime_runs(settings: Settings) -> No
     # the earlier boolean field, which jobs stored before it was renamed hold, still means what it meant
     for old, costed in ((True, LossKernel.FUSED), (False, LossKernel.EAGER), (None, LossKernel.EAGER)):
         assert problem({**TINY_PLAN, "workload": {"fused_loss": old}}, settings).workload.loss is costed
-    for bad in ({"fused_loss": True, "loss": "fused"}, {"fused_loss": "yes"}):
-        with pytest.raises(SpecError, match="fused_loss"):
-            problem({**TINY_PLAN, "workload": bad}, settings)
+    assert problem({**TINY_PLAN, "workload": {"fused_loss": None, "loss": "fused"}}, settings).workload.loss is \
+        LossKernel.FUSED  # null: as if left out
+    with pytest.raises(SpecError, match="fused_loss=true beside loss='fused'"):
+        problem({**TINY_PLAN, "workload": {"fused_loss": True, "loss": "fused"}}, settings)
+    with pytest.raises(SpecError, match=r"workload\.fused_loss"):  # the field named, the value clipped as any
+        problem({**TINY_PLAN, "workload": {"fused_loss": "yes" * 2000}}, settings)
+    asked = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "fused_loss": True}}
+    assert "fused_loss" not in echo(read_request(PlanRequest, asked, "plan request"), problem(asked, settings))[
+        "workload"]  # the result speaks only the current name
 
 
 def test_the_workload_says_whether_the_runtime_overlaps_the_gradient_reduction(settings: Settings) -> None:

@@ -1,0 +1,77 @@
+"""The exported program's cross-entropy: PyTorch's eager one, or a fused one that keeps the 16-bit logits.
+
+`plan.json`'s "loss" (`Workload.loss` as the plan was costed, `export.capability.runtime_loss`):
+- "eager": `functional.cross_entropy` on the logits upcast to fp32 (a vocabulary split over the tensor-parallel
+  ranks through DTensor's `loss_parallel`): it keeps the fp32 softmax, and its fp32 output and gradient are
+  the step's largest transients;
+- "fused": `FusedCrossEntropy`, which keeps the logits as the head wrote them (16-bit under autocast) and one
+  fp32 figure per token, computes in fp32 a block of rows at a time, and writes the gradient in the logits'
+  dtype: the logits and their gradient, as the cost model's fused loss holds them (`cost.memory`). A
+  vocabulary split over tp ranks takes three all-reduces of one figure per token in its forward (the row
+  maximum, the sum of exponentials, the target's logit) and none in its backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
+
+from tagplan.ir.workload import LossKernel
+
+BLOCK_ELEMENTS = 1 << 24
+"""Logits a block of rows holds (64 MiB in fp32): the fp32 working set beside the kept logits."""
+
+
+def _blocks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, BLOCK_ELEMENTS // max(vocab, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+class FusedCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of `logits` [N, V_local] against `target` [N] (global class indices); the
+    vocabulary may be split over `group` (this rank's classes `vocab_start` .. `vocab_start + V_local - 1`)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, logits: torch.Tensor, target: torch.Tensor,
+                group: dist.ProcessGroup | None = None, vocab_start: int = 0) -> torch.Tensor:
+        rows, vocab = logits.shape
+        here = (target >= vocab_start) & (target < vocab_start + vocab)
+        index = (target - vocab_start).clamp(0, vocab - 1)
+        row_max = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        for b in _blocks(rows, vocab):
+            row_max[b] = logits[b].float().amax(dim=-1)
+        if group is not None:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.empty_like(row_max)
+        for b in _blocks(rows, vocab):
+            sums[b] = torch.exp(logits[b].float() - row_max[b, None]).sum(dim=-1)
+        picked = logits.gather(1, index[:, None]).squeeze(1).float() * here
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(picked, group=group)
+        log_sum = row_max + sums.log()
+        ctx.save_for_backward(logits, index, here, log_sum)
+        return log_sum - picked
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        logits, index, here, log_sum = ctx.saved_tensors  # type: ignore[attr-defined]
+        rows, vocab = logits.shape
+        out = torch.empty_like(logits)
+        for b in _blocks(rows, vocab):
+            part = torch.exp(logits[b].float() - log_sum[b, None])  # the softmax of these rows
+            part[torch.arange(part.shape[0], device=part.device), index[b]] -= here[b].float()
+            out[b] = (part * grad[b, None]).to(out.dtype)
+        return out, None, None, None
+
+
+def token_losses(logits: torch.Tensor, target: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+                 vocab_start: int = 0) -> torch.Tensor:
+    """`FusedCrossEntropy` of `logits` [..., V_local] against `target` [...]: fp32 per-token losses, flattened."""
+    return FusedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, vocab_start)
+
+
+def kernel_of(cfg: dict[str, object]) -> LossKernel:
+    """The loss `plan.json` asks for (a program written before the key existed: eager)."""
+    return LossKernel(str(cfg.get("loss", LossKernel.EAGER.value)))
