@@ -1,11 +1,12 @@
 """The exported program's cross-entropy: PyTorch's eager one, or a fused one that keeps the 16-bit logits.
 
-`plan.json`'s "loss" (`Workload.loss` as the plan was costed, `export.capability.runtime_loss`):
+`plan.json`'s "loss" (`Workload.loss` as the plan was costed, `export.capability.exported_loss`):
 - "eager": `functional.cross_entropy` on the logits upcast to fp32 (a vocabulary split over the tensor-parallel
   ranks through DTensor's `loss_parallel`): it keeps the fp32 softmax, and its fp32 output and gradient are
   the step's largest transients;
-- "fused": `FusedCrossEntropy`, which keeps the logits as the head wrote them (16-bit under autocast) and one
-  fp32 figure per token, computes in fp32 a block of rows at a time, and writes the gradient in the logits'
+- "fused": `FusedCrossEntropy`, which keeps the logits as the head wrote them (16-bit under autocast: the
+  last stage hands them back so, `StageModule.hands_back_logits`) and a few figures per token (an index, a
+  mask, the log-sum-exp), computes in fp32 a block of rows at a time, and writes the gradient in the logits'
   dtype: the logits and their gradient, as the cost model's fused loss holds them (`cost.memory`). A
   vocabulary split over tp ranks takes three all-reduces of one figure per token in its forward (the row
   maximum, the sum of exponentials, the target's logit) and none in its backward.
@@ -46,7 +47,7 @@ class FusedCrossEntropy(torch.autograd.Function):
         sums = torch.empty_like(row_max)
         for b in _blocks(rows, vocab):
             sums[b] = torch.exp(logits[b].float() - row_max[b, None]).sum(dim=-1)
-        picked = logits.gather(1, index[:, None]).squeeze(1).float() * here
+        picked = torch.where(here, logits.gather(1, index[:, None]).squeeze(1).float(), 0.0)  # not -inf * 0
         if group is not None:
             dist.all_reduce(sums, group=group)
             dist.all_reduce(picked, group=group)

@@ -63,10 +63,12 @@ class StageModule(nn.Module):
 
     With `compute_dtype` set (bf16/fp16, as the plan was costed) the layers run under autocast over
     the fp32 weights (the master copy the optimizer updates) and the stage hands back fp32, so
-    stages exchange one dtype whatever their compute.
+    stages exchange one dtype whatever their compute; the last stage under a fused loss
+    (`hands_back_logits`) hands its logits back as the head wrote them, for the loss to keep.
     """
 
     compute_dtype: torch.dtype | None = None
+    hands_back_logits: bool = False
 
     def __init__(self, layers: dict[int, nn.Module]) -> None:
         super().__init__()
@@ -78,7 +80,7 @@ class StageModule(nn.Module):
                             enabled=self.compute_dtype is not None):
             for layer in self.layers.values():
                 x = layer(x)
-        return x.float() if self.compute_dtype is not None else x
+        return x.float() if self.compute_dtype is not None and not self.hands_back_logits else x
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,15 @@ class LossSplit:
     kind: str | None = None
     mesh: DeviceMesh | None = None
     kernel: LossKernel = LossKernel.EAGER
+    vocab: int = 0
+    """The whole vocabulary (0: each rank's part times the ranks). A column head's rows lie on the ranks as
+    `torch.chunk` deals them: ceil(vocab / tp) each, the last rank fewer where tp does not divide it."""
+
+    def vocab_start(self, local: int) -> int:
+        """The first class of this rank's part of a vocabulary split (`local` classes here)."""
+        assert self.mesh is not None
+        per_rank = -(-self.vocab // self.mesh.size()) if self.vocab else local
+        return self.mesh.get_local_rank() * per_rank
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, *, reduction: str = "mean") -> torch.Tensor:
         """The cross-entropy of this rank's `logits` [b, s, V or V / tp] against `labels` (all of the rank's
@@ -240,13 +251,17 @@ class LossSplit:
             return functional.cross_entropy(self.logits(logits).flatten(0, 1).float(), target, reduction=reduction)
         mesh = self.mesh if self.kind == "vocab" else None  # the ranks that split the vocabulary
         per_token = token_losses(logits, target, group=mesh.get_group() if mesh else None,
-                                 vocab_start=mesh.get_local_rank() * logits.shape[-1] if mesh else 0)
+                                 vocab_start=self.vocab_start(logits.shape[-1]) if mesh else 0)
         return per_token.sum() if reduction == "sum" else per_token.mean()
 
     def logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's local logits as the loss reads them (a vocabulary split: the DTensor `loss_parallel` takes)."""
         if self.kind == "vocab" and self.mesh is not None:
-            return DTensor.from_local(logits, self.mesh, [Shard(logits.dim() - 1)], run_check=False)
+            if not self.vocab:
+                return DTensor.from_local(logits, self.mesh, [Shard(logits.dim() - 1)], run_check=False)
+            shape = torch.Size((*logits.shape[:-1], self.vocab))  # an uneven split: the whole, not local x ranks
+            return DTensor.from_local(logits, self.mesh, [Shard(logits.dim() - 1)], run_check=False, shape=shape,
+                                      stride=torch.empty(shape, device="meta").stride())
         return logits
 
     def labels(self, labels: torch.Tensor) -> torch.Tensor:

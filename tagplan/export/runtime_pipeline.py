@@ -164,7 +164,7 @@ class PipelineRunner:
         self.scattered: dict[int, set[str]] = {}  # per stage, gradients a ZeRO shard reduce-scatters later
         last = len(layouts) - 1  # a column or token-split head's logits stay split: the loss reads their parts
         mesh = groups.tp_mesh.get(last) if cfg.get("loss_split") and last in parts else None
-        self.split = LossSplit(cfg.get("loss_split") if mesh is not None else None, mesh, kernel_of(cfg))
+        self.split = LossSplit(cfg.get("loss_split") if mesh is not None else None, mesh, kernel_of(cfg), config.vocab)
 
     def _sp(self, s: int, edge: int) -> bool:
         """Whether stage s's input (edge 0) or output (edge 1) is split along the sequence on its tp ranks."""

@@ -67,6 +67,7 @@ from tagplan.export.runtime_parallel import (
 from tagplan.export.runtime_pipeline import PipelineRunner, build_stage, make_groups, sharded_stages, zero_shards
 from tagplan.export.shapes import ModelConfig, model_config
 from tagplan.ir.plan import Plan
+from tagplan.ir.workload import LossKernel
 
 # /3: stages may carry `recompute_layers` (checkpoint only a stage's first N blocks); a /2 runtime
 # would ignore it and recompute every block, so it must refuse the file.
@@ -105,10 +106,11 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class Runner:
     """The mesh runtime: one step's forward and backward over all micro-batches; the mean loss or None."""
 
-    def __init__(self, cfg: dict[str, Any], config: ModelConfig, parts: dict[int, StageModule], rank: Rank) -> None:
-        self.parts, self.micro = parts, cfg["micro_batches"]
+    def __init__(self, cfg: dict[str, Any], config: ModelConfig, parts: dict[int, StageModule], rank: Rank,
+                 compute: torch.dtype | None = None) -> None:
+        self.parts, self.micro, self.compute = parts, cfg["micro_batches"], compute
         self.split = LossSplit(cfg.get("loss_split"), rank.mesh["tp"] if cfg.get("loss_split") else None,
-                               kernel_of(cfg))
+                               kernel_of(cfg), config.vocab)
         self.num_stages = len(cfg["stages"])
         self.schedule: Any = None
         self.loss_scale = 1.0  # the backward runs on loss * loss_scale (fp16); reported losses are unscaled
@@ -138,9 +140,13 @@ class Runner:
         hidden = torch.empty(batch, seq, config.hidden, device=device, requires_grad=True)
         first = torch.empty(batch, cfg["seq_len"], dtype=torch.long, device=device)
         tp, split = cfg["mesh"]["tp"], cfg.get("loss_split")
-        seq, vocab = cfg["seq_len"] // (tp if split == "tokens" else 1), config.vocab // (tp if split == "vocab" else 1)
-        shape = (batch, seq, vocab)
-        last = torch.empty(*shape, device=device, requires_grad=True)
+        seq = cfg["seq_len"] // (tp if split == "tokens" else 1)
+        vocab = config.vocab
+        if split == "vocab" and self.split.mesh is not None:  # this rank's rows of the head (torch.chunk's deal)
+            per_rank = -(-vocab // tp)
+            vocab = max(0, min(per_rank, vocab - self.split.mesh.get_local_rank() * per_rank))
+        logits = self.compute if self.compute is not None and self.split.kernel is LossKernel.FUSED else None
+        last = torch.empty(batch, seq, vocab, device=device, requires_grad=True, dtype=logits or torch.float32)
         return first if index == 0 else hidden, last if index == self.num_stages - 1 else hidden
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float | None:
@@ -152,7 +158,8 @@ class Runner:
         losses: list[torch.Tensor] = []
         args = (tokens,) if first else ()
         with self.split.context():
-            self.schedule.step(*args, target=labels if last else None, losses=losses if last else None)
+            self.schedule.step(*args, target=labels if last else None, losses=losses if last else None,
+                               return_outputs=False)  # the losses are all it needs: keep no micro-batch's logits
         if not last:
             return None
         return float(self.split.total(torch.stack([self.split.value(x) for x in losses]).mean())) / self.loss_scale
@@ -224,14 +231,17 @@ def setup(cfg: dict[str, Any], timeout_s: float) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
-def mesh_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool) -> Built:
-    """The mesh runtime's parts, step, verify dump and optimizer (ZeRO is FSDP2's, `runtime_parallel.apply_dp`)."""
+def mesh_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool,
+                 compute: torch.dtype | None = None) -> Built:
+    """The mesh runtime's parts, step, verify dump and optimizer (ZeRO is FSDP2's, `runtime_parallel.apply_dp`);
+    `compute`: the parts' autocast dtype (`StageModule.compute_dtype`)."""
     shape = (cfg["mesh"]["pp"], cfg["mesh"]["dp"], cfg["mesh"]["tp"])
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
     rank = Rank(mesh, mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank(), device)
     parts = build_parts(cfg, config, rank, track=track)
+    set_compute(cfg, parts, compute)
     group = tie_group(cfg, config, rank)
-    runner = Runner(cfg, config, parts, rank)
+    runner = Runner(cfg, config, parts, rank, compute)
     optimizer = train_optimizer(cfg, parts, device)
     per_replica = cfg["global_batch"] // cfg["mesh"]["dp"]
 
@@ -256,9 +266,18 @@ def mesh_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device,
     return parts, step, save, optimizer
 
 
-def pipeline_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool) -> Built:
+def set_compute(cfg: dict[str, Any], parts: dict[int, StageModule], compute: torch.dtype | None) -> None:
+    """Each part's autocast dtype; under a fused loss the last stage hands back its logits in it."""
+    for index, part in parts.items():
+        part.compute_dtype = compute
+        part.hands_back_logits = index == len(cfg["stages"]) - 1 and kernel_of(cfg) is LossKernel.FUSED
+
+
+def pipeline_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.device, *, track: bool,
+                     compute: torch.dtype | None = None) -> Built:
     """The pipeline runtime's parts, step, verify dump and optimizer (`tagplan.export.runtime_pipeline`;
-    ZeRO 1/2 shards: `runtime_optim.ZeroShard`; ZeRO 3: FSDP2, `runtime_pipeline.shard_stage`)."""
+    ZeRO 1/2 shards: `runtime_optim.ZeroShard`; ZeRO 3: FSDP2, `runtime_pipeline.shard_stage`); `compute` as
+    `mesh_runtime`'s."""
     plan = Plan.model_validate(cfg["plan"])
     rank = dist.get_rank()
     rank_of = {row["device"]: r for r, row in enumerate(cfg["ranks"])}
@@ -266,6 +285,7 @@ def pipeline_runtime(cfg: dict[str, Any], config: ModelConfig, device: torch.dev
     groups = make_groups(layouts, rank, tied=config.tied, device_type=device.type, sharded=sharded_stages(cfg))
     mine = [lay for lay in layouts if lay.place(rank) is not None]
     parts = {lay.index: build_stage(cfg, config, lay, groups, device, track=track) for lay in mine}
+    set_compute(cfg, parts, compute)
     program = programs(plan)[plan.stages[mine[0].index].devices] if mine else []
     runner = PipelineRunner(cfg, config, rank, device, layouts, program, groups, parts)
     optimizer = train_optimizer(cfg, parts, device, shards=zero_shards(cfg, parts, groups, config, runner))
@@ -296,10 +316,8 @@ def train(cfg: dict[str, Any], device: torch.device, *, steps: int, verify: Path
     config = model_config(cfg["model"], seq_len=cfg["seq_len"])
     torch.manual_seed(cfg["seed"])
     build = pipeline_runtime if cfg["runtime"] == "pipeline" else mesh_runtime
-    parts, step_fn, save, optimizer = build(cfg, config, device, track=verify is not None)
     compute = None if verify is not None else COMPUTE_DTYPES[cfg.get("dtype", "fp32")]
-    for part in parts.values():
-        part.compute_dtype = compute
+    parts, step_fn, save, optimizer = build(cfg, config, device, track=verify is not None, compute=compute)
     for step in range(steps):
         tokens, labels = synthetic_batch(config.vocab, cfg["global_batch"], cfg["seq_len"], step=step,
                                          seed=cfg["seed"])

@@ -85,7 +85,8 @@ def verify(model_spec: str | ModelSpec, plan: Plan, *, procs: int | None = None,
     if procs is not None and world > procs:
         raise ExportError(f"the plan runs on {world} devices; verify may start at most procs={procs} processes")
     batch = global_batch or default_batch(plan)
-    small = scaled_down(spec, seq_len=seq_len, heads=_heads_for(model_config(spec, seq_len=1), plan))
+    whole = model_config(spec, seq_len=1)
+    small = scaled_down(spec, seq_len=seq_len, heads=_heads_for(whole, plan), vocab=_vocab_for(whole, plan))
     with tempfile.TemporaryDirectory(prefix="tagplan-verify-") as tmp:
         folder = keep_dir or Path(tmp)
         program = write_torch_program(small, plan, folder, seq_len=seq_len, global_batch=batch, steps=steps,
@@ -105,6 +106,12 @@ def _heads_for(config: ModelConfig, plan: Plan) -> int:
     tp = max(s.tp for s in plan.stages)
     gqa = config.kv_heads < config.heads
     return math.lcm(4, tp * (2 if gqa else 1))
+
+
+def _vocab_for(config: ModelConfig, plan: Plan) -> int:
+    """Tokens of the scaled-down model: 128, or 127 where some stage's tp does not divide the model's own
+    vocabulary (GPT-2's 50,257 at tp 2), so that its uneven split of the embedding and head runs too."""
+    return 128 if all(config.vocab % s.tp == 0 for s in plan.stages) else 127
 
 
 def default_batch(plan: Plan) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.nn import functional
@@ -98,3 +100,35 @@ def test_the_programs_loss_split_runs_the_kernel_its_plan_json_names() -> None:
     torch.testing.assert_close(fused, eager)
     torch.testing.assert_close(LossSplit(kernel=LossKernel.FUSED).loss(x, y, reduction="sum"),
                                LossSplit().loss(x, y, reduction="sum"))
+
+
+def test_the_last_stage_hands_its_16_bit_logits_to_a_fused_loss_which_keeps_them() -> None:
+    """Under bf16 autocast a stage hands back fp32 (stages exchange one dtype), except the last one under a fused
+    loss (`set_compute`), whose bf16 logits the loss then keeps without an fp32 copy."""
+    from tagplan.export.runtime_parallel import LossSplit, StageModule
+    from tagplan.export.runtime_train import set_compute
+
+    torch.manual_seed(0)
+    parts = {0: StageModule({0: torch.nn.Linear(8, 8)}), 1: StageModule({1: torch.nn.Linear(8, VOCAB)})}
+    for kernel, last_dtype in ((LossKernel.EAGER, torch.float32), (LossKernel.FUSED, torch.bfloat16)):
+        set_compute({"stages": [{}, {}], "loss": kernel.value}, parts, torch.bfloat16)
+        hidden = parts[0](torch.randn(2, ROWS // 2, 8))
+        logits = parts[1](hidden)
+        assert hidden.dtype == torch.float32 and logits.dtype == last_dtype
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        LossSplit(kernel=LossKernel.FUSED).loss(logits, torch.randint(0, VOCAB, (2, ROWS // 2))).backward()
+    assert [t.dtype for t in kept if t.numel() >= ROWS * VOCAB] == [torch.bfloat16]
+    assert parts[1].layers["1"].weight.grad is not None
+    set_compute({"stages": [{}, {}], "loss": "fused"}, parts, None)  # fp32 (verify): nothing to hand back
+    assert parts[1](hidden).dtype == torch.float32
+
+
+def test_a_target_logit_of_minus_infinity_elsewhere_stays_finite() -> None:
+    """A rank whose part does not hold a row's target reads a clamped index there; a -inf logit at that index
+    must not turn the row's loss into NaN (-inf x 0)."""
+    logits, target = _inputs(torch.float32)
+    target = torch.full_like(target, VOCAB - 1)  # outside the part [0, VOCAB / 2)
+    part = logits[:, :VOCAB // 2].detach().clone()
+    part[:, VOCAB // 2 - 1] = -math.inf
+    assert torch.isfinite(FusedCrossEntropy.apply(part, target, None, 0)).all()

@@ -216,7 +216,10 @@ def test_a_wrong_gradient_fails_and_names_its_parameter(gpt_spec: str) -> None:
 
 @pytest.mark.slow
 def test_tp2_x_dp2_matches_one_process(gpt_spec: str) -> None:
+    """GPT-2's vocabulary (50,257) does not split evenly over two ranks: the scaled-down model keeps that (127
+    tokens), and the vocabulary-parallel loss reads the whole vocabulary, not a part times the ranks."""
     report = verify(gpt_spec, Plan(micro_batches=2, stages=(_stage(ONE_STAGE, (0, 1, 2, 3), dp=2, tp=2),)))
+    assert "vocab=127" in report.model_spec
     assert report.passed, report.message
     assert report.max_abs_error < 1e-6 and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
     assert sorted(report.step_time_s) == [0, 1, 2, 3]
@@ -484,3 +487,11 @@ def test_the_fused_loss_matches_one_process_over_a_vocabulary_split_and_a_pipeli
     pipeline = Plan(schedule="1f1b", micro_batches=2, stages=(_stage((0, 2), (0,)), _stage((2, 4), (1,))))
     report = verify(gpt_spec, pipeline, loss=LossKernel.FUSED)
     assert report.passed, report.message
+    # stages of unlike tp run the program's own pipeline runtime, its last stage's vocabulary split over two
+    # ranks; GPT-2's 50,257 tokens do not split evenly over them, nor does the scaled-down model's 127
+    uneven = Plan(schedule="1f1b", micro_batches=2, stages=(_stage((0, 2), (0,)), _stage((2, 4), (1, 2), tp=2)))
+    report = verify(gpt_spec, uneven, loss=LossKernel.FUSED, keep_dir=tmp_path / "uneven")
+    assert report.passed, report.message
+    written = json.loads((tmp_path / "uneven" / "plan.json").read_text())
+    assert written["runtime"] == "pipeline" and written["loss_split"] == "vocab"
+    assert "vocab=127" in report.model_spec
