@@ -495,3 +495,9 @@ def test_the_fused_loss_matches_one_process_over_a_vocabulary_split_and_a_pipeli
     written = json.loads((tmp_path / "uneven" / "plan.json").read_text())
     assert written["runtime"] == "pipeline" and written["loss_split"] == "vocab"
     assert "vocab=127" in report.model_spec
+    # two stages of tp 2 run the mesh runtime's pipelining schedule, whose last stage declares its uneven part
+    mesh = Plan(schedule="1f1b", micro_batches=2, stages=(_stage((0, 2), (0, 1), tp=2), _stage((2, 4), (2, 3), tp=2)))
+    for loss in (LossKernel.EAGER, LossKernel.FUSED):
+        report = verify(gpt_spec, mesh, loss=loss, keep_dir=tmp_path / f"mesh-{loss.value}")
+        assert report.passed, report.message
+        assert json.loads((tmp_path / f"mesh-{loss.value}" / "plan.json").read_text())["runtime"] == "mesh"
