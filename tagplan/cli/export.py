@@ -57,8 +57,9 @@ def add_export_commands(sub: Subparsers) -> None:
                           "than predicted)")
     exp.add_argument("--loss", choices=[k.value for k in LossKernel], default=LossKernel.EAGER.value,
                      help="the cross-entropy the plan was costed with (plan --loss): fused makes Megatron-LM write "
-                          "Transformer Engine's fused loss; the torch program and DeepSpeed run PyTorch's eager one "
-                          "(noted where it keeps more than was costed)")
+                          "Transformer Engine's fused loss and the torch program run its own; otherwise Megatron-LM "
+                          "runs Megatron-Core's (in-place), the torch program and DeepSpeed PyTorch's eager one "
+                          "(noted where the run keeps more than was costed)")
     exp.add_argument("--out", required=True, help="directory to write")
     add_json_option(exp, "the format, the files written and the gradient reduction written")
     exp.set_defaults(func=_export)
