@@ -41,7 +41,7 @@ from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule, Stage
-from tagplan.ir.workload import DType, Workload
+from tagplan.ir.workload import DType, LossKernel, Workload
 from tagplan.training.iteration_fit import IterationCase, cross_validate, fit_parameters, predict_s, score
 
 DATA = Path(__file__).parent / "data" / "amp_measured.json"
@@ -71,10 +71,13 @@ def plan_of(run: dict[str, Any], layers: int) -> Plan | str:
 
 
 def workload_of(data: dict[str, Any]) -> Workload:
-    """The workload as AMP's runs ran it: fp16, gradients all-reduced in fp32 after the flush."""
+    """The workload as AMP's runs ran it: fp16, gradients all-reduced in fp32 after the flush, Megatron-LM's
+    vocab-parallel cross-entropy (the fp32 softmax turned into the gradient in place), and DeepSpeed's pipeline
+    engine keeping each micro-batch's stage output (the last stage's fp16 logits) until its backward."""
     return Workload(global_batch=data["global_batch"], seq_len=data["model"]["seq_len"], dtype=DType.FP16,
                     grad_reduce_dtype=DType(data["framework"]["grad_reduce_dtype"]),
-                    grad_reduce_overlap=data["framework"]["grad_reduce_overlap"])
+                    grad_reduce_overlap=data["framework"]["grad_reduce_overlap"], loss=LossKernel.IN_PLACE,
+                    keeps_stage_outputs=True)
 
 
 def fit_verdicts(data: dict[str, Any], experiment: dict[str, Any], model: ModelGraph) -> dict[str, Any]:

@@ -600,11 +600,25 @@ class Simulator:
                 saved = inputs / stage.tp + sum(n * self._saved_of(b, stage) for b, n in kept)
             else:
                 saved = sum(n * self._saved_of(b, stage) for b, n in units)
+            if self.workload.keeps_stage_outputs and stage.layers != (0, len(self.model.layers)):
+                saved += self._stage_output_bytes(stage) / stage.tp  # the engine's buffer, per micro-batch in flight
             # one recomputed layer's activations are live during its backward, kept as the runtime keeps them
             recomputing = max((self._saved_of(self.model.block_by_hash[h], stage) for h in replayed), default=0.0)
             working = recomputing + transient_bytes_per_sample(blocks, tp=stage.tp, loss=self.workload.loss)
             hit = self.coster.memory_memo[key] = (saved, working)
         return hit
+
+    def _stage_output_bytes(self, stage: Stage) -> float:
+        """Bytes per sample of what a pipeline stage hands on and an engine that keeps stage outputs keeps: its last
+        block's output, or for the stage holding the head its logits (what the engine's last stage hands the loss;
+        a traced head without a softmax loss: its own output). Under the in-place loss nothing more: the engine
+        keeps the very tensor the loss turns into its softmax (Megatron-DeepSpeed's pipeline ends in an fp32 cast,
+        whose output the loss's `.float()` returns as it is and overwrites), which the loss already counts."""
+        block = self.model.block_of(stage.layers[1] - 1)
+        losses = [op for op in block.ops if is_loss(op, block)]
+        if not losses:
+            return block.output_bytes
+        return 0.0 if self.workload.loss is LossKernel.IN_PLACE else fused_loss_saved_bytes(losses[0], block)
 
     def _saved_of(self, block: Block, stage: Stage) -> float:
         """Bytes per sample one device of `stage` keeps of what `block` saves: split by the stage's

@@ -134,6 +134,9 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
         assert runtime_workload("megatron", stated).loss is (LossKernel.FUSED if fused else LossKernel.IN_PLACE)
         assert runtime_workload("torch", stated).loss is (LossKernel.FUSED if fused else LossKernel.EAGER)
         assert runtime_workload("deepspeed", stated).loss is LossKernel.EAGER
+    # DeepSpeed's pipeline engine keeps each micro-batch's stage output until its backward; the others free it
+    assert runtime_workload("deepspeed", bf16).keeps_stage_outputs
+    assert not any(runtime_workload(fmt, bf16).keeps_stage_outputs for fmt in ("torch", "megatron"))
     with pytest.raises(ValueError, match="unknown export format 'onnx'"):
         runtime_workload("onnx", bf16)
 
