@@ -73,7 +73,8 @@ def plan_of(run: dict[str, Any], layers: int) -> Plan | str:
 def workload_of(data: dict[str, Any]) -> Workload:
     """The workload as AMP's runs ran it: fp16, gradients all-reduced in fp32 after the flush, Megatron-LM's
     vocab-parallel cross-entropy (the fp32 softmax turned into the gradient in place), and DeepSpeed's pipeline
-    engine keeping each micro-batch's stage output (the last stage's fp16 logits) until its backward."""
+    engine keeping each micro-batch's received input and stage output until its backward (its last stage also the
+    previous micro-batch's fp32 logits: GPT2ModelPipe ends in an fp32 cast)."""
     return Workload(global_batch=data["global_batch"], seq_len=data["model"]["seq_len"], dtype=DType.FP16,
                     grad_reduce_dtype=DType(data["framework"]["grad_reduce_dtype"]),
                     grad_reduce_overlap=data["framework"]["grad_reduce_overlap"], loss=LossKernel.IN_PLACE,

@@ -601,24 +601,32 @@ class Simulator:
             else:
                 saved = sum(n * self._saved_of(b, stage) for b, n in units)
             if self.workload.keeps_stage_outputs and stage.layers != (0, len(self.model.layers)):
-                saved += self._stage_output_bytes(stage) / stage.tp  # the engine's buffer, per micro-batch in flight
+                saved += self._engine_buffer_bytes(stage) / stage.tp  # per micro-batch in flight
             # one recomputed layer's activations are live during its backward, kept as the runtime keeps them
             recomputing = max((self._saved_of(self.model.block_by_hash[h], stage) for h in replayed), default=0.0)
             working = recomputing + transient_bytes_per_sample(blocks, tp=stage.tp, loss=self.workload.loss)
             hit = self.coster.memory_memo[key] = (saved, working)
         return hit
 
-    def _stage_output_bytes(self, stage: Stage) -> float:
-        """Bytes per sample of what a pipeline stage hands on and an engine that keeps stage outputs keeps: its last
-        block's output, or for the stage holding the head its logits (what the engine's last stage hands the loss;
-        a traced head without a softmax loss: its own output). Under the in-place loss nothing more: the engine
-        keeps the very tensor the loss turns into its softmax (Megatron-DeepSpeed's pipeline ends in an fp32 cast,
-        whose output the loss's `.float()` returns as it is and overwrites), which the loss already counts."""
-        block = self.model.block_of(stage.layers[1] - 1)
+    def _engine_buffer_bytes(self, stage: Stage) -> float:
+        """Bytes per sample a pipeline engine that keeps stage outputs (`Workload.keeps_stage_outputs`, DeepSpeed's)
+        holds for one micro-batch in flight beyond what the stage's ops save: the input it received (it runs the
+        forward on a clone), except on the first stage, and the output it handed on. The last stage returns from
+        its backward without freeing its buffer, so of its two it holds the previous micro-batch's logits as well
+        as the current ones (1F1B: one in flight): the current ones are what an eager loss reads, but what a fused
+        or in-place loss already keeps (Megatron-DeepSpeed's pipeline ends in an fp32 cast whose output the in-place
+        loss's `.float()` returns as it is and turns into its softmax, then its gradient, so the previous one is
+        that fp32 tensor); a traced head without a softmax loss keeps its own output."""
+        first, end = stage.layers
+        received = self.model.block_of(first - 1).output_bytes if first > 0 else 0.0
+        block = self.model.block_of(end - 1)
         losses = [op for op in block.ops if is_loss(op, block)]
         if not losses:
-            return block.output_bytes
-        return 0.0 if self.workload.loss is LossKernel.IN_PLACE else fused_loss_saved_bytes(losses[0], block)
+            return received + block.output_bytes
+        logits = fused_loss_saved_bytes(losses[0], block)  # as the head writes them
+        if self.workload.loss is LossKernel.IN_PLACE:
+            return received + losses[0].saved_bytes  # the previous micro-batch's fp32 tensor
+        return received + logits * (2.0 if self.workload.loss is LossKernel.EAGER else 1.0)
 
     def _saved_of(self, block: Block, stage: Stage) -> float:
         """Bytes per sample one device of `stage` keeps of what `block` saves: split by the stage's

@@ -147,11 +147,11 @@ class Workload(Record):
         default=LossKernel.EAGER, description="the runtime's cross-entropy (`LossKernel`, `LOSS_KERNEL_TEXT`), which "
         "sets what the stage holding the head keeps. Costed in memory only")
     keeps_stage_outputs: bool = Field(
-        default=False, description="the runtime keeps each micro-batch's stage output until that micro-batch's "
-        "backward, beside what the stage's ops save (DeepSpeed's pipeline engine: its pipe_buffers['outputs']): on "
-        "a pipelined plan every stage holds its output per micro-batch in flight, the last one its logits (except "
-        "under the in-place loss, which turns that very tensor into its softmax). False: "
-        "the output is freed once sent (Megatron-Core, torch.distributed.pipelining, tagplan's torch program)")
+        default=False, description="the runtime's pipeline engine keeps each micro-batch's received input and "
+        "output until that micro-batch's backward, beside what the stage's ops save, and its last stage the "
+        "previous micro-batch's logits as well (DeepSpeed's pipeline engine: pipe_buffers['inputs'] and "
+        "['outputs'], which its last stage never frees); pipelined plans only. False: a stage's input and output "
+        "are freed once used (Megatron-Core, torch.distributed.pipelining, tagplan's torch program)")
     eager: bool = Field(
         default=False, description="the runtime runs the model op by op as eager PyTorch, under autocast when it "
         "computes in 16 bits (`autocast`; tagplan's torch program, its measured iterations): the host issues each "

@@ -20,22 +20,27 @@ def activations(keeps: bool, stages: tuple[Stage, ...], loss: LossKernel = LossK
     return [s.memory.activations_bytes for s in report.stages]
 
 
-def test_each_stage_keeps_its_output_per_micro_batch_in_flight_and_the_last_its_logits() -> None:
-    pipeline = (Stage(layers=(0, 2), devices=(0,)), Stage(layers=(2, 4), devices=(1,)))
-    (first, last), (first_kept, last_kept) = activations(False, pipeline), activations(True, pipeline)
-    per_micro_batch = SAMPLES // MICRO
-    # 1F1B: the first of two stages holds two micro-batches in flight, the last one; fp16 outputs
-    assert first_kept - first == pytest.approx(2 * per_micro_batch * SEQ * HIDDEN * 2, rel=1e-9)
-    assert last_kept - last == pytest.approx(1 * per_micro_batch * SEQ * VOCAB * 2, rel=1e-9)
+PIPELINE = (Stage(layers=(0, 2), devices=(0,)), Stage(layers=(2, 4), devices=(1,)))
+PER_MICRO_BATCH = SAMPLES // MICRO
+HIDDEN_OUT, LOGITS = SEQ * HIDDEN * 2, SEQ * VOCAB * 2  # fp16 bytes per sample
 
 
-def test_under_the_in_place_loss_the_kept_logits_are_the_softmax() -> None:
-    """Megatron-DeepSpeed's last stage hands the loss fp32 logits, which its `.float()` returns as they are and its
-    in-place softmax overwrites: the engine's buffer adds nothing there; the first stage still keeps its output."""
-    pipeline = (Stage(layers=(0, 2), devices=(0,)), Stage(layers=(2, 4), devices=(1,)))
-    (first, last), (first_kept, last_kept) = (activations(False, pipeline, LossKernel.IN_PLACE),
-                                              activations(True, pipeline, LossKernel.IN_PLACE))
-    assert first_kept > first and last_kept == last
+def test_the_first_stage_keeps_its_output_per_micro_batch_in_flight() -> None:
+    (first, _), (first_kept, _) = activations(False, PIPELINE), activations(True, PIPELINE)
+    assert first_kept - first == pytest.approx(2 * PER_MICRO_BATCH * HIDDEN_OUT, rel=1e-9)  # 1F1B: two in flight
+
+
+@pytest.mark.parametrize(("loss", "kept_per_sample"), [
+    (LossKernel.EAGER, HIDDEN_OUT + 2 * LOGITS),  # the input it received, the current and the previous logits
+    (LossKernel.FUSED, HIDDEN_OUT + LOGITS),  # the current logits are the loss's own: the previous ones
+    (LossKernel.IN_PLACE, HIDDEN_OUT + 2 * LOGITS),  # the previous micro-batch's fp32 logits, turned into a gradient
+])
+def test_the_last_stage_keeps_its_input_and_the_previous_micro_batchs_logits(loss: LossKernel,
+                                                                            kept_per_sample: float) -> None:
+    """DeepSpeed's last stage returns from its backward without freeing its output buffer: of its two, the previous
+    micro-batch's stays beside the current one (1F1B: one micro-batch in flight there)."""
+    (_, last), (_, last_kept) = activations(False, PIPELINE, loss), activations(True, PIPELINE, loss)
+    assert last_kept - last == pytest.approx(PER_MICRO_BATCH * kept_per_sample, rel=1e-6)
 
 
 def test_one_stage_hands_nothing_on() -> None:

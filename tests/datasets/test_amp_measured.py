@@ -35,17 +35,17 @@ def test_a_run_becomes_the_plan_it_ran(amp: ModuleType) -> None:
     assert amp.plan_of(empty, 26) == "a middle stage holds no transformer layer"
 
 
-def test_every_layout_that_ran_fits_in_the_memory_model_and_those_that_cannot_fit_are_refused(amp: ModuleType) -> None:
+def test_every_layout_that_ran_fits_in_the_memory_model_and_most_that_failed_do_not(amp: ModuleType) -> None:
     """The memory model against real T4/V100 runs: a layout that finished cannot have overflowed memory.
 
-    AMP records no cause of failure (some failed at 2-3 GB, of other causes), so only the layouts whose weights,
-    state and activations cannot fit 16 GB must be refused: the two at tp 1 x pp 16 with the whole batch of 32 in one
-    micro-batch (rank 51 and 50 of the two experiments). Costed as the runs ran (Megatron-LM's in-place loss; until
-    2026-11-29 PyTorch's eager one, which refused 5 of 11), the other failures are predicted at 2-13.3 GB."""
+    AMP records no cause of failure (some failed at 2-3 GB, of other causes), so not every failure need be refused;
+    costed as the runs ran (Megatron-LM's in-place loss, DeepSpeed's pipeline engine keeping its buffers), the
+    five predicted above 16 GB are the two at tp 1 x pp 16 with the whole batch in one micro-batch and three whose
+    last stage holds two micro-batches' logits. Without the engine's buffers only those two were refused."""
     data = json.loads((BENCH / "data" / "amp_measured.json").read_text())
     model = amp.load_model_of(data)
     verdicts = {e["name"]: amp.fit_verdicts(data, e, model) for e in data["experiments"]}
     assert all(v["ran_predicted_to_fit"] == v["ran"] for v in verdicts.values())
     refused = {(name, r["amp_rank"]) for name, v in verdicts.items() for r in v["failed_runs"] if not r["fits"]}
-    assert {("homogeneous", 51), ("heterogeneous", 50)} <= refused
+    assert {("homogeneous", 51), ("heterogeneous", 50)} <= refused and len(refused) >= 5  # of 11
 
