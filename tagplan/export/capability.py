@@ -61,8 +61,8 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     Engine's fused one where the workload asks for a fused loss (the exporter then writes
     `--cross-entropy-loss-fusion --cross-entropy-fusion-impl te`); the torch program runs its own fused loss
     where asked (`runtime_loss.FusedCrossEntropy`), else PyTorch's eager one; DeepSpeed the model's own, eager.
-    DeepSpeed's pipeline engine keeps each micro-batch's stage output until its backward
-    (`keeps_stage_outputs`: the last stage's logits too).
+    DeepSpeed's pipeline engine keeps each micro-batch's received input and stage output until its backward, and
+    its last stage the previous micro-batch's logits too (`keeps_stage_outputs`).
     ExportError (a SpecError) for a `grad_reduce_dtype` the target cannot reduce in."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
