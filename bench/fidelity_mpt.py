@@ -136,8 +136,7 @@ def by_table(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     tables: dict[str, list[dict[str, Any]]] = {}
     for e in entries:
         tables.setdefault(e["table"], []).append(e)
-    return {name: {**summary(rows), "kendall_tau_within_model": within_model_tau(rows)}
-            for name, rows in tables.items()}
+    return {name: summary(rows) for name, rows in tables.items()}
 
 
 def memory_verdicts(cases: list[IterationCase], data: dict[str, Any]) -> dict[str, Any]:

@@ -243,6 +243,13 @@ class LossSplit:
         per_rank = -(-self.vocab // self.mesh.size()) if self.vocab else local
         return self.mesh.get_local_rank() * per_rank
 
+    def local_vocab(self) -> int:
+        """The classes this rank's head rows cover: all of `vocab`, or under a vocabulary split its `torch.chunk` part
+        (ceil(vocab / tp), the last rank what is left)."""
+        if self.kind != "vocab" or self.mesh is None:
+            return self.vocab
+        return max(0, min(-(-self.vocab // self.mesh.size()), self.vocab - self.vocab_start(0)))
+
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, *, reduction: str = "mean") -> torch.Tensor:
         """The cross-entropy of this rank's `logits` [b, s, V or V / tp] against `labels` (all of the rank's
         micro-batch's tokens; `labels` picks this rank's): the mean (or sum) over the tokens this rank holds."""

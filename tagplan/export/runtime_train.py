@@ -141,10 +141,7 @@ class Runner:
         first = torch.empty(batch, cfg["seq_len"], dtype=torch.long, device=device)
         tp, split = cfg["mesh"]["tp"], cfg.get("loss_split")
         seq = cfg["seq_len"] // (tp if split == "tokens" else 1)
-        vocab = config.vocab
-        if split == "vocab" and self.split.mesh is not None:  # this rank's rows of the head (torch.chunk's deal)
-            per_rank = -(-vocab // tp)
-            vocab = max(0, min(per_rank, vocab - self.split.mesh.get_local_rank() * per_rank))
+        vocab = self.split.local_vocab()  # this rank's rows of the head
         logits = self.compute if self.compute is not None and self.split.kernel is LossKernel.FUSED else None
         last = torch.empty(batch, seq, vocab, device=device, requires_grad=True, dtype=logits or torch.float32)
         return first if index == 0 else hidden, last if index == self.num_stages - 1 else hidden

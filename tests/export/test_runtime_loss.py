@@ -132,3 +132,34 @@ def test_a_target_logit_of_minus_infinity_elsewhere_stays_finite() -> None:
     part = logits[:, :VOCAB // 2].detach().clone()
     part[:, VOCAB // 2 - 1] = -math.inf
     assert torch.isfinite(FusedCrossEntropy.apply(part, target, None, 0)).all()
+
+
+class _Ranks:
+    """The two DeviceMesh calls a vocabulary split reads, for rank `rank` of `size`."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.ranks = rank, size
+
+    def size(self) -> int:
+        return self.ranks
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+
+@pytest.mark.parametrize(("vocab", "size", "parts"), [(128, 2, [(0, 64), (64, 64)]),
+                                                      (127, 2, [(0, 64), (64, 63)]),
+                                                      (50257, 4, [(0, 12565), (12565, 12565), (25130, 12565),
+                                                                  (37695, 12562)])])
+def test_a_vocabulary_split_reads_the_rows_as_torch_chunk_deals_them(vocab: int, size: int,
+                                                                     parts: list[tuple[int, int]]) -> None:
+    """Each rank's first class and class count, as `torch.chunk` splits the head's rows (the example output of a
+    pipelining stage and the fused loss's target offsets both read them)."""
+    from tagplan.export.runtime_parallel import LossSplit
+
+    dealt = [(int(c[0]), len(c)) for c in torch.arange(vocab).chunk(size)]
+    assert dealt == parts
+    for rank, (start, count) in enumerate(parts):
+        split = LossSplit("vocab", _Ranks(rank, size), LossKernel.FUSED, vocab)  # type: ignore[arg-type]
+        assert (split.vocab_start(count), split.local_vocab()) == (start, count)
+    assert LossSplit(kernel=LossKernel.FUSED, vocab=vocab).local_vocab() == vocab  # whole logits
