@@ -131,6 +131,16 @@ class LayerTime(Record):
     backward_s: float = Field(gt=0)
 
 
+MEASURED_CAUSAL_TIME_FRACTION = 0.534
+MEASURED_CAUSAL_DIAGONAL_TOKENS = 171.0
+"""What a causal mask saves the flash-attention kernels of the H100 and H200 bundles (bench/data/gpu/*/ops: 16 pairs
+of causal and unmasked calls, forward and backward, 1,024-8,192 tokens; bench/fit_causal_attention.py,
+bench/results/causal_attention.json): a causal call over s keys takes 0.534 + 171 / s of the unmasked call's time
+(half the tiles, the diagonal's, at the masked kernel's efficiency; leave-one-out worst 7.2%). Not the shipped
+default: with it the published end-to-end runs come out 10-25% optimistic (docs/FIDELITY.md, "Causal attention"),
+so the defaults charge a causal call its unmasked time, which stands in for per-token costs the op model lacks.
+`tagplan calibrate` fits both figures where a bundle's op records time causal and unmasked calls of one shape."""
+
 BLOCK_SCALED_GEMM_FRACTION: dict[DType, float] = {DType.MXFP8: 0.913, DType.NVFP4: 0.678}
 """Shipped `Calibration.block_scaled_gemm_fraction`: fitted by bench/fit_sustained_clock.py to the NeMo /
 Megatron-Bridge Blackwell rows of each format (docs/FIDELITY.md)."""
@@ -150,6 +160,15 @@ class Calibration(Record):
     memory_efficiency: dict[str, float] = Field(default_factory=lambda: {ANY_DEVICE: 0.8})
     launch_overhead_s: float = Field(default=4e-6, ge=0)
     attention_backward_factor: float = Field(default=2.5, gt=0, description="backward / forward FLOPs")
+    causal_time_fraction: float = Field(
+        default=1.0, gt=0, le=1, description="a fused causal attention's time over long sequences as a fraction of "
+        "the same kernel's unmasked time (half the tiles, at the masked kernel's efficiency); 1 with "
+        "`causal_diagonal_tokens` 0, the default, charges a causal call its unmasked time "
+        "(`MEASURED_CAUSAL_TIME_FRACTION` says why)")
+    causal_diagonal_tokens: float = Field(
+        default=0.0, ge=0, description="tokens: a fused causal attention over s keys takes "
+        "min(1, causal_time_fraction + causal_diagonal_tokens / s) of its unmasked time (the diagonal's tiles, "
+        "computed whole)")
     block_scaled_gemm_fraction: dict[DType, float] = Field(
         default_factory=lambda: dict(BLOCK_SCALED_GEMM_FRACTION), description="per block-scaled dtype (mxfp8, "
         "nvfp4): the fraction of its datasheet rate its GEMMs reach beside what the GEMM curve gives, on devices "

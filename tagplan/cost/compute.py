@@ -78,6 +78,20 @@ class OpTime:
     backward_s: float
 
 
+def attention_fraction(op: Op, *, fused: bool, calibration: Calibration) -> float:
+    """The fraction of attention op `op`'s FLOPs (every query against every key) a kernel is charged for: under a
+    causal mask (`Op.causal`) a fused kernel skips the tiles above the diagonal, at the cost
+    min(1, `causal_time_fraction` + `causal_diagonal_tokens` / keys) of its unmasked time; a materialised kernel
+    (`fused` False) computes the whole score matrix and masks it: 1. The shipped defaults charge 1 (see
+    `Calibration.causal_time_fraction`); op records of causal and unmasked calls fit both figures."""
+    if op.kind is not OpKind.ATTENTION or not fused or not op.causal:
+        return 1.0
+    keys = op.output_shape[-2] if len(op.output_shape) >= 2 else 0  # (batch, queries, width): self-attention
+    if not keys:
+        return 1.0
+    return min(1.0, calibration.causal_time_fraction + calibration.causal_diagonal_tokens / keys)
+
+
 def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: DeviceSpec, dtype: DType,
             calibration: Calibration) -> OpTime:
     """Seconds for `op` over `samples` samples on one device of a `tp`-way group."""
@@ -86,6 +100,8 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
     split = tp if tp > 1 and divides(strategy) else 1
     param_split = tp if tp > 1 and divides_params(strategy, op.kind) else 1
     flops = op.flops * samples / split
+    if op.kind is OpKind.ATTENTION:
+        flops *= attention_fraction(op, fused=spec.fused_attention, calibration=calibration)
     activation_read = max(op.bytes_read - op.param_bytes, 0.0)
     nbytes = (activation_read + op.bytes_written) * samples / split + op.param_bytes / param_split
     curve = calibration.curve(spec.name, op.kind)

@@ -87,8 +87,9 @@ class BlockBuilder:
         ), params)
 
     def attention(self, name: str, srcs: tuple[str, ...], heads: int, kv_heads: int, head_dim: int,
-                  *, kv_len: int | None = None) -> str:
-        """Scaled dot-product attention: QK^T and AV, each 2 * s * s_kv * heads * head_dim FLOPs."""
+                  *, kv_len: int | None = None, causal: bool = False) -> str:
+        """Scaled dot-product attention: QK^T and AV, each 2 * s * s_kv * heads * head_dim FLOPs, every query
+        against every key (`causal`: under a causal mask, which a fused kernel's cost discounts)."""
         s, skv = self.seq_len, self.seq_len if kv_len is None else kv_len
         q_bytes = s * heads * head_dim * self.nbytes
         kv_bytes = 2 * skv * kv_heads * head_dim * self.nbytes
@@ -99,7 +100,7 @@ class BlockBuilder:
             name=name, kind=OpKind.ATTENTION, flops=flops, bytes_read=q_bytes + kv_bytes,
             bytes_written=q_bytes, saved_bytes=saved, output_shape=(1, s, heads * head_dim),
             score_elements=float(s * skv * heads),
-            partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs, eager_kernels=(2, 2),
+            partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs, eager_kernels=(2, 2), causal=causal,
         ))
 
     def rotary(self, name: str, srcs: tuple[str, ...], heads: int, head_dim: int) -> str:

@@ -50,7 +50,7 @@ class TransformerShape:
 
 
 def _attention(b: BlockBuilder, x: str, shape: TransformerShape, *, bias: bool, prefix: str = "attn",
-               kv_src: str | None = None, rotary: bool = False, fused_qkv: bool = False) -> str:
+               kv_src: str | None = None, rotary: bool = False, fused_qkv: bool = False, causal: bool = False) -> str:
     """Attention's projections, positions, SDPA and output projection; `fused_qkv`: the eager program
     projects queries, keys and values in one GEMM (GPT-2's c_attn), whose kernels count on the query's."""
     h, dh, heads, kvh = shape.hidden, shape.dh, shape.heads, shape.kvh
@@ -60,9 +60,9 @@ def _attention(b: BlockBuilder, x: str, shape: TransformerShape, *, bias: bool, 
     v = b.linear(f"{prefix}.v", kv_in, h, kvh * dh, bias=bias, fused=fused_qkv)
     if rotary:  # the rotated queries and keys are what attention reads (and keeps)
         qk = b.rotary(f"{prefix}.rotary", (q, k), heads + kvh, dh)
-        a = b.attention(f"{prefix}.sdpa", (qk, v), heads, kvh, dh)
+        a = b.attention(f"{prefix}.sdpa", (qk, v), heads, kvh, dh, causal=causal)
     else:
-        a = b.attention(f"{prefix}.sdpa", (q, k, v), heads, kvh, dh)
+        a = b.attention(f"{prefix}.sdpa", (q, k, v), heads, kvh, dh, causal=causal)
     return b.linear(f"{prefix}.o", a, heads * dh, h, bias=bias)
 
 
@@ -81,11 +81,11 @@ def _swiglu(b: BlockBuilder, x: str, h: int, ffn: int, prefix: str = "mlp", *,
     return b.linear(f"{prefix}.down", prod, ffn, h, tokens=tokens, experts=experts)
 
 
-def gpt_block(shape: TransformerShape, seq: int, nbytes: int) -> Block:
-    """Pre-LN GPT block: LN, QKV, attention, proj, residual, LN, GELU MLP, residual."""
+def gpt_block(shape: TransformerShape, seq: int, nbytes: int, *, causal: bool = True) -> Block:
+    """Pre-LN GPT block: LN, QKV, attention (causal unless `causal` False), proj, residual, LN, GELU MLP, residual."""
     b, h = BlockBuilder("block", seq, nbytes), shape.hidden
     x = "input"
-    a = _attention(b, b.norm("ln_1", x, h), shape, bias=True, fused_qkv=True)
+    a = _attention(b, b.norm("ln_1", x, h), shape, bias=True, fused_qkv=True, causal=causal)
     r = b.elementwise("residual_1", (x, a), h, saves_input=False)
     m = _gelu_mlp(b, b.norm("ln_2", r, h), h, shape.ffn or 4 * h)
     b.elementwise("residual_2", (r, m), h, saves_input=False)
@@ -96,7 +96,7 @@ def llama_block(shape: TransformerShape, seq: int, nbytes: int, *, moe: bool = F
     """Llama block (RMSNorm, GQA attention, SwiGLU); with `moe`, top-k routed SwiGLU experts."""
     b, h = BlockBuilder("moe_block" if moe else "block", seq, nbytes), shape.hidden
     x = "input"
-    a = _attention(b, b.norm("input_norm", x, h, bias=False), shape, bias=False, rotary=True)
+    a = _attention(b, b.norm("input_norm", x, h, bias=False), shape, bias=False, rotary=True, causal=True)
     r = b.elementwise("residual_1", (x, a), h, saves_input=False)
     n = b.norm("post_attention_norm", r, h, bias=False)
     ffn = shape.ffn or llama_ffn(h)
@@ -161,7 +161,7 @@ def t5_block(shape: TransformerShape, seq: int, nbytes: int, *, decoder: bool, f
     x = "input"
     if first:
         b.add_params("relative_attention_bias", 32 * shape.heads)
-    a = _attention(b, b.norm("self_norm", x, h, bias=False), shape, bias=False, prefix="self")
+    a = _attention(b, b.norm("self_norm", x, h, bias=False), shape, bias=False, prefix="self", causal=decoder)
     x = b.elementwise("residual_self", (x, a), h, saves_input=False)
     if decoder:
         c = _attention(b, b.norm("cross_norm", x, h, bias=False), shape, bias=False, prefix="cross",
@@ -174,7 +174,7 @@ def t5_block(shape: TransformerShape, seq: int, nbytes: int, *, decoder: bool, f
 
 def vit_block(shape: TransformerShape, seq: int, nbytes: int) -> Block:
     """ViT encoder block (pre-LN, GELU MLP): the GPT block shape without causal masking."""
-    return gpt_block(shape, seq, nbytes)
+    return gpt_block(shape, seq, nbytes, causal=False)
 
 
 def token_embedding(shape: TransformerShape, seq: int, nbytes: int, *, positions: int = 0,

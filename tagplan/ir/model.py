@@ -49,10 +49,12 @@ CHECKPOINT_SKIPPED: frozenset[str] = frozenset({"embedding", "head"})
 """Block kinds recomputation keeps whole (Megatron and the torch program checkpoint the transformer blocks)."""
 
 HASH_EXCLUDED: frozenset[str] = frozenset({"score_elements", "shared_param_bytes", "eager_kernels",
-                                           "eager_cast_kernels"})
+                                           "eager_cast_kernels", "causal"})
 """Op fields that block hashes leave out: derived from shapes the hash already covers, or describing how a
 runtime issues the op rather than what it computes (so adding them kept every earlier hash, and the layer
-profiles that name blocks by hash, valid)."""
+profiles that name blocks by hash, valid). `causal` changes what a fused kernel computes once a calibration
+fits its figures (`Calibration.causal_time_fraction`), so two traced layers alike but for their mask share a block
+(the first one's flag); no model tagplan builds has such a pair."""
 
 
 class Op(Record):
@@ -81,6 +83,11 @@ class Op(Record):
         default=(0, 0), description="(forward, backward) of `eager_kernels` that are autocast's casts (a weight's, a "
         "bias's, an fp32 input's; their gradients' backward): an eager runtime computing in the weights' own dtype "
         "(fp32, no autocast) dispatches the rest. Block hashes leave it out")
+    causal: bool = Field(
+        default=False, description="attention only: each query attends to the keys before it (a decoder's self-"
+        "attention). `flops` still count every query against every key, as FlopCounterMode does; a fused kernel "
+        "skips the masked tiles (`compute.attention_fraction`), a materialised one computes them and masks them. "
+        "Block hashes leave it out")
     output_shape: tuple[int, ...] = ()
     partition_dims: tuple[PartitionDim, ...] = ()
     inputs: tuple[str, ...] = Field(default=(), description="names of producer ops in the block")

@@ -51,7 +51,7 @@ from tagplan.cost.calibration import (
     LinkFit,
     link_key,
 )
-from tagplan.cost.compute import op_time
+from tagplan.cost.compute import attention_fraction, op_time
 from tagplan.datasets.traces.bundle import Bundle, CollectiveRecord, LayerRecord, OpRecord
 from tagplan.errors import SpecError
 from tagplan.frontends.catalog import lookup_device
@@ -167,8 +167,14 @@ def _fit_ops_and_links(bundles: Sequence[Bundle], ops: list[OpRecord], collectiv
     memory = dict(base.memory_efficiency)
     launches: dict[str, float] = dict(base.launch_by_device)
     held: dict[str, list[OpRecord]] = {}
+    fit_sets = {}
     for device, records in by_device.items():
-        fit_set, held[device] = _split_ops(records)
+        fit_sets[device], held[device] = _split_ops(records)
+    given = base
+    fused = [r for device, members in fit_sets.items() if specs[device].fused_attention for r in members]
+    if (causal := fit_causal(fused)) is not None:  # before the curves, which are read at the FLOPs a kernel runs
+        base = base.model_copy(update={"causal_time_fraction": causal[0], "causal_diagonal_tokens": causal[1]})
+    for device, fit_set in fit_sets.items():
         launch, fractions = _memory_fit(fit_set, specs[device], base)
         launches[device] = launch
         memory.update(fractions)
@@ -185,9 +191,42 @@ def _fit_ops_and_links(bundles: Sequence[Bundle], ops: list[OpRecord], collectiv
             link_rows.append(ErrorRow(key.split("/")[0], key, len(fit_links), len(held_out), None, after))
     calibration = base.model_copy(update=dict(name=name, compute=compute, memory_efficiency=memory,
                                               launch_by_device=launches, links=links))
-    rows = [row for device in by_device for row in _op_rows(device, held[device], specs[device], base, calibration,
+    rows = [row for device in by_device for row in _op_rows(device, held[device], specs[device], given, calibration,
                                                             len(by_device[device]) - len(held[device]))]
     return CalibrationFit(calibration, specs, rows + link_rows, held_ops=[r for d in held.values() for r in d])
+
+
+def causal_pairs(records: Sequence[OpRecord]) -> list[tuple[int, float]]:
+    """(keys, causal time / unmasked time) of every attention call timed both causal and unmasked at one shape,
+    device, dtype and phase (`shape["causal"]`, as `profiling.ops` writes it)."""
+    times: dict[tuple[str, str, str, tuple[tuple[str, int], ...], bool], float] = {}
+    for r in records:
+        if r.kind is OpKind.ATTENTION and "s" in r.shape and r.time_s > 0:
+            dims = tuple(sorted((k, v) for k, v in r.shape.items() if k != "causal"))
+            times[(r.device, r.dtype.value, r.phase, dims, bool(r.shape.get("causal", 0)))] = r.time_s
+    pairs = []
+    for (device, dtype, phase, dims, causal), time_s in sorted(times.items()):
+        unmasked = times.get((device, dtype, phase, dims, False))
+        if causal and unmasked:
+            pairs.append((dict(dims)["s"], time_s / unmasked))
+    return pairs
+
+
+def fit_causal(records: Sequence[OpRecord]) -> tuple[float, float] | None:
+    """(`causal_time_fraction`, `causal_diagonal_tokens`) by least squares of fraction + tokens / s against the
+    causal-to-unmasked time ratios (`causal_pairs`), pooled over the records' devices (pass those with a fused
+    kernel); where the fit finds no diagonal cost, the mean ratio alone; None with fewer than two sequence lengths
+    to fit on."""
+    pairs = causal_pairs(records)
+    if len({keys for keys, _ in pairs}) < 2:
+        return None
+    keys = np.array([k for k, _ in pairs], dtype=float)
+    design = np.vstack([np.ones_like(keys), 1.0 / keys]).T
+    ratios = np.array([r for _, r in pairs])
+    (fraction, tokens), *_ = np.linalg.lstsq(design, ratios, rcond=None)
+    if tokens < 0:  # no diagonal cost to fit: the mean ratio alone
+        fraction, tokens = float(np.mean(ratios)), 0.0
+    return float(min(max(fraction, 1e-3), 1.0)), float(tokens)
 
 
 def predict_op_s(record: OpRecord, spec: DeviceSpec, calibration: Calibration) -> float:
@@ -196,11 +235,21 @@ def predict_op_s(record: OpRecord, spec: DeviceSpec, calibration: Calibration) -
     adds on top (`compute_scale`; the host's issue floor `host_dispatch_s` is a block's, not an op's)."""
     if calibration.compute_scale or calibration.host_dispatch_s:
         calibration = kernel_only(calibration)
-    op = Op(name=record.name or record.kind.value, kind=record.kind, flops=record.flops, bytes_read=record.bytes_read,
-            bytes_written=record.bytes_written, param_bytes=min(record.param_bytes, record.bytes_read))
-    t = op_time(op, samples=1.0, tp=1, strategy=ShardStrategy.REPLICATE, spec=spec, dtype=record.dtype,
-                calibration=calibration)
+    t = op_time(record_op(record), samples=1.0, tp=1, strategy=ShardStrategy.REPLICATE, spec=spec,
+                dtype=record.dtype, calibration=calibration)
     return t.backward_s if record.phase == "backward" else t.forward_s
+
+
+def record_op(record: OpRecord) -> Op:
+    """The Op one measured call is: an attention record's shape gives its queries and whether it was masked
+    causally (`shape["s"]`, `shape["causal"]`, as `profiling.ops` writes them), which a fused kernel's cost
+    discounts (`compute.attention_fraction`)."""
+    shape = record.shape
+    attention = record.kind is OpKind.ATTENTION and "s" in shape
+    return Op(name=record.name or record.kind.value, kind=record.kind, flops=record.flops, bytes_read=record.bytes_read,
+              bytes_written=record.bytes_written, param_bytes=min(record.param_bytes, record.bytes_read),
+              causal=attention and bool(shape.get("causal", 0)),
+              output_shape=(shape.get("b", 1), shape.get("h", 1), shape["s"], shape.get("d", 1)) if attention else ())
 
 
 def kernel_only(calibration: Calibration) -> Calibration:
@@ -224,7 +273,9 @@ def _split_ops(records: list[OpRecord]) -> tuple[list[OpRecord], list[OpRecord]]
 
 
 def _shape_key(r: OpRecord) -> tuple[object, ...]:
-    return (r.flops, r.bytes_read + r.bytes_written, tuple(sorted(r.shape.items())))
+    """A call's shape; an attention call's causal and unmasked timings are one shape, held out or fitted together
+    (`fit_causal` pairs them)."""
+    return (r.flops, r.bytes_read + r.bytes_written, tuple(sorted((k, v) for k, v in r.shape.items() if k != "causal")))
 
 
 LAUNCH_GRID_S = (0.0, *np.geomspace(1e-7, 1e-3, 29).tolist())
@@ -272,10 +323,12 @@ def _curve(records: list[OpRecord], kind: OpKind, spec: DeviceSpec, launch_s: fl
         if r.kind is not kind or r.flops <= 0 or r.phase not in ("forward", "backward"):
             continue
         launches = 1.0 if r.phase == "forward" or kind is OpKind.ATTENTION else 2.0
-        flops = r.flops * (1.0 if r.phase == "forward" else backward)
+        run = r.flops * attention_fraction(record_op(r), fused=spec.fused_attention, calibration=base)
+        flops = run * (1.0 if r.phase == "forward" else backward)
         body = max(r.time_s - launches * launch_s, 0.1 * r.time_s)
-        # against the sustained peak, as `op_time` applies the curve: a power cap is counted once
-        points[round(math.log10(r.flops))].append(flops / (spec.sustained_peak_flops(r.dtype) * body))
+        # against the sustained peak, as `op_time` applies the curve (at the FLOPs the kernel runs: a causal
+        # kernel's discounted ones): a power cap is counted once
+        points[round(math.log10(run))].append(flops / (spec.sustained_peak_flops(r.dtype) * body))
     if not points:
         return None
     decades = sorted(points)

@@ -113,6 +113,22 @@ def score_elements(op: OpNode, scale: Scale) -> float:
     return float(q.numel() // max(int(q.shape[-1]), 1) * int(k.shape[-2])) / scale.batch
 
 
+def is_causal(op: OpNode) -> bool:
+    """Whether a traced attention call masks causally: its `is_causal` argument, by keyword or by its position in
+    the ATen schema (scaled_dot_product_attention and its flash, efficient and cuDNN variants all name it). A
+    mask passed as a tensor is not read: such calls count as unmasked, which costs them their whole score matrix."""
+    if op.kind is not OpKind.ATTENTION:
+        return False
+    node = op.node
+    if "is_causal" in node.kwargs:
+        return bool(node.kwargs["is_causal"])
+    schema = getattr(node.target, "_schema", None)
+    for index, argument in enumerate(getattr(schema, "arguments", ())):
+        if argument.name == "is_causal" and index < len(node.args):
+            return bool(node.args[index])
+    return False
+
+
 def make_op(
     trace: Trace,
     op: OpNode,
@@ -143,6 +159,7 @@ def make_op(
         shared_param_bytes=float(shared * scale.dtype.nbytes),
         saved_bytes=saved_bytes,
         score_elements=score_elements(op, scale),
+        causal=is_causal(op),
         output_shape=tuple(int(d) for d in op.outputs[0].shape) if op.outputs else (),
         partition_dims=partition_dims(trace, op, scale),
         inputs=inputs,
