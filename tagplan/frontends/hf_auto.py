@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tagplan.errors import SpecError
-from tagplan.frontends.hf_config import HFArch
+from tagplan.frontends.hf_config import HFArch, is_causal_lm, mark_causal
 from tagplan.frontends.hf_fold import Stack, moe_analytic, short_depths, unfold, with_values
 from tagplan.frontends.torch_export import graph_from_module
 from tagplan.ir.model import ModelGraph
@@ -104,4 +104,4 @@ def _trace(config: Any, arch: HFArch, name: str, seq: int, dtype: DType, batch: 
                               dtype=dtype, batch=batch)
     if getattr(config, "num_experts_per_tok", None):
         graph = moe_analytic(graph, config)
-    return graph
+    return mark_causal(graph) if is_causal_lm(arch.model_class) else graph

@@ -126,3 +126,19 @@ def test_calibrating_on_causal_records_fits_the_figures_and_predicts_causal_call
                                  and r.shape["causal"] == c) for c in (1, 0))
         ratio = predict_op_s(masked, h100, calibration) / predict_op_s(unmasked, h100, calibration)
         assert ratio == pytest.approx(masked.time_s / unmasked.time_s, rel=0.05)  # the curve is read at the run FLOPs
+
+
+def test_marking_a_causal_lm_marks_self_attention_only() -> None:
+    from tagplan.frontends.hf_config import is_causal_lm, mark_causal
+    from tagplan.ir.model import Block, Layer
+
+    def sdpa(name: str, keys: int) -> Op:  # traced layout: (batch, heads, queries, width); 4 heads, 16 queries
+        return Op(name=name, kind=OpKind.ATTENTION, flops=1.0, bytes_read=1.0, bytes_written=1.0,
+                  output_shape=(2, 4, 16, 8), score_elements=4.0 * 16 * keys)
+    block = Block(hash="b", ops=(sdpa("self", 16), sdpa("cross", 32)), params=0, output_bytes=1.0)
+    graph = ModelGraph(name="m", seq_len=16, blocks=(block,), layers=(Layer(name="l", block="b"),))
+    marked = {op.name: op.causal for op in mark_causal(graph).blocks[0].ops}
+    assert marked == {"self": True, "cross": False}
+    assert mark_causal(graph).blocks[0].hash == "b"
+    assert is_causal_lm("LlamaForCausalLM") and is_causal_lm("GPT2LMHeadModel")
+    assert not is_causal_lm("BertForMaskedLM") and not is_causal_lm("T5ForConditionalGeneration")

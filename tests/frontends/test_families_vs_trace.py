@@ -72,3 +72,17 @@ def test_trace_and_closed_form_count_the_same_attention_scores(family: str) -> N
     for i in with_attention:
         assert score_elements(traced, i) == pytest.approx(score_elements(derived, i)), derived.layers[i].name
     assert score_elements(derived, with_attention[0]) >= 4 * 64 * 64  # at least one self-attention per block
+
+
+def causal_flags(graph: ModelGraph) -> list[bool]:
+    return [op.causal for i in range(len(graph.layers)) for op in graph.block_of(i).ops if op.kind is OpKind.ATTENTION]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt", "llama", "moe", "bert", "vit"])
+def test_trace_and_closed_form_agree_which_attention_is_causal(family: str) -> None:
+    """A Hugging Face causal LM passes its mask as a tensor; the trace marks its self-attention causal by class."""
+    hf_spec, family_spec = PAIRS[family]
+    traced, derived = load_model(hf_spec, seq_len=64), load_model(family_spec, seq_len=64)
+    assert causal_flags(traced) and causal_flags(derived)
+    assert set(causal_flags(traced)) == set(causal_flags(derived)) == {family in ("gpt", "llama", "moe")}
