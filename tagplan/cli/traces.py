@@ -200,6 +200,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     comparison = compare_with(fit, replaced, bundles)
     report: dict[str, Any] = {"calibration": args.out, **fit.summary(), "rows": [row.__dict__ for row in fit.rows],
                               "links": {k: v.model_dump() for k, v in fit.calibration.links.items()}}
+    cal = fit.calibration
+    if (cal.causal_time_fraction, cal.causal_diagonal_tokens) != (1.0, 0.0):  # fitted from causal and unmasked pairs
+        report["causal_attention"] = {"time_fraction": cal.causal_time_fraction,
+                                      "diagonal_tokens": cal.causal_diagonal_tokens}
     if fit.iterations is not None:
         report["iteration_parameters"] = fit.iterations.parameters
         report["iteration_records"] = fit.iterations.records

@@ -95,3 +95,15 @@ def test_simulate_uses_a_calibration_and_names_a_bad_one(tmp_path: Path, capsys:
     # a calibration measured on this CPU changes nothing on V100s: its figures are keyed by device type
     assert json.loads(capsys.readouterr().out)["iteration_time_s"] == pytest.approx(default, rel=1e-12)
     assert main(["train"]) == 2 and "--traces" in capsys.readouterr().err
+
+
+def test_calibrate_reports_what_a_causal_mask_saves_where_the_bundle_times_both(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gpu_ops = Path(__file__).parents[2] / "bench" / "data" / "gpu" / "h100" / "ops"  # causal and unmasked SDPA calls
+    assert main(["calibrate", str(gpu_ops), "--out", str(tmp_path / "h100.json"), "--json"]) == 0
+    causal = json.loads(capsys.readouterr().out)["causal_attention"]
+    assert 0.45 < causal["time_fraction"] < 0.65 and 50 < causal["diagonal_tokens"] < 400
+    assert main(["calibrate", str(gpu_ops), "--out", str(tmp_path / "h100b.json")]) == 0
+    assert "causal attention call takes" in capsys.readouterr().out
+    assert main(["calibrate", str(BUNDLE), "--out", str(tmp_path / "cpu.json"), "--json"]) == 0
+    assert "causal_attention" not in json.loads(capsys.readouterr().out)  # no call timed both ways: nothing fitted
