@@ -86,7 +86,8 @@ def attention_fraction(op: Op, *, fused: bool, calibration: Calibration) -> floa
     `Calibration.causal_time_fraction`); op records of causal and unmasked calls fit both figures."""
     if op.kind is not OpKind.ATTENTION or not fused or not op.causal:
         return 1.0
-    keys = op.output_shape[-2] if len(op.output_shape) >= 2 else 0  # (batch, queries, width): self-attention
+    # the query count, equal to the keys in self-attention: (1, s, width) as built, (batch, heads, s, width) traced
+    keys = op.output_shape[-2] if len(op.output_shape) >= 2 else 0
     if not keys:
         return 1.0
     return min(1.0, calibration.causal_time_fraction + calibration.causal_diagonal_tokens / keys)
