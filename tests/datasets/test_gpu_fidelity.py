@@ -65,3 +65,16 @@ def test_the_exported_programs_runs_are_scored_beside_the_eager_runs_of_the_same
     assert set(out["variants"]) == {"defaults", "ops+eager gpt iterations"}
     assert all(len(v["errors"]) == 7 for v in out["variants"].values())
     assert fidelity._exported(H100, [], Calibration()) is None  # no exported runs there
+
+
+def test_the_kineto_step_by_kind_covers_the_trace_and_the_causal_figures_move_attention_only() -> None:
+    bench = load_bench("fit_causal_attention")
+    trace = json.loads((BENCH / "data" / "gpu" / "h200" / "kineto" / "kernels.json").read_text())["llama-8b-8l"]
+    fitted = Calibration(causal_time_fraction=0.534, causal_diagonal_tokens=171.0)
+    step = bench.kineto_step(fitted)
+    assert sum(kind.get("trace_ms", 0.0) for kind in step.values()) == pytest.approx(1e3 * trace["device_busy_s"])
+    assert "other" not in step or step["other"]["trace_ms"] < 0.01 * 1e3 * trace["device_busy_s"]
+    attention = step["flash attention"]
+    assert attention["fitted_causal_ms"] < 0.7 * attention["defaults_ms"]
+    assert all(kind.get("fitted_causal_ms") == kind.get("defaults_ms") for name, kind in step.items()
+               if name != "flash attention")
