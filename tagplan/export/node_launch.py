@@ -23,6 +23,10 @@ from tagplan.export.runtime_layout import node_order, rank_devices
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.plan import Plan
 
+RENDEZVOUS_ENV = "TAGPLAN_RENDEZVOUS"
+"""Where set (`runtime_launch`: a file:// URL unique to one local launch), the program's ranks meet through that store
+instead of torchrun's MASTER_ADDR:MASTER_PORT, which another launch on the same host can have picked too."""
+
 DEFAULT_PORT = 29500
 
 

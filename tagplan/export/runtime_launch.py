@@ -8,6 +8,11 @@ after a short grace period, instead of waiting out the collective timeout.
 
 Where `TAGPLAN_RANK_SERVER` names a running rank server (`runtime_fork`), each rank is forked from
 it instead: the same program file, argv, environment and log files, without importing torch again.
+
+The ranks of one launch meet through a store file of their own (`TAGPLAN_RENDEZVOUS`, file://, which the
+program reads before torchrun's env://): two launches on one host that picked the same free port at once would
+otherwise meet in one TCP store, and one's ranks take the other's addresses (seen as a rank crashing before its
+first layer while tests ran side by side).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from tagplan.export.node_launch import RENDEZVOUS_ENV
 from tagplan.export.runtime_fork import RANK_SERVER_ENV, RankServerRefusedError, start_rank
 
 GRACE_S = 5.0
@@ -80,13 +86,15 @@ def _launch_once(program: Path, procs: int, args: list[str], *, timeout_s: float
     port = free_port()
     logs = program.parent / "logs"
     logs.mkdir(exist_ok=True)
+    store = logs / f"rendezvous-{os.getpid()}-{time.monotonic_ns()}"  # a fresh file per launch
     server = os.environ.get(RANK_SERVER_ENV)
     running: list[Rank] = []
     try:
         for rank in range(procs):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(procs),
                    "LOCAL_WORLD_SIZE": str(procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": "1", "TAGPLAN_DEVICE": device, "PYTHONWARNINGS": "ignore"}
+                   "OMP_NUM_THREADS": "1", "TAGPLAN_DEVICE": device, "PYTHONWARNINGS": "ignore",
+                   RENDEZVOUS_ENV: store.resolve().as_uri()}
             env.pop(RANK_SERVER_ENV, None)
             out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
             if server:
@@ -105,6 +113,8 @@ def _launch_once(program: Path, procs: int, args: list[str], *, timeout_s: float
     except BaseException:
         _stop(running)
         raise
+    finally:
+        store.unlink(missing_ok=True)
     return [_collect(logs, rank, code, timed_out=timed_out and code is None) for rank, code in enumerate(codes)]
 
 

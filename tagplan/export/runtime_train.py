@@ -50,7 +50,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
-from tagplan.export.node_launch import startup_problems
+from tagplan.export.node_launch import RENDEZVOUS_ENV, startup_problems
 from tagplan.export.runtime_layout import programs, stage_layouts
 from tagplan.export.runtime_loss import kernel_of
 from tagplan.export.runtime_optim import TrainOptimizer, full_params, train_optimizer
@@ -224,7 +224,12 @@ def setup(cfg: dict[str, Any], timeout_s: float) -> torch.device:
         torch.cuda.set_device(local_gpu)
     else:  # a CPU takes a slow assist on every subnormal float, a GPU none: flush them as a GPU would
         torch.set_flush_denormal(True)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    backend, timeout = "nccl" if cuda else "gloo", timedelta(seconds=timeout_s)
+    init = os.environ.get(RENDEZVOUS_ENV)  # a local launch's own store; torchrun's env:// otherwise
+    if init:
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 

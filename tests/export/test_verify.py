@@ -501,3 +501,20 @@ def test_the_fused_loss_matches_one_process_over_a_vocabulary_split_and_a_pipeli
         report = verify(gpt_spec, mesh, loss=loss, keep_dir=tmp_path / f"mesh-{loss.value}")
         assert report.passed, report.message
         assert json.loads((tmp_path / f"mesh-{loss.value}" / "plan.json").read_text())["runtime"] == "mesh"
+
+
+@pytest.mark.slow
+def test_two_launches_on_one_port_at_once_each_meet_in_their_own_store(gpt_spec: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two local launches that picked the same free port at once: the ranks meet through a store file of their
+    launch (TAGPLAN_RENDEZVOUS), not the TCP store on the port, so neither takes the other's ranks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tagplan.export import runtime_launch
+
+    monkeypatch.setattr(runtime_launch, "free_port", lambda: 29517)
+    plan = Plan(micro_batches=2, stages=(_stage(ONE_STAGE, (0, 1), dp=2),))
+    with ThreadPoolExecutor(2) as pool:
+        reports = list(pool.map(lambda _: verify(gpt_spec, plan), range(2)))
+    for report in reports:
+        assert report.passed, report.message
