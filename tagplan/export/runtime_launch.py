@@ -11,8 +11,8 @@ it instead: the same program file, argv, environment and log files, without impo
 
 The ranks of one launch meet through a store file of their own (`TAGPLAN_RENDEZVOUS`, file://, which the
 program reads before torchrun's env://): two launches on one host that picked the same free port at once would
-otherwise meet in one TCP store, and one's ranks take the other's addresses (seen as a rank crashing before its
-first layer while tests ran side by side).
+otherwise meet in one TCP store, and one's ranks take the other's addresses (the likely cause of a rank crashing
+before its first layer while tests ran side by side).
 """
 
 from __future__ import annotations
