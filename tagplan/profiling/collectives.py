@@ -1,7 +1,7 @@
 """Measure collectives among `world` local processes as `CollectiveRecord`s (nccl-tests conventions).
 
-Ranks are processes started with `torch.multiprocessing.spawn`, meeting at 127.0.0.1 on a free
-port, over gloo on CPU and NCCL on CUDA (rank r on GPU r). Per message size each collective runs
+Ranks are processes started with `torch.multiprocessing.spawn`, meeting through a store file in the
+job's own folder, over gloo on CPU and NCCL on CUDA (rank r on GPU r). Per message size each collective runs
 after a barrier, `WARMUP` times untimed, then a fixed number of times (more for small messages:
 `repeats_for`), each call timed alone between barriers. A call's time is the mean over the ranks
 taking part (nccl-tests' default averaging); the record holds the median over calls.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -68,7 +67,6 @@ class _Job:
     """What every rank runs (picklable plain data)."""
 
     world: int
-    port: int
     device: Literal["cpu", "cuda"]
     sizes_bytes: tuple[int, ...]
     collectives: tuple[CollectiveName, ...]
@@ -78,12 +76,6 @@ class _Job:
     @property
     def backend(self) -> str:
         return "nccl" if self.device == "cuda" else "gloo"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _call(collective: CollectiveName, count: int, rank: int, world: int, device: str) -> Callable[[], object]:
@@ -155,12 +147,13 @@ def _rank_main(rank: int, job: _Job) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(job.port)
     if job.device == "cuda":
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world))
-    dist.init_process_group(job.backend, rank=rank, world_size=job.world, timeout=timedelta(minutes=5))
+    # the ranks meet through a store file in the job's own folder: a TCP port picked free can be another run's too
+    dist.init_process_group(job.backend, init_method=(Path(job.out_dir) / "rendezvous").as_uri(), rank=rank,
+                            world_size=job.world, timeout=timedelta(minutes=5))
     stats = dist.new_group(backend="gloo") if job.backend != "gloo" else None
     results = []
     for collective in job.collectives:
@@ -196,7 +189,7 @@ def measure_collectives(sizes_bytes: Sequence[int], *, device_type: str, world: 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="tagplan-collectives-") as tmp:
-        job = _Job(world=world, port=_free_port(), device=device, sizes_bytes=tuple(sizes_bytes),
+        job = _Job(world=world, device=device, sizes_bytes=tuple(sizes_bytes),
                    collectives=tuple(collectives), out_dir=tmp, max_repeats=max_repeats)
         if progress is not None:
             progress(f"collectives: {world} {job.backend} ranks, {len(collectives)} collectives x {len(sizes_bytes)} "
