@@ -41,6 +41,7 @@ bench: $(STAMP_RUN)
 	$(BIN)/python bench/frontends_speed.py
 	$(BIN)/python bench/simulator.py
 	$(BIN)/python bench/fit_sustained_clock.py
+	$(BIN)/python bench/fit_causal_attention.py
 	$(BIN)/python bench/validate_megatron.py
 	$(BIN)/python bench/planner.py
 	$(BIN)/python bench/gnn.py

@@ -17,11 +17,12 @@ from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.cost.simulator import ReduceOverlap, Simulator
 from tagplan.errors import SpecError
 from tagplan.export import deepspeed, megatron
+from tagplan.export.checks import exported_loss
 from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_devices, check_whole_samples
-from tagplan.ir.workload import DType, LossKernel, Workload
+from tagplan.ir.workload import DType, Workload
 from tagplan.search.result import PlanResult
 
 Target = Literal["torch", "megatron", "deepspeed"]
@@ -92,15 +93,6 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     if fmt == "deepspeed" and not workload.keeps_stage_outputs:  # its pipeline engine's pipe_buffers['outputs']
         update["keeps_stage_outputs"] = True
     return workload.model_copy(update=update) if update else workload
-
-
-def exported_loss(fmt: Target | str, loss: LossKernel) -> LossKernel:
-    """The cross-entropy format `fmt`'s runtime runs for a plan costed with `loss`: Megatron-Core its own (in-place),
-    or Transformer Engine's fused kernel where `loss` is fused (the exporter writes it); the torch program its fused
-    one where `loss` is fused, else PyTorch's eager one; DeepSpeed the model's own, eager."""
-    if loss is LossKernel.FUSED and fmt in ("megatron", "torch"):
-        return LossKernel.FUSED
-    return LossKernel.IN_PLACE if fmt == "megatron" else LossKernel.EAGER
 
 
 def reduce_overlap(fmt: Target | str, workload: Workload, cluster: Cluster | None = None) -> ReduceOverlap | None:

@@ -19,7 +19,7 @@ from tagplan.errors import SpecError, unknown
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_plan
-from tagplan.ir.workload import REDUCE_DTYPES, DType
+from tagplan.ir.workload import REDUCE_DTYPES, DType, LossKernel
 
 
 class ExportError(SpecError):
@@ -144,3 +144,12 @@ def check_rank_order(plan: Plan, groups: Sequence[tuple[int, ...]], *, tp: int, 
                               "pipeline stages)")
         done.append(node)
     return ranked
+
+
+def exported_loss(fmt: str, loss: LossKernel) -> LossKernel:
+    """The cross-entropy format `fmt`'s runtime runs for a plan costed with `loss`: Megatron-Core its own (in-place),
+    or Transformer Engine's fused kernel where `loss` is fused (the exporter writes it); the torch program its fused
+    one where `loss` is fused, else PyTorch's eager one; DeepSpeed the model's own, eager."""
+    if loss is LossKernel.FUSED and fmt in ("megatron", "torch"):
+        return LossKernel.FUSED
+    return LossKernel.IN_PLACE if fmt == "megatron" else LossKernel.EAGER

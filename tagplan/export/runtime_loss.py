@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
+from torch.nn import functional
 
 from tagplan.ir.workload import LossKernel
 
@@ -73,6 +74,22 @@ def token_losses(logits: torch.Tensor, target: torch.Tensor, *, group: dist.Proc
     return FusedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, vocab_start)
 
 
+def eager_loss(logits: torch.Tensor, target: torch.Tensor, *, reduction: str = "mean") -> torch.Tensor:
+    """PyTorch's cross-entropy of `logits` [..., V] (upcast to fp32) against `target` [...]: the mean (or sum)
+    over the tokens. The eager kernel the program runs, and the one-process reference `verify` compares with."""
+    return functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                                    reduction=reduction)
+
+
+PROGRAM_KERNELS = (LossKernel.EAGER, LossKernel.FUSED)
+"""The cross-entropies the program runs (`capability.exported_loss` maps every costed kernel onto one)."""
+
+
 def kernel_of(cfg: dict[str, object]) -> LossKernel:
-    """The loss `plan.json` asks for (a program written before the key existed: eager)."""
-    return LossKernel(str(cfg.get("loss", LossKernel.EAGER.value)))
+    """The loss `plan.json` asks for (a program written before the key existed: eager); ValueError naming the key,
+    its value and what the program runs for anything else (Megatron's in-place loss is not one of them)."""
+    value = str(cfg.get("loss", LossKernel.EAGER.value))
+    accepted = [k.value for k in PROGRAM_KERNELS]
+    if value not in accepted:
+        raise ValueError(f"plan.json loss = {value!r}: the program runs {' or '.join(map(repr, accepted))}")
+    return LossKernel(value)

@@ -43,11 +43,10 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from torch.nn import functional
 
 from tagplan.cost.sharding import Layout
 from tagplan.export.modules import Block, build_layer, op_paths, set_stage_recompute, tied_param_names
-from tagplan.export.runtime_loss import token_losses
+from tagplan.export.runtime_loss import eager_loss, token_losses
 from tagplan.export.shapes import ModelConfig
 from tagplan.export.tp_flow import EXPERT_OPS, NEEDS, ExpertsFlow, Flow, block_flow, experts_flow, head_flow
 from tagplan.ir.workload import LossKernel
@@ -255,7 +254,7 @@ class LossSplit:
         micro-batch's tokens; `labels` picks this rank's): the mean (or sum) over the tokens this rank holds."""
         target = self.labels(labels).flatten()
         if self.kernel is LossKernel.EAGER:
-            return functional.cross_entropy(self.logits(logits).flatten(0, 1).float(), target, reduction=reduction)
+            return eager_loss(self.logits(logits), target, reduction=reduction)
         mesh = self.mesh if self.kind == "vocab" else None  # the ranks that split the vocabulary
         per_token = token_losses(logits, target, group=mesh.get_group() if mesh else None,
                                  vocab_start=self.vocab_start(logits.shape[-1]) if mesh else 0)

@@ -48,7 +48,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
-from torch.nn import functional
 
 from tagplan.export.node_launch import RENDEZVOUS_ENV, startup_problems
 from tagplan.export.runtime_layout import programs, stage_layouts
@@ -96,11 +95,6 @@ def synthetic_batch(vocab: int, global_batch: int, seq_len: int, *, step: int, s
     g = torch.Generator().manual_seed(seed * 7919 + step)
     data = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=g)
     return data[:, :-1], data[:, 1:]
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; logits (b, s, vocab), labels (b, s)."""
-    return functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 class Runner:
@@ -207,6 +201,15 @@ def _env_int(name: str) -> int | None:
     return int(value) if value is not None else None
 
 
+def rendezvous() -> str | None:
+    """Where this launch's ranks meet (`RENDEZVOUS_ENV`: a local launch's own store), or None: torchrun's env://.
+    SystemExit naming the variable for a value that is no rendezvous URL."""
+    init = os.environ.get(RENDEZVOUS_ENV) or None
+    if init is not None and not init.startswith(("file://", "tcp://", "env://")):
+        raise SystemExit(f"{RENDEZVOUS_ENV} = {init!r}: the ranks meet at a file://, tcp:// or env:// URL")
+    return init
+
+
 def setup(cfg: dict[str, Any], timeout_s: float) -> torch.device:
     """Check this rank's place against the rank table, pin its GPU, join the process group (NCCL on
     CUDA, else gloo); SystemExit naming every mismatch between the launch and the plan."""
@@ -225,7 +228,7 @@ def setup(cfg: dict[str, Any], timeout_s: float) -> torch.device:
     else:  # a CPU takes a slow assist on every subnormal float, a GPU none: flush them as a GPU would
         torch.set_flush_denormal(True)
     backend, timeout = "nccl" if cuda else "gloo", timedelta(seconds=timeout_s)
-    init = os.environ.get(RENDEZVOUS_ENV)  # a local launch's own store; torchrun's env:// otherwise
+    init = rendezvous()
     if init:
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timeout)
     else:

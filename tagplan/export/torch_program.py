@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from tagplan.errors import SpecError
-from tagplan.export.checks import ExportError, GradReduce
+from tagplan.export.checks import ExportError, GradReduce, exported_loss
 from tagplan.export.modules import tp_ops
 from tagplan.export.node_launch import launch_scripts, rank_table
 from tagplan.export.runtime_train import PROGRAM_FORMAT
@@ -162,7 +162,7 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
             "mesh": {"pp": len(set(ranks)), "dp": first.dp, "tp": first.tp}, "world_size": len(plan.devices),
             "ranks": table, "stages": stages, "plan": plan.model_dump(mode="json"),
             "grad_reduce": (reduce or grad_reduce(plan, runtime, dtype=dtype)).as_json(),
-            "loss": (LossKernel.FUSED if loss is LossKernel.FUSED else LossKernel.EAGER).value}
+            "loss": exported_loss("torch", loss).value}
 
 
 def head_strategy(plan: Plan, model: ModelGraph) -> str:

@@ -35,7 +35,8 @@ from tagplan.export.checks import ExportError
 from tagplan.export.modules import build_model as build_torch_model
 from tagplan.export.modules import grads_by_layer
 from tagplan.export.runtime_launch import RankRun, launch
-from tagplan.export.runtime_train import loss_fn, synthetic_batch
+from tagplan.export.runtime_loss import eager_loss
+from tagplan.export.runtime_train import synthetic_batch
 from tagplan.export.shapes import ModelConfig, model_config, parsed, scaled_down
 from tagplan.export.torch_checks import check_expressible, torch_config
 from tagplan.export.torch_program import write_torch_program
@@ -139,7 +140,7 @@ def reference(model_spec: str, *, seq_len: int, global_batch: int, micro_batches
                                      seed=seed)
     losses = []
     for x, y in zip(tokens.chunk(micro_batches), labels.chunk(micro_batches), strict=True):
-        loss = loss_fn(model(x), y)
+        loss = eager_loss(model(x), y)
         (loss * len(x) / global_batch).backward()
         losses.append(loss.item() * len(x) / global_batch)
     return math.fsum(losses), grads_by_layer(model)

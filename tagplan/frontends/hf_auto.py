@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from tagplan.errors import SpecError
-from tagplan.frontends.hf_config import HFArch, is_causal_lm, mark_causal
-from tagplan.frontends.hf_fold import Stack, moe_analytic, short_depths, unfold, with_values
+from tagplan.frontends.hf_config import HFArch, is_causal_lm
+from tagplan.frontends.hf_fold import Stack, mark_causal, moe_analytic, short_depths, unfold, with_values
 from tagplan.frontends.torch_export import graph_from_module
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.workload import DType

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from tagplan.errors import SpecError, nearest
-from tagplan.ir.model import ModelGraph, Op, OpKind
 
 _HUB_ONLY = ("auto_map", "quantization_config", "torch_dtype", "dtype", "transformers_version", "_name_or_path",
              "architectures", "model_type")
@@ -113,25 +112,6 @@ def is_causal_lm(model_class: str) -> bool:
 
     return any(model_class == cls or (not isinstance(cls, str) and model_class in cls)
                for cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-
-def mark_causal(graph: ModelGraph) -> ModelGraph:
-    """`graph` with every self-attention op (as many keys as queries: `Op.score_elements` = heads x queries x
-    queries) marked causal: what a causal LM's attention is, which its trace does not show where the model passes
-    its mask as a tensor (Hugging Face's do). Block hashes leave the flag out, so they stay as traced."""
-    blocks = []
-    for block in graph.blocks:
-        ops = tuple(op.model_copy(update={"causal": True}) if _self_attention(op) else op for op in block.ops)
-        blocks.append(block.model_copy(update={"ops": ops}) if ops != block.ops else block)
-    return graph.model_copy(update={"blocks": tuple(blocks)})
-
-
-def _self_attention(op: Op) -> bool:
-    shape = op.output_shape  # (batch, heads, queries, head width) as traced
-    if op.kind is not OpKind.ATTENTION or len(shape) != 4 or not op.score_elements:
-        return False
-    heads, queries = shape[1], shape[2]
-    return abs(op.score_elements - heads * queries * queries) < 0.5
 
 
 def default_model_class(model_type: str) -> str:

@@ -170,3 +170,22 @@ def _rehash(digest: str, *facts: float) -> str:
     """A new structural hash for a block changed by the analytic MoE pass (equal in, equal out)."""
     text = json.dumps([digest, "moe-analytic", *facts])
     return hashlib.sha256(text.encode()).hexdigest()[: len(digest)]
+
+
+def mark_causal(graph: ModelGraph) -> ModelGraph:
+    """`graph` with every self-attention op (as many keys as queries: `Op.score_elements` = heads x queries x
+    queries) marked causal: what a causal LM's attention is, which its trace does not show where the model passes
+    its mask as a tensor (Hugging Face's do). Block hashes leave the flag out, so they stay as traced."""
+    blocks = []
+    for block in graph.blocks:
+        ops = tuple(op.model_copy(update={"causal": True}) if _self_attention(op) else op for op in block.ops)
+        blocks.append(block.model_copy(update={"ops": ops}) if ops != block.ops else block)
+    return rebuild(graph, blocks=tuple(blocks))
+
+
+def _self_attention(op: Op) -> bool:
+    shape = op.output_shape  # (batch, heads, queries, head width) as traced
+    if op.kind is not OpKind.ATTENTION or len(shape) != 4 or not op.score_elements:
+        return False
+    heads, queries = shape[1], shape[2]
+    return abs(op.score_elements - heads * queries * queries) < 0.5

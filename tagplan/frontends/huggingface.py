@@ -31,8 +31,8 @@ import torch
 
 from tagplan.errors import SpecError
 from tagplan.frontends.hf_auto import graph_from_config
-from tagplan.frontends.hf_config import is_causal_lm, make_config, mark_causal, read_hf_config, resolve_hf_name
-from tagplan.frontends.hf_fold import Stack, moe_analytic, short_depths, unfold, with_values
+from tagplan.frontends.hf_config import is_causal_lm, make_config, read_hf_config, resolve_hf_name
+from tagplan.frontends.hf_fold import Stack, mark_causal, moe_analytic, short_depths, unfold, with_values
 from tagplan.frontends.torch_export import graph_from_module
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.workload import DType

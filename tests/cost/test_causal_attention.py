@@ -129,7 +129,8 @@ def test_calibrating_on_causal_records_fits_the_figures_and_predicts_causal_call
 
 
 def test_marking_a_causal_lm_marks_self_attention_only() -> None:
-    from tagplan.frontends.hf_config import is_causal_lm, mark_causal
+    from tagplan.frontends.hf_config import is_causal_lm
+    from tagplan.frontends.hf_fold import mark_causal
     from tagplan.ir.model import Block, Layer
 
     def sdpa(name: str, keys: int) -> Op:  # traced layout: (batch, heads, queries, width); 4 heads, 16 queries

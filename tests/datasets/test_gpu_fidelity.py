@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 from bench_modules import BENCH, load_bench
 
-from tagplan.cost.calibration import Calibration, LayerTime, LinkScale
+from tagplan.cost.calibration import (
+    MEASURED_CAUSAL_DIAGONAL_TOKENS,
+    MEASURED_CAUSAL_TIME_FRACTION,
+    Calibration,
+    LayerTime,
+    LinkScale,
+)
 from tagplan.ir.workload import DType
 
 H100 = BENCH / "data" / "gpu" / "h100"
@@ -70,7 +76,8 @@ def test_the_exported_programs_runs_are_scored_beside_the_eager_runs_of_the_same
 def test_the_kineto_step_by_kind_covers_the_trace_and_the_causal_figures_move_attention_only() -> None:
     bench = load_bench("fit_causal_attention")
     trace = json.loads((BENCH / "data" / "gpu" / "h200" / "kineto" / "kernels.json").read_text())["llama-8b-8l"]
-    fitted = Calibration(causal_time_fraction=0.534, causal_diagonal_tokens=171.0)
+    fitted = Calibration(causal_time_fraction=MEASURED_CAUSAL_TIME_FRACTION,
+                         causal_diagonal_tokens=MEASURED_CAUSAL_DIAGONAL_TOKENS)
     step = bench.kineto_step(fitted)
     assert sum(kind.get("trace_ms", 0.0) for kind in step.values()) == pytest.approx(1e3 * trace["device_busy_s"])
     assert "other" not in step or step["other"]["trace_ms"] < 0.01 * 1e3 * trace["device_busy_s"]
@@ -78,3 +85,9 @@ def test_the_kineto_step_by_kind_covers_the_trace_and_the_causal_figures_move_at
     assert attention["fitted_causal_ms"] < 0.7 * attention["defaults_ms"]
     assert all(kind.get("fitted_causal_ms") == kind.get("defaults_ms") for name, kind in step.items()
                if name != "flash attention")
+
+
+def test_the_shipped_measured_causal_figures_are_the_committed_fit_rounded() -> None:
+    fit = json.loads((BENCH / "results" / "causal_attention.json").read_text())
+    assert round(fit["causal_time_fraction"], 3) == MEASURED_CAUSAL_TIME_FRACTION
+    assert round(fit["causal_diagonal_tokens"]) == MEASURED_CAUSAL_DIAGONAL_TOKENS

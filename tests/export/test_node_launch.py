@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tagplan.export.node_launch import gpu_matches, launch_scripts, rank_table, startup_problems
@@ -65,3 +67,30 @@ def test_startup_check_names_each_mismatch() -> None:
     ("H100-SXM", "NVIDIA H100 80GB HBM3", True)])
 def test_gpu_names_match_by_model(expected: str, found: str, match: bool) -> None:
     assert gpu_matches(expected, found) is match
+
+
+def test_each_local_launch_meets_in_a_store_file_of_its_own(tmp_path: Path) -> None:
+    from tagplan.export.runtime_launch import launch
+
+    program = tmp_path / "show.py"  # a rank that prints where it was told to meet
+    program.write_text("import json, os\nprint(json.dumps({'at': os.environ['TAGPLAN_RENDEZVOUS']}))\n")
+    seen = []
+    for _ in range(2):
+        runs = launch(program, 2, [], timeout_s=60)
+        urls = {run.lines[0]["at"] for run in runs}
+        assert all(run.returncode == 0 for run in runs) and len(urls) == 1  # one store per launch
+        seen.extend(urls)
+    assert len(set(seen)) == 2 and all(url.startswith("file://") for url in seen)  # a new one each launch
+    assert not list((tmp_path / "logs").glob("rendezvous-*"))  # and gone when the launch is done
+
+
+def test_the_program_names_a_rendezvous_that_is_no_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tagplan.export.runtime_train import rendezvous
+
+    monkeypatch.delenv("TAGPLAN_RENDEZVOUS", raising=False)
+    assert rendezvous() is None  # torchrun's env://
+    monkeypatch.setenv("TAGPLAN_RENDEZVOUS", "file:///tmp/store")
+    assert rendezvous() == "file:///tmp/store"
+    monkeypatch.setenv("TAGPLAN_RENDEZVOUS", "/tmp/store")
+    with pytest.raises(SystemExit, match="TAGPLAN_RENDEZVOUS = '/tmp/store': the ranks meet at a file://"):
+        rendezvous()

@@ -74,8 +74,9 @@ def test_a_vocabulary_split_needs_its_group_and_its_first_class() -> None:
 def test_the_program_reads_its_loss() -> None:
     assert kernel_of({"loss": "fused"}) is LossKernel.FUSED
     assert kernel_of({}) is LossKernel.EAGER  # a program written before the key
-    with pytest.raises(ValueError):
-        kernel_of({"loss": "liger"})
+    for value in ("liger", "in-place"):  # Megatron-Core's in-place loss is no kernel the program has
+        with pytest.raises(ValueError, match=rf"plan.json loss = '{value}': the program runs 'eager' or 'fused'"):
+            kernel_of({"loss": value})
 
 
 def _graph_names(loss: torch.Tensor) -> set[str]:

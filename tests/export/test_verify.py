@@ -518,3 +518,15 @@ def test_two_launches_on_one_port_at_once_each_meet_in_their_own_store(gpt_spec:
         reports = list(pool.map(lambda _: verify(gpt_spec, plan), range(2)))
     for report in reports:
         assert report.passed, report.message
+
+
+def test_verify_keeps_a_vocabulary_split_uneven_where_the_model_has_one() -> None:
+    from tagplan.export.verify import _vocab_for
+
+    gpt2 = model_config("gpt3-1.3b", seq_len=16)  # 50,257 tokens: tp 2 splits them unevenly
+    assert gpt2.vocab % 2 == 1
+    one, two = _stage((0, 4), (0,)), _stage((0, 4), (0, 1), tp=2)
+    assert _vocab_for(gpt2, Plan(micro_batches=1, stages=(one,))) == 128
+    assert _vocab_for(gpt2, Plan(micro_batches=1, stages=(two,))) == 127
+    llama = model_config("llama2-7b", seq_len=16)  # 32,000: every tp here divides it
+    assert _vocab_for(llama, Plan(micro_batches=1, stages=(two,))) == 128
