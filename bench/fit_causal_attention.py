@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from tagplan.cost.compute import op_time
+from tagplan.cost.compute import eager_extra_s, op_time
 from tagplan.datasets.traces.bundle import read_bundle
 from tagplan.frontends.catalog import lookup_device
 from tagplan.frontends.model_spec import load_model
@@ -70,6 +70,12 @@ def kineto_step(fitted: Calibration) -> dict[str, dict[str, float]]:
                             dtype=DType.BF16, calibration=calibration)
                 out.setdefault(kind, {}).setdefault(label, 0.0)
                 out[kind][label] += 1e3 * trace["micro_batches"] * (t.forward_s + t.backward_s)
+                # the eager program's own traffic (casts, fp32 residuals, unfused rotary): a norm's in the norms
+                extra = eager_extra_s(op, samples=samples, tp=1, strategy=ShardStrategy.REPLICATE, spec=spec,
+                                      calibration=calibration, autocast=True)
+                eager_kind = "norms" if op.kind is OpKind.LAYERNORM else "copies, casts, pointwise, activations"
+                out.setdefault(eager_kind, {}).setdefault(label, 0.0)
+                out[eager_kind][label] += 1e3 * trace["micro_batches"] * (extra.forward_s + extra.backward_s)
     return out
 
 

@@ -41,7 +41,7 @@ from tagplan.ir.model import OpKind
 from tagplan.ir.workload import DType
 
 ANY_DEVICE = "*"
-EAGER_HOST_DISPATCH_S = 4.07e-05
+EAGER_HOST_DISPATCH_S = 3.95e-05
 """Seconds the host takes to issue one kernel under an eager runtime (`Workload.eager`) where no calibration
 names the device: fitted by `bench/fit_eager_host.py` to the 30 GPT iterations of the H200 bundle
 (`bench/data/gpu/h200/iterations`, the shipped defaults otherwise), the one figure from measured runs; a

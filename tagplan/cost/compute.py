@@ -22,6 +22,11 @@ eager runs alone (0 until fitted: the H200 host's default says nothing of anothe
 runtime dispatches no autocast casts (`Op.eager_cast_kernels`): on the gloo testbed the Llama block issues
 about three times the GPT block's kernels (116 against 38 in the torch program), which the ops' FLOPs and
 bytes do not show.
+An eager runtime also moves more bytes than the fused kernels an op's bytes describe (`eager_extra_s`): each
+op's `Op.eager_extra_bytes` (the fp32 residual stream and norm outputs, autocast's casts of fp32 inputs, unfused
+rotary, gradient sums and copies; per sample, split as the op's activations) and, under 16-bit autocast, every
+GEMM's weight casts per micro-batch (`WEIGHT_CAST_PASSES`), at the pointwise kernels' bandwidth, added to the
+block's time: `t_block = sum(t_op + t_eager)` before the floor above.
 `sustained` is the device's `sustained_peak_fraction`: where a power cap lowers the clock under a
 continuous load (T4), every tensor-core kernel of the training loop runs at the lowered clock.
 
@@ -155,6 +160,29 @@ def issued_kernels(op: Op, *, eager: bool, autocast: bool) -> tuple[int, int]:
     return 1, 2
 
 
+WEIGHT_CAST_PASSES = 3.0
+"""Passes over a GEMM's 16-bit weight bytes that autocast's cast of its fp32 weight makes per micro-batch (reads
+four bytes a parameter, writes two), and as many backward (its gradient cast back to fp32)."""
+
+
+def eager_extra_s(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: DeviceSpec,
+                  calibration: Calibration, autocast: bool) -> OpTime:
+    """Seconds of the memory traffic eager PyTorch's kernels add to `op` for one micro-batch of `samples` samples
+    on one device of a `tp`-way group: `Op.eager_extra_bytes` (split as the op's activations split), and under
+    16-bit autocast over fp32 weights (`autocast`) a GEMM's weight casts (`WEIGHT_CAST_PASSES` over its weights'
+    16-bit bytes, a tied head's included, each direction), at the pointwise kernels' bandwidth."""
+    if op.kind is OpKind.VIEW:
+        return OpTime(0.0, 0.0)
+    split = tp if tp > 1 and divides(strategy) else 1
+    forward_bytes, backward_bytes = (b * samples / split for b in op.eager_extra_bytes)
+    if autocast and op.kind is OpKind.MATMUL:
+        param_split = tp if tp > 1 and divides_params(strategy, op.kind) else 1
+        casts = WEIGHT_CAST_PASSES * (op.param_bytes + op.shared_param_bytes) / param_split
+        forward_bytes, backward_bytes = forward_bytes + casts, backward_bytes + casts
+    bandwidth_Bps = spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, OpKind.ELEMENTWISE)
+    return _scaled(forward_bytes / bandwidth_Bps, backward_bytes / bandwidth_Bps, spec, calibration)
+
+
 def _amax_s(input_bytes: float, output_bytes: float, *, dtype: DType, spec: DeviceSpec,
             calibration: Calibration) -> tuple[float, float]:
     """(forward, backward) seconds of the amax reads a quantized GEMM's activation operands take before their
@@ -191,6 +219,11 @@ def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: f
                     calibration=calibration)
         forward += t.forward_s
         backward += t.backward_s
+        if eager:
+            extra = eager_extra_s(op, samples=samples, tp=tp, strategy=strategies[op.name], spec=spec,
+                                  calibration=calibration, autocast=autocast)
+            forward += extra.forward_s
+            backward += extra.backward_s
         k_forward, k_backward = issued_kernels(op, eager=eager, autocast=autocast)
         kernels_forward += k_forward
         kernels_backward += k_backward

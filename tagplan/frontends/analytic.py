@@ -16,6 +16,19 @@ them (the angle table rebuilt per call, the strided multiplies and the interleav
 and 11 backward for each of queries and keys); the loss casts, log-softmax and gathers. Counted with
 a dispatch mode over those modules (`tests/frontends/test_eager_kernels.py` recounts them).
 `Op.eager_cast_kernels` are autocast's casts among them: an fp32 runtime (the CPU testbed) dispatches the rest.
+
+`Op.eager_extra_bytes` are the bytes those eager kernels move beyond the op's own traffic, per sample, in the
+graph's dtype's runtime (autocast over fp32 weights for a 16-bit graph, plain fp32 for an fp32 one). Under
+autocast the eager program keeps the residual stream in fp32 (the fp32 embedding's output, and every sum with it)
+and each norm's output too (`EAGER_WIDE_BYTES`): a norm reads and writes fp32, a projection reading an fp32 tensor
+casts it (and casts its gradient back), a residual sum writes fp32 and casts the gradient of its 16-bit summand.
+Beyond dtypes: a tensor read by several ops has its gradient summed (a read of both and a write, per extra
+reader); a biased projection's backward sums its output gradient; a pointwise op's backward reads the output
+gradient and its saved inputs per input; unfused rotary positions run four strided products, a difference, a sum
+and a stack forward (9 passes of the rotated tensors' bytes) and their gradients, slices' scatters and sums
+backward (16); GPT's fused QKV projection stacks and copies the three gradients into its layout (4 passes of its
+output). The loss's own charge already reads the logits and makes fp32 passes. Counted with a dispatch mode over
+the same modules on fake tensors (`tests/frontends/test_eager_bytes.py` recounts them).
 """
 
 from __future__ import annotations
@@ -33,6 +46,17 @@ product, cos, sin and their casts) and the interleaved rotation (four strided mu
 difference, a sum and the stack); backward the multiplies, a negation, the slices' scatter and sums."""
 ROTARY_CAST_KERNELS = 2
 """Of `ROTARY_EAGER_KERNELS`' forward, autocast's casts of the cos and sin tables (per tensor)."""
+ROTARY_EAGER_PASSES = (9, 16)
+"""(forward, backward) passes over the rotated tensors' bytes that `profiling.layers._rotary` makes: four strided
+products (each reads and writes half), a difference and a sum (each reads two halves, writes one) and the stack
+(reads both halves, writes the whole); backward the products' gradients, two sums, the slices' scatters (a zeroed
+whole and a half written) and their sum, a negation and the flattened view's copy."""
+EAGER_WIDE_BYTES = 4
+"""Bytes of an element the eager program keeps in fp32 whatever it computes in: the residual stream (the fp32
+embedding's output and every sum with it) and each norm's output (autocast runs norms in fp32)."""
+FUSED_QKV_LAYOUT_PASSES = 4
+"""Backward passes over a fused QKV projection's output bytes: its three gradients stacked, then copied into the
+projection's layout (each a read and a write)."""
 
 
 @dataclass
@@ -45,6 +69,8 @@ class BlockBuilder:
     ops: list[Op] = field(default_factory=list)
     params: int = 0
     _saved: set[str] = field(default_factory=set)
+    _wide: set[str] = field(default_factory=lambda: {"input"})
+    _readers: dict[str, int] = field(default_factory=dict)
 
     def _add(self, op: Op, params: int = 0) -> str:
         self.ops.append(op)
@@ -56,6 +82,18 @@ class BlockBuilder:
             return 0.0
         self._saved.add(key)
         return nbytes
+
+    def _eager_size(self, src: str) -> int:
+        """Bytes of an element of `src` as the eager program holds it (`EAGER_WIDE_BYTES` for the residual stream
+        and norm outputs, else the graph's)."""
+        return EAGER_WIDE_BYTES if src in self._wide else self.nbytes
+
+    def _fan_in_bytes(self, src: str, elems: float) -> float:
+        """Backward bytes of adding this reader's gradient of `src` (`elems` elements) to an earlier reader's: both
+        read, the sum written; 0 for its first reader."""
+        seen = self._readers.get(src, 0)
+        self._readers[src] = seen + 1
+        return 3.0 * elems * self._eager_size(src) if seen else 0.0
 
     def _reads_fp32(self, src: str) -> bool:
         """Whether `src` is a norm's output, which autocast leaves in fp32 (so each reader casts it)."""
@@ -76,6 +114,13 @@ class BlockBuilder:
         if fused:
             casts = eager_kernels = (0, 0)
         t = self.seq_len if tokens is None else tokens
+        extra = (0.0, 0.0)
+        if not fused:  # autocast's cast of an fp32 input and its gradient's cast back; a second reader's gradient sum
+            size = self._eager_size(src)
+            cast = (size + self.nbytes) * t * d_in if size != self.nbytes else 0.0
+            extra = (cast, cast + self._fan_in_bytes(src, t * d_in))
+        if bias:  # the bias gradient: a sum over the output gradient
+            extra = (extra[0], extra[1] + self.nbytes * t * d_out)
         params = (d_in * d_out + (d_out if bias else 0)) * max(experts, 1)
         dims = (*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT, PartitionDim.HIDDEN_IN)
         return self._add(Op(
@@ -84,6 +129,7 @@ class BlockBuilder:
             param_bytes=params * self.nbytes, saved_bytes=self._save_once(src, t * d_in * self.nbytes),
             output_shape=(1, t, d_out), partition_dims=(*dims, PartitionDim.EXPERTS) if experts else dims,
             inputs=(src,) if src else (), eager_kernels=eager_kernels, eager_cast_kernels=casts,
+            eager_extra_bytes=extra,
         ), params)
 
     def attention(self, name: str, srcs: tuple[str, ...], heads: int, kv_heads: int, head_dim: int,
@@ -110,8 +156,10 @@ class BlockBuilder:
         queries and keys. It splits by heads, as attention does."""
         s = self.seq_len
         elems = s * heads * head_dim
+        own, rotated = (2 * elems + 2 * s * head_dim) * self.nbytes, elems * self.nbytes
+        extra = (ROTARY_EAGER_PASSES[0] * rotated - own, ROTARY_EAGER_PASSES[1] * rotated - 2 * own)
         return self._add(Op(
-            name=name, kind=OpKind.ELEMENTWISE, flops=3.0 * elems,
+            name=name, kind=OpKind.ELEMENTWISE, flops=3.0 * elems, eager_extra_bytes=extra,
             bytes_read=(elems + 2 * s * head_dim) * self.nbytes, bytes_written=elems * self.nbytes,
             output_shape=(1, s, heads * head_dim), partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs,
             eager_kernels=(ROTARY_EAGER_KERNELS[0] * len(srcs), ROTARY_EAGER_KERNELS[1] * len(srcs)),
@@ -122,7 +170,13 @@ class BlockBuilder:
         """LayerNorm (bias=True) or RMSNorm (bias=False) over `width` features."""
         elems = self.seq_len * width
         params = width * (2 if bias else 1)
+        size, own = self._eager_size(src), 2.0 * elems * self.nbytes
+        # eager: reads its input, writes fp32; backward reads the fp32 gradient and the input, writes the input's
+        extra = ((size + EAGER_WIDE_BYTES) * elems - own,
+                 (EAGER_WIDE_BYTES + 2 * size) * elems - 2 * own + self._fan_in_bytes(src, elems))
+        self._wide.add(name)
         return self._add(Op(
+            eager_extra_bytes=extra,
             name=name, kind=OpKind.LAYERNORM, flops=5.0 * elems,
             bytes_read=elems * self.nbytes + params * self.nbytes, bytes_written=elems * self.nbytes,
             param_bytes=params * self.nbytes, saved_bytes=self._save_once(src, elems * self.nbytes),
@@ -135,7 +189,19 @@ class BlockBuilder:
         t = self.seq_len if tokens is None else tokens
         elems = t * width
         saved = sum(self._save_once(src, elems * self.nbytes) for src in srcs) if saves_input else 0.0
+        sizes = [self._eager_size(src) for src in srcs]
+        out = max(sizes)  # type promotion: a sum with the fp32 residual stream is fp32
+        own = (len(srcs) + 1) * elems * self.nbytes
+        if saves_input:  # each input's gradient reads the output's gradient and the saved inputs, writes its own
+            backward = float(sum(out + sum(sizes) + (size if len(srcs) == 1 else 0) for size in sizes) * elems)
+        else:  # a sum passes its gradient on, cast for a narrower summand
+            backward = float(sum(out + size for size in sizes if size != out) * elems)
+        backward += sum(self._fan_in_bytes(src, elems) for src in srcs)
+        extra = ((sum(sizes) + out) * elems - own, backward - 2 * own)
+        if out == EAGER_WIDE_BYTES:
+            self._wide.add(name)
         return self._add(Op(
+            eager_extra_bytes=extra,
             name=name, kind=OpKind.ELEMENTWISE, flops=float(elems),
             bytes_read=len(srcs) * elems * self.nbytes, bytes_written=elems * self.nbytes,
             saved_bytes=saved, output_shape=(1, t, width),
@@ -148,7 +214,9 @@ class BlockBuilder:
         """A table lookup of `tokens` rows from a `rows x width` table."""
         t = self.seq_len if tokens is None else tokens
         params = rows * width if owns_params else 0
+        self._wide.add(name)  # eager looks its rows up in the fp32 table: they read and write fp32
         return self._add(Op(
+            eager_extra_bytes=(2.0 * (EAGER_WIDE_BYTES - self.nbytes) * t * width, 0.0),
             name=name, kind=OpKind.EMBEDDING, flops=0.0,
             bytes_read=t * width * self.nbytes + t * 8, bytes_written=t * width * self.nbytes,
             param_bytes=params * self.nbytes, saved_bytes=t * 8.0, output_shape=(1, t, width),

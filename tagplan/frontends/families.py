@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tagplan.frontends.analytic import BlockBuilder
+from tagplan.frontends.analytic import FUSED_QKV_LAYOUT_PASSES, BlockBuilder
 from tagplan.ir.model import Block, Layer, ModelGraph
 from tagplan.ir.workload import DType
 
@@ -63,6 +63,9 @@ def _attention(b: BlockBuilder, x: str, shape: TransformerShape, *, bias: bool, 
         a = b.attention(f"{prefix}.sdpa", (qk, v), heads, kvh, dh, causal=causal)
     else:
         a = b.attention(f"{prefix}.sdpa", (q, k, v), heads, kvh, dh, causal=causal)
+    if fused_qkv:  # backward stacks the three gradients and copies them into the fused projection's layout
+        layout = FUSED_QKV_LAYOUT_PASSES * b.seq_len * (heads + 2 * kvh) * dh * b.nbytes
+        b.ops[-1] = b.ops[-1].model_copy(update={"eager_extra_bytes": (0.0, float(layout))})
     return b.linear(f"{prefix}.o", a, heads * dh, h, bias=bias)
 
 

@@ -49,7 +49,7 @@ CHECKPOINT_SKIPPED: frozenset[str] = frozenset({"embedding", "head"})
 """Block kinds recomputation keeps whole (Megatron and the torch program checkpoint the transformer blocks)."""
 
 HASH_EXCLUDED: frozenset[str] = frozenset({"score_elements", "shared_param_bytes", "eager_kernels",
-                                           "eager_cast_kernels", "causal"})
+                                           "eager_cast_kernels", "eager_extra_bytes", "causal"})
 """Op fields that block hashes leave out: derived from shapes the hash already covers, or describing how a
 runtime issues the op rather than what it computes (so adding them kept every earlier hash, and the layer
 profiles that name blocks by hash, valid). `causal` changes what a fused kernel computes once a calibration
@@ -83,6 +83,14 @@ class Op(Record):
         default=(0, 0), description="(forward, backward) of `eager_kernels` that are autocast's casts (a weight's, a "
         "bias's, an fp32 input's; their gradients' backward): an eager runtime computing in the weights' own dtype "
         "(fp32, no autocast) dispatches the rest. Block hashes leave it out")
+    eager_extra_bytes: tuple[float, float] = Field(
+        default=(0.0, 0.0), description="(forward, backward) bytes per sample that eager PyTorch's unfused kernels "
+        "move for this op beyond its own traffic (`bytes_read` and `bytes_written` forward, twice that backward), "
+        "weights' casts apart (`cost.compute.eager_extra_s` derives those from `param_bytes`): autocast's casts of "
+        "fp32 inputs and their gradients, the fp32 residual stream and norm outputs, unfused rotary, gradient sums "
+        "of a tensor read twice, bias gradients, layout copies. Negative where the op's own backward (twice its "
+        "forward) overstates eager's. In the graph's dtype's runtime: autocast for a 16-bit graph, plain fp32 for an "
+        "fp32 one. Costed only under an eager runtime (`Workload.eager`). Block hashes leave it out")
     causal: bool = Field(
         default=False, description="attention only: each query attends to the keys before it (a decoder's self-"
         "attention). `flops` still count every query against every key, as FlopCounterMode does; a fused kernel "

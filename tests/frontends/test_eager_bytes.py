@@ -1,0 +1,161 @@
+"""The analytic blocks' eager traffic (`Op.eager_extra_bytes`, plus each op's own bytes) against the bytes the
+kernels of tagplan's own eager torch modules read and write (`profiling.iterations` GPT block,
+`profiling.layers.LlamaBlock`), counted with a dispatch mode on fake tensors: every non-view kernel's input and
+output tensors, GEMMs and attention apart (their time is the op model's FLOPs), weight casts apart
+(`compute.eager_extra_s` derives those from the weights)."""
+
+from collections import Counter
+from types import MethodType
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn import functional
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tagplan.cost.calibration import DEFAULT_CALIBRATION
+from tagplan.cost.compute import WEIGHT_CAST_PASSES, block_time, eager_extra_s
+from tagplan.frontends.catalog import lookup_device
+from tagplan.frontends.families import TransformerShape, gpt_block, llama_block
+from tagplan.ir import Block
+from tagplan.ir.model import OpKind
+from tagplan.ir.plan import ShardStrategy
+from tagplan.ir.workload import DType
+from tagplan.profiling.iterations import _Block
+from tagplan.profiling.layers import LlamaBlock
+
+_GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
+_NO_KERNEL = {"aten.detach", "aten.empty", "aten.empty_strided", "aten.lift_fresh", "aten._unsafe_view", "aten.t"}
+SAMPLES, SEQ = 2, 256
+
+
+def _nbytes(value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class _Bytes(TorchDispatchMode):
+    """Bytes each kernel reads and writes, by kind: GEMMs and attention not counted; casts of a weight apart."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.weights = weights
+        self.bytes: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        if func.is_view or name in _NO_KERNEL or not name.startswith("aten.") or name in _GEMMS \
+                or "scaled_dot_product" in name:
+            return out
+        weight_cast = name == "aten._to_copy" and any(a is w for a in args for w in self.weights)
+        self.bytes["weight casts" if weight_cast else "traffic"] += (
+            _nbytes(list(args)) + _nbytes(list((kwargs or {}).values())) + _nbytes(out))
+        return out
+
+
+def _one_kernel_norm(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm as CUDA runs it, one kernel each way (the CPU decomposes it into a dozen); the same bytes."""
+    return functional.layer_norm(x, norm.normalized_shape, norm.weight, None, norm.eps or 1e-5)
+
+
+def _counted(make: type[nn.Module] | object, hidden: int, *, autocast: bool) -> tuple[Counter[str], Counter[str]]:
+    """(forward, backward) bytes of one block's eager kernels on `SAMPLES` x `SEQ` tokens. Backward, the weight
+    gradients' casts back to fp32 (as many bytes as the forward's weight casts) are moved out of the traffic."""
+    with FakeTensorMode():
+        block = make()  # type: ignore[operator]
+        for norm in (m for m in block.modules() if isinstance(m, nn.RMSNorm)):
+            norm.forward = MethodType(_one_kernel_norm, norm)
+        weights = list(block.parameters())
+        x = torch.randn(SAMPLES, SEQ, hidden, requires_grad=True)
+        forward = _Bytes(weights)
+        with forward, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = block(x)
+        grad, backward = torch.randn_like(y), _Bytes(weights)
+        with backward:
+            y.backward(grad)
+    backward.bytes["traffic"] -= forward.bytes["weight casts"]
+    backward.bytes["weight casts"] = forward.bytes["weight casts"]
+    return forward.bytes, backward.bytes
+
+
+def _modelled(block: Block) -> tuple[float, float]:
+    """(forward, backward) bytes the op model moves for `block`'s memory-bound ops under an eager runtime:
+    each op's own traffic (backward twice the forward's) and its eager extra, for `SAMPLES` samples."""
+    forward = backward = 0.0
+    for op in block.ops:
+        own = 0.0 if op.kind in (OpKind.MATMUL, OpKind.ATTENTION) else (
+            max(op.bytes_read - op.param_bytes, 0.0) + op.bytes_written)
+        forward += SAMPLES * (own + op.eager_extra_bytes[0])
+        backward += SAMPLES * (2 * own + op.eager_extra_bytes[1])
+    return forward, backward
+
+
+SHAPES = [TransformerShape(layers=1, hidden=256, heads=4, kv_heads=2, ffn=704, vocab=100),
+          TransformerShape(layers=1, hidden=512, heads=8, kv_heads=8, ffn=1536, vocab=100)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s.hidden}")
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "fp32"])
+def test_gpt_block_moves_the_bytes_its_eager_module_moves(shape: TransformerShape, autocast: bool) -> None:
+    """Autocast's casts of the norms' fp32 outputs, the fp32 residual sums, the bias gradients, the fused QKV
+    gradient's stack and copy, the residual stream's gradient sums: byte for byte."""
+    gpt = TransformerShape(layers=1, hidden=shape.hidden, heads=shape.heads)
+    forward, backward = _counted(lambda: _Block(shape.hidden, shape.heads), shape.hidden, autocast=autocast)
+    modelled = _modelled(gpt_block(gpt, SEQ, 2 if autocast else 4))
+    assert modelled[0] == pytest.approx(forward["traffic"], rel=0.01)
+    assert modelled[1] == pytest.approx(backward["traffic"], rel=0.01)
+    own = _modelled(gpt_block(gpt, SEQ, 2 if autocast else 4).model_copy(update={"ops": tuple(
+        op.model_copy(update={"eager_extra_bytes": (0.0, 0.0)}) for op in gpt_block(gpt, SEQ, 2).ops)}))
+    assert backward["traffic"] > 1.2 * own[1]  # what the op model alone charges falls well short
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s.hidden}")
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "fp32"])
+def test_llama_block_moves_the_bytes_its_eager_module_moves(shape: TransformerShape, autocast: bool) -> None:
+    """Also the unfused rotary (strided products, stack, slices' scatters) and the gradient sums of the norm
+    output the q, k, v (and gate, up) projections each read. Forward the CPU also copies attention's output into
+    the projection's layout (CUDA's fused kernels write it so), which the model leaves out: a few percent."""
+    forward, backward = _counted(lambda: LlamaBlock(shape, tp=1), shape.hidden, autocast=autocast)
+    modelled = _modelled(llama_block(shape, SEQ, 2 if autocast else 4))
+    assert forward["traffic"] * 0.9 < modelled[0] <= forward["traffic"]
+    assert modelled[1] == pytest.approx(backward["traffic"], rel=0.01)
+
+
+def test_weight_casts_are_three_passes_over_the_16_bit_weights_each_way() -> None:
+    """Autocast reads each fp32 weight and writes its 16-bit copy per micro-batch, and casts the gradient back:
+    what `eager_extra_s` charges a GEMM from its weights, only under autocast."""
+    shape = SHAPES[0]
+    forward, _ = _counted(lambda: LlamaBlock(shape, tp=1), shape.hidden, autocast=True)
+    block = llama_block(shape, SEQ, 2)
+    weights = sum(op.param_bytes for op in block.ops if op.kind is OpKind.MATMUL)
+    assert forward["weight casts"] == pytest.approx(WEIGHT_CAST_PASSES * weights, rel=0.01)
+    spec = lookup_device("H100-SXM")
+    gemm = next(op for op in block.ops if op.kind is OpKind.MATMUL)
+    kwargs = {"samples": 0.0, "tp": 1, "strategy": ShardStrategy.REPLICATE, "spec": spec,
+              "calibration": DEFAULT_CALIBRATION}
+    cast = eager_extra_s(gemm, autocast=True, **kwargs)
+    bandwidth_Bps = spec.mem_bandwidth_Bps * DEFAULT_CALIBRATION.bandwidth_fraction(spec.name, OpKind.ELEMENTWISE)
+    assert cast.forward_s == pytest.approx(WEIGHT_CAST_PASSES * gemm.param_bytes / bandwidth_Bps)
+    assert eager_extra_s(gemm, autocast=False, **kwargs).forward_s == 0.0
+
+
+def test_only_an_eager_runtime_pays_for_the_traffic() -> None:
+    """A fused runtime's block time is its ops'; an eager one's adds each op's eager seconds, tp-split as the
+    op's activations are."""
+    shape = TransformerShape(layers=1, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+    block = llama_block(shape, 4096, 2)
+    spec = lookup_device("H200-SXM")
+    strategies = {op.name: ShardStrategy.REPLICATE for op in block.ops}
+    common = {"samples": 4.0, "tp": 1, "spec": spec, "dtype": DType.BF16, "calibration": DEFAULT_CALIBRATION}
+    fused = block_time(block, strategies, eager=False, autocast=False, **common)
+    eager = block_time(block, strategies, eager=True, autocast=True, **common)
+    extra = [eager_extra_s(op, samples=4.0, tp=1, strategy=ShardStrategy.REPLICATE, spec=spec,
+                           calibration=DEFAULT_CALIBRATION, autocast=True) for op in block.ops]
+    assert eager.forward_s == pytest.approx(fused.forward_s + sum(e.forward_s for e in extra))
+    assert eager.backward_s == pytest.approx(fused.backward_s + sum(e.backward_s for e in extra))
+    assert eager.forward_s > 1.05 * fused.forward_s  # an 8B block at 16k tokens: casts and fp32 residuals weigh
