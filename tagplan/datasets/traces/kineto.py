@@ -14,14 +14,31 @@ the launching `cpu_op` on the same thread (by time; by `External id` when time d
 Calls of one op with identical input shapes and types in one phase become one record: time_s is
 their median, repeats their count. Under `torch.autocast` the recorded op receives the fp32 inputs
 and calls itself again on the cast ones: the record is costed from that inner call (the dtype and
-shapes its kernels ran on); its time includes the casts' kernels, which the op launched.
+shapes its kernels ran on). On a GPU trace its time leaves out the casts' kernels (`aten::to`,
+`_to_copy`, `copy_` inside it): the cost model charges an eager runtime's casts apart
+(`cost.compute.eager_extra_s`), and a fused runtime has none. On a CPU trace they stay in the op's
+duration (an fp32 trace has none).
+
+Backward records follow the bundle's convention (docs/TRACES.md): **a backward record carries the
+forward op's figures and the time of that op's whole backward**, as `profiling.ops` measures it and
+`training.calibrate` fits it (a matmul's backward is two GEMMs of its size; attention's
+`attention_backward_factor` times its FLOPs; a pointwise op's twice its bytes):
+- a matmul's backward is the GEMM calls (`mm`, `bmm`, `addmm`, `baddbmm`) of one autograd node
+  (`autograd::engine::evaluate_function: AddmmBackward0`, ...): two of one size, its input's and its
+  weight's gradients, become one call of that size, their times summed; a node with another count of
+  GEMMs (one, where the input needs no gradient) is skipped and counted;
+- a backward kernel (`*_backward*`, attention's, `convolution_backward`, `embedding_dense_backward`)
+  is that op's whole backward, costed as its forward: attention from its queries, keys and values, a
+  convolution from its input and weight, a pointwise op or norm from its input;
+- a forward op called inside the backward (`linear`, `layer_norm`, attention...: a checkpointed
+  block's recomputation) is a forward call; a pointwise forward op there (a product's gradient, a sum
+  of gradients) is part of some node's backward and is skipped and counted.
 
 FLOPs and bytes follow `ir.model.Op` (tagplan/frontends/analytic.py): a multiply-add is 2 FLOPs
 (matmul [m,k]x[k,n] = 2mkn, attention 4*s*s_kv*d per head plus 5 per score), norms and softmax
 5 per element, other elementwise ops 1, embedding lookups 0; bytes_read counts every tensor
 input (parameters included; an embedding reads only the rows it looks up), bytes_written the
-output. A backward op is costed from its own shapes (its mm calls are plain matmuls; attention
-backward is 8*s*s_kv*d per head as FlopCounterMode counts it; conv backward twice the forward).
+output; a backward record the forward op's (above).
 
 What is not recorded is reported in `KinetoImport.skipped` (and logged at INFO), keyed by op name:
 aten ops outside recorded ops that map to no kind (views, copies, reductions, optimizer foreach
@@ -58,6 +75,8 @@ _LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 _DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 _BACKWARD_NODE = "autograd::engine::evaluate_function:"
 _STEP_NODE = "Optimizer.step#"
+_CASTS = frozenset({"aten::to", "aten::_to_copy", "aten::copy_"})
+_GEMMS = frozenset({"mm", "bmm", "addmm", "baddbmm"})
 
 _DTYPES = {"float": DType.FP32, "c10::Half": DType.FP16, "c10::BFloat16": DType.BF16}
 _ELEM_BYTES = {
@@ -103,6 +122,8 @@ class _Event:
     owner: int | None = None  # index of the recorded op this event belongs to (itself, or an ancestor)
     aten_parent: bool = False  # an aten op encloses it
     inner: int | None = None  # a recorded op: the same op called again inside it (autocast's cast inputs)
+    node: int | None = None  # the innermost autograd node (`_BACKWARD_NODE`) it runs in
+    in_cast: bool = False  # inside a cast (`_CASTS`) within a recorded op: its kernels are the cast's
 
 
 @dataclass(frozen=True)
@@ -140,11 +161,24 @@ def read_kineto(path: str | os.PathLike[str], *, device: str, dtype: DType | Non
     else:
         times_s = {i: host[i].dur / 1e6 for i in recorded}
     groups: dict[tuple[str, str, str], list[int]] = {}
+    node_gemms: dict[int, list[int]] = {}
     for i in recorded:
-        a = host[i].args
-        key = (host[i].name, json.dumps([a.get("Input Dims"), a.get("Input type")]), host[i].phase)
-        groups.setdefault(key, []).append(i)
+        ev = host[i]
+        role = _role(ev)
+        if role == "skip":
+            skipped[f"{ev.name} (a pointwise op inside a backward node)"] += 1
+            continue
+        if role == "gemm":
+            if ev.node is None:
+                skipped[f"{ev.name} (a backward GEMM outside an autograd node)"] += 1
+            else:
+                node_gemms.setdefault(ev.node, []).append(i)
+            continue
+        ev.phase = "backward" if role == "backward" else "step" if role == "step" else "forward"
+        a = ev.args
+        groups.setdefault((ev.name, json.dumps([a.get("Input Dims"), a.get("Input type")]), ev.phase), []).append(i)
     records = [r for members in groups.values() if (r := _record(host, members, times_s, device, dtype, skipped))]
+    records += _gemm_backwards(host, node_gemms, times_s, device, dtype, skipped)
     if skipped:
         log.info("%s: %d op records; skipped %s", path, len(records), dict(skipped.most_common()))
     return KinetoImport(records, dict(skipped))
@@ -193,9 +227,12 @@ def _walk(host: list[_Event], skipped: Counter[str]) -> list[int]:
             stack.pop()
         parent = host[stack[-1]] if stack else None
         if parent is not None:
-            ev.phase, ev.owner = parent.phase, parent.owner
+            ev.phase, ev.owner, ev.node = parent.phase, parent.owner, parent.node
             ev.aten_parent = parent.aten_parent or parent.name.startswith("aten::")
-        if ev.name.startswith(_BACKWARD_NODE) or _BACKWARD_SUFFIX.search(ev.name):
+            ev.in_cast = parent.in_cast or (ev.owner is not None and ev.name in _CASTS)
+        if ev.name.startswith(_BACKWARD_NODE):
+            ev.phase, ev.node = "backward", i
+        elif _BACKWARD_SUFFIX.search(ev.name):
             ev.phase = "backward"
         elif ev.name.startswith(_STEP_NODE):
             ev.phase = "step"
@@ -216,9 +253,10 @@ def _device_times_s(events: list[dict[str, Any]], host: list[_Event]) -> dict[in
     by_external = {ev.args["External id"]: ev for ev in host if ev.cat == "cpu_op" and "External id" in ev.args}
     owner_of_launch: dict[Any, int] = {}
     for ev in host:
-        if ev.cat in _LAUNCH_CATS and "correlation" in ev.args:
+        if ev.cat in _LAUNCH_CATS and "correlation" in ev.args and not ev.in_cast:
             owner = ev.owner
-            if owner is None and (op := by_external.get(ev.args.get("External id"))) is not None:
+            if owner is None and (op := by_external.get(ev.args.get("External id"))) is not None \
+                    and not op.in_cast:
                 owner = op.owner
             if owner is not None:
                 owner_of_launch[ev.args["correlation"]] = owner
@@ -244,6 +282,45 @@ def _record(host: list[_Event], members: list[int], times_s: dict[int, float], d
     return OpRecord(device=device, kind=cost.kind, name=first.name, phase=first.phase, dtype=cost.dtype,
                     flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
                     param_bytes=cost.param_bytes, time_s=time_s, repeats=len(members), shape=cost.shape)
+
+
+def _role(ev: _Event) -> str:
+    """What a recorded call is: its phase ("forward", "backward", "step"); "gemm", a GEMM of some autograd
+    node's backward (`_gemm_backwards` joins them); or "skip", a pointwise forward op inside a backward node."""
+    if ev.phase != "backward" or _BACKWARD_SUFFIX.search(ev.name):
+        return ev.phase
+    base = _base(ev.name)
+    if base in _GEMMS:
+        return "gemm"
+    return "skip" if _kind_of(ev.name) is OpKind.ELEMENTWISE else "forward"  # else a recomputed forward op
+
+
+def _gemm_backwards(host: list[_Event], node_gemms: dict[int, list[int]], times_s: dict[int, float], device: str,
+                    fallback: DType | None, skipped: Counter[str]) -> list[OpRecord]:
+    """One backward record per kind of autograd node whose GEMMs are two of one size (a matmul's input and weight
+    gradients): that size's figures, the two GEMMs' summed seconds (median over the node's calls). Other nodes
+    are skipped and counted under their node's name."""
+    groups: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for node, calls in node_gemms.items():
+        name = host[node].name.removeprefix(_BACKWARD_NODE).strip()
+        costs = [_cost(host[i], fallback)[0] for i in calls]
+        if len(calls) != 2 or any(c is None for c in costs) or len({c.flops for c in costs if c}) != 1:
+            skipped[f"{name} ({len(calls)} GEMM{'s' if len(calls) != 1 else ''}, not an input's and a weight's "
+                    "gradient of one size)"] += 1
+            continue
+        time_s = sum(times_s.get(i, 0.0) for i in calls)
+        if time_s > 0:  # one record per node kind and pair of GEMM shapes
+            shapes = json.dumps(sorted(json.dumps(host[i].args.get("Input Dims")) for i in calls))
+            groups.setdefault((name, shapes), []).append((calls[0], time_s))
+    records = []
+    for (name, _), members in groups.items():
+        cost = _cost(host[members[0][0]], fallback)[0]
+        assert cost is not None
+        records.append(OpRecord(
+            device=device, kind=cost.kind, name=f"{name} (2 GEMMs)", phase="backward", dtype=cost.dtype,
+            flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written, param_bytes=0.0,
+            time_s=statistics.median(t for _, t in members), repeats=len(members), shape=cost.shape))
+    return records
 
 
 def _base(name: str) -> str:
@@ -333,10 +410,10 @@ def _attention(base: str, c: _Call) -> _Cost:
     heads, s, d = math.prod(q[:-2]), q[-2], q[-1]
     s_kv, d_v = k[-2], v[-1]
     scores = heads * s * s_kv
-    matmul_flops = 2.0 * scores * (d + d_v) * (2 if c.backward else 1)
-    written = sum(c.nbytes(i) for i in (1, 2, 3)) if c.backward else float(heads * s * d_v * c.elem)
+    read = sum(c.nbytes(i) for i in ((1, 2, 3) if c.backward else (0, 1, 2)))  # the forward's q, k, v
     shape = {"batch_heads": heads, "seq": s, "seq_kv": s_kv, "head_dim": d}
-    return _Cost(OpKind.ATTENTION, c.dtype, matmul_flops + 5.0 * scores, c.read, written, 0.0, shape)
+    return _Cost(OpKind.ATTENTION, c.dtype, 2.0 * scores * (d + d_v) + 5.0 * scores, read,
+                 float(heads * s * d_v * c.elem), 0.0, shape)
 
 
 def _per_element(kind: OpKind, flops_per_element: float) -> Callable[[str, _Call], _Cost]:
@@ -347,7 +424,9 @@ def _per_element(kind: OpKind, flops_per_element: float) -> Callable[[str, _Call
         last = c.tensors[0][0][-1] if c.tensors[0][0] else 1
         params = 0.0 if c.backward else sum(c.nbytes(i) for i in range(1, len(c.tensors)))
         shape = {"elements": numel} if kind is OpKind.ELEMENTWISE else {"rows": numel // last, "cols": last}
-        return _Cost(kind, c.dtype, flops_per_element * numel, c.read, float(numel * c.elem),
+        # a backward kernel is costed as its forward: one input read, the output written (its weights left out)
+        read = float(numel * c.elem) if c.backward else c.read
+        return _Cost(kind, c.dtype, flops_per_element * numel, read, float(numel * c.elem),
                      params if kind is OpKind.LAYERNORM else 0.0, shape)
 
     return cost
@@ -359,12 +438,13 @@ def _embedding(base: str, c: _Call) -> _Cost:
         looked_up = float(tokens * hidden * c.elem)
         return _Cost(OpKind.EMBEDDING, c.dtype, 0.0, looked_up + c.nbytes(1), looked_up, c.nbytes(0),
                      {"tokens": tokens, "vocab": vocab, "hidden": hidden})
-    hidden = c.tensors[0][0][-1]  # embedding_backward(grad [..., H], indices, num_weights, ...)
+    hidden = c.tensors[0][0][-1]  # embedding_backward(grad [..., H], indices, num_weights, ...): as its forward
     tokens = c.numel(0) // hidden
     vocab = int(c.concrete[2]) if len(c.concrete) > 2 and c.concrete[2].isdigit() else 0
-    written = float((vocab or tokens) * hidden * c.elem)
+    looked_up = float(tokens * hidden * c.elem)
     shape = {"tokens": tokens, "hidden": hidden} | ({"vocab": vocab} if vocab else {})
-    return _Cost(OpKind.EMBEDDING, c.dtype, float(tokens * hidden), c.read, written, 0.0, shape)
+    return _Cost(OpKind.EMBEDDING, c.dtype, 0.0, looked_up + c.nbytes(1), looked_up,
+                 float(vocab * hidden * c.elem), shape)
 
 
 def _ints(text: str, rank: int, default: int) -> list[int]:
@@ -390,11 +470,13 @@ def _conv(base: str, c: _Call) -> _Cost:
     out = [(size + pad - dil * (kw - 1) - 1) // st + 1
            for size, pad, dil, kw, st in zip(x[2:], padded, dilation, w[2:], stride, strict=True)]
     macs = x[0] * w[0] * math.prod(out) * math.prod(w[1:])
-    written = c.nbytes(1) + c.nbytes(2) if c.backward else float(x[0] * w[0] * math.prod(out) * c.elem)
-    params = 0.0 if c.backward else sum(c.nbytes(i) for i in range(1, len(c.tensors)))
+    written = float(x[0] * w[0] * math.prod(out) * c.elem)
+    # a backward is costed as its forward: the input and weight read (the bias's sizes are not a tensor there)
+    read, params = (c.nbytes(1) + c.nbytes(2), c.nbytes(2)) if c.backward else (
+        c.read, sum(c.nbytes(i) for i in range(1, len(c.tensors))))
     shape = {"batch": x[0], "in_channels": x[1], "out_channels": w[0], "kernel": math.prod(w[2:]),
              "out_positions": math.prod(out)}
-    return _Cost(OpKind.CONV, c.dtype, 2.0 * macs * (2 if c.backward else 1), c.read, written, params, shape)
+    return _Cost(OpKind.CONV, c.dtype, 2.0 * macs, read, written, params, shape)
 
 
 _COSTS: dict[OpKind, Callable[[str, _Call], _Cost]] = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tagplan.datasets.traces.bundle import OpRecord
 from tagplan.datasets.traces.kineto import read_kineto
 from tagplan.frontends.catalog import lookup_device
 from tagplan.ir.model import OpKind
@@ -24,3 +25,21 @@ def test_autocast_gemms_are_costed_in_the_dtype_their_kernels_ran_and_stay_under
     assert rates and all(0.3 * peak < rate < peak for rate in rates)
     blocks = [r for r in gemms if r.phase == "forward" and r.repeats == 24]  # once per layer of the 24
     assert {(r.shape["m"], r.shape["k"]) for r in blocks} >= {(16384, 2048)}  # 8 x 2048 tokens, hidden 2048
+
+
+def test_a_backward_gemm_record_is_its_forward_ops_figures_and_both_gradients_time() -> None:
+    """The bundle's convention, which `training.calibrate` fits: a linear's backward record has the forward's
+    FLOPs and the time of its two GEMMs (input and weight gradients), so it takes about twice the forward's time.
+    (Recorded one GEMM at a time, each backward looked twice as efficient as its forward to the fit.)"""
+    records = read_kineto(TRACE, device="H200-SXM").records
+    forward: dict[float, list[OpRecord]] = {}
+    backward: dict[float, list[OpRecord]] = {}
+    for r in records:
+        if r.kind is OpKind.MATMUL and r.repeats == 24:
+            (forward if r.phase == "forward" else backward).setdefault(r.flops, []).append(r)
+    # the QKV and output projections, the MLP's two (as many FLOPs as each other: 2 records each way)
+    assert set(forward) == set(backward) and len(forward) == 3
+    for flops, calls in backward.items():
+        assert all(r.name == "AddmmBackward0 (2 GEMMs)" for r in calls) and len(calls) == len(forward[flops])
+        ratio = sum(r.time_s for r in calls) / sum(r.time_s for r in forward[flops])
+        assert 1.6 < ratio < 2.4
