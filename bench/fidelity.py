@@ -32,6 +32,7 @@ import argparse
 import itertools
 import json
 import sys
+import tempfile
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +44,7 @@ from testbed import plan_key
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.datasets.traces.bundle import IterationRecord, read_bundle
+from tagplan.datasets.traces.importing import import_to_bundle
 from tagplan.training.calibrate import fit_calibration, layer_times
 from tagplan.training.iteration_fit import (
     IterationCase,
@@ -198,6 +200,8 @@ def gpu() -> dict[str, Any]:
                     "iterations": fit_parameters(train, DEFAULT_CALIBRATION)[0],
                     "ops+iterations": fit_parameters(train, ops)[0],
                     "ops+layers+iterations": fit_parameters(train, layered)[0]}
+        if (traced := _traced_ops(folder, iterations.manifest.device)) is not None:
+            variants |= {"traced ops": traced, "traced ops+iterations": fit_parameters(train, traced)[0]}
         truth = np.array([c.measured_s for c in test])
         scored: dict[str, Any] = {}
         for name, calibration in variants.items():
@@ -214,6 +218,18 @@ def gpu() -> dict[str, Any]:
     if pairs:
         out["across_devices"] = pairs
     return out
+
+
+def _traced_ops(folder: Path, device: Any) -> Calibration | None:
+    """The op calibration fitted from the folder's Kineto steps (`kineto/*.trace.json.gz`, imported as `tagplan
+    traces import` does): the kernels of real training steps, where `ops` times each op alone."""
+    traces = sorted((folder / "kineto").glob("*.trace.json.gz"))
+    if not traces or device is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = import_to_bundle(traces, Path(tmp) / "traced", device=device.name, source="bench/fidelity.py",
+                                  kind="kineto")
+        return fit_calibration([read_bundle(bundle)], iterations=False).calibration
 
 
 def _exported(folder: Path, eager: list[IterationCase], ops: Calibration) -> dict[str, Any] | None:

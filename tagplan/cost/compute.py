@@ -171,16 +171,40 @@ def eager_extra_s(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, s
     on one device of a `tp`-way group: `Op.eager_extra_bytes` (split as the op's activations split), and under
     16-bit autocast over fp32 weights (`autocast`) a GEMM's weight casts (`WEIGHT_CAST_PASSES` over its weights'
     16-bit bytes, a tied head's included, each direction), at the pointwise kernels' bandwidth."""
+    forward_bytes, backward_bytes = eager_extra_bytes(op, samples=samples, tp=tp, strategy=strategy,
+                                                      autocast=autocast)
+    bandwidth_Bps = spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, OpKind.ELEMENTWISE)
+    return _scaled(forward_bytes / bandwidth_Bps, backward_bytes / bandwidth_Bps, spec, calibration)
+
+
+def eager_extra_bytes(op: Op, *, samples: float, tp: int, strategy: ShardStrategy,
+                      autocast: bool) -> tuple[float, float]:
+    """(forward, backward) bytes `eager_extra_s` charges `op` on one device for one micro-batch: its
+    `Op.eager_extra_bytes` over `samples` samples, divided as the tensor they are about is divided over the
+    `tp`-way group (`eager_split`), and under `autocast` a GEMM's weight casts."""
     if op.kind is OpKind.VIEW:
-        return OpTime(0.0, 0.0)
-    split = tp if tp > 1 and divides(strategy) else 1
+        return 0.0, 0.0
+    split = eager_split(op, strategy, tp)
     forward_bytes, backward_bytes = (b * samples / split for b in op.eager_extra_bytes)
     if autocast and op.kind is OpKind.MATMUL:
         param_split = tp if tp > 1 and divides_params(strategy, op.kind) else 1
         casts = WEIGHT_CAST_PASSES * (op.param_bytes + op.shared_param_bytes) / param_split
         forward_bytes, backward_bytes = forward_bytes + casts, backward_bytes + casts
-    bandwidth_Bps = spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, OpKind.ELEMENTWISE)
-    return _scaled(forward_bytes / bandwidth_Bps, backward_bytes / bandwidth_Bps, spec, calibration)
+    return forward_bytes, backward_bytes
+
+
+def eager_split(op: Op, strategy: ShardStrategy, tp: int) -> int:
+    """How many ways `op`'s eager extra bytes divide over a `tp`-way group: a projection's are about its input
+    (the input's cast, its gradient's cast and sums), which a column-parallel projection reads whole on every
+    device; a lookup's about its output, which a vocabulary-parallel table writes whole (a partial sum); the rest
+    divide as the op's activations do (`sharding.divides`)."""
+    if tp <= 1 or not divides(strategy):
+        return 1
+    if op.kind in _GEMM_KINDS and strategy is ShardStrategy.COLUMN:
+        return 1
+    if op.kind is OpKind.EMBEDDING and strategy is ShardStrategy.ROW:
+        return 1
+    return tp
 
 
 def _amax_s(input_bytes: float, output_bytes: float, *, dtype: DType, spec: DeviceSpec,

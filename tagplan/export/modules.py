@@ -162,12 +162,14 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(c.experts, c.hidden, c.ffn))
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        gate, up, down = (local(p) for p in (self.gate, self.up, self.down))
+        # each bank split into its experts once: indexing the bank per expert would give each expert's backward
+        # a zero-filled gradient of the whole bank to add up (experts x the bank's bytes per micro-batch)
+        gate, up, down = (local(p).unbind(0) for p in (self.gate, self.up, self.down))
         tokens, scores = x.flatten(0, -2), logits.flatten(0, -2)
         weights, chosen = functional.softmax(scores, dim=-1).topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(tokens)
-        for e in range(gate.shape[0]):
+        for e in range(len(gate)):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             if rows.numel():
                 routed = tokens[rows]

@@ -84,9 +84,12 @@ class BlockBuilder:
         return nbytes
 
     def _eager_size(self, src: str) -> int:
-        """Bytes of an element of `src` as the eager program holds it (`EAGER_WIDE_BYTES` for the residual stream
-        and norm outputs, else the graph's)."""
-        return EAGER_WIDE_BYTES if src in self._wide else self.nbytes
+        """Bytes of an element of `src` as the eager program holds it: `EAGER_WIDE_BYTES` for the residual stream
+        and norm outputs, and for what comes from outside the block (another block's output is one of those, an
+        encoder's its final norm's), else the graph's."""
+        if src in self._wide or not any(op.name == src for op in self.ops):
+            return EAGER_WIDE_BYTES
+        return self.nbytes
 
     def _fan_in_bytes(self, src: str, elems: float) -> float:
         """Backward bytes of adding this reader's gradient of `src` (`elems` elements) to an earlier reader's: both
@@ -170,10 +173,11 @@ class BlockBuilder:
         """LayerNorm (bias=True) or RMSNorm (bias=False) over `width` features."""
         elems = self.seq_len * width
         params = width * (2 if bias else 1)
-        size, own = self._eager_size(src), 2.0 * elems * self.nbytes
-        # eager: reads its input, writes fp32; backward reads the fp32 gradient and the input, writes the input's
-        extra = ((size + EAGER_WIDE_BYTES) * elems - own,
-                 (EAGER_WIDE_BYTES + 2 * size) * elems - 2 * own + self._fan_in_bytes(src, elems))
+        size, own, wide = self._eager_size(src), 2.0 * elems * self.nbytes, EAGER_WIDE_BYTES
+        # eager: reads its input, writes fp32; backward reads the fp32 gradient and the input, writes the input's;
+        # autocast runs norms in fp32, so a 16-bit input is cast up first and its gradient cast back
+        cast = (size + wide) * elems if size != wide else 0.0
+        extra = (cast + 2 * wide * elems - own, cast + 3 * wide * elems - 2 * own + self._fan_in_bytes(src, elems))
         self._wide.add(name)
         return self._add(Op(
             eager_extra_bytes=extra,
@@ -240,9 +244,15 @@ class BlockBuilder:
         ))
 
     def all_to_all(self, name: str, src: str, width: int, top_k: int) -> str:
-        """Expert dispatch or combine: each token's activation goes to `top_k` experts."""
+        """Expert dispatch or combine: each token's activation goes to `top_k` experts. Eager, the routed copies
+        keep their source's dtype (the fp32 norm output's, for the experts to cast), and a source read twice has
+        its gradients summed."""
         volume = self.seq_len * width * top_k * self.nbytes
+        if self._eager_size(src) == EAGER_WIDE_BYTES:
+            self._wide.add(name)
+        fan_in = self._fan_in_bytes(src, self.seq_len * width)
         return self._add(Op(
+            eager_extra_bytes=(0.0, fan_in),
             name=name, kind=OpKind.ALL_TO_ALL, flops=0.0, bytes_read=volume, bytes_written=volume,
             output_shape=(1, self.seq_len * top_k, width),
             partition_dims=(*_TOKEN_DIMS, PartitionDim.EXPERTS), inputs=(src,),

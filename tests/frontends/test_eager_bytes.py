@@ -15,7 +15,9 @@ from torch.nn import functional
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION
-from tagplan.cost.compute import WEIGHT_CAST_PASSES, block_time, eager_extra_s
+from tagplan.cost.compute import WEIGHT_CAST_PASSES, block_time, eager_extra_bytes, eager_extra_s
+from tagplan.cost.sharding import divides
+from tagplan.frontends.analytic import BlockBuilder
 from tagplan.frontends.catalog import lookup_device
 from tagplan.frontends.families import TransformerShape, gpt_block, llama_block
 from tagplan.ir import Block
@@ -126,6 +128,30 @@ def test_llama_block_moves_the_bytes_its_eager_module_moves(shape: TransformerSh
     assert modelled[1] == pytest.approx(backward["traffic"], rel=0.01)
 
 
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "fp32"])
+def test_one_device_of_a_tensor_parallel_pair_moves_its_shares_bytes(autocast: bool) -> None:
+    """Megatron's split without sequence parallelism, as `LlamaBlock(shape, tp=2)` holds one device's share: the
+    column-parallel projections read (and cast) their input whole, the row-parallel ones and the attention
+    between split theirs, the norms and residual sums stay whole (`compute.eager_split`)."""
+    shape, tp = SHAPES[0], 2
+    forward, backward = _counted(lambda: LlamaBlock(shape, tp=tp), shape.hidden, autocast=autocast)
+    block = llama_block(shape, SEQ, 2 if autocast else 4)
+    column = {"attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up"}
+    strategies = {op.name: ShardStrategy.COLUMN if op.name in column or op.name in ("attn.rotary", "mlp.silu",
+                  "mlp.mul") else ShardStrategy.ROW if op.name in ("attn.o", "mlp.down") else ShardStrategy.HEADS
+                  if op.kind is OpKind.ATTENTION else ShardStrategy.REPLICATE for op in block.ops}
+    modelled = [0.0, 0.0]
+    for op in block.ops:
+        share = tp if divides(strategies[op.name]) else 1
+        own = 0.0 if op.kind in (OpKind.MATMUL, OpKind.ATTENTION) else (
+            max(op.bytes_read - op.param_bytes, 0.0) + op.bytes_written) * SAMPLES / share
+        extra = eager_extra_bytes(op, samples=SAMPLES, tp=tp, strategy=strategies[op.name], autocast=False)
+        modelled[0] += own + extra[0]
+        modelled[1] += 2 * own + extra[1]
+    assert forward["traffic"] * 0.9 < modelled[0] <= forward["traffic"]
+    assert modelled[1] == pytest.approx(backward["traffic"], rel=0.02)
+
+
 def test_weight_casts_are_three_passes_over_the_16_bit_weights_each_way() -> None:
     """Autocast reads each fp32 weight and writes its 16-bit copy per micro-batch, and casts the gradient back:
     what `eager_extra_s` charges a GEMM from its weights, only under autocast."""
@@ -159,3 +185,25 @@ def test_only_an_eager_runtime_pays_for_the_traffic() -> None:
     assert eager.forward_s == pytest.approx(fused.forward_s + sum(e.forward_s for e in extra))
     assert eager.backward_s == pytest.approx(fused.backward_s + sum(e.backward_s for e in extra))
     assert eager.forward_s > 1.05 * fused.forward_s  # an 8B block at 16k tokens: casts and fp32 residuals weigh
+
+
+def test_a_norm_of_a_projections_output_is_cast_up_and_back_under_autocast() -> None:
+    """A post-norm (BERT's transform) reading a 16-bit projection. CUDA's autocast runs layer_norm in fp32 (its
+    fp32 op list): the input is cast up (2 + 4 bytes an element), normed (4 + 4), and backward the norm's
+    gradient (4 + 4 + 4) is cast back (4 + 2). The CPU's autocast runs it in bf16, so a count on the CPU cannot
+    show it; in fp32 (no casts anywhere) the count must match, and it does."""
+    hidden, elems = 256, SAMPLES * SEQ * 256
+    for nbytes, autocast in ((2, True), (4, False)):
+        builder = BlockBuilder("head", SEQ, nbytes)
+        builder.norm("norm", builder.linear("dense", "input", hidden, hidden, bias=True), hidden)
+        ops = builder.build(hidden).ops
+        norm = _modelled(Block(hash="n", ops=(ops[1],), params=0, output_bytes=0.0))
+        if autocast:
+            assert norm == (elems * (6 + 8), elems * (12 + 6))
+        else:
+            forward, backward = _counted(lambda: nn.Sequential(nn.Linear(hidden, hidden), nn.LayerNorm(hidden)),
+                                         hidden, autocast=False)
+            modelled = _modelled(builder.build(hidden))
+            assert modelled[0] == pytest.approx(forward["traffic"], rel=0.01)
+            assert modelled[1] == pytest.approx(backward["traffic"], rel=0.01)
+            assert norm == (elems * 8, elems * 12)
