@@ -4,8 +4,10 @@ Which ops: every `cpu_op` whose aten name maps to an `OpKind` (matmul, attention
 softmax, elementwise, embedding, conv) and that is not nested inside another recorded op on the
 same thread. `aten::linear` contains `aten::addmm`, which is how linear is implemented: the outer
 op is recorded with its whole time and the inner one is not counted again. Ops under an
-`autograd::engine::evaluate_function: XBackward0` node, or named `..._backward...`, are the
-backward phase; ops under an `Optimizer.step#...` annotation are the step; the rest forward.
+`autograd::engine::evaluate_function: XBackward0` node, or named `..._backward...`, run in the
+backward; ops under an `Optimizer.step#...` annotation are the step; the rest forward. Of the ops
+inside a backward node, those that build the graph (a `Sequence number`: a checkpointed block's
+recomputation) are forward calls.
 
 Time: on a CPU trace the op's own duration (its children are its implementation). On a GPU
 trace (one with `kernel` events) the sum of the device activity (kernels, memcpy, memset) it
@@ -14,25 +16,34 @@ the launching `cpu_op` on the same thread (by time; by `External id` when time d
 Calls of one op with identical input shapes and types in one phase become one record: time_s is
 their median, repeats their count. Under `torch.autocast` the recorded op receives the fp32 inputs
 and calls itself again on the cast ones: the record is costed from that inner call (the dtype and
-shapes its kernels ran on). On a GPU trace its time leaves out the casts' kernels (`aten::to`,
-`_to_copy`, `copy_` inside it): the cost model charges an eager runtime's casts apart
-(`cost.compute.eager_extra_s`), and a fused runtime has none. On a CPU trace they stay in the op's
-duration (an fp32 trace has none).
+shapes its kernels ran on). On a GPU trace its time leaves out those casts' kernels (the `aten::to`,
+`_to_copy` or `copy_` calls directly inside an op that calls itself again): the cost model charges an
+eager runtime's casts apart (`cost.compute.eager_extra_s`), and a fused runtime has none; conversions
+inside an op's own implementation stay its. On a CPU trace they stay in the op's duration (an fp32
+trace has none).
 
 Backward records follow the bundle's convention (docs/TRACES.md): **a backward record carries the
 forward op's figures and the time of that op's whole backward**, as `profiling.ops` measures it and
 `training.calibrate` fits it (a matmul's backward is two GEMMs of its size; attention's
 `attention_backward_factor` times its FLOPs; a pointwise op's twice its bytes):
-- a matmul's backward is the GEMM calls (`mm`, `bmm`, `addmm`, `baddbmm`) of one autograd node
-  (`autograd::engine::evaluate_function: AddmmBackward0`, ...): two of one size, its input's and its
-  weight's gradients, become one call of that size, their times summed; a node with another count of
-  GEMMs (one, where the input needs no gradient) is skipped and counted;
-- a backward kernel (`*_backward*`, attention's, `convolution_backward`, `embedding_dense_backward`)
-  is that op's whole backward, costed as its forward: attention from its queries, keys and values, a
-  convolution from its input and weight, a pointwise op or norm from its input;
-- a forward op called inside the backward (`linear`, `layer_norm`, attention...: a checkpointed
-  block's recomputation) is a forward call; a pointwise forward op there (a product's gradient, a sum
-  of gradients) is part of some node's backward and is skipped and counted.
+- a matmul's backward is the GEMM calls (`mm`, `bmm`, `addmm`, `baddbmm`, and `matmul` or `linear`
+  where a custom backward calls them) of one autograd node (`autograd::engine::evaluate_function:
+  AddmmBackward0`, ...): two of one size, its input's and its weight's gradients, become one call,
+  their times summed; a node with another count of GEMMs (one, where the input needs no gradient), or
+  one whose GEMMs launched no kernel, is skipped and counted;
+- a backward kernel (`*_backward*`: attention's, a norm's, a pointwise op's, `convolution_backward`)
+  is that op's whole backward;
+- either is costed as the forward op whose node it is (the node's `Sequence number` names the forward
+  call that made it): its figures exactly. A node whose forward call is not a recorded op of the same
+  kind (the GEMMs of an unfused attention's backward, whose forward is one attention record) is
+  skipped and counted. Without the link (a trace without sequence numbers) a backward kernel is costed
+  as its forward from its own arguments: attention from its queries, keys and values, a convolution from
+  its input and weight, a norm or pointwise op from its input, and a GEMM pair from its first GEMM;
+- the dense embedding backward (a sort and a scatter-add over the whole table, 9-18x its forward's time
+  on the H200 traces) is skipped and counted: the cost model's memory-bound backward, twice the forward,
+  does not describe it, and fitting it would move the lookup's bandwidth figure;
+- other ops inside a backward node that build no graph (a product's gradient, a sum of gradients) are
+  part of some node's backward and are skipped and counted.
 
 FLOPs and bytes follow `ir.model.Op` (tagplan/frontends/analytic.py): a multiply-add is 2 FLOPs
 (matmul [m,k]x[k,n] = 2mkn, attention 4*s*s_kv*d per head plus 5 per score), norms and softmax
@@ -123,7 +134,7 @@ class _Event:
     aten_parent: bool = False  # an aten op encloses it
     inner: int | None = None  # a recorded op: the same op called again inside it (autocast's cast inputs)
     node: int | None = None  # the innermost autograd node (`_BACKWARD_NODE`) it runs in
-    in_cast: bool = False  # inside a cast (`_CASTS`) within a recorded op: its kernels are the cast's
+    cast_of: int | None = None  # inside a cast (`_CASTS`) directly under this recorded op: the cast's kernels
 
 
 @dataclass(frozen=True)
@@ -162,11 +173,16 @@ def read_kineto(path: str | os.PathLike[str], *, device: str, dtype: DType | Non
         times_s = {i: host[i].dur / 1e6 for i in recorded}
     groups: dict[tuple[str, str, str], list[int]] = {}
     node_gemms: dict[int, list[int]] = {}
+    sequenced = any("Sequence number" in ev.args for ev in host if ev.cat == "cpu_op")
+    forward_of = _forward_calls(host)
     for i in recorded:
         ev = host[i]
-        role = _role(ev)
+        role = _role(ev, sequenced=sequenced)
         if role == "skip":
-            skipped[f"{ev.name} (a pointwise op inside a backward node)"] += 1
+            skipped[f"{ev.name} (an op inside a backward node that is not a whole backward)"] += 1
+            continue
+        if role == "backward" and _base(ev.name) in _EMBEDDINGS:
+            skipped[f"{ev.name} (the dense embedding backward: a sort and a scatter over the table)"] += 1
             continue
         if role == "gemm":
             if ev.node is None:
@@ -175,10 +191,13 @@ def read_kineto(path: str | os.PathLike[str], *, device: str, dtype: DType | Non
                 node_gemms.setdefault(ev.node, []).append(i)
             continue
         ev.phase = "backward" if role == "backward" else "step" if role == "step" else "forward"
+        if ev.inner is not None:  # the re-call it is costed from runs in the same phase
+            host[ev.inner].phase = ev.phase
         a = ev.args
         groups.setdefault((ev.name, json.dumps([a.get("Input Dims"), a.get("Input type")]), ev.phase), []).append(i)
-    records = [r for members in groups.values() if (r := _record(host, members, times_s, device, dtype, skipped))]
-    records += _gemm_backwards(host, node_gemms, times_s, device, dtype, skipped)
+    records = [r for members in groups.values()
+               if (r := _record(host, members, times_s, device, dtype, skipped, forward_of))]
+    records += _gemm_backwards(host, node_gemms, times_s, device, dtype, skipped, forward_of)
     if skipped:
         log.info("%s: %d op records; skipped %s", path, len(records), dict(skipped.most_common()))
     return KinetoImport(records, dict(skipped))
@@ -229,7 +248,8 @@ def _walk(host: list[_Event], skipped: Counter[str]) -> list[int]:
         if parent is not None:
             ev.phase, ev.owner, ev.node = parent.phase, parent.owner, parent.node
             ev.aten_parent = parent.aten_parent or parent.name.startswith("aten::")
-            ev.in_cast = parent.in_cast or (ev.owner is not None and ev.name in _CASTS)
+            direct = ev.owner is not None and stack[-1] == ev.owner and ev.name in _CASTS
+            ev.cast_of = parent.cast_of if parent.cast_of is not None else ev.owner if direct else None
         if ev.name.startswith(_BACKWARD_NODE):
             ev.phase, ev.node = "backward", i
         elif _BACKWARD_SUFFIX.search(ev.name):
@@ -252,11 +272,14 @@ def _device_times_s(events: list[dict[str, Any]], host: list[_Event]) -> dict[in
     """Seconds of device activity per recorded op, joined kernel -> launch -> op (correlation ids)."""
     by_external = {ev.args["External id"]: ev for ev in host if ev.cat == "cpu_op" and "External id" in ev.args}
     owner_of_launch: dict[Any, int] = {}
+    def autocast_cast(ev: _Event) -> bool:  # a cast directly under an op that calls itself again on its output
+        return ev.cast_of is not None and host[ev.cast_of].inner is not None
+
     for ev in host:
-        if ev.cat in _LAUNCH_CATS and "correlation" in ev.args and not ev.in_cast:
+        if ev.cat in _LAUNCH_CATS and "correlation" in ev.args and not autocast_cast(ev):
             owner = ev.owner
             if owner is None and (op := by_external.get(ev.args.get("External id"))) is not None \
-                    and not op.in_cast:
+                    and not autocast_cast(op):
                 owner = op.owner
             if owner is not None:
                 owner_of_launch[ev.args["correlation"]] = owner
@@ -269,10 +292,14 @@ def _device_times_s(events: list[dict[str, Any]], host: list[_Event]) -> dict[in
 
 
 def _record(host: list[_Event], members: list[int], times_s: dict[int, float], device: str,
-            fallback: DType | None, skipped: Counter[str]) -> OpRecord | None:
-    """One OpRecord for calls with identical shapes (median time); None, counted as skipped, if unusable."""
+            fallback: DType | None, skipped: Counter[str], forward_of: dict[int, int]) -> OpRecord | None:
+    """One OpRecord for calls with identical shapes (median time); None, counted as skipped, if unusable. A
+    backward kernel is costed as the forward call that made its node, where the trace links them."""
     first = host[members[0]]
     cost, why = _cost(host[first.inner] if first.inner is not None else first, fallback)
+    if first.phase == "backward" and cost is not None:
+        linked, why = _linked_cost(host, first.node, forward_of, cost.kind, fallback)
+        cost = linked or cost
     time_s = statistics.median(times_s.get(i, 0.0) for i in members)
     if cost is not None and time_s <= 0:
         why = "no kernels" if times_s else "zero duration"
@@ -284,22 +311,53 @@ def _record(host: list[_Event], members: list[int], times_s: dict[int, float], d
                     param_bytes=cost.param_bytes, time_s=time_s, repeats=len(members), shape=cost.shape)
 
 
-def _role(ev: _Event) -> str:
+def _role(ev: _Event, *, sequenced: bool) -> str:
     """What a recorded call is: its phase ("forward", "backward", "step"); "gemm", a GEMM of some autograd
-    node's backward (`_gemm_backwards` joins them); or "skip", a pointwise forward op inside a backward node."""
+    node's backward (`_gemm_backwards` joins them); or "skip", an op inside a backward node that is neither a
+    whole backward nor a recomputation. With sequence numbers in the trace (`sequenced`), an op inside a
+    backward node that has one builds graph: a recomputed forward call. Without them, a forward-named op there
+    other than a raw GEMM or a pointwise op is taken for a recomputation."""
     if ev.phase != "backward" or _BACKWARD_SUFFIX.search(ev.name):
         return ev.phase
     base = _base(ev.name)
+    if sequenced:
+        if "Sequence number" in ev.args:
+            return "forward"
+        return "gemm" if base in _MATMULS else "skip"
     if base in _GEMMS:
         return "gemm"
-    return "skip" if _kind_of(ev.name) is OpKind.ELEMENTWISE else "forward"  # else a recomputed forward op
+    return "skip" if _kind_of(ev.name) is OpKind.ELEMENTWISE else "forward"
+
+
+def _forward_calls(host: list[_Event]) -> dict[int, int]:
+    """Sequence number -> the recorded forward op whose call (or a call inside it) made the autograd node of that
+    number."""
+    out: dict[int, int] = {}
+    for ev in host:
+        seq = ev.args.get("Sequence number") if ev.cat == "cpu_op" else None
+        if isinstance(seq, int) and ev.owner is not None and ev.phase == "forward" \
+                and not ev.name.startswith(_BACKWARD_NODE):
+            out.setdefault(seq, ev.owner)
+    return out
+
+
+def _linked_cost(host: list[_Event], node: int | None, forward_of: dict[int, int], kind: OpKind,
+                 fallback: DType | None) -> tuple[_Cost | None, str]:
+    """The figures of the forward call that made autograd node `node`, if it is a recorded op of `kind`: (cost,
+    ""); (None, "") without a link; (None, why) where the forward call is another kind of op."""
+    if node is None or not isinstance(seq := host[node].args.get("Sequence number"), int) or seq not in forward_of:
+        return None, ""
+    forward = host[forward_of[seq]]
+    if _kind_of(forward.name) is not kind:
+        return None, f"part of the backward of {forward.name}"
+    return _cost(host[forward.inner] if forward.inner is not None else forward, fallback)
 
 
 def _gemm_backwards(host: list[_Event], node_gemms: dict[int, list[int]], times_s: dict[int, float], device: str,
-                    fallback: DType | None, skipped: Counter[str]) -> list[OpRecord]:
+                    fallback: DType | None, skipped: Counter[str], forward_of: dict[int, int]) -> list[OpRecord]:
     """One backward record per kind of autograd node whose GEMMs are two of one size (a matmul's input and weight
-    gradients): that size's figures, the two GEMMs' summed seconds (median over the node's calls). Other nodes
-    are skipped and counted under their node's name."""
+    gradients), costed as the forward call that made the node (else as its first GEMM), with the two GEMMs'
+    summed seconds (median over the node's calls). Other nodes are skipped and counted under their node's name."""
     groups: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for node, calls in node_gemms.items():
         name = host[node].name.removeprefix(_BACKWARD_NODE).strip()
@@ -308,18 +366,28 @@ def _gemm_backwards(host: list[_Event], node_gemms: dict[int, list[int]], times_
             skipped[f"{name} ({len(calls)} GEMM{'s' if len(calls) != 1 else ''}, not an input's and a weight's "
                     "gradient of one size)"] += 1
             continue
-        time_s = sum(times_s.get(i, 0.0) for i in calls)
-        if time_s > 0:  # one record per node kind and pair of GEMM shapes
-            shapes = json.dumps(sorted(json.dumps(host[i].args.get("Input Dims")) for i in calls))
-            groups.setdefault((name, shapes), []).append((calls[0], time_s))
+        if any(times_s.get(i, 0.0) <= 0 for i in calls):
+            skipped[f"{name} (no kernels)"] += 1
+            continue
+        why = _linked_cost(host, node, forward_of, OpKind.MATMUL, fallback)[1]
+        if why:
+            skipped[f"{name} ({why})"] += 1
+            continue
+        # one record per node kind and pair of GEMM shapes and types
+        shapes = json.dumps(sorted(json.dumps([host[i].args.get("Input Dims"), host[i].args.get("Input type")])
+                                   for i in calls))
+        groups.setdefault((name, shapes), []).append((node, sum(times_s[i] for i in calls)))
     records = []
     for (name, _), members in groups.items():
-        cost = _cost(host[members[0][0]], fallback)[0]
+        node = members[0][0]
+        cost = _linked_cost(host, node, forward_of, OpKind.MATMUL, fallback)[0] or _cost(
+            host[node_gemms[node][0]], fallback)[0]
         assert cost is not None
         records.append(OpRecord(
             device=device, kind=cost.kind, name=f"{name} (2 GEMMs)", phase="backward", dtype=cost.dtype,
-            flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written, param_bytes=0.0,
-            time_s=statistics.median(t for _, t in members), repeats=len(members), shape=cost.shape))
+            flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
+            param_bytes=cost.param_bytes, time_s=statistics.median(t for _, t in members), repeats=len(members),
+            shape=cost.shape))
     return records
 
 
