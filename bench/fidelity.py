@@ -15,7 +15,10 @@ slower the plan each variant ranks first ran than the fastest measured one.
 `bench/data/gpu/<device>/`): one-GPU bf16 training iterations of GPT-2 small to 2.7B shapes in eager
 PyTorch, an op grid and layer profiles. Same protocol as (a): every third iteration calibrates, the
 rest are scored, for defaults, ops (the bundle's op records), iterations, ops+iterations and
-layers+iterations; each iteration's measured peak memory against the memory model, and the model's fit
+layers+iterations, and where the bundle has Kineto steps (`kineto/*.trace.json.gz`) traced ops (the op fit from
+the steps' own kernels, imported as `tagplan traces import` reads them) and traced ops+iterations; each
+variant with its MAPE, Kendall tau, median signed error and first-choice regret; each iteration's
+measured peak memory against the memory model, and the model's fit
 verdict on the runs that ran and on those the GPU had no memory for. Across GPUs (`across_devices`): the
 time ratio of two GPUs on the cases both ran, predicted against measured, and one GPU's fit filed under the
 other's name (`as_device`) and scored on every run of the other.
@@ -45,6 +48,7 @@ from testbed import plan_key
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.datasets.traces.bundle import IterationRecord, read_bundle
 from tagplan.datasets.traces.importing import import_to_bundle
+from tagplan.ir.cluster import DeviceSpec
 from tagplan.training.calibrate import fit_calibration, layer_times
 from tagplan.training.iteration_fit import (
     IterationCase,
@@ -86,8 +90,10 @@ def testbed() -> dict[str, Any]:
     out: dict[str, Any] = {"records": len(cases), "calibrated_on": len(train), "scored": len(test), "variants": {},
                            "layers_not_measured": why_not}
     for name, calibration in variants.items():
-        s = score(predict_s(test, calibration), truth)
+        predicted = predict_s(test, calibration)
+        s = score(predicted, truth)
         out["variants"][name] = {"mape": s.mape, "kendall_tau": s.kendall_tau,
+                                 "median_error": float(np.median(predicted / truth - 1.0)),
                                  "first_choice_regret": _regret(cases, calibration),
                                  "parameters": _parameters(calibration)}
     out["gnn"] = "measured on the gloo testbed (local_testbed: 'gnn correction'); this bundle has too few records"
@@ -205,8 +211,10 @@ def gpu() -> dict[str, Any]:
         truth = np.array([c.measured_s for c in test])
         scored: dict[str, Any] = {}
         for name, calibration in variants.items():
-            s = score(predict_s(test, calibration), truth)
+            predicted = predict_s(test, calibration)
+            s = score(predicted, truth)
             scored[name] = {"mape": s.mape, "kendall_tau": s.kendall_tau,
+                            "median_error": float(np.median(predicted / truth - 1.0)),
                             "first_choice_regret": _regret(cases, calibration), "parameters": _parameters(calibration)}
         out[folder.name] = {"device": iterations.manifest.device.name if iterations.manifest.device else None,
                             "records": len(cases), "calibrated_on": len(train), "scored": len(test),
@@ -220,7 +228,7 @@ def gpu() -> dict[str, Any]:
     return out
 
 
-def _traced_ops(folder: Path, device: Any) -> Calibration | None:
+def _traced_ops(folder: Path, device: DeviceSpec | None) -> Calibration | None:
     """The op calibration fitted from the folder's Kineto steps (`kineto/*.trace.json.gz`, imported as `tagplan
     traces import` does): the kernels of real training steps, where `ops` times each op alone."""
     traces = sorted((folder / "kineto").glob("*.trace.json.gz"))

@@ -2,7 +2,8 @@
 
     t_op = max(flops / (peak * sustained * efficiency(kind, flops)), bytes / (mem_bw * bw_fraction)) + launch
     t_op = t_op * compute_scale
-    t_block = max(sum(t_op), kernels * host_dispatch)        (forward and backward apart)
+    t_eager = eager_bytes / (mem_bw * bw_fraction(elementwise)) * compute_scale      (eager runtimes only)
+    t_block = max(sum(t_op + t_eager), kernels * host_dispatch)        (forward and backward apart)
 
 `compute_scale` is the device type's fitted achieved-compute scale (1 unless calibrated from measured
 iterations). `host_dispatch` is the seconds the host takes to issue one kernel under an eager
@@ -24,9 +25,9 @@ about three times the GPT block's kernels (116 against 38 in the torch program),
 bytes do not show.
 An eager runtime also moves more bytes than the fused kernels an op's bytes describe (`eager_extra_s`): each
 op's `Op.eager_extra_bytes` (the fp32 residual stream and norm outputs, autocast's casts of fp32 inputs, unfused
-rotary, gradient sums and copies; per sample, split as the op's activations) and, under 16-bit autocast, every
-GEMM's weight casts per micro-batch (`WEIGHT_CAST_PASSES`), at the pointwise kernels' bandwidth, added to the
-block's time: `t_block = sum(t_op + t_eager)` before the floor above.
+rotary, gradient sums and copies; per sample, divided over a tensor-parallel group as the tensor they are about
+is, `eager_split`), a projection's bias-gradient sum (`Op.eager_bias_bytes`) and, under 16-bit autocast, every
+GEMM's weight casts per micro-batch (`WEIGHT_CAST_PASSES`), at the pointwise kernels' bandwidth (`t_eager`).
 `sustained` is the device's `sustained_peak_fraction`: where a power cap lowers the clock under a
 continuous load (T4), every tensor-core kernel of the training loop runs at the lowered clock.
 
@@ -168,25 +169,28 @@ four bytes a parameter, writes two), and as many backward (its gradient cast bac
 def eager_extra_s(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: DeviceSpec,
                   calibration: Calibration, autocast: bool) -> OpTime:
     """Seconds of the memory traffic eager PyTorch's kernels add to `op` for one micro-batch of `samples` samples
-    on one device of a `tp`-way group: `Op.eager_extra_bytes` (split as the op's activations split), and under
-    16-bit autocast over fp32 weights (`autocast`) a GEMM's weight casts (`WEIGHT_CAST_PASSES` over its weights'
-    16-bit bytes, a tied head's included, each direction), at the pointwise kernels' bandwidth."""
-    forward_bytes, backward_bytes = eager_extra_bytes(op, samples=samples, tp=tp, strategy=strategy,
-                                                      autocast=autocast)
+    on one device of a `tp`-way group (`eager_traffic_bytes`: its eager bytes, and under 16-bit autocast over fp32
+    weights a GEMM's weight casts), at the pointwise kernels' bandwidth, times the device's compute scale."""
+    forward_bytes, backward_bytes = eager_traffic_bytes(op, samples=samples, tp=tp, strategy=strategy,
+                                                        autocast=autocast)
     bandwidth_Bps = spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, OpKind.ELEMENTWISE)
     return _scaled(forward_bytes / bandwidth_Bps, backward_bytes / bandwidth_Bps, spec, calibration)
 
 
-def eager_extra_bytes(op: Op, *, samples: float, tp: int, strategy: ShardStrategy,
-                      autocast: bool) -> tuple[float, float]:
-    """(forward, backward) bytes `eager_extra_s` charges `op` on one device for one micro-batch: its
-    `Op.eager_extra_bytes` over `samples` samples, divided as the tensor they are about is divided over the
-    `tp`-way group (`eager_split`), and under `autocast` a GEMM's weight casts."""
+def eager_traffic_bytes(op: Op, *, samples: float, tp: int, strategy: ShardStrategy,
+                        autocast: bool) -> tuple[float, float]:
+    """(forward, backward) bytes `eager_extra_s` charges `op` on one device of a `tp`-way group for one
+    micro-batch of `samples` samples: its `Op.eager_extra_bytes`, divided as the tensor they are about is
+    (`eager_split`); a projection's `Op.eager_bias_bytes`, divided as its output is; and under `autocast` a
+    GEMM's weight casts (`WEIGHT_CAST_PASSES` over its 16-bit weight bytes, a tied head's included)."""
     if op.kind is OpKind.VIEW:
         return 0.0, 0.0
     split = eager_split(op, strategy, tp)
     forward_bytes, backward_bytes = (b * samples / split for b in op.eager_extra_bytes)
-    if autocast and op.kind is OpKind.MATMUL:
+    if op.eager_bias_bytes:  # about the output: whole under row parallelism, split under column
+        whole = tp <= 1 or not divides(strategy) or strategy is ShardStrategy.ROW
+        backward_bytes += op.eager_bias_bytes * samples / (1 if whole else tp)
+    if autocast and op.kind in _GEMM_KINDS:
         param_split = tp if tp > 1 and divides_params(strategy, op.kind) else 1
         casts = WEIGHT_CAST_PASSES * (op.param_bytes + op.shared_param_bytes) / param_split
         forward_bytes, backward_bytes = forward_bytes + casts, backward_bytes + casts
@@ -194,7 +198,7 @@ def eager_extra_bytes(op: Op, *, samples: float, tp: int, strategy: ShardStrateg
 
 
 def eager_split(op: Op, strategy: ShardStrategy, tp: int) -> int:
-    """How many ways `op`'s eager extra bytes divide over a `tp`-way group: a projection's are about its input
+    """How many ways `op`'s `Op.eager_extra_bytes` divide over a `tp`-way group: a projection's are about its input
     (the input's cast, its gradient's cast and sums), which a column-parallel projection reads whole on every
     device; a lookup's about its output, which a vocabulary-parallel table writes whole (a partial sum); the rest
     divide as the op's activations do (`sharding.divides`)."""
@@ -233,9 +237,10 @@ class BlockTime:
 def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: float, tp: int, spec: DeviceSpec,
                dtype: DType, calibration: Calibration, eager: bool, autocast: bool) -> BlockTime:
     """Sum of the block's op times for one micro-batch of `samples` samples and the host's time to issue the
-    block's kernels (`eager`: the runtime issues each op's eager kernels, `issued_kernels`; `autocast`: with
-    the casts of 16-bit autocast over fp32 weights): on a device with a queue (`DeviceSpec.queued`) the issue
-    time is a floor of each direction's time, on a CPU, which runs each kernel as the host issues it, it adds."""
+    block's kernels (`eager`: the runtime issues each op's eager kernels, `issued_kernels`, and moves their extra
+    bytes, `eager_extra_s`; `autocast`: with the casts of 16-bit autocast over fp32 weights): on a device with a
+    queue (`DeviceSpec.queued`) the issue time is a floor of each direction's time, on a CPU, which runs each
+    kernel as the host issues it, it adds."""
     forward = backward = 0.0
     kernels_forward = kernels_backward = 0
     for op in block.ops:

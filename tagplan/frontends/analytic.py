@@ -122,8 +122,6 @@ class BlockBuilder:
             size = self._eager_size(src)
             cast = (size + self.nbytes) * t * d_in if size != self.nbytes else 0.0
             extra = (cast, cast + self._fan_in_bytes(src, t * d_in))
-        if bias:  # the bias gradient: a sum over the output gradient
-            extra = (extra[0], extra[1] + self.nbytes * t * d_out)
         params = (d_in * d_out + (d_out if bias else 0)) * max(experts, 1)
         dims = (*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT, PartitionDim.HIDDEN_IN)
         return self._add(Op(
@@ -132,7 +130,7 @@ class BlockBuilder:
             param_bytes=params * self.nbytes, saved_bytes=self._save_once(src, t * d_in * self.nbytes),
             output_shape=(1, t, d_out), partition_dims=(*dims, PartitionDim.EXPERTS) if experts else dims,
             inputs=(src,) if src else (), eager_kernels=eager_kernels, eager_cast_kernels=casts,
-            eager_extra_bytes=extra,
+            eager_extra_bytes=extra, eager_bias_bytes=float(self.nbytes * t * d_out) if bias else 0.0,
         ), params)
 
     def attention(self, name: str, srcs: tuple[str, ...], heads: int, kv_heads: int, head_dim: int,

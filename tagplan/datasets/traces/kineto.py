@@ -174,10 +174,16 @@ def read_kineto(path: str | os.PathLike[str], *, device: str, dtype: DType | Non
     groups: dict[tuple[str, str, str], list[int]] = {}
     node_gemms: dict[int, list[int]] = {}
     sequenced = any("Sequence number" in ev.args for ev in host if ev.cat == "cpu_op")
-    forward_of = _forward_calls(host)
-    for i in recorded:
-        ev = host[i]
-        role = _role(ev, sequenced=sequenced)
+    roles = {i: _role(host[i], sequenced=sequenced) for i in recorded}
+    phases: dict[str, Phase] = {"forward": "forward", "backward": "backward", "step": "step"}
+    for i, role in roles.items():  # a recomputed call is forward, and so is the re-call it is costed from
+        if (phase := phases.get(role)) is not None:
+            host[i].phase = phase
+            if (inner := host[i].inner) is not None:
+                host[inner].phase = phase
+    forward_of = _forward_calls(host)  # after the recomputed calls are forward: under reentrant checkpointing
+    for i in recorded:  # their nodes are the ones the backward runs
+        ev, role = host[i], roles[i]
         if role == "skip":
             skipped[f"{ev.name} (an op inside a backward node that is not a whole backward)"] += 1
             continue
@@ -190,9 +196,6 @@ def read_kineto(path: str | os.PathLike[str], *, device: str, dtype: DType | Non
             else:
                 node_gemms.setdefault(ev.node, []).append(i)
             continue
-        ev.phase = "backward" if role == "backward" else "step" if role == "step" else "forward"
-        if ev.inner is not None:  # the re-call it is costed from runs in the same phase
-            host[ev.inner].phase = ev.phase
         a = ev.args
         groups.setdefault((ev.name, json.dumps([a.get("Input Dims"), a.get("Input type")]), ev.phase), []).append(i)
     records = [r for members in groups.values()
@@ -335,7 +338,7 @@ def _forward_calls(host: list[_Event]) -> dict[int, int]:
     out: dict[int, int] = {}
     for ev in host:
         seq = ev.args.get("Sequence number") if ev.cat == "cpu_op" else None
-        if isinstance(seq, int) and ev.owner is not None and ev.phase == "forward" \
+        if isinstance(seq, int) and ev.owner is not None and host[ev.owner].phase == "forward" \
                 and not ev.name.startswith(_BACKWARD_NODE):
             out.setdefault(seq, ev.owner)
     return out
@@ -501,18 +504,11 @@ def _per_element(kind: OpKind, flops_per_element: float) -> Callable[[str, _Call
 
 
 def _embedding(base: str, c: _Call) -> _Cost:
-    if not c.backward:  # embedding(weight [V, H], indices [...])
-        (vocab, hidden), tokens = c.tensors[0][0], c.numel(1)
-        looked_up = float(tokens * hidden * c.elem)
-        return _Cost(OpKind.EMBEDDING, c.dtype, 0.0, looked_up + c.nbytes(1), looked_up, c.nbytes(0),
-                     {"tokens": tokens, "vocab": vocab, "hidden": hidden})
-    hidden = c.tensors[0][0][-1]  # embedding_backward(grad [..., H], indices, num_weights, ...): as its forward
-    tokens = c.numel(0) // hidden
-    vocab = int(c.concrete[2]) if len(c.concrete) > 2 and c.concrete[2].isdigit() else 0
+    """A lookup, embedding(weight [V, H], indices [...]) (its dense backward is not recorded: `read_kineto`)."""
+    (vocab, hidden), tokens = c.tensors[0][0], c.numel(1)
     looked_up = float(tokens * hidden * c.elem)
-    shape = {"tokens": tokens, "hidden": hidden} | ({"vocab": vocab} if vocab else {})
-    return _Cost(OpKind.EMBEDDING, c.dtype, 0.0, looked_up + c.nbytes(1), looked_up,
-                 float(vocab * hidden * c.elem), shape)
+    return _Cost(OpKind.EMBEDDING, c.dtype, 0.0, looked_up + c.nbytes(1), looked_up, c.nbytes(0),
+                 {"tokens": tokens, "vocab": vocab, "hidden": hidden})
 
 
 def _ints(text: str, rank: int, default: int) -> list[int]:

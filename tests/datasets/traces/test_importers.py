@@ -427,12 +427,14 @@ class _CheckpointedBlock(torch.nn.Module):
         return self.norm(self.fc(x + self.out(y)))[..., :h]
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_a_checkpointed_steps_recomputation_is_forward_and_its_backwards_carry_their_forwards_figures(
-        tmp_path: Path) -> None:
-    """A real CPU trace of two checkpointed blocks (non-reentrant): the recomputed forward runs inside the
-    backward's autograd nodes. Its calls build graph (a sequence number), so they are forward records, the
-    GEMMs among them too, never paired as some node's backward; and each backward record, linked to the forward
-    call that made its node, carries that call's figures exactly."""
+        tmp_path: Path, reentrant: bool) -> None:
+    """A real CPU trace of two checkpointed blocks: the recomputed forward runs inside the backward's autograd
+    nodes. Its calls build graph (a sequence number), so they are forward records, the GEMMs among them too,
+    never paired as some node's backward; and each backward record, linked to the forward call that made its
+    node, carries that call's figures exactly (reentrant: the recomputed calls made the nodes the backward
+    runs, and they are the ones linked)."""
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.checkpoint import checkpoint
 
@@ -443,13 +445,13 @@ def test_a_checkpointed_steps_recomputation_is_forward_and_its_backwards_carry_t
     def step() -> None:
         x = x0
         for block in blocks:
-            x = checkpoint(block, x, use_reentrant=False)
+            x = checkpoint(block, x, use_reentrant=reentrant)
         x.sum().backward()
 
     step()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
-    path = tmp_path / "checkpointed.json"
+    path = tmp_path / f"checkpointed-{reentrant}.json"
     prof.export_chrome_trace(str(path))
     result = read_kineto(path, device="cpu")
     forward = [r for r in result.records if r.phase == "forward"]

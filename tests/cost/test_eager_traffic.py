@@ -1,0 +1,43 @@
+"""`compute.block_time` under an eager runtime: each op's eager traffic (`eager_extra_s`) on top of its time."""
+
+import pytest
+
+from tagplan.cost.calibration import DEFAULT_CALIBRATION
+from tagplan.cost.compute import block_time, eager_extra_s, eager_traffic_bytes
+from tagplan.frontends.catalog import lookup_device
+from tagplan.frontends.families import TransformerShape, gpt_block, llama_block
+from tagplan.ir.model import OpKind
+from tagplan.ir.plan import ShardStrategy
+from tagplan.ir.workload import DType
+
+
+def test_only_an_eager_runtime_pays_for_the_traffic() -> None:
+    """A fused runtime's block time is its ops'; an eager one's adds each op's eager seconds (the block is
+    compute-bound here, so the host's issue floor does not set it)."""
+    shape = TransformerShape(layers=1, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+    block = llama_block(shape, 4096, 2)
+    spec = lookup_device("H200-SXM")
+    strategies = {op.name: ShardStrategy.REPLICATE for op in block.ops}
+    common = {"samples": 4.0, "tp": 1, "spec": spec, "dtype": DType.BF16, "calibration": DEFAULT_CALIBRATION}
+    fused = block_time(block, strategies, eager=False, autocast=False, **common)
+    eager = block_time(block, strategies, eager=True, autocast=True, **common)
+    assert not eager.host_bound
+    extra = [eager_extra_s(op, samples=4.0, tp=1, strategy=ShardStrategy.REPLICATE, spec=spec,
+                           calibration=DEFAULT_CALIBRATION, autocast=True) for op in block.ops]
+    assert eager.forward_s == pytest.approx(fused.forward_s + sum(e.forward_s for e in extra))
+    assert eager.backward_s == pytest.approx(fused.backward_s + sum(e.backward_s for e in extra))
+    assert eager.forward_s > 1.05 * fused.forward_s  # an 8B block at 16k tokens: casts and fp32 residuals weigh
+
+
+def test_a_bias_gradient_divides_as_the_output_and_an_input_cast_as_the_input() -> None:
+    """Column parallel: the whole input cast on every device, a split bias gradient; row parallel: a split
+    input, the whole bias gradient."""
+    qkv = next(op for op in gpt_block(TransformerShape(layers=1, hidden=256, heads=4), 128, 2).ops
+               if op.kind is OpKind.MATMUL and op.eager_bias_bytes)
+    assert qkv.eager_extra_bytes[0] > 0  # it reads the norm's fp32 output
+    whole = eager_traffic_bytes(qkv, samples=1.0, tp=1, strategy=ShardStrategy.REPLICATE, autocast=False)
+    column = eager_traffic_bytes(qkv, samples=1.0, tp=4, strategy=ShardStrategy.COLUMN, autocast=False)
+    row = eager_traffic_bytes(qkv, samples=1.0, tp=4, strategy=ShardStrategy.ROW, autocast=False)
+    assert column[0] == whole[0] and row[0] == pytest.approx(whole[0] / 4)
+    assert column[1] == pytest.approx(qkv.eager_extra_bytes[1] + qkv.eager_bias_bytes / 4)
+    assert row[1] == pytest.approx(qkv.eager_extra_bytes[1] / 4 + qkv.eager_bias_bytes)
