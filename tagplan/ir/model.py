@@ -59,7 +59,9 @@ fits its figures (`Calibration.causal_time_fraction`), so two traced layers alik
 
 
 class Op(Record):
-    """One operator of a block. Byte and FLOP figures are forward, per sample."""
+    """One operator of a block. Byte and FLOP figures are forward, per sample, in the graph's dtype; the eager
+    runtime's extra bytes (`eager_extra_bytes`, `eager_bias_bytes`) give the backward's too, in the dtypes the
+    eager program holds."""
 
     name: str = Field(min_length=1)
     kind: OpKind

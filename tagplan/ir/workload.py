@@ -157,7 +157,10 @@ class Workload(Record):
         "computes in 16 bits (`autocast`; tagplan's torch program, its measured iterations): the host issues each "
         "op's eager kernels (`Op.eager_kernels`: the unfused rotary and loss, autocast's weight casts); a block on "
         "a GPU takes at least the host's time to issue them (`Calibration.host_issue_s` per kernel), on a CPU "
-        "that time adds to its ops'; under 16-bit autocast over fp32 weights each micro-batch in flight keeps a "
+        "that time adds to its ops'; its unfused kernels move more bytes than the ops' fused figures "
+        "(`Op.eager_extra_bytes`, `Op.eager_bias_bytes`: the fp32 residual stream and norm outputs, casts, "
+        "unfused rotary, gradient sums), and under 16-bit autocast over fp32 weights it casts each GEMM's weights "
+        "per micro-batch (`compute.eager_extra_s`); each micro-batch in flight keeps a "
         "16-bit copy of the weights it multiplied. False: fused runtimes (Megatron-Core, Transformer Engine, CUDA "
         "graphs), costed at their kernels' time")
     tp_comm_overlap: bool = Field(

@@ -51,10 +51,13 @@ FLOPs and bytes follow `ir.model.Op` (tagplan/frontends/analytic.py): a multiply
 input (parameters included; an embedding reads only the rows it looks up), bytes_written the
 output; a backward record the forward op's (above).
 
-What is not recorded is reported in `KinetoImport.skipped` (and logged at INFO), keyed by op name:
-aten ops outside recorded ops that map to no kind (views, copies, reductions, optimizer foreach
-ops...), counted once per outermost call, and mapped ops that could not be used, keyed
-`"name (why)"`: no shapes, a dtype outside bf16/fp16/fp32 with no fallback, or no kernels.
+What is not recorded is reported in `KinetoImport.skipped` (and logged at INFO): aten ops outside
+recorded ops that map to no kind (views, copies, reductions, optimizer foreach ops...), keyed by op
+name and counted once per outermost call; and mapped calls that could not be used, keyed `"name (why)"`
+with the op's name or, for a backward's GEMMs, its autograd node's: no shapes, a dtype outside
+bf16/fp16/fp32 with no fallback, no kernels, an op inside a backward node that is not a whole
+backward, the dense embedding backward, a node with other than two GEMMs of one size, a node that is
+part of another kind of op's backward, a backward GEMM outside any node.
 """
 
 from __future__ import annotations
@@ -358,9 +361,10 @@ def _linked_cost(host: list[_Event], node: int | None, forward_of: dict[int, int
 
 def _gemm_backwards(host: list[_Event], node_gemms: dict[int, list[int]], times_s: dict[int, float], device: str,
                     fallback: DType | None, skipped: Counter[str], forward_of: dict[int, int]) -> list[OpRecord]:
-    """One backward record per kind of autograd node whose GEMMs are two of one size (a matmul's input and weight
-    gradients), costed as the forward call that made the node (else as its first GEMM), with the two GEMMs'
-    summed seconds (median over the node's calls). Other nodes are skipped and counted under their node's name."""
+    """One backward record per autograd node name and pair of GEMM shapes and types, for nodes whose GEMMs are two
+    of one size (a matmul's input and weight gradients): costed as the forward call that made the node (else as
+    its first GEMM), with the two GEMMs' summed seconds (median over the nodes). Other nodes are skipped and
+    counted under their node's name."""
     groups: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for node, calls in node_gemms.items():
         name = host[node].name.removeprefix(_BACKWARD_NODE).strip()
