@@ -9,7 +9,8 @@ elementwise ops their input; a tensor saved by several consumers is counted once
 
 `Op.eager_kernels` are the kernels eager PyTorch dispatches per op under autocast over fp32 weights,
 as tagplan's own torch modules run (`profiling.iterations`, the torch program): a projection casts its
-weight (and bias) and, when it reads a norm's fp32 output, its input, then multiplies; backward two
+weight (and bias) and, when it reads an fp32 tensor (a norm's output, the residual stream, another block's
+output: `EAGER_WIDE_BYTES`, the same rule as its cast's bytes), its input, then multiplies; backward two
 GEMMs, the gradient casts and the bias sum. Attention is SDPA and its layout copy; a pointwise op one
 kernel forward and one per saved input backward; rotary positions as `profiling.layers._rotary` runs
 them (the angle table rebuilt per call, the strided multiplies and the interleave: 18 kernels forward
@@ -98,10 +99,6 @@ class BlockBuilder:
         self._readers[src] = seen + 1
         return 3.0 * elems * self._eager_size(src) if seen else 0.0
 
-    def _reads_fp32(self, src: str) -> bool:
-        """Whether `src` is a norm's output, which autocast leaves in fp32 (so each reader casts it)."""
-        return any(op.name == src and op.kind is OpKind.LAYERNORM for op in self.ops)
-
     def linear(self, name: str, src: str, d_in: int, d_out: int, *, bias: bool = False,
                tokens: int | None = None, experts: int = 0, fused: bool = False) -> str:
         """A dense projection of `tokens` (default `seq_len`) rows from `d_in` to `d_out`.
@@ -112,7 +109,7 @@ class BlockBuilder:
         """
         # autocast's casts: forward the weight's, the bias's and an fp32 input's; backward those the eager count
         # holds beyond the two GEMMs and the bias's sum (the H200 traces' per-block totals, not one per cast)
-        casts = (1 + int(bias) + int(self._reads_fp32(src)), 2 + int(bias))
+        casts = (1 + int(bias) + int(self._eager_size(src) == EAGER_WIDE_BYTES), 2 + int(bias))
         eager_kernels = (1 + casts[0], 2 + int(bias) + casts[1])  # the GEMM; two GEMMs and the bias's sum
         if fused:
             casts = eager_kernels = (0, 0)

@@ -119,14 +119,14 @@ def llama_block(shape: TransformerShape, seq: int, nbytes: int, *, moe: bool = F
 def _expert_loop_kernels(b: BlockBuilder, experts: int) -> None:
     """The eager kernels of an expert bank run as tagplan's torch program runs it (`export.modules.Experts`: one
     expert after another, each on the tokens routed to it). Per expert: its three GEMMs, SwiGLU's activation and
-    product (the `experts.*` ops' own counts, once per expert); routing its tokens (a comparison, `nonzero`, a
-    gather and autocast's casts of the gathered fp32 tokens for gate and up: `dispatch`); and adding its
+    product (the `experts.*` ops' own counts, once per expert, gate's and up's casts of the gathered fp32 tokens
+    among them); routing its tokens (a comparison, `nonzero` and a gather: `dispatch`); and adding its
     weighted output back (a gather of the routing weights, a product, a cast back to fp32 and an `index_add`:
     `combine`), with their backwards. Once per block: the router's softmax, top-k and renormalisation, the
     output buffer, and the three banks' gradients stacked from their experts' (`dispatch`). Counted from the
     module under a dispatch mode (tests/frontends/test_eager_kernels.py); on CUDA each expert's `nonzero` also
     waits for the GPU, which this count does not cost."""
-    per_expert = {"dispatch": ((5, 8), (2, 0)), "combine": ((4, 4), (1, 0))}
+    per_expert = {"dispatch": ((3, 8), (0, 0)), "combine": ((4, 4), (1, 0))}
     once = {"dispatch": (5, 10)}
     for i, op in enumerate(b.ops):
         if op.name in per_expert:

@@ -20,6 +20,7 @@ from tagplan.cost.sharding import divides
 from tagplan.frontends.analytic import BlockBuilder
 from tagplan.frontends.catalog import lookup_device
 from tagplan.frontends.families import TransformerShape, gpt_block, llama_block
+from tagplan.frontends.model_spec import load_model
 from tagplan.ir import Block
 from tagplan.ir.model import OpKind
 from tagplan.ir.plan import ShardStrategy
@@ -214,3 +215,22 @@ def test_a_norm_of_a_projections_output_is_cast_up_and_back_under_autocast() -> 
             assert modelled[0] == pytest.approx(forward["traffic"], rel=0.01)
             assert modelled[1] == pytest.approx(backward["traffic"], rel=0.01)
             assert norm == (elems * 8, elems * 12)
+
+
+@pytest.mark.parametrize("spec", ["bert-large", "t5-3b", "gpt3-1.3b", "llama3-8b", "mixtral-8x7b", "vit"])
+def test_a_projection_issues_an_input_cast_exactly_where_it_moves_one(spec: str) -> None:
+    """One rule for both costs of autocast's input cast: a projection reading an fp32 tensor (a norm's output,
+    the residual stream, another block's output) issues the cast kernel (`Op.eager_cast_kernels`, the host's
+    issue time) and moves its bytes (`Op.eager_extra_bytes`); one reading a 16-bit tensor does neither. (Expert
+    banks' counts are per expert loop, `families._expert_loop_kernels`, and are recounted elsewhere.)"""
+    model = load_model(spec, seq_len=128)
+    checked = 0
+    for i in range(len(model.layers)):
+        for op in model.block_of(i).ops:
+            if op.kind is not OpKind.MATMUL or op.eager_kernels in (None, (0, 0)) or op.name.startswith("experts."):
+                continue
+            input_casts = op.eager_cast_kernels[0] - 1 - int(op.eager_bias_bytes > 0)  # less the weight's and bias's
+            assert input_casts in (0, 1)
+            assert bool(input_casts) == (op.eager_extra_bytes[0] > 0), (spec, op.name)
+            checked += 1
+    assert checked
