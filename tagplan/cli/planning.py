@@ -195,7 +195,7 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
 
 def _plan(args: argparse.Namespace) -> int:
     from tagplan.cli.tables import plan_result_table
-    from tagplan.export.capability import exported_loss
+    from tagplan.export.checks import exported_loss
 
     result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty(),
                     exportable=args.exportable, spec=parse_model_spec(args.model))

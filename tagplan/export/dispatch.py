@@ -99,7 +99,7 @@ def loss_settings(*, fmt: Format, loss: LossKernel) -> dict[str, object]:
     `runs` the loss the runtime runs (`capability.runtime_workload`'s), `fused_written` when a fused loss was
     written (Megatron-LM's Transformer Engine flags, the torch program's own); `notes` where the run keeps more
     than was costed. JSON-ready."""
-    from tagplan.export.capability import exported_loss
+    from tagplan.export.checks import exported_loss
 
     if fmt not in FORMATS:
         raise unknown("export format", str(fmt), list(FORMATS))

@@ -1,6 +1,6 @@
 """The exported program's cross-entropy: PyTorch's eager one, or a fused one that keeps the 16-bit logits.
 
-`plan.json`'s "loss" (`Workload.loss` as the plan was costed, `export.capability.exported_loss`):
+`plan.json`'s "loss" (`Workload.loss` as the plan was costed, `export.checks.exported_loss`):
 - "eager": `functional.cross_entropy` on the logits upcast to fp32 (a vocabulary split over the tensor-parallel
   ranks through DTensor's `loss_parallel`): it keeps the fp32 softmax, and its fp32 output and gradient are
   the step's largest transients;
@@ -82,7 +82,7 @@ def eager_loss(logits: torch.Tensor, target: torch.Tensor, *, reduction: str = "
 
 
 PROGRAM_KERNELS = (LossKernel.EAGER, LossKernel.FUSED)
-"""The cross-entropies the program runs (`capability.exported_loss` maps every costed kernel onto one)."""
+"""The cross-entropies the program runs (`checks.exported_loss` maps every costed kernel onto one)."""
 
 
 def kernel_of(cfg: dict[str, object]) -> LossKernel:

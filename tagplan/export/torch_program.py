@@ -139,7 +139,7 @@ def program_config(model_spec: str, plan: Plan, model: ModelGraph, config: Model
                    reduce: GradReduce | None = None, loss: LossKernel = LossKernel.EAGER) -> dict[str, Any]:
     """The plan.json the program reads (format `runtime_train.PROGRAM_FORMAT`); `reduce` (how it
     reduces gradients, `grad_reduce`) is recorded for people as `grad_reduce`, the program does not read it;
-    `loss`: the cross-entropy it runs (`capability.exported_loss`: eager, or fused; an in-place costing runs eager)."""
+    `loss`: the cross-entropy it runs (`checks.exported_loss`: eager, or fused; an in-place costing runs eager)."""
     ranks = pipeline_ranks(plan)
     stages = []
     for i, stage in enumerate(plan.stages):

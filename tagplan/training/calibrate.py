@@ -242,14 +242,16 @@ def predict_op_s(record: OpRecord, spec: DeviceSpec, calibration: Calibration) -
 
 def record_op(record: OpRecord) -> Op:
     """The Op one measured call is: an attention record's shape gives its queries and whether it was masked
-    causally (`shape["s"]`, `shape["causal"]`, as `profiling.ops` writes them), which a fused kernel's cost
-    discounts (`compute.attention_fraction`)."""
+    causally (`shape["s"]` and `shape["causal"]` as `profiling.ops` writes them, `shape["seq"]` as the Kineto
+    import does), which a fused kernel's cost discounts (`compute.attention_fraction`)."""
     shape = record.shape
-    attention = record.kind is OpKind.ATTENTION and "s" in shape
+    queries = shape.get("s", shape.get("seq"))
+    attention = record.kind is OpKind.ATTENTION and queries is not None
     return Op(name=record.name or record.kind.value, kind=record.kind, flops=record.flops, bytes_read=record.bytes_read,
               bytes_written=record.bytes_written, param_bytes=min(record.param_bytes, record.bytes_read),
               causal=attention and bool(shape.get("causal", 0)),
-              output_shape=(shape.get("b", 1), shape.get("h", 1), shape["s"], shape.get("d", 1)) if attention else ())
+              output_shape=(shape.get("b", 1), shape.get("h", 1), queries, shape.get("d", 1))
+              if attention and queries is not None else ())
 
 
 def kernel_only(calibration: Calibration) -> Calibration:

@@ -91,6 +91,7 @@ _BACKWARD_NODE = "autograd::engine::evaluate_function:"
 _STEP_NODE = "Optimizer.step#"
 _CASTS = frozenset({"aten::to", "aten::_to_copy", "aten::copy_"})
 _GEMMS = frozenset({"mm", "bmm", "addmm", "baddbmm"})
+_GEMM_NODES = ("MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "LinearBackward", "MatmulBackward")
 
 _DTYPES = {"float": DType.FP32, "c10::Half": DType.FP16, "c10::BFloat16": DType.BF16}
 _ELEM_BYTES = {
@@ -137,6 +138,7 @@ class _Event:
     aten_parent: bool = False  # an aten op encloses it
     inner: int | None = None  # a recorded op: the same op called again inside it (autocast's cast inputs)
     node: int | None = None  # the innermost autograd node (`_BACKWARD_NODE`) it runs in
+    node_name: str = ""  # that node's function (`AddmmBackward0`)
     cast_of: int | None = None  # inside a cast (`_CASTS`) directly under this recorded op: the cast's kernels
 
 
@@ -188,7 +190,8 @@ def read_kineto(path: str | os.PathLike[str], *, device: str, dtype: DType | Non
     for i in recorded:  # their nodes are the ones the backward runs
         ev, role = host[i], roles[i]
         if role == "skip":
-            skipped[f"{ev.name} (an op inside a backward node that is not a whole backward)"] += 1
+            skipped[f"{ev.name} (an op inside a backward node that is neither a whole backward nor, by its sequence "
+                    "number, a recomputation)"] += 1
             continue
         if role == "backward" and _base(ev.name) in _EMBEDDINGS:
             skipped[f"{ev.name} (the dense embedding backward: a sort and a scatter over the table)"] += 1
@@ -252,12 +255,12 @@ def _walk(host: list[_Event], skipped: Counter[str]) -> list[int]:
             stack.pop()
         parent = host[stack[-1]] if stack else None
         if parent is not None:
-            ev.phase, ev.owner, ev.node = parent.phase, parent.owner, parent.node
+            ev.phase, ev.owner, ev.node, ev.node_name = parent.phase, parent.owner, parent.node, parent.node_name
             ev.aten_parent = parent.aten_parent or parent.name.startswith("aten::")
             direct = ev.owner is not None and stack[-1] == ev.owner and ev.name in _CASTS
             ev.cast_of = parent.cast_of if parent.cast_of is not None else ev.owner if direct else None
         if ev.name.startswith(_BACKWARD_NODE):
-            ev.phase, ev.node = "backward", i
+            ev.phase, ev.node, ev.node_name = "backward", i, ev.name.removeprefix(_BACKWARD_NODE).strip()
         elif _BACKWARD_SUFFIX.search(ev.name):
             ev.phase = "backward"
         elif ev.name.startswith(_STEP_NODE):
@@ -321,8 +324,10 @@ def _role(ev: _Event, *, sequenced: bool) -> str:
     """What a recorded call is: its phase ("forward", "backward", "step"); "gemm", a GEMM of some autograd
     node's backward (`_gemm_backwards` joins them); or "skip", an op inside a backward node that is neither a
     whole backward nor a recomputation. With sequence numbers in the trace (`sequenced`), an op inside a
-    backward node that has one builds graph: a recomputed forward call. Without them, a forward-named op there
-    other than a raw GEMM or a pointwise op is taken for a recomputation."""
+    backward node that has one builds graph: a recomputed forward call. Without them, a raw GEMM is a backward
+    GEMM only inside a GEMM's own node (`MmBackward0`, `AddmmBackward0`, ...; elsewhere it may be a recomputation,
+    which nothing tells apart: skipped), and a forward-named op other than a GEMM or a pointwise op is taken for a
+    recomputation."""
     if ev.phase != "backward" or _BACKWARD_SUFFIX.search(ev.name):
         return ev.phase
     base = _base(ev.name)
@@ -331,7 +336,7 @@ def _role(ev: _Event, *, sequenced: bool) -> str:
             return "forward"
         return "gemm" if base in _MATMULS else "skip"
     if base in _GEMMS:
-        return "gemm"
+        return "gemm" if ev.node_name.startswith(_GEMM_NODES) else "skip"
     return "skip" if _kind_of(ev.name) is OpKind.ELEMENTWISE else "forward"
 
 
@@ -480,6 +485,12 @@ def _matmul(base: str, c: _Call) -> _Cost:
                  params if not c.backward else 0.0, shape)
 
 
+_IS_CAUSAL_ARG = {"scaled_dot_product_attention": 5, "_scaled_dot_product_flash_attention": 4,
+                  "_scaled_dot_product_flash_attention_for_cpu": 4, "_scaled_dot_product_efficient_attention": 6,
+                  "_scaled_dot_product_cudnn_attention": 6}
+"""Where each forward attention op's schema has `is_causal` (its `Concrete Inputs` follow the schema)."""
+
+
 def _attention(base: str, c: _Call) -> _Cost:
     q, k, v = (c.tensors[i][0] for i in ((1, 2, 3) if c.backward else (0, 1, 2)))
     heads, s, d = math.prod(q[:-2]), q[-2], q[-1]
@@ -487,6 +498,9 @@ def _attention(base: str, c: _Call) -> _Cost:
     scores = heads * s * s_kv
     read = sum(c.nbytes(i) for i in ((1, 2, 3) if c.backward else (0, 1, 2)))  # the forward's q, k, v
     shape = {"batch_heads": heads, "seq": s, "seq_kv": s_kv, "head_dim": d}
+    at = _IS_CAUSAL_ARG.get(base)
+    if at is not None and len(c.concrete) > at and c.concrete[at] == "True":  # which `training.calibrate` reads
+        shape["causal"] = 1
     return _Cost(OpKind.ATTENTION, c.dtype, 2.0 * scores * (d + d_v) + 5.0 * scores, read,
                  float(heads * s * d_v * c.elem), 0.0, shape)
 

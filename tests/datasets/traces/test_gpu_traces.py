@@ -43,3 +43,14 @@ def test_a_backward_gemm_record_is_its_forward_ops_figures_and_both_gradients_ti
         assert all(r.name == "AddmmBackward0 (2 GEMMs)" for r in calls) and len(calls) == len(forward[flops])
         ratio = sum(r.time_s for r in calls) / sum(r.time_s for r in forward[flops])
         assert 1.6 < ratio < 2.4
+
+
+def test_a_causal_attention_call_is_recorded_as_one_and_its_backward_with_it() -> None:
+    """The step's SDPA calls ran with `is_causal=True`: the records say so (`shape["causal"]`), the backward by its
+    forward's figures, and the calibration's op for them is causal, which a fitted causal saving discounts."""
+    from tagplan.training.calibrate import record_op
+
+    attention = [r for r in read_kineto(TRACE, device="H200-SXM").records if r.kind is OpKind.ATTENTION]
+    assert {r.phase for r in attention} == {"forward", "backward"}
+    assert all(r.shape.get("causal") == 1 for r in attention)
+    assert all(record_op(r).causal and record_op(r).output_shape[-2] == r.shape["seq"] for r in attention)

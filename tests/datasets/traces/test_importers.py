@@ -427,14 +427,8 @@ class _CheckpointedBlock(torch.nn.Module):
         return self.norm(self.fc(x + self.out(y)))[..., :h]
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_a_checkpointed_steps_recomputation_is_forward_and_its_backwards_carry_their_forwards_figures(
-        tmp_path: Path, reentrant: bool) -> None:
-    """A real CPU trace of two checkpointed blocks: the recomputed forward runs inside the backward's autograd
-    nodes. Its calls build graph (a sequence number), so they are forward records, the GEMMs among them too,
-    never paired as some node's backward; and each backward record, linked to the forward call that made its
-    node, carries that call's figures exactly (reentrant: the recomputed calls made the nodes the backward
-    runs, and they are the ones linked)."""
+def _checkpointed_trace(tmp_path: Path, *, reentrant: bool) -> Path:
+    """A real CPU torch.profiler trace of one step of two checkpointed `_CheckpointedBlock`s."""
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.checkpoint import checkpoint
 
@@ -453,7 +447,18 @@ def test_a_checkpointed_steps_recomputation_is_forward_and_its_backwards_carry_t
         step()
     path = tmp_path / f"checkpointed-{reentrant}.json"
     prof.export_chrome_trace(str(path))
-    result = read_kineto(path, device="cpu")
+    return path
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_steps_recomputation_is_forward_and_its_backwards_carry_their_forwards_figures(
+        tmp_path: Path, reentrant: bool) -> None:
+    """A real CPU trace of two checkpointed blocks: the recomputed forward runs inside the backward's autograd
+    nodes. Its calls build graph (a sequence number), so they are forward records, the GEMMs among them too,
+    never paired as some node's backward; and each backward record, linked to the forward call that made its
+    node, carries that call's figures exactly (reentrant: the recomputed calls made the nodes the backward
+    runs, and they are the ones linked)."""
+    result = read_kineto(_checkpointed_trace(tmp_path, reentrant=reentrant), device="cpu")
     forward = [r for r in result.records if r.phase == "forward"]
     backward = [r for r in result.records if r.phase == "backward"]
     linears = [r for r in forward if r.name == "aten::linear"]
@@ -468,3 +473,19 @@ def test_a_checkpointed_steps_recomputation_is_forward_and_its_backwards_carry_t
     for r in backward:  # the forward call's figures, exactly
         assert (r.kind, r.flops, r.bytes_read, r.bytes_written, r.param_bytes) in figures
     assert {r.kind for r in backward} >= {OpKind.MATMUL, OpKind.SOFTMAX, OpKind.LAYERNORM}
+
+
+def test_without_sequence_numbers_a_gemm_outside_a_gemms_node_is_skipped_not_paired(tmp_path: Path) -> None:
+    """A trace without sequence numbers cannot tell a recomputed GEMM from a gradient's: a raw GEMM inside another
+    op's node (the recomputed attention `bmm`s under a norm's backward) is skipped and counted, never joined into a
+    fake backward record; the GEMM nodes' own pairs still are."""
+    path = _checkpointed_trace(tmp_path, reentrant=False)
+    trace = json.loads(path.read_text())
+    for event in trace["traceEvents"]:
+        (event.get("args") or {}).pop("Sequence number", None)
+    result = read_kineto(_write_json(tmp_path / "unsequenced.json", trace), device="cpu")
+    gemm_backwards = [r for r in result.records if r.kind is OpKind.MATMUL and r.phase == "backward"]
+    assert gemm_backwards and all(r.name.startswith(("AddmmBackward", "MmBackward", "BmmBackward"))
+                                  for r in gemm_backwards)
+    assert sum(r.repeats for r in result.records if r.name == "aten::bmm" and r.phase == "forward") == 4
+    assert sum(n for name, n in result.skipped.items() if name.startswith("aten::bmm (an op inside a backward")) == 4
