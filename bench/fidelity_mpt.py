@@ -13,8 +13,12 @@ checkpoints activations; its workload: bf16 (fp8 for the amp_fp8 rows: Transform
 default), FlashAttention, gradients reduced in fp32 where the row's MP Mode is DEFAULT (Composer's default FSDP
 mixed precision reduces in fp32; PURE reduces in bf16), reductions and gathers overlapped with compute (FSDP's
 prefetching). The model is tagplan's gpt family at each MPT shape (it counts exactly the row's NumParams). The
-runtime is eager PyTorch, but the host's issue time is negligible at these sizes (and FSDP's mixed precision
-gathers bf16 weights, so autocast keeps no copies): rows are costed at their kernels' time.
+runtime is eager PyTorch over 16-bit weights (`Workload.eager_16bit_weights`: FSDP's mixed precision gathers bf16
+weights and MPT's low-precision LayerNorm keeps the residual stream in bf16, so nothing is cast and autocast keeps
+no copies): the host issues each op's kernels and the unfused kernels' extra traffic is charged
+(`Op.eager_uniform_extra_bytes`: the residual stream's gradient sums, the pointwise ops' backward reads, the bias
+gradients, the fused QKV's gradient layout). The fp8 rows keep the same eager traffic around Transformer Engine's
+linear layers.
 
 Scored, per row, predicted against measured tokens/s per GPU (error = predicted / measured - 1), per table the
 median and worst |error|, the MAPE of the iteration time and its Kendall tau, and the memory verdicts (a row that
@@ -45,7 +49,7 @@ from tagplan.frontends.model_spec import load_model
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Stage
-from tagplan.ir.workload import DType, LossKernel, Workload
+from tagplan.ir.workload import SIXTEEN_BIT, DType, LossKernel, Workload
 from tagplan.training.iteration_fit import IterationCase, cross_validate, kendall_tau, predict_s, score
 
 DATA = Path(__file__).parent / "data" / "mpt_fsdp_measured.json"
@@ -77,9 +81,11 @@ def plan_of(row: dict[str, Any], model: ModelGraph) -> Plan:
 
 
 def workload_of(row: dict[str, Any]) -> Workload:
-    return Workload(global_batch=row["global_batch"], seq_len=row["seq_len"], dtype=DTYPES[row["precision"]],
+    dtype = DTYPES[row["precision"]]
+    return Workload(global_batch=row["global_batch"], seq_len=row["seq_len"], dtype=dtype,
                     fused_attention=True, loss=LossKernel.FUSED,
-                    grad_reduce_dtype=DType.FP32 if row["mp_mode"] == "DEFAULT" else None)
+                    grad_reduce_dtype=DType.FP32 if row["mp_mode"] == "DEFAULT" else None,
+                    eager=True, eager_16bit_weights=dtype in SIXTEEN_BIT)
 
 
 def cases_of(data: dict[str, Any]) -> list[IterationCase]:
@@ -198,7 +204,8 @@ def main() -> int:
                "wall_s": time.perf_counter() - start}
         spec, cluster_spec, batch, seq = PLANNED
         model = load_model(spec, seq_len=seq)
-        workload = Workload(global_batch=batch, seq_len=seq, loss=LossKernel.FUSED)
+        workload = Workload(global_batch=batch, seq_len=seq, loss=LossKernel.FUSED, eager=True,
+                            eager_16bit_weights=True)
         fit["planner"] = {name: planned(model, cluster_spec, workload, c)
                           for name, c in (("defaults", Calibration()), ("fitted", fitted))}
         for name, p in fit["planner"].items():

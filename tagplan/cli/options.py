@@ -16,7 +16,19 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from tagplan.ir.workload import LOSS_KERNEL_TEXT, REDUCE_DTYPES, DType, LossKernel, Optimizer, Workload
+from tagplan.errors import SpecError
+from tagplan.ir.workload import (
+    EAGER_RUNTIME_TEXT,
+    LOSS_KERNEL_TEXT,
+    REDUCE_DTYPES,
+    SIXTEEN_BIT,
+    DType,
+    EagerRuntime,
+    LossKernel,
+    Optimizer,
+    Workload,
+    eager_fields,
+)
 from tagplan.search.problem import DEFAULT_GLOBAL_BATCH
 
 if TYPE_CHECKING:
@@ -166,6 +178,11 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
                         help="the runtime's cross-entropy, which sets the memory of the stage holding the head: "
                              + "; ".join(f"{k.value} = {LOSS_KERNEL_TEXT[k]}" for k in LossKernel)
                              + " (default eager)")
+    parser.add_argument("--eager", choices=[r.value for r in EagerRuntime], default=None,
+                        help="the runtime runs the model op by op as eager PyTorch: the host issues every kernel and "
+                             "the unfused kernels move more memory than fused ones; "
+                             + "; ".join(f"{r.value} = {EAGER_RUNTIME_TEXT[r]}" for r in EagerRuntime)
+                             + " (default: fused kernels, as Megatron-Core and Transformer Engine run)")
     add_calibration_option(parser, "the one pinned beside the active GNN version, else the shipped defaults")
 
 
@@ -188,10 +205,16 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
     dtype = DType(args.dtype)
     model = load_model(args.model, seq_len=args.seq, dtype=dtype, input_shape=getattr(args, "input_shape", None))
     reduce = getattr(args, "grad_reduce_dtype", None)
+    eager = EagerRuntime(args.eager) if getattr(args, "eager", None) else None
+    if eager is EagerRuntime.SIXTEEN_BIT_WEIGHTS and dtype not in SIXTEEN_BIT:
+        raise SpecError(f"--eager {eager.value}: weights held in the compute dtype need a 16-bit one; --dtype is "
+                        f"{dtype.value} (accepted: {', '.join(d.value for d in SIXTEEN_BIT)}; at fp32 use --eager "
+                        f"{EagerRuntime.AUTOCAST.value}, which runs plain fp32)")
     workload = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
                         optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None,
                         grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True),
                         tp_comm_overlap=getattr(args, "tp_comm_overlap", False),
                         fused_attention=ATTENTION_KERNELS[getattr(args, "attention", "auto")],
-                        loss=LossKernel(getattr(args, "loss", None) or LossKernel.EAGER.value))
+                        loss=LossKernel(getattr(args, "loss", None) or LossKernel.EAGER.value),
+                        **eager_fields(eager))
     return model, load_cluster_option(args.cluster, args), workload

@@ -180,13 +180,15 @@ def eager_extra_s(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, s
 def eager_traffic_bytes(op: Op, *, samples: float, tp: int, strategy: ShardStrategy,
                         autocast: bool) -> tuple[float, float]:
     """(forward, backward) bytes `eager_extra_s` charges `op` on one device of a `tp`-way group for one
-    micro-batch of `samples` samples: its `Op.eager_extra_bytes`, divided as the tensor they are about is
-    (`eager_split`); a projection's `Op.eager_bias_bytes`, divided as its output is; and under `autocast` a
-    GEMM's weight casts (`WEIGHT_CAST_PASSES` over its 16-bit weight bytes, a tied head's included)."""
+    micro-batch of `samples` samples: its `Op.eager_extra_bytes` (`Op.eager_uniform_extra_bytes` where the
+    runtime computes in the weights' own dtype, fp32 or 16-bit weights: `autocast` False), divided as the tensor
+    they are about is (`eager_split`); a projection's `Op.eager_bias_bytes`, divided as its output is; and under
+    `autocast` a GEMM's weight casts (`WEIGHT_CAST_PASSES` over its 16-bit weight bytes, a tied head's included)."""
     if op.kind is OpKind.VIEW:
         return 0.0, 0.0
     split = eager_split(op, strategy, tp)
-    forward_bytes, backward_bytes = (b * samples / split for b in op.eager_extra_bytes)
+    extra = op.eager_extra_bytes if autocast else op.eager_uniform_extra_bytes
+    forward_bytes, backward_bytes = (b * samples / split for b in extra)
     if op.eager_bias_bytes:  # about the output: whole under row parallelism, split under column
         whole = tp <= 1 or not divides(strategy) or strategy is ShardStrategy.ROW
         backward_bytes += op.eager_bias_bytes * samples / (1 if whole else tp)

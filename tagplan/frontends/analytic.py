@@ -30,6 +30,9 @@ and a stack forward (9 passes of the rotated tensors' bytes) and their gradients
 backward (16); GPT's fused QKV projection stacks and copies the three gradients into its layout (4 passes of its
 output). The loss's own charge already reads the logits and makes fp32 passes. Counted with a dispatch mode over
 the same modules on fake tensors (`tests/frontends/test_eager_bytes.py` recounts them).
+`Op.eager_uniform_extra_bytes` are the same bytes for an eager program that holds every tensor in the graph's dtype
+(16-bit weights: FSDP's MixedPrecision, a model cast with `.to(torch.bfloat16)`): no casts and no fp32 residual
+stream, the same formulas with every element at the graph's size (for an fp32 graph the two are equal).
 """
 
 from __future__ import annotations
@@ -84,20 +87,31 @@ class BlockBuilder:
         self._saved.add(key)
         return nbytes
 
-    def _eager_size(self, src: str) -> int:
-        """Bytes of an element of `src` as the eager program holds it: `EAGER_WIDE_BYTES` for the residual stream
-        and norm outputs, and for what comes from outside the block (another block's output is one of those, an
-        encoder's its final norm's), else the graph's."""
+    def _eager_size(self, src: str, wide: int = EAGER_WIDE_BYTES) -> int:
+        """Bytes of an element of `src` as the eager program holds it: `wide` for the residual stream and norm
+        outputs, and for what comes from outside the block (another block's output is one of those, an encoder's
+        its final norm's), else the graph's. `wide` is `EAGER_WIDE_BYTES` under autocast over fp32 weights, the
+        graph's own size for a program in one dtype (`_uniform`)."""
         if src in self._wide or not any(op.name == src for op in self.ops):
-            return EAGER_WIDE_BYTES
+            return wide
         return self.nbytes
 
-    def _fan_in_bytes(self, src: str, elems: float) -> float:
-        """Backward bytes of adding this reader's gradient of `src` (`elems` elements) to an earlier reader's: both
-        read, the sum written; 0 for its first reader."""
+    def _read_before(self, src: str) -> bool:
+        """Records a reader of `src`; True when an earlier op read it too, so that this reader's gradient is added to
+        the earlier one's in the backward (`_fan_in_bytes`)."""
         seen = self._readers.get(src, 0)
         self._readers[src] = seen + 1
-        return 3.0 * elems * self._eager_size(src) if seen else 0.0
+        return seen > 0
+
+    def _fan_in_bytes(self, src: str, elems: float, summed: bool, wide: int = EAGER_WIDE_BYTES) -> float:
+        """Backward bytes of adding a reader's gradient of `src` (`elems` elements) to an earlier reader's: both
+        read, the sum written; 0 for its first reader (`summed` False, from `_read_before`)."""
+        return 3.0 * elems * self._eager_size(src, wide) if summed else 0.0
+
+    @property
+    def _uniform(self) -> int:
+        """The element size of every tensor in an eager program held in the graph's dtype (16-bit weights)."""
+        return self.nbytes
 
     def linear(self, name: str, src: str, d_in: int, d_out: int, *, bias: bool = False,
                tokens: int | None = None, experts: int = 0, fused: bool = False) -> str:
@@ -114,11 +128,15 @@ class BlockBuilder:
         if fused:
             casts = eager_kernels = (0, 0)
         t = self.seq_len if tokens is None else tokens
-        extra = (0.0, 0.0)
-        if not fused:  # autocast's cast of an fp32 input and its gradient's cast back; a second reader's gradient sum
-            size = self._eager_size(src)
+        summed = not fused and self._read_before(src)
+
+        def extra(wide: int) -> tuple[float, float]:
+            """Autocast's cast of an fp32 input and its gradient's cast back; a second reader's gradient sum."""
+            if fused:
+                return 0.0, 0.0
+            size = self._eager_size(src, wide)
             cast = (size + self.nbytes) * t * d_in if size != self.nbytes else 0.0
-            extra = (cast, cast + self._fan_in_bytes(src, t * d_in))
+            return cast, cast + self._fan_in_bytes(src, t * d_in, summed, wide)
         params = (d_in * d_out + (d_out if bias else 0)) * max(experts, 1)
         dims = (*_TOKEN_DIMS, PartitionDim.HIDDEN_OUT, PartitionDim.HIDDEN_IN)
         return self._add(Op(
@@ -127,7 +145,8 @@ class BlockBuilder:
             param_bytes=params * self.nbytes, saved_bytes=self._save_once(src, t * d_in * self.nbytes),
             output_shape=(1, t, d_out), partition_dims=(*dims, PartitionDim.EXPERTS) if experts else dims,
             inputs=(src,) if src else (), eager_kernels=eager_kernels, eager_cast_kernels=casts,
-            eager_extra_bytes=extra, eager_bias_bytes=float(self.nbytes * t * d_out) if bias else 0.0,
+            eager_extra_bytes=extra(EAGER_WIDE_BYTES), eager_uniform_extra_bytes=extra(self._uniform),
+            eager_bias_bytes=float(self.nbytes * t * d_out) if bias else 0.0,
         ), params)
 
     def attention(self, name: str, srcs: tuple[str, ...], heads: int, kv_heads: int, head_dim: int,
@@ -158,6 +177,7 @@ class BlockBuilder:
         extra = (ROTARY_EAGER_PASSES[0] * rotated - own, ROTARY_EAGER_PASSES[1] * rotated - 2 * own)
         return self._add(Op(
             name=name, kind=OpKind.ELEMENTWISE, flops=3.0 * elems, eager_extra_bytes=extra,
+            eager_uniform_extra_bytes=extra,
             bytes_read=(elems + 2 * s * head_dim) * self.nbytes, bytes_written=elems * self.nbytes,
             output_shape=(1, s, heads * head_dim), partition_dims=(*_TOKEN_DIMS, PartitionDim.HEADS), inputs=srcs,
             eager_kernels=(ROTARY_EAGER_KERNELS[0] * len(srcs), ROTARY_EAGER_KERNELS[1] * len(srcs)),
@@ -168,14 +188,20 @@ class BlockBuilder:
         """LayerNorm (bias=True) or RMSNorm (bias=False) over `width` features."""
         elems = self.seq_len * width
         params = width * (2 if bias else 1)
-        size, own, wide = self._eager_size(src), 2.0 * elems * self.nbytes, EAGER_WIDE_BYTES
-        # eager: reads its input, writes fp32; backward reads the fp32 gradient and the input, writes the input's;
-        # autocast runs norms in fp32, so a 16-bit input is cast up first and its gradient cast back
-        cast = (size + wide) * elems if size != wide else 0.0
-        extra = (cast + 2 * wide * elems - own, cast + 3 * wide * elems - 2 * own + self._fan_in_bytes(src, elems))
+        own, summed = 2.0 * elems * self.nbytes, self._read_before(src)
+
+        def extra(wide: int) -> tuple[float, float]:
+            """Eager reads its input and writes `wide`; backward reads the gradient and the input, writes the
+            input's; autocast runs norms in fp32, so a 16-bit input is cast up first and its gradient cast back."""
+            size = self._eager_size(src, wide)
+            cast = (size + wide) * elems if size != wide else 0.0
+            return (cast + 2 * wide * elems - own,
+                    cast + 3 * wide * elems - 2 * own + self._fan_in_bytes(src, elems, summed, wide))
+
+        autocast, uniform = extra(EAGER_WIDE_BYTES), extra(self._uniform)
         self._wide.add(name)
         return self._add(Op(
-            eager_extra_bytes=extra,
+            eager_extra_bytes=autocast, eager_uniform_extra_bytes=uniform,
             name=name, kind=OpKind.LAYERNORM, flops=5.0 * elems,
             bytes_read=elems * self.nbytes + params * self.nbytes, bytes_written=elems * self.nbytes,
             param_bytes=params * self.nbytes, saved_bytes=self._save_once(src, elems * self.nbytes),
@@ -188,19 +214,24 @@ class BlockBuilder:
         t = self.seq_len if tokens is None else tokens
         elems = t * width
         saved = sum(self._save_once(src, elems * self.nbytes) for src in srcs) if saves_input else 0.0
-        sizes = [self._eager_size(src) for src in srcs]
-        out = max(sizes)  # type promotion: a sum with the fp32 residual stream is fp32
         own = (len(srcs) + 1) * elems * self.nbytes
-        if saves_input:  # each input's gradient reads the output's gradient and the saved inputs, writes its own
-            backward = float(sum(out + sum(sizes) + (size if len(srcs) == 1 else 0) for size in sizes) * elems)
-        else:  # a sum passes its gradient on, cast for a narrower summand
-            backward = float(sum(out + size for size in sizes if size != out) * elems)
-        backward += sum(self._fan_in_bytes(src, elems) for src in srcs)
-        extra = ((sum(sizes) + out) * elems - own, backward - 2 * own)
-        if out == EAGER_WIDE_BYTES:
+        summed = [self._read_before(src) for src in srcs]
+
+        def extra(wide: int) -> tuple[float, float]:
+            sizes = [self._eager_size(src, wide) for src in srcs]
+            out = max(sizes)  # type promotion: a sum with the fp32 residual stream is fp32
+            if saves_input:  # each input's gradient reads the output's gradient and the saved inputs, writes its own
+                backward = float(sum(out + sum(sizes) + (size if len(srcs) == 1 else 0) for size in sizes) * elems)
+            else:  # a sum passes its gradient on, cast for a narrower summand
+                backward = float(sum(out + size for size in sizes if size != out) * elems)
+            backward += sum(self._fan_in_bytes(src, elems, s, wide) for src, s in zip(srcs, summed, strict=True))
+            return (sum(sizes) + out) * elems - own, backward - 2 * own
+
+        autocast, uniform = extra(EAGER_WIDE_BYTES), extra(self._uniform)
+        if max(self._eager_size(src) for src in srcs) == EAGER_WIDE_BYTES:
             self._wide.add(name)
         return self._add(Op(
-            eager_extra_bytes=extra,
+            eager_extra_bytes=autocast, eager_uniform_extra_bytes=uniform,
             name=name, kind=OpKind.ELEMENTWISE, flops=float(elems),
             bytes_read=len(srcs) * elems * self.nbytes, bytes_written=elems * self.nbytes,
             saved_bytes=saved, output_shape=(1, t, width),
@@ -245,9 +276,10 @@ class BlockBuilder:
         volume = self.seq_len * width * top_k * self.nbytes
         if self._eager_size(src) == EAGER_WIDE_BYTES:
             self._wide.add(name)
-        fan_in = self._fan_in_bytes(src, self.seq_len * width)
+        elems, summed = self.seq_len * width, self._read_before(src)
         return self._add(Op(
-            eager_extra_bytes=(0.0, fan_in),
+            eager_extra_bytes=(0.0, self._fan_in_bytes(src, elems, summed)),
+            eager_uniform_extra_bytes=(0.0, self._fan_in_bytes(src, elems, summed, self._uniform)),
             name=name, kind=OpKind.ALL_TO_ALL, flops=0.0, bytes_read=volume, bytes_written=volume,
             output_shape=(1, self.seq_len * top_k, width),
             partition_dims=(*_TOKEN_DIMS, PartitionDim.EXPERTS), inputs=(src,),

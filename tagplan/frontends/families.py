@@ -65,7 +65,8 @@ def _attention(b: BlockBuilder, x: str, shape: TransformerShape, *, bias: bool, 
         a = b.attention(f"{prefix}.sdpa", (q, k, v), heads, kvh, dh, causal=causal)
     if fused_qkv:  # backward stacks the three gradients and copies them into the fused projection's layout
         layout = FUSED_QKV_LAYOUT_PASSES * b.seq_len * (heads + 2 * kvh) * dh * b.nbytes
-        b.ops[-1] = b.ops[-1].model_copy(update={"eager_extra_bytes": (0.0, float(layout))})
+        copy = (0.0, float(layout))
+        b.ops[-1] = b.ops[-1].model_copy(update={"eager_extra_bytes": copy, "eager_uniform_extra_bytes": copy})
     return b.linear(f"{prefix}.o", a, heads * dh, h, bias=bias)
 
 

@@ -114,6 +114,40 @@ LOSS_KERNEL_TEXT: dict[LossKernel, str] = {
 """Each loss kernel in a phrase, for help texts and notes."""
 
 
+class EagerRuntime(StrEnum):
+    """An eager runtime (`Workload.eager`) by how it holds its weights (`Workload.eager_16bit_weights`)."""
+
+    AUTOCAST = "autocast"
+    SIXTEEN_BIT_WEIGHTS = "16bit-weights"
+
+
+EAGER_RUNTIME_TEXT: dict[EagerRuntime, str] = {
+    EagerRuntime.AUTOCAST: "PyTorch op by op under torch.autocast over fp32 weights (AMP with DDP, Hugging Face "
+                           "Trainer's bf16, tagplan's torch program; plain fp32 at --dtype fp32)",
+    EagerRuntime.SIXTEEN_BIT_WEIGHTS: "PyTorch op by op over weights held in the compute dtype (FSDP's "
+                                      "MixedPrecision(param_dtype=bfloat16), DeepSpeed's bf16 and fp16 engines, a "
+                                      "model cast with .to(torch.bfloat16))",
+}
+"""Each eager runtime in a phrase, for help texts."""
+
+
+def eager_fields(runtime: EagerRuntime | None) -> dict[str, bool]:
+    """The `Workload` fields an eager runtime sets (None: a fused runtime, the defaults)."""
+    if runtime is None:
+        return {}
+    return {"eager": True, "eager_16bit_weights": runtime is EagerRuntime.SIXTEEN_BIT_WEIGHTS}
+
+
+def eager_runtime(workload: Workload) -> EagerRuntime | None:
+    """The eager runtime `workload` describes (None: fused kernels); `eager_fields`' inverse."""
+    if not workload.eager:
+        return None
+    return EagerRuntime.SIXTEEN_BIT_WEIGHTS if workload.eager_16bit_weights else EagerRuntime.AUTOCAST
+
+
+SIXTEEN_BIT = (DType.BF16, DType.FP16)
+"""The 16-bit dtypes an eager runtime computes in, under autocast or over 16-bit weights."""
+
 REDUCE_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 """The dtypes a data-parallel gradient reduction runs in (no runtime reduces in fp8)."""
 
@@ -163,6 +197,12 @@ class Workload(Record):
         "per micro-batch (`compute.eager_extra_s`); each micro-batch in flight keeps a "
         "16-bit copy of the weights it multiplied. False: fused runtimes (Megatron-Core, Transformer Engine, CUDA "
         "graphs), costed at their kernels' time")
+    eager_16bit_weights: bool = Field(
+        default=False, description="an eager runtime computing in 16 bits holds its weights, and with them every "
+        "tensor, in the compute dtype (PyTorch FSDP's MixedPrecision(param_dtype=bfloat16), DeepSpeed's bf16 and "
+        "fp16 engines, a model cast with .to(torch.bfloat16)): no autocast casts of weights or inputs, no fp32 "
+        "residual stream, no cast copies kept (`Op.eager_uniform_extra_bytes`). False: autocast over fp32 weights "
+        "(torch.autocast, tagplan's torch program). Only with `eager` and a 16-bit dtype")
     tp_comm_overlap: bool = Field(
         default=False, description="tensor-parallel collectives run in chunks under the block's compute (Megatron-"
         "Core's --tp-comm-overlap: Transformer Engine's userbuffers with sequence parallelism); per block and "
@@ -173,7 +213,15 @@ class Workload(Record):
     def autocast(self) -> bool:
         """An eager runtime computing in 16 bits over fp32 weights: autocast casts each GEMM's weight (and an fp32
         input) per micro-batch, and the casts are kernels (`Op.eager_cast_kernels`) and memory."""
-        return self.eager and self.dtype in (DType.BF16, DType.FP16)
+        return self.eager and self.dtype in SIXTEEN_BIT and not self.eager_16bit_weights
+
+    @model_validator(mode="after")
+    def _check_eager_weights(self) -> Workload:
+        if self.eager_16bit_weights and not (self.eager and self.dtype in SIXTEEN_BIT):
+            raise ValueError(f"eager_16bit_weights true describes an eager runtime computing in 16 bits; this "
+                             f"workload has eager {str(self.eager).lower()} and dtype {self.dtype.value!r} (accepted: "
+                             f"eager true with dtype {' or '.join(d.value for d in SIXTEEN_BIT)})")
+        return self
 
     @model_validator(mode="after")
     def _check_reduce_dtype(self) -> Workload:

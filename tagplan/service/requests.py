@@ -47,7 +47,15 @@ from tagplan.errors import SpecError
 from tagplan.frontends import presets
 from tagplan.frontends.cluster_spec import ClusterSpec, parse_cluster_spec
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
-from tagplan.ir.workload import LOSS_KERNEL_TEXT, DType, LossKernel, Optimizer
+from tagplan.ir.workload import (
+    EAGER_RUNTIME_TEXT,
+    LOSS_KERNEL_TEXT,
+    SIXTEEN_BIT,
+    DType,
+    EagerRuntime,
+    LossKernel,
+    Optimizer,
+)
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_EVALUATIONS, Objective
 from tagplan.service.settings import Settings
 from tagplan.training.calibrations import resolve_calibration
@@ -344,6 +352,10 @@ class WorkloadRequest(BaseModel):
     loss: LossKernel | None = Field(
         default=None, description="the runtime's cross-entropy, which sets the memory of the stage holding the head: "
         + "; ".join(f"{k.value}: {LOSS_KERNEL_TEXT[k]}" for k in LossKernel) + " (default eager)")
+    eager: EagerRuntime | None = Field(
+        default=None, description="the runtime runs the model op by op as eager PyTorch: "
+        + "; ".join(f"{r.value}: {EAGER_RUNTIME_TEXT[r]}" for r in EagerRuntime)
+        + " (default: fused kernels, as Megatron-Core and Transformer Engine run)")
     fused_loss: StrictBool | None = Field(
         default=None, exclude=True, description="the earlier spelling of `loss`, read for the jobs stored with it: "
         "true is loss fused, false or null eager; not given beside loss")
@@ -357,6 +369,16 @@ class WorkloadRequest(BaseModel):
                                  "fused_loss is the earlier spelling of loss; give loss alone")
             self.loss = LossKernel.FUSED if self.fused_loss else LossKernel.EAGER
             self.fused_loss = None
+        return self
+
+    @model_validator(mode="after")
+    def _sixteen_bit_weights(self) -> WorkloadRequest:
+        """Weights held in the compute dtype need a 16-bit one."""
+        dtype = self.dtype or DType.BF16
+        if self.eager is EagerRuntime.SIXTEEN_BIT_WEIGHTS and dtype not in SIXTEEN_BIT:
+            raise ValueError(f"eager={self.eager.value!r} holds the weights in the compute dtype, which must be "
+                             f"16-bit; dtype is {dtype.value!r} (accepted: "
+                             f"{', '.join(d.value for d in SIXTEEN_BIT)}; at fp32 eager 'autocast' runs plain fp32)")
         return self
 
 

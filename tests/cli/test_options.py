@@ -99,6 +99,24 @@ def test_tp_comm_overlap_is_off_unless_asked() -> None:
     assert overlap("--tp-comm-overlap") is True
 
 
+def test_eager_names_the_runtime_and_its_weights() -> None:
+    """`--eager` (default: fused kernels): autocast over fp32 weights, or weights held in 16 bits; and a clear error
+    for 16-bit weights at fp32."""
+    from tagplan.cli.planning import plan_problem
+    from tagplan.errors import SpecError
+
+    def workload(*extra: str) -> tuple[bool, bool, bool]:
+        w = plan_problem(build_parser().parse_args(["plan", *PROBLEM, *extra])).workload
+        return w.eager, w.eager_16bit_weights, w.autocast
+
+    assert workload() == (False, False, False)
+    assert workload("--eager", "autocast") == (True, False, True)
+    assert workload("--eager", "16bit-weights") == (True, True, False)
+    assert workload("--eager", "autocast", "--dtype", "fp32") == (True, False, False)
+    with pytest.raises(SpecError, match=r"--eager 16bit-weights: .*--dtype is fp32 \(accepted: bf16, fp16"):
+        workload("--eager", "16bit-weights", "--dtype", "fp32")
+
+
 def test_a_plan_for_an_export_target_is_costed_as_that_runtime_reduces_gradients() -> None:
     from tagplan.cli.planning import plan_problem
     from tagplan.ir.workload import DType

@@ -35,9 +35,25 @@ def test_a_bias_gradient_divides_as_the_output_and_an_input_cast_as_the_input() 
     qkv = next(op for op in gpt_block(TransformerShape(layers=1, hidden=256, heads=4), 128, 2).ops
                if op.kind is OpKind.MATMUL and op.eager_bias_bytes)
     assert qkv.eager_extra_bytes[0] > 0  # it reads the norm's fp32 output
-    whole = eager_traffic_bytes(qkv, samples=1.0, tp=1, strategy=ShardStrategy.REPLICATE, autocast=False)
-    column = eager_traffic_bytes(qkv, samples=1.0, tp=4, strategy=ShardStrategy.COLUMN, autocast=False)
-    row = eager_traffic_bytes(qkv, samples=1.0, tp=4, strategy=ShardStrategy.ROW, autocast=False)
+    qkv = qkv.model_copy(update={"param_bytes": 0.0})  # the weights' casts apart
+    whole = eager_traffic_bytes(qkv, samples=1.0, tp=1, strategy=ShardStrategy.REPLICATE, autocast=True)
+    column = eager_traffic_bytes(qkv, samples=1.0, tp=4, strategy=ShardStrategy.COLUMN, autocast=True)
+    row = eager_traffic_bytes(qkv, samples=1.0, tp=4, strategy=ShardStrategy.ROW, autocast=True)
     assert column[0] == whole[0] and row[0] == pytest.approx(whole[0] / 4)
     assert column[1] == pytest.approx(qkv.eager_extra_bytes[1] + qkv.eager_bias_bytes / 4)
     assert row[1] == pytest.approx(qkv.eager_extra_bytes[1] / 4 + qkv.eager_bias_bytes)
+
+
+def test_sixteen_bit_weights_move_the_uniform_bytes_and_cast_nothing() -> None:
+    """An eager runtime over 16-bit weights (`Workload.eager_16bit_weights`, `autocast` False): no weight casts and
+    no fp32 residual stream, so a projection reading a norm's output moves no cast, and the block's traffic is
+    below autocast's; the gradient sums and bias gradients stay."""
+    block = gpt_block(TransformerShape(layers=1, hidden=256, heads=4), 128, 2)
+    qkv = next(op for op in block.ops if op.kind is OpKind.MATMUL and op.eager_bias_bytes)
+    common = {"samples": 1.0, "tp": 1, "strategy": ShardStrategy.REPLICATE}
+    assert eager_traffic_bytes(qkv, autocast=False, **common) == (0.0, qkv.eager_bias_bytes)
+    autocast = [eager_traffic_bytes(op, autocast=True, **common) for op in block.ops]
+    uniform = [eager_traffic_bytes(op, autocast=False, **common) for op in block.ops]
+    assert sum(b for _, b in uniform) > 0  # the residual stream's gradient sums, the bias gradients
+    assert sum(f for f, _ in uniform) < sum(f for f, _ in autocast) / 3
+    assert sum(b for _, b in uniform) < sum(b for _, b in autocast) / 2

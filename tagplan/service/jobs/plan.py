@@ -22,7 +22,7 @@ from tagplan.frontends.model_spec import ModelSpec
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.summary import cluster_summary
-from tagplan.ir.workload import DType, LossKernel, Workload
+from tagplan.ir.workload import DType, LossKernel, Workload, eager_fields, eager_runtime
 from tagplan.search.planner import plan
 from tagplan.search.problem import (
     DEFAULT_BUDGET_S,
@@ -103,7 +103,7 @@ def plan_problem(request: PlanRequest, settings: Settings, calibration: Calibrat
                         grad_reduce_dtype=asked.grad_reduce_dtype,
                         grad_reduce_overlap=asked.grad_reduce_overlap is not False,
                         tp_comm_overlap=asked.tp_comm_overlap is True, fused_attention=asked.fused_attention,
-                        loss=asked.loss or LossKernel.EAGER,
+                        loss=asked.loss or LossKernel.EAGER, **eager_fields(asked.eager),
                         **({"optimizer": asked.optimizer} if asked.optimizer is not None else {}))
     return PlanProblem(
         model=model, cluster=cluster, workload=workload, objective=request.objective or Objective.TIME,
@@ -138,7 +138,7 @@ def echo(request: PlanRequest, problem: PlanProblem) -> dict[str, Any]:
                                     optimizer=w.optimizer,
                                     grad_reduce_dtype=w.grad_reduce_dtype or w.dtype.elementwise,
                                     grad_reduce_overlap=w.grad_reduce_overlap, tp_comm_overlap=w.tp_comm_overlap,
-                                    fused_attention=w.fused_attention, loss=w.loss),
+                                    fused_attention=w.fused_attention, loss=w.loss, eager=eager_runtime(w)),
         "objective": problem.objective, "budget_s": problem.budget_s, "max_evaluations": problem.max_evaluations,
         "seed": problem.seed, "time_bound_s": problem.time_bound_s})
     return filled.model_dump(mode="json")

@@ -110,6 +110,21 @@ def test_the_workload_says_whether_the_runtime_overlaps_tensor_parallel_collecti
         problem({**TINY_PLAN, "workload": {"tp_comm_overlap": "yes"}}, settings)
 
 
+def test_the_workload_says_whether_the_runtime_runs_eager_and_how_it_holds_its_weights(settings: Settings) -> None:
+    from tagplan.service.jobs.plan import echo
+
+    assert problem(TINY_PLAN, settings).workload.eager is False
+    for runtime, sixteen in (("autocast", False), ("16bit-weights", True)):
+        asked = {**TINY_PLAN, "workload": {**TINY_PLAN["workload"], "eager": runtime}}
+        planned = problem(asked, settings)
+        assert planned.workload.eager is True and planned.workload.eager_16bit_weights is sixteen
+        assert echo(read_request(PlanRequest, asked, "plan request"), planned)["workload"]["eager"] == runtime
+    with pytest.raises(SpecError, match=r"workload: .*eager='16bit-weights'.*dtype is 'fp32'"):
+        problem({**TINY_PLAN, "workload": {"eager": "16bit-weights", "dtype": "fp32"}}, settings)
+    with pytest.raises(SpecError, match=r"workload\.eager: Input should be 'autocast' or '16bit-weights'"):
+        problem({**TINY_PLAN, "workload": {"eager": True}}, settings)
+
+
 def test_inline_graph_and_cluster(settings: Settings) -> None:
     op = {"name": "mm", "kind": "matmul", "flops": 1e9, "bytes_read": 1e6, "bytes_written": 1e6, "param_bytes": 1e6}
     graph = {"seq_len": 16, "blocks": {"b": {"kind": "mlp", "ops": [op]}}, "layers": [{"block": "b", "repeat": 4}]}
