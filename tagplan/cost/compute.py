@@ -63,7 +63,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tagplan.cost.calibration import Calibration, LayerTime
-from tagplan.cost.sharding import divides, divides_params
+from tagplan.cost.sharding import divides, param_split
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.model import Block, Op, OpKind
 from tagplan.ir.plan import ShardStrategy
@@ -105,12 +105,12 @@ def op_time(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: D
     if op.kind is OpKind.VIEW:
         return OpTime(0.0, 0.0)
     split = tp if tp > 1 and divides(strategy) else 1
-    param_split = tp if tp > 1 and divides_params(strategy, op.kind) else 1
+    params_split = param_split(strategy, op.kind, tp)
     flops = op.flops * samples / split
     if op.kind is OpKind.ATTENTION:
         flops *= attention_fraction(op, fused=spec.fused_attention, calibration=calibration)
     activation_read = max(op.bytes_read - op.param_bytes, 0.0)
-    nbytes = (activation_read + op.bytes_written) * samples / split + op.param_bytes / param_split
+    nbytes = (activation_read + op.bytes_written) * samples / split + op.param_bytes / params_split
     curve = calibration.curve(spec.name, op.kind)
     if curve is not None:  # GEMMs in the compute dtype; attention and the rest in bf16 under fp8
         peak = spec.sustained_peak_flops(dtype if op.kind in _GEMM_KINDS else dtype.elementwise)
@@ -193,8 +193,7 @@ def eager_traffic_bytes(op: Op, *, samples: float, tp: int, strategy: ShardStrat
         whole = tp <= 1 or not divides(strategy) or strategy is ShardStrategy.ROW
         backward_bytes += op.eager_bias_bytes * samples / (1 if whole else tp)
     if autocast and op.kind in _GEMM_KINDS:
-        param_split = tp if tp > 1 and divides_params(strategy, op.kind) else 1
-        casts = WEIGHT_CAST_PASSES * (op.param_bytes + op.shared_param_bytes) / param_split
+        casts = WEIGHT_CAST_PASSES * (op.param_bytes + op.shared_param_bytes) / param_split(strategy, op.kind, tp)
         forward_bytes, backward_bytes = forward_bytes + casts, backward_bytes + casts
     return forward_bytes, backward_bytes
 
@@ -306,7 +305,7 @@ def local_param_count(block: Block, strategies: dict[str, ShardStrategy], tp: in
     """Parameters of `block` held by one device of a `tp`-way group."""
     total = 0.0
     for op in block.ops:
-        split = tp if tp > 1 and divides_params(strategies[op.name], op.kind) else 1
+        split = param_split(strategies[op.name], op.kind, tp) if tp > 1 else 1
         total += op.param_bytes / split
     return total / nbytes
 
@@ -317,7 +316,7 @@ def multiplied_param_count(block: Block, strategies: dict[str, ShardStrategy], t
     total = 0.0
     for op in block.ops:
         if op.kind in _GEMM_KINDS:
-            split = tp if tp > 1 and divides_params(strategies[op.name], op.kind) else 1
+            split = param_split(strategies[op.name], op.kind, tp) if tp > 1 else 1
             total += (op.param_bytes + op.shared_param_bytes) / split
     return total / nbytes
 
@@ -328,7 +327,7 @@ def shared_param_count(block: Block, strategies: dict[str, ShardStrategy], tp: i
     largest = 0.0
     for op in block.ops:
         if op.shared_param_bytes:
-            split = tp if tp > 1 and divides_params(strategies[op.name], op.kind) else 1
+            split = param_split(strategies[op.name], op.kind, tp) if tp > 1 else 1
             largest = max(largest, op.shared_param_bytes / split)
     return largest / nbytes
 

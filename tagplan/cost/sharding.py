@@ -132,6 +132,11 @@ def divides_params(strategy: St, kind: OpKind) -> bool:
     return kind in (*_GEMM, OpKind.EMBEDDING) and strategy in (St.COLUMN, St.ROW, St.EXPERTS)
 
 
+def param_split(strategy: St, kind: OpKind, tp: int) -> int:
+    """How many ways an op's parameters divide over a `tp`-way group: `tp` where they are split, else 1."""
+    return tp if tp > 1 and divides_params(strategy, kind) else 1
+
+
 def collective_bytes(collective: Collective, tensor_bytes: float, tp: int) -> float:
     """Bytes in the nccl-tests size convention for moving a tensor of `tensor_bytes` in total."""
     return tensor_bytes / tp if collective is Collective.ALL_TO_ALL else tensor_bytes

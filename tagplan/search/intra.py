@@ -160,9 +160,9 @@ def _compute(p: _Problem, op: Op, strategy: ShardStrategy) -> float:
 
 
 def _memory(p: _Problem, op: Op, strategy: ShardStrategy, split: bool) -> float:
-    from tagplan.cost.sharding import divides_params
+    from tagplan.cost.sharding import param_split
 
-    params = op.param_bytes / (p.tp if divides_params(strategy, op.kind) else 1)
+    params = op.param_bytes / param_split(strategy, op.kind, p.tp)
     saved = op.saved_bytes * p.samples / (p.tp if split else 1)
     return params + saved
 
