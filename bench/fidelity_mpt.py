@@ -26,7 +26,7 @@ ran is predicted to fit). With `--fit` the iteration calibration (`iteration_fit
 cross-validated over all rows: each row predicted by the fit on the other folds (5, or `--folds K`), and what
 the planner makes of the fit on all rows (`PLANNED`).
 
-Run: `.venv/bin/python bench/fidelity_mpt.py [--fit [--folds K]]` (about 2 s; with `--fit` about 25 minutes here);
+Run: `.venv/bin/python bench/fidelity_mpt.py [--fit [--folds K]]` (about 2 s; with `--fit` about 2 minutes here);
 writes bench/results/fidelity_mpt.json, and with `--fit` bench/results/fidelity_mpt_fit.json.
 """
 
