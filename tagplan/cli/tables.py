@@ -125,7 +125,17 @@ def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) ->
             + {None: "", True: ", attention fused on every device",
                False: ", attention scores materialised"}[workload.fused_attention]
             + {LossKernel.EAGER: "", LossKernel.IN_PLACE: ", the loss's fp32 softmax turned into its gradient in place",
-               LossKernel.FUSED: ", the loss fused over its logits"}[workload.loss])
+               LossKernel.FUSED: ", the loss fused over its logits"}[workload.loss]
+            + _eager_phrase(workload))
+
+
+def _eager_phrase(workload: Workload) -> str:
+    """", eager PyTorch ..." where the workload describes an eager runtime, else ""."""
+    if not workload.eager:
+        return ""
+    if workload.autocast:
+        return ", eager PyTorch under autocast over fp32 weights"
+    return ", eager PyTorch over 16-bit weights" if workload.eager_16bit_weights else ", eager PyTorch"
 
 
 def exporters_line(exporters: dict[str, str | None], *, fits: bool = True) -> str:

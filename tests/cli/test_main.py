@@ -251,7 +251,7 @@ def test_the_caption_names_the_refusals_when_no_format_runs_the_plan() -> None:
 
 def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
     from tagplan.cli.tables import workload_line
-    from tagplan.ir.workload import LossKernel, Workload
+    from tagplan.ir.workload import DType, LossKernel, Workload
 
     assert workload_line(Workload(), {0: True, 1: False}).endswith(
         "overlapped with the backward on stages [0], after it on stages [1]")
@@ -264,6 +264,10 @@ def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
     assert workload_line(Workload(loss=LossKernel.FUSED)).endswith(", the loss fused over its logits")
     assert workload_line(Workload(loss=LossKernel.IN_PLACE)).endswith(
         ", the loss's fp32 softmax turned into its gradient in place")
+    assert workload_line(Workload(eager=True)).endswith(", eager PyTorch under autocast over fp32 weights")
+    assert workload_line(Workload(eager=True, eager_16bit_weights=True)).endswith(", eager PyTorch over 16-bit weights")
+    assert workload_line(Workload(eager=True, dtype=DType.FP32)).endswith(", eager PyTorch")
+    assert "eager" not in workload_line(Workload())
 
 
 def test_plan_exportable_exits_1_when_the_format_runs_no_plan_that_fits(tmp_path, capsys, monkeypatch) -> None:

@@ -24,8 +24,8 @@ from tagplan.frontends.families import TransformerShape, gpt_block, llama_block
 from tagplan.frontends.model_spec import load_model
 from tagplan.ir import Block
 from tagplan.ir.model import OpKind
-from tagplan.ir.workload import DType
 from tagplan.ir.plan import ShardStrategy
+from tagplan.ir.workload import DType
 from tagplan.profiling.iterations import _Block
 from tagplan.profiling.layers import LlamaBlock, _ShardedBlock
 
