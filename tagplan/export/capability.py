@@ -55,9 +55,10 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     Megatron-Core fuses the gated MLP's activation (`fused_activation`), and so does the torch program
     where it builds the model `spec` from its own modules (`builds_own_modules`); Hugging Face classes,
     user modules and DeepSpeed (which runs the user's model) keep each op's inputs.
-    The torch program runs its PyTorch modules op by op under autocast (`eager`: the host issues each
-    op's eager kernels, casts included); Megatron-Core's fused kernels, and DeepSpeed's 16-bit weights
-    (no autocast casts), are costed one kernel per op.
+    The torch program runs its PyTorch modules op by op under autocast over fp32 weights (`eager`, not
+    `eager_16bit_weights`: the host issues each op's eager kernels, casts included); Megatron-Core's fused
+    kernels are costed one kernel per op, and DeepSpeed, which runs the user's own modules, as the workload says
+    (`--eager 16bit-weights` describes its bf16 and fp16 engines over eager modules).
     The loss (`loss`, `exported_loss`): Megatron-Core runs its own cross-entropy, the in-place one, or Transformer
     Engine's fused one where the workload asks for a fused loss (the exporter then writes
     `--cross-entropy-loss-fusion --cross-entropy-fusion-impl te`); the torch program runs its own fused loss
@@ -83,8 +84,8 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
         update["fused_attention"] = True
     if fmt != "megatron" and workload.tp_comm_overlap:
         update["tp_comm_overlap"] = False
-    if fmt == "torch" and not workload.eager:  # its modules op by op under autocast: each op's eager kernels
-        update["eager"] = True
+    if fmt == "torch" and (not workload.eager or workload.eager_16bit_weights):  # its modules op by op under
+        update["eager"], update["eager_16bit_weights"] = True, False  # autocast over fp32 weights, whatever was asked
     fused = fmt == "megatron" or (fmt == "torch" and builds_own_modules(spec))  # bias_swiglu_impl; _GatedProduct
     if fused and not workload.fused_activation:
         update["fused_activation"] = True

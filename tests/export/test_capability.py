@@ -122,10 +122,13 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     assert runtime_workload("torch", bf16, parse_model_spec("hf:LlamaConfig?hidden_size=64")).fused_activation is False
     assert runtime_workload("torch", bf16).fused_activation is False  # model unknown: as kept op by op
     assert runtime_workload("deepspeed", bf16, parse_model_spec("llama3-8b")).fused_activation is False
-    # the torch program runs its modules op by op under autocast; Megatron-Core's kernels are fused, and
-    # DeepSpeed keeps 16-bit weights (no autocast casts)
+    # the torch program runs its modules op by op under autocast over fp32 weights, whatever was asked;
+    # Megatron-Core's kernels are fused; DeepSpeed runs the user's modules as the workload says
     assert not bf16.eager and not runtime_workload("megatron", bf16).eager
     assert runtime_workload("torch", bf16).eager and not runtime_workload("deepspeed", bf16).eager
+    sixteen = bf16.model_copy(update={"eager": True, "eager_16bit_weights": True})
+    assert runtime_workload("torch", sixteen).autocast and not runtime_workload("torch", sixteen).eager_16bit_weights
+    assert runtime_workload("deepspeed", sixteen).eager_16bit_weights
     # the loss as each runs it: Megatron-Core its own in-place one, or Transformer Engine's fused one where asked (the
     # exporter writes it); the torch program its own fused one where asked, else eager; DeepSpeed the model's, eager
     for asked in LossKernel:
