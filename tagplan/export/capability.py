@@ -57,7 +57,7 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     user modules and DeepSpeed (which runs the user's model) keep each op's inputs.
     The torch program runs its PyTorch modules op by op under autocast over fp32 weights (`eager`, not
     `eager_16bit_weights`: the host issues each op's eager kernels, casts included); Megatron-Core's fused
-    kernels are costed one kernel per op, and DeepSpeed, which runs the user's own modules, as the workload says
+    kernels are costed one kernel per op (never eager), and DeepSpeed, which runs the user's own modules, as the workload says
     (`--eager 16bit-weights` describes its bf16 and fp16 engines over eager modules).
     The loss (`loss`, `exported_loss`): Megatron-Core runs its own cross-entropy, the in-place one, or Transformer
     Engine's fused one where the workload asks for a fused loss (the exporter then writes
@@ -86,6 +86,8 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
         update["tp_comm_overlap"] = False
     if fmt == "torch" and (not workload.eager or workload.eager_16bit_weights):  # its modules op by op under
         update["eager"], update["eager_16bit_weights"] = True, False  # autocast over fp32 weights, whatever was asked
+    if fmt == "megatron" and workload.eager:  # Megatron-Core's fused kernels, whatever was asked
+        update["eager"], update["eager_16bit_weights"] = False, False
     fused = fmt == "megatron" or (fmt == "torch" and builds_own_modules(spec))  # bias_swiglu_impl; _GatedProduct
     if fused and not workload.fused_activation:
         update["fused_activation"] = True

@@ -129,6 +129,7 @@ def test_the_workload_a_runtime_runs_reduces_gradients_as_that_runtime_does() ->
     sixteen = bf16.model_copy(update={"eager": True, "eager_16bit_weights": True})
     assert runtime_workload("torch", sixteen).autocast and not runtime_workload("torch", sixteen).eager_16bit_weights
     assert runtime_workload("deepspeed", sixteen).eager_16bit_weights
+    assert not runtime_workload("megatron", sixteen).eager
     # the loss as each runs it: Megatron-Core its own in-place one, or Transformer Engine's fused one where asked (the
     # exporter writes it); the torch program its own fused one where asked, else eager; DeepSpeed the model's, eager
     for asked in LossKernel:
