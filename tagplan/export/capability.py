@@ -57,8 +57,8 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
     user modules and DeepSpeed (which runs the user's model) keep each op's inputs.
     The torch program runs its PyTorch modules op by op under autocast over fp32 weights (`eager`, not
     `eager_16bit_weights`: the host issues each op's eager kernels, casts included); Megatron-Core's fused
-    kernels are costed one kernel per op (never eager), and DeepSpeed, which runs the user's own modules, as the workload says
-    (`--eager 16bit-weights` describes its bf16 and fp16 engines over eager modules).
+    kernels are costed one kernel per op (never eager), and DeepSpeed, which runs the user's own modules, as the
+    workload says (`--eager 16bit-weights` describes its bf16 and fp16 engines over eager modules).
     The loss (`loss`, `exported_loss`): Megatron-Core runs its own cross-entropy, the in-place one, or Transformer
     Engine's fused one where the workload asks for a fused loss (the exporter then writes
     `--cross-entropy-loss-fusion --cross-entropy-fusion-impl te`); the torch program runs its own fused loss

@@ -315,9 +315,14 @@ def _record(host: list[_Event], members: list[int], times_s: dict[int, float], d
     if cost is None or why:
         skipped[f"{first.name} ({why})"] += len(members)
         return None
-    return OpRecord(device=device, kind=cost.kind, name=first.name, phase=first.phase, dtype=cost.dtype,
-                    flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
-                    param_bytes=cost.param_bytes, time_s=time_s, repeats=len(members), shape=cost.shape)
+    return _op_record(cost, device=device, name=first.name, phase=first.phase, time_s=time_s, repeats=len(members))
+
+
+def _op_record(cost: _Cost, *, device: str, name: str, phase: str, time_s: float, repeats: int) -> OpRecord:
+    """The record of `repeats` calls costed as `cost`, taking `time_s` each (their median)."""
+    return OpRecord(device=device, kind=cost.kind, name=name, phase=phase, dtype=cost.dtype, flops=cost.flops,
+                    bytes_read=cost.bytes_read, bytes_written=cost.bytes_written, param_bytes=cost.param_bytes,
+                    time_s=time_s, repeats=repeats, shape=cost.shape)
 
 
 def _role(ev: _Event, *, sequenced: bool) -> str:
@@ -370,7 +375,7 @@ def _gemm_backwards(host: list[_Event], node_gemms: dict[int, list[int]], times_
     of one size (a matmul's input and weight gradients): costed as the forward call that made the node (else as
     its first GEMM), with the two GEMMs' summed seconds (median over the nodes). Other nodes are skipped and
     counted under their node's name."""
-    groups: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    groups: dict[tuple[str, str], list[tuple[int, float, _Cost | None]]] = {}
     for node, calls in node_gemms.items():
         name = host[node].name.removeprefix(_BACKWARD_NODE).strip()
         costs = [_cost(host[i], fallback)[0] for i in calls]
@@ -381,25 +386,21 @@ def _gemm_backwards(host: list[_Event], node_gemms: dict[int, list[int]], times_
         if any(times_s.get(i, 0.0) <= 0 for i in calls):
             skipped[f"{name} (no kernels)"] += 1
             continue
-        why = _linked_cost(host, node, forward_of, OpKind.MATMUL, fallback)[1]
+        linked, why = _linked_cost(host, node, forward_of, OpKind.MATMUL, fallback)
         if why:
             skipped[f"{name} ({why})"] += 1
             continue
         # one record per node kind and pair of GEMM shapes and types
         shapes = json.dumps(sorted(json.dumps([host[i].args.get("Input Dims"), host[i].args.get("Input type")])
                                    for i in calls))
-        groups.setdefault((name, shapes), []).append((node, sum(times_s[i] for i in calls)))
+        groups.setdefault((name, shapes), []).append((node, sum(times_s[i] for i in calls), linked))
     records = []
     for (name, _), members in groups.items():
-        node = members[0][0]
-        cost = _linked_cost(host, node, forward_of, OpKind.MATMUL, fallback)[0] or _cost(
-            host[node_gemms[node][0]], fallback)[0]
+        node, _, linked = members[0]
+        cost = linked or _cost(host[node_gemms[node][0]], fallback)[0]
         assert cost is not None
-        records.append(OpRecord(
-            device=device, kind=cost.kind, name=f"{name} (2 GEMMs)", phase="backward", dtype=cost.dtype,
-            flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
-            param_bytes=cost.param_bytes, time_s=statistics.median(t for _, t in members), repeats=len(members),
-            shape=cost.shape))
+        records.append(_op_record(cost, device=device, name=f"{name} (2 GEMMs)", phase="backward",
+                                  time_s=statistics.median(t for _, t, _ in members), repeats=len(members)))
     return records
 
 
