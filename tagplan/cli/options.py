@@ -21,7 +21,6 @@ from tagplan.ir.workload import (
     EAGER_RUNTIME_TEXT,
     LOSS_KERNEL_TEXT,
     REDUCE_DTYPES,
-    SIXTEEN_BIT,
     DType,
     EagerRuntime,
     LossKernel,
@@ -206,9 +205,9 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
     model = load_model(args.model, seq_len=args.seq, dtype=dtype, input_shape=getattr(args, "input_shape", None))
     reduce = getattr(args, "grad_reduce_dtype", None)
     eager = EagerRuntime(args.eager) if getattr(args, "eager", None) else None
-    if eager is EagerRuntime.SIXTEEN_BIT_WEIGHTS and dtype not in SIXTEEN_BIT:
-        raise SpecError(f"--eager {eager.value}: weights held in the compute dtype need a 16-bit one; --dtype is "
-                        f"{dtype.value} (accepted: {', '.join(d.value for d in SIXTEEN_BIT)}; at fp32 use --eager "
+    if eager is EagerRuntime.SIXTEEN_BIT_WEIGHTS and dtype is DType.FP32:
+        raise SpecError(f"--eager {eager.value}: weights held in 16 bits need a dtype of 16 bits or fewer; --dtype "
+                        f"is {dtype.value} (accepted: any --dtype but fp32; at fp32 use --eager "
                         f"{EagerRuntime.AUTOCAST.value}, which runs plain fp32)")
     workload = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
                         optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None,

@@ -167,27 +167,28 @@ four bytes a parameter, writes two), and as many backward (its gradient cast bac
 
 
 def eager_extra_s(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, spec: DeviceSpec,
-                  calibration: Calibration, autocast: bool) -> OpTime:
+                  calibration: Calibration, autocast: bool, sixteen_bit_weights: bool = False) -> OpTime:
     """Seconds of the memory traffic eager PyTorch's kernels add to `op` for one micro-batch of `samples` samples
     on one device of a `tp`-way group (`eager_traffic_bytes`: its eager bytes, and under 16-bit autocast over fp32
     weights a GEMM's weight casts), at the pointwise kernels' bandwidth, times the device's compute scale."""
     forward_bytes, backward_bytes = eager_traffic_bytes(op, samples=samples, tp=tp, strategy=strategy,
-                                                        autocast=autocast)
+                                                        autocast=autocast, sixteen_bit_weights=sixteen_bit_weights)
     bandwidth_Bps = spec.mem_bandwidth_Bps * calibration.bandwidth_fraction(spec.name, OpKind.ELEMENTWISE)
     return _scaled(forward_bytes / bandwidth_Bps, backward_bytes / bandwidth_Bps, spec, calibration)
 
 
-def eager_traffic_bytes(op: Op, *, samples: float, tp: int, strategy: ShardStrategy,
-                        autocast: bool) -> tuple[float, float]:
+def eager_traffic_bytes(op: Op, *, samples: float, tp: int, strategy: ShardStrategy, autocast: bool,
+                        sixteen_bit_weights: bool = False) -> tuple[float, float]:
     """(forward, backward) bytes `eager_extra_s` charges `op` on one device of a `tp`-way group for one
-    micro-batch of `samples` samples: its `Op.eager_extra_bytes` (`Op.eager_uniform_extra_bytes` where the
-    runtime computes in the weights' own dtype, fp32 or 16-bit weights: `autocast` False), divided as the tensor
-    they are about is (`eager_split`); a projection's `Op.eager_bias_bytes`, divided as its output is; and under
-    `autocast` a GEMM's weight casts (`WEIGHT_CAST_PASSES` over its 16-bit weight bytes, a tied head's included)."""
+    micro-batch of `samples` samples: its `Op.eager_extra_bytes` (over 16-bit weights, `sixteen_bit_weights`,
+    `Op.eager_uniform_extra_bytes` where the op has one), divided as the tensor they are about is (`eager_split`);
+    a projection's `Op.eager_bias_bytes`, divided as its output is; and under `autocast` a GEMM's weight casts
+    (`WEIGHT_CAST_PASSES` over its 16-bit weight bytes, a tied head's included)."""
     if op.kind is OpKind.VIEW:
         return 0.0, 0.0
     split = eager_split(op, strategy, tp)
-    extra = op.eager_extra_bytes if autocast else op.eager_uniform_extra_bytes
+    uniform = op.eager_uniform_extra_bytes if sixteen_bit_weights else None
+    extra = op.eager_extra_bytes if uniform is None else uniform
     forward_bytes, backward_bytes = (b * samples / split for b in extra)
     if op.eager_bias_bytes:  # about the output: whole under row parallelism, split under column
         whole = tp <= 1 or not divides(strategy) or strategy is ShardStrategy.ROW
@@ -236,10 +237,12 @@ class BlockTime:
 
 
 def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: float, tp: int, spec: DeviceSpec,
-               dtype: DType, calibration: Calibration, eager: bool, autocast: bool) -> BlockTime:
+               dtype: DType, calibration: Calibration, eager: bool, autocast: bool,
+               sixteen_bit_weights: bool = False) -> BlockTime:
     """Sum of the block's op times for one micro-batch of `samples` samples and the host's time to issue the
     block's kernels (`eager`: the runtime issues each op's eager kernels, `issued_kernels`, and moves their extra
-    bytes, `eager_extra_s`; `autocast`: with the casts of 16-bit autocast over fp32 weights): on a device with a
+    bytes, `eager_extra_s`; `autocast`: with the casts of 16-bit autocast over fp32 weights; `sixteen_bit_weights`:
+    over weights held in 16 bits, `Workload.eager_16bit_weights`): on a device with a
     queue (`DeviceSpec.queued`) the issue time is a floor of each direction's time, on a CPU, which runs each
     kernel as the host issues it, it adds."""
     forward = backward = 0.0
@@ -251,7 +254,8 @@ def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: f
         backward += t.backward_s
         if eager:
             extra = eager_extra_s(op, samples=samples, tp=tp, strategy=strategies[op.name], spec=spec,
-                                  calibration=calibration, autocast=autocast)
+                                  calibration=calibration, autocast=autocast,
+                                  sixteen_bit_weights=sixteen_bit_weights)
             forward += extra.forward_s
             backward += extra.backward_s
         k_forward, k_backward = issued_kernels(op, eager=eager, autocast=autocast)

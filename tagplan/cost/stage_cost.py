@@ -373,7 +373,8 @@ class StageCoster:
             else:  # the compute scale per op, the host's issue floor per block
                 hit = block_time(self.model.block_by_hash[block_hash], sharded.strategies, samples=samples,
                                  tp=tp, spec=spec, dtype=self.workload.dtype, calibration=self.calibration,
-                                 eager=self.workload.eager, autocast=self.workload.autocast)
+                                 eager=self.workload.eager, autocast=self.workload.autocast,
+                                 sixteen_bit_weights=self.workload.eager_16bit_weights)
                 if hit.host_bound:
                     source += ", host-bound (the host issues its kernels slower than the device runs them)"
             self.block_memo[key] = hit

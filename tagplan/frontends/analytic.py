@@ -31,8 +31,9 @@ backward (16); GPT's fused QKV projection stacks and copies the three gradients 
 output). The loss's own charge already reads the logits and makes fp32 passes. Counted with a dispatch mode over
 the same modules on fake tensors (`tests/frontends/test_eager_bytes.py` recounts them).
 `Op.eager_uniform_extra_bytes` are the same bytes for an eager program that holds every tensor in the graph's dtype
-(16-bit weights: FSDP's MixedPrecision, a model cast with `.to(torch.bfloat16)`): no casts and no fp32 residual
-stream, the same formulas with every element at the graph's size (for an fp32 graph the two are equal).
+(16-bit weights: FSDP's MixedPrecision, DeepSpeed's bf16 and fp16 engines, without autocast or with norms in 16
+bits): no casts and no fp32 residual stream, the same formulas with every element at the graph's size (for an fp32
+graph the two are equal; for a 16-bit one half the fp32 graph's).
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ class BlockBuilder:
         self._wide.add(name)  # eager looks its rows up in the fp32 table: they read and write fp32
         return self._add(Op(
             eager_extra_bytes=(2.0 * (EAGER_WIDE_BYTES - self.nbytes) * t * width, 0.0),
+            eager_uniform_extra_bytes=(0.0, 0.0),
             name=name, kind=OpKind.EMBEDDING, flops=0.0,
             bytes_read=t * width * self.nbytes + t * 8, bytes_written=t * width * self.nbytes,
             param_bytes=params * self.nbytes, saved_bytes=t * 8.0, output_shape=(1, t, width),

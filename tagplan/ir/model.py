@@ -94,12 +94,13 @@ class Op(Record):
         "of a tensor read twice, bias gradients, layout copies. Negative where the op's own backward (twice its "
         "forward) overstates eager's. In the graph's dtype's runtime: autocast for a 16-bit graph, plain fp32 for an "
         "fp32 one. Costed only under an eager runtime (`Workload.eager`). Block hashes leave it out")
-    eager_uniform_extra_bytes: tuple[float, float] = Field(
-        default=(0.0, 0.0), description="`eager_extra_bytes` for an eager runtime that holds every tensor in the "
-        "graph's dtype (`Workload.eager_16bit_weights`: FSDP's MixedPrecision, DeepSpeed's 16-bit weights, a model "
-        "cast with .to(torch.bfloat16)): no casts and no fp32 residual stream, the gradient sums, pointwise "
+    eager_uniform_extra_bytes: tuple[float, float] | None = Field(
+        default=None, description="`eager_extra_bytes` for an eager runtime that holds every tensor in the "
+        "graph's dtype (`Workload.eager_16bit_weights`: FSDP's MixedPrecision, DeepSpeed's bf16 and fp16 engines; "
+        "no autocast, or norms run in 16 bits): no casts and no fp32 residual stream, the gradient sums, pointwise "
         "backward reads, unfused rotary and layout copies in the graph's dtype. Equal to `eager_extra_bytes` for an "
-        "fp32 graph. Block hashes leave it out")
+        "fp32 graph. None where not given (a graph written before the field, an op given by hand): "
+        "`eager_extra_bytes` is costed, an upper bound. Block hashes leave it out")
     eager_bias_bytes: float = Field(
         default=0.0, ge=0, description="projections with a bias: the backward bytes per sample eager PyTorch moves "
         "summing the bias gradient over the output gradient, apart from `eager_extra_bytes` because it is about the "

@@ -124,9 +124,8 @@ class EagerRuntime(StrEnum):
 EAGER_RUNTIME_TEXT: dict[EagerRuntime, str] = {
     EagerRuntime.AUTOCAST: "PyTorch op by op under torch.autocast over fp32 weights (AMP with DDP, Hugging Face "
                            "Trainer's bf16, tagplan's torch program; plain fp32 at --dtype fp32)",
-    EagerRuntime.SIXTEEN_BIT_WEIGHTS: "PyTorch op by op over weights held in the compute dtype (FSDP's "
-                                      "MixedPrecision(param_dtype=bfloat16), DeepSpeed's bf16 and fp16 engines, a "
-                                      "model cast with .to(torch.bfloat16))",
+    EagerRuntime.SIXTEEN_BIT_WEIGHTS: "PyTorch op by op over weights held in 16 bits (FSDP's "
+                                      "MixedPrecision(param_dtype=bfloat16), DeepSpeed's bf16 and fp16 engines)",
 }
 """Each eager runtime in a phrase, for help texts."""
 
@@ -146,7 +145,7 @@ def eager_runtime(workload: Workload) -> EagerRuntime | None:
 
 
 SIXTEEN_BIT = (DType.BF16, DType.FP16)
-"""The 16-bit dtypes an eager runtime computes in, under autocast or over 16-bit weights."""
+"""The 16-bit dtypes autocast computes in (`Workload.autocast`)."""
 
 REDUCE_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 """The dtypes a data-parallel gradient reduction runs in (no runtime reduces in fp8)."""
@@ -194,15 +193,18 @@ class Workload(Record):
         "that time adds to its ops'; its unfused kernels move more bytes than the ops' fused figures "
         "(`Op.eager_extra_bytes`, `Op.eager_bias_bytes`: the fp32 residual stream and norm outputs, casts, "
         "unfused rotary, gradient sums), and under 16-bit autocast over fp32 weights it casts each GEMM's weights "
-        "per micro-batch (`compute.eager_extra_s`); each micro-batch in flight keeps a "
+        "per micro-batch (`compute.eager_extra_s`), and each micro-batch in flight keeps a "
         "16-bit copy of the weights it multiplied. False: fused runtimes (Megatron-Core, Transformer Engine, CUDA "
         "graphs), costed at their kernels' time")
     eager_16bit_weights: bool = Field(
-        default=False, description="an eager runtime computing in 16 bits holds its weights, and with them every "
-        "tensor, in the compute dtype (PyTorch FSDP's MixedPrecision(param_dtype=bfloat16), DeepSpeed's bf16 and "
-        "fp16 engines, a model cast with .to(torch.bfloat16)): no autocast casts of weights or inputs, no fp32 "
-        "residual stream, no cast copies kept (`Op.eager_uniform_extra_bytes`). False: autocast over fp32 weights "
-        "(torch.autocast, tagplan's torch program). Only with `eager` and a 16-bit dtype")
+        default=False, description="an eager runtime holds its weights, and with them every tensor, in 16 bits "
+        "(PyTorch FSDP's MixedPrecision(param_dtype=bfloat16), DeepSpeed's bf16 and fp16 engines; a quantized "
+        "recipe's GEMMs cast from those): no autocast casts of weights or inputs, no fp32 residual stream, no cast "
+        "copies kept (`Op.eager_uniform_extra_bytes`). It assumes no autocast, or norms run in 16 bits (MPT's "
+        "low-precision LayerNorm): autocast's fp32 norms over 16-bit weights cast their outputs back, which neither "
+        "figure describes. The optimizer state stays as `optimizer` keeps it (fp32 master weights and moments). "
+        "False: autocast over fp32 weights (torch.autocast, tagplan's torch program). Only with `eager` and a dtype "
+        "other than fp32")
     tp_comm_overlap: bool = Field(
         default=False, description="tensor-parallel collectives run in chunks under the block's compute (Megatron-"
         "Core's --tp-comm-overlap: Transformer Engine's userbuffers with sequence parallelism); per block and "
@@ -217,10 +219,10 @@ class Workload(Record):
 
     @model_validator(mode="after")
     def _check_eager_weights(self) -> Workload:
-        if self.eager_16bit_weights and not (self.eager and self.dtype in SIXTEEN_BIT):
-            raise ValueError(f"eager_16bit_weights true describes an eager runtime computing in 16 bits; this "
-                             f"workload has eager {str(self.eager).lower()} and dtype {self.dtype.value!r} (accepted: "
-                             f"eager true with dtype {' or '.join(d.value for d in SIXTEEN_BIT)})")
+        if self.eager_16bit_weights and not (self.eager and self.dtype is not DType.FP32):
+            raise ValueError(f"eager_16bit_weights true describes an eager runtime computing in 16 bits or fewer; "
+                             f"this workload has eager {str(self.eager).lower()} and dtype {self.dtype.value!r} "
+                             f"(accepted: eager true with any dtype but fp32)")
         return self
 
     @model_validator(mode="after")

@@ -50,7 +50,6 @@ from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
 from tagplan.ir.workload import (
     EAGER_RUNTIME_TEXT,
     LOSS_KERNEL_TEXT,
-    SIXTEEN_BIT,
     DType,
     EagerRuntime,
     LossKernel,
@@ -375,10 +374,10 @@ class WorkloadRequest(BaseModel):
     def _sixteen_bit_weights(self) -> WorkloadRequest:
         """Weights held in the compute dtype need a 16-bit one."""
         dtype = self.dtype or DType.BF16
-        if self.eager is EagerRuntime.SIXTEEN_BIT_WEIGHTS and dtype not in SIXTEEN_BIT:
-            raise ValueError(f"eager={self.eager.value!r} holds the weights in the compute dtype, which must be "
-                             f"16-bit; dtype is {dtype.value!r} (accepted: "
-                             f"{', '.join(d.value for d in SIXTEEN_BIT)}; at fp32 eager 'autocast' runs plain fp32)")
+        if self.eager is EagerRuntime.SIXTEEN_BIT_WEIGHTS and dtype is DType.FP32:
+            raise ValueError(f"eager={self.eager.value!r} holds the weights in 16 bits, which needs a dtype of 16 "
+                             f"bits or fewer; dtype is {dtype.value!r} (accepted: any dtype but fp32; at fp32 eager "
+                             f"'autocast' runs plain fp32)")
         return self
 
 

@@ -140,7 +140,8 @@ def test_an_fp32_eager_runtime_issues_no_autocast_casts() -> None:
     assert not Workload(global_batch=8, seq_len=64).autocast  # Megatron keeps 16-bit weights: nothing to cast
     assert not Workload(global_batch=8, seq_len=64, eager=True, eager_16bit_weights=True).autocast  # FSDP's
     for refused in ({"eager": False}, {"eager": True, "dtype": DType.FP32}):
-        with pytest.raises(ValueError, match=r"eager_16bit_weights true describes an eager runtime computing in 16"):
+        with pytest.raises(ValueError, match=r"eager_16bit_weights true describes an eager runtime computing in 16 "
+                           r"bits or fewer; .*accepted: eager true with any dtype but fp32"):
             Workload(global_batch=8, seq_len=64, eager_16bit_weights=True, **refused)
 
 

@@ -51,9 +51,21 @@ def test_sixteen_bit_weights_move_the_uniform_bytes_and_cast_nothing() -> None:
     block = gpt_block(TransformerShape(layers=1, hidden=256, heads=4), 128, 2)
     qkv = next(op for op in block.ops if op.kind is OpKind.MATMUL and op.eager_bias_bytes)
     common = {"samples": 1.0, "tp": 1, "strategy": ShardStrategy.REPLICATE}
-    assert eager_traffic_bytes(qkv, autocast=False, **common) == (0.0, qkv.eager_bias_bytes)
+    assert eager_traffic_bytes(qkv, autocast=False, sixteen_bit_weights=True, **common) == (0.0, qkv.eager_bias_bytes)
     autocast = [eager_traffic_bytes(op, autocast=True, **common) for op in block.ops]
-    uniform = [eager_traffic_bytes(op, autocast=False, **common) for op in block.ops]
+    uniform = [eager_traffic_bytes(op, autocast=False, sixteen_bit_weights=True, **common) for op in block.ops]
     assert sum(b for _, b in uniform) > 0  # the residual stream's gradient sums, the bias gradients
     assert sum(f for f, _ in uniform) < sum(f for f, _ in autocast) / 3
     assert sum(b for _, b in uniform) < sum(b for _, b in autocast) / 2
+
+
+def test_an_op_without_the_uniform_figure_is_costed_at_its_own() -> None:
+    """A graph written before `Op.eager_uniform_extra_bytes` existed (or an op given by hand) has none: over 16-bit
+    weights its `eager_extra_bytes` are costed (exact for an fp32 graph, an upper bound for a 16-bit one), not
+    nothing."""
+    op = next(op for op in gpt_block(TransformerShape(layers=1, hidden=256, heads=4), 128, 4).ops
+              if op.eager_extra_bytes[1] > 0)
+    old = op.model_copy(update={"eager_uniform_extra_bytes": None})
+    common = {"samples": 1.0, "tp": 1, "strategy": ShardStrategy.REPLICATE, "autocast": False}
+    assert eager_traffic_bytes(old, sixteen_bit_weights=True, **common) == eager_traffic_bytes(old, **common)
+    assert eager_traffic_bytes(old, sixteen_bit_weights=True, **common)[1] > 0
