@@ -35,11 +35,13 @@ def test_eager_autocast_keeps_a_16_bit_copy_of_every_multiplied_weight_per_micro
     h = 256  # per block q, k, v, o and the MLP with their biases (norms and lookup tables are not multiplied),
     multiplied = 4 * (4 * (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)) + 1024 * h  # and the tied head's table
     for workload, copies in ((fused, 0), (fused.model_copy(update={"eager": True}), 2),
-                             (Workload(global_batch=8, seq_len=64, dtype=DType.FP32, eager=True), 0)):
+                             (Workload(global_batch=8, seq_len=64, dtype=DType.FP32, eager=True), 0),
+                             (fused.model_copy(update={"eager": True, "eager_16bit_weights": True}), 0)):
         sim = Simulator(model, cluster, workload)
         report = sim.simulate(plan)
         first, last = (report.stages[i].memory for i in (0, -1))
-        base = Simulator(model, cluster, workload.model_copy(update={"eager": False})).simulate(plan)
+        base = Simulator(model, cluster, workload.model_copy(update={"eager": False, "eager_16bit_weights": False})
+                         ).simulate(plan)
         extra_first = first.activations_bytes - base.stages[0].memory.activations_bytes
         extra_last = last.activations_bytes - base.stages[-1].memory.activations_bytes
         held = [sim.coster.multiplied_params(s) for s in plan.stages]
