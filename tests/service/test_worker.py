@@ -50,7 +50,7 @@ def test_worker_runs_a_plan(store: JobStore, workers: Any, wait_for: Any) -> Non
     assert result["request"]["workload"] == {"global_batch": 8, "seq_len": 16, "dtype": "bf16", "optimizer": "adam",
                                              "grad_reduce_dtype": "bf16", "grad_reduce_overlap": True,
                                              "tp_comm_overlap": False, "fused_attention": None,
-                                             "loss": "eager"}
+                                             "loss": "eager", "eager": None}  # fused kernels
 
 
 def searching(job: JobView) -> bool:
