@@ -3,9 +3,9 @@
 import pytest
 
 from tagplan.cost.calibration import DEFAULT_CALIBRATION
-from tagplan.cost.compute import block_time, eager_extra_s, eager_traffic_bytes
+from tagplan.cost.compute import block_time, eager_extra_s, eager_split, eager_traffic_bytes
 from tagplan.frontends.catalog import lookup_device
-from tagplan.frontends.families import TransformerShape, gpt_block, llama_block
+from tagplan.frontends.families import TransformerShape, gpt_block, llama_block, token_embedding
 from tagplan.ir.model import OpKind
 from tagplan.ir.plan import ShardStrategy
 from tagplan.ir.workload import DType
@@ -69,3 +69,17 @@ def test_an_op_without_the_uniform_figure_is_costed_at_its_own() -> None:
     common = {"samples": 1.0, "tp": 1, "strategy": ShardStrategy.REPLICATE, "autocast": False}
     assert eager_traffic_bytes(old, sixteen_bit_weights=True, **common) == eager_traffic_bytes(old, **common)
     assert eager_traffic_bytes(old, sixteen_bit_weights=True, **common)[1] > 0
+
+
+def test_a_vocabulary_parallel_lookup_moves_its_whole_output_on_every_device() -> None:
+    """A lookup's eager bytes are about its output: a vocabulary-parallel table (ROW) writes a whole partial sum on
+    every device, a hidden-split one (COLUMN) its share; replicated, whole."""
+    lookup = next(op for op in token_embedding(TransformerShape(layers=1, hidden=256, heads=4, vocab=1000), 128, 2).ops
+                  if op.kind is OpKind.EMBEDDING)
+    assert lookup.eager_extra_bytes[0] > 0  # fp32 rows read and written under autocast
+    assert eager_split(lookup, ShardStrategy.ROW, 4) == 1
+    assert eager_split(lookup, ShardStrategy.COLUMN, 4) == 4
+    assert eager_split(lookup, ShardStrategy.REPLICATE, 4) == 1
+    whole = eager_traffic_bytes(lookup, samples=1.0, tp=1, strategy=ShardStrategy.REPLICATE, autocast=False)
+    row = eager_traffic_bytes(lookup, samples=1.0, tp=4, strategy=ShardStrategy.ROW, autocast=False)
+    assert row == whole

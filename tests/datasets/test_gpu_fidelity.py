@@ -91,3 +91,28 @@ def test_the_shipped_measured_causal_figures_are_the_committed_fit_rounded() -> 
     fit = json.loads((BENCH / "results" / "causal_attention.json").read_text())
     assert round(fit["causal_time_fraction"], 3) == MEASURED_CAUSAL_TIME_FRACTION
     assert round(fit["causal_diagonal_tokens"]) == MEASURED_CAUSAL_DIAGONAL_TOKENS
+
+
+@pytest.mark.slow
+def test_the_traced_ops_fit_files_the_steps_kernels_under_the_gpu_and_finds_them_faster_than_the_op_grid(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/fidelity.py's "traced ops": the H200's Kineto steps imported as `tagplan traces import` does and fitted;
+    its GEMMs, timed inside real steps, run nearer the sustained peak than the standalone op grid's (FIDELITY (d));
+    no Kineto steps (the H100) or no device: no variant."""
+    from tagplan.datasets.traces.bundle import read_bundle
+    from tagplan.frontends.catalog import lookup_device
+    from tagplan.ir.model import OpKind
+    from tagplan.training.calibrate import fit_calibration
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    fidelity = load_bench("fidelity")
+    h200, spec = BENCH / "data" / "gpu" / "h200", lookup_device("H200-SXM")
+    traced = fidelity._traced_ops(h200, spec)
+    assert traced is not None and spec.name in traced.launch_by_device
+    assert {f"{spec.name}/elementwise", f"{spec.name}/layernorm"} <= set(traced.memory_efficiency)
+    grid = fit_calibration([read_bundle(h200 / "ops")], iterations=False).calibration
+    steps, alone = traced.curve(spec.name, OpKind.MATMUL), grid.curve(spec.name, OpKind.MATMUL)
+    assert steps is not None and alone is not None
+    assert steps.at(1e11) > 1.2 * alone.at(1e11)
+    assert fidelity._traced_ops(H100, lookup_device("H100-SXM")) is None
+    assert fidelity._traced_ops(h200, None) is None

@@ -59,6 +59,7 @@ def test_each_row_is_the_fsdp_iteration_it_ran(bench: ModuleType, data: dict[str
         assert (stage.dp, stage.zero, stage.recompute) == (row["gpus"], 3, row["activation_checkpointing"])
         assert case.plan.micro_batches == row["grad_accum"]
         assert case.workload.loss is LossKernel.FUSED and case.workload.fused_attention
+        assert case.workload.eager and case.workload.eager_16bit_weights and not case.workload.autocast  # FSDP's
         report = Simulator(case.model, case.cluster, case.workload).simulate(case.plan)
         assert report.stages[0].samples_per_micro_batch == row["micro_batch_size"]
         tokens_per_s_per_gpu = row["global_batch"] * row["seq_len"] / (case.measured_s * row["gpus"])
