@@ -63,7 +63,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tagplan.cost.calibration import Calibration, LayerTime
-from tagplan.cost.sharding import divides, param_split
+from tagplan.cost.sharding import Layout, divides, layouts, param_split
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.model import Block, Op, OpKind
 from tagplan.ir.plan import ShardStrategy
@@ -200,17 +200,16 @@ def eager_traffic_bytes(op: Op, *, samples: float, tp: int, strategy: ShardStrat
 
 
 def eager_split(op: Op, strategy: ShardStrategy, tp: int) -> int:
-    """How many ways `op`'s `Op.eager_extra_bytes` divide over a `tp`-way group: a projection's are about its input
-    (the input's cast, its gradient's cast and sums), which a column-parallel projection reads whole on every
-    device; a lookup's about its output, which a vocabulary-parallel table writes whole (a partial sum); the rest
-    divide as the op's activations do (`sharding.divides`)."""
-    if tp <= 1 or not divides(strategy):
+    """How many ways `op`'s `Op.eager_extra_bytes` divide over a `tp`-way group: as the tensor they are about lies
+    on it (`sharding.layouts`). A lookup's are about its output, which a vocabulary-parallel table writes whole (a
+    partial sum); every other op's about its input (a projection's cast of it, its gradient's cast and sums; a
+    pointwise op's input is laid out as its output), which a column-parallel projection reads whole on every
+    device."""
+    if tp <= 1:
         return 1
-    if op.kind in _GEMM_KINDS and strategy is ShardStrategy.COLUMN:
-        return 1
-    if op.kind is OpKind.EMBEDDING and strategy is ShardStrategy.ROW:
-        return 1
-    return tp
+    laid = layouts(op, strategy)
+    about = laid.output if laid.input is None else laid.input
+    return tp if about in (Layout.H, Layout.S) else 1
 
 
 def _amax_s(input_bytes: float, output_bytes: float, *, dtype: DType, spec: DeviceSpec,
