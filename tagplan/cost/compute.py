@@ -147,15 +147,23 @@ def _scaled(forward_s: float, backward_s: float, spec: DeviceSpec, calibration: 
     return OpTime(forward_s * scale, backward_s * scale)
 
 
-def issued_kernels(op: Op, *, eager: bool, autocast: bool) -> tuple[int, int]:
+_CASTS_KEPT_IN_16_BITS = (OpKind.ELEMENTWISE, OpKind.SOFTMAX)
+"""Kinds of op whose `Op.eager_cast_kernels` a program held in 16 bits still issues: the rotary's tables, computed
+in fp32, cast to the activations' dtype; the loss's logits cast up (`.float()`). A projection's casts (of its
+weight, bias and an fp32 input) and an expert combine's (its output to the fp32 routing weights) are autocast's."""
+
+
+def issued_kernels(op: Op, *, eager: bool, autocast: bool, sixteen_bit_weights: bool = False) -> tuple[int, int]:
     """(forward, backward) kernels the host issues for `op` per micro-batch: its eager PyTorch count under an
-    eager runtime where the model gives one (less autocast's casts, `Op.eager_cast_kernels`, when the runtime
-    computes in the weights' dtype: `autocast` False), else one forward and two backward (none for a view).
-    Only an eager runtime pays for them (`Calibration.host_issue_s`)."""
+    eager runtime where the model gives one, else one forward and two backward (none for a view). A runtime
+    computing in the weights' dtype (`autocast` False) issues no autocast casts (`Op.eager_cast_kernels`), but over
+    16-bit weights (`sixteen_bit_weights`) it still makes the casts of `_CASTS_KEPT_IN_16_BITS`' ops: the rotary's
+    tables to the activations' dtype, the loss's logits up. Only an eager runtime pays for them
+    (`Calibration.host_issue_s`)."""
     if op.kind is OpKind.VIEW:
         return 0, 0
     if eager and op.eager_kernels is not None:
-        if autocast:
+        if autocast or (sixteen_bit_weights and op.kind in _CASTS_KEPT_IN_16_BITS):
             return op.eager_kernels
         return (op.eager_kernels[0] - op.eager_cast_kernels[0], op.eager_kernels[1] - op.eager_cast_kernels[1])
     return 1, 2
@@ -257,7 +265,8 @@ def block_time(block: Block, strategies: dict[str, ShardStrategy], *, samples: f
                                   sixteen_bit_weights=sixteen_bit_weights)
             forward += extra.forward_s
             backward += extra.backward_s
-        k_forward, k_backward = issued_kernels(op, eager=eager, autocast=autocast)
+        k_forward, k_backward = issued_kernels(op, eager=eager, autocast=autocast,
+                                               sixteen_bit_weights=sixteen_bit_weights)
         kernels_forward += k_forward
         kernels_backward += k_backward
     host_s = calibration.host_issue_s(spec.name, eager=eager, queued=spec.queued)

@@ -59,9 +59,10 @@ def _forward_kernels(module: nn.Module, x: torch.Tensor, *, autocast: bool = Tru
     return mode.count, backward
 
 
-def _totals(block: Block, *, autocast: bool = True) -> tuple[int, int]:
+def _totals(block: Block, *, autocast: bool = True, sixteen_bit_weights: bool = False) -> tuple[int, int]:
     assert all(op.eager_kernels is not None for op in block.ops)
-    kernels = [issued_kernels(op, eager=True, autocast=autocast) for op in block.ops]
+    kernels = [issued_kernels(op, eager=True, autocast=autocast, sixteen_bit_weights=sixteen_bit_weights)
+               for op in block.ops]
     return sum(k[0] for k in kernels), sum(k[1] for k in kernels)
 
 
@@ -99,25 +100,55 @@ def test_without_autocast_the_blocks_issue_their_kernels_less_the_casts() -> Non
 
 
 @pytest.mark.parametrize("experts", [4, 8])
-@pytest.mark.parametrize("autocast", [True, False])
+@pytest.mark.parametrize("runtime", ["autocast", "fp32", "bf16-weights"])
 def test_an_expert_bank_issues_the_kernels_of_the_torch_programs_loop_over_its_experts(experts: int,
-                                                                                      autocast: bool) -> None:
+                                                                                      runtime: str) -> None:
     """The moe block's kernels beyond a llama block's (router, routing, every expert's GEMMs and its gathers and
-    scatters) against the same difference between the exported program's moe and llama blocks."""
+    scatters) against the same difference between the exported program's moe and llama blocks, under autocast, in
+    fp32 and held in bf16 (no autocast: the combine casts nothing back)."""
     from tagplan.export.modules import Block as ProgramBlock
     from tagplan.export.shapes import model_config
 
     torch.manual_seed(0)
     dense = "llama?layers=1&hidden=64&heads=4&kv_heads=2&vocab=100&ffn=128"
+    dtype, default = torch.bfloat16 if runtime == "bf16-weights" else torch.float32, torch.get_default_dtype()
     counted = []
     for spec in (dense, f"moe?layers=1&hidden=64&heads=4&kv_heads=2&vocab=100&ffn=128&experts={experts}&top_k=2"):
-        block = ProgramBlock(model_config(spec, seq_len=16))
+        torch.set_default_dtype(dtype)
+        try:
+            block = ProgramBlock(model_config(spec, seq_len=16))
+        finally:
+            torch.set_default_dtype(default)
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.1)
-        forward, backward = _forward_kernels(block, torch.randn(2, 16, 64), autocast=autocast)
+        forward, backward = _forward_kernels(block, torch.randn(2, 16, 64, dtype=dtype), autocast=runtime == "autocast")
         counted.append((forward, backward()))
     shape = TransformerShape(layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100, experts=experts, top_k=2)
-    ir_dense, ir_moe = _totals(llama_block(shape, 16, 2), autocast=autocast), _totals(
-        llama_block(shape, 16, 2, moe=True), autocast=autocast)
+    flags = {"autocast": runtime == "autocast", "sixteen_bit_weights": runtime == "bf16-weights"}
+    ir_dense = _totals(llama_block(shape, 16, 2), **flags)
+    ir_moe = _totals(llama_block(shape, 16, 2, moe=True), **flags)
     assert ir_moe[0] - ir_dense[0] == counted[1][0] - counted[0][0]  # e.g. 66 forward with 4 experts under autocast
     assert ir_moe[1] - ir_dense[1] == pytest.approx(counted[1][1] - counted[0][1], abs=1)
+
+
+def test_over_16_bit_weights_the_blocks_issue_their_kernels_less_the_weights_and_inputs_casts() -> None:
+    """A module held in bf16 and run without autocast (FSDP's mixed precision, `Workload.eager_16bit_weights`)
+    casts no weight or input; the Llama block still casts its rotary tables (computed in fp32) to bf16."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        gpt = _Block(64, 4)
+        shape = TransformerShape(layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100)
+        llama = LlamaBlock(shape, tp=1)
+    finally:
+        torch.set_default_dtype(default)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    forward, backward = _forward_kernels(gpt, x, autocast=False)
+    ir_forward, ir_backward = _totals(gpt_block(TransformerShape(layers=1, hidden=64, heads=4), 16, 2),
+                                      autocast=False, sixteen_bit_weights=True)
+    assert ir_forward == pytest.approx(forward, abs=1)
+    assert ir_backward == pytest.approx(backward(), abs=1)
+    forward, _ = _forward_kernels(llama, x, autocast=False)
+    block = llama_block(shape, 16, 2)
+    assert _totals(block, autocast=False, sixteen_bit_weights=True)[0] == forward
+    assert _totals(block, autocast=False)[0] < forward  # an fp32 program casts no table
