@@ -178,7 +178,8 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
 
         batch = problem.workload.global_batch
         admissible = lambda p: can_export(p, exportable, problem.model, global_batch=batch, spec=spec,  # noqa: E731
-                                          cluster=problem.cluster, tp_comm_overlap=problem.workload.tp_comm_overlap)
+                                          cluster=problem.cluster, tp_comm_overlap=problem.workload.tp_comm_overlap,
+                                          dtype=problem.workload.dtype)
         overlap = reduce_overlap(exportable, problem.workload, problem.cluster)
 
     prior = prior_factory(problem.scorer, Registry(), problem.cluster.num_devices,
@@ -219,8 +220,8 @@ def _plan(args: argparse.Namespace) -> int:
         what = f"plan that {args.exportable} runs" if args.exportable else "plan"
         why = (f"no {what} fits in memory: the best needs {result.best.report.peak_memory_bytes / 2**30:.1f} GiB "
                f"on device {result.best.report.worst_device}" if not result.best.report.fits else
-               f"--exportable {args.exportable}: no plan that format runs fits in memory; the plan shown is not "
-               f"one ({refused})")
+               f"--exportable {args.exportable}: the search found no plan that format runs and that fits in memory; "
+               f"the plan shown is not one ({refused})")
         print(why + ("" if not args.out else f"; {args.out} not written (--allow-infeasible writes it)"),
               file=sys.stderr)
     return EXIT_INFEASIBLE

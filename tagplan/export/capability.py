@@ -125,7 +125,7 @@ def reduce_overlap(fmt: Target | str, workload: Workload, cluster: Cluster | Non
 
 def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_batch: int | None = None,
                spec: ModelSpec | None = None, cluster: Cluster | None = None,
-               tp_comm_overlap: bool = False) -> str | None:
+               tp_comm_overlap: bool = False, dtype: DType | None = None) -> str | None:
     """None when format `fmt` can run `plan`, else the reason (naming the stage and the field).
 
     Without `model` only what the plan alone decides is checked; `global_batch` adds the
@@ -135,6 +135,8 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
     launch on its nodes in the format's rank order (Megatron-LM and DeepSpeed number ranks stage by
     stage, so without it the first stage's devices must be devices 0..n-1) and, with `tp_comm_overlap`
     (the plan costed so), where Megatron's `--tp-comm-overlap` runs (`megatron.tp_overlap_refusal`).
+    `dtype` (the workload's): whether the format computes in it on the plan's devices (the torch program no
+    quantized recipe; Transformer Engine's fp8 only on GPUs with fp8 tensor cores).
     ValueError for an unknown format.
     """
     if fmt not in TARGETS:
@@ -156,11 +158,15 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
             else:
                 deepspeed.deepspeed_config(model, plan, global_batch=global_batch or _batch(plan),
                                            seq_len=model.seq_len, cluster=cluster)
-        elif model is not None:
-            from tagplan.export.torch_checks import check_expressible, torch_config
+        else:
+            from tagplan.export.torch_checks import check_dtype, check_expressible, check_sequence_split, torch_config
 
-            config = torch_config(spec, seq_len=model.seq_len) if spec is not None else None
-            check_expressible(plan, model, config=config)
+            if dtype is not None:
+                check_dtype(dtype)
+            if model is not None:
+                config = torch_config(spec, seq_len=model.seq_len) if spec is not None else None
+                check_expressible(plan, model, config=config)
+                check_sequence_split(plan, model, seq_len=model.seq_len)
     except (SpecError, ValueError) as err:
         return str(err)
     return None
@@ -175,8 +181,13 @@ def model_refusal(fmt: str, model: ModelGraph, spec: ModelSpec | None = None) ->
     if fmt == "megatron":
         return megatron.model_refusal(model)
     if fmt == "torch":
+        from tagplan.export.torch_checks import check_dtype
         from tagplan.export.torch_checks import model_refusal as torch_refusal
 
+        try:
+            check_dtype(model.dtype)
+        except SpecError as err:
+            return str(err)
         return torch_refusal(model, spec)
     return None  # DeepSpeed's config describes the parallelism, not the model
 
@@ -195,7 +206,7 @@ def verdicts(plan: Plan, model: ModelGraph, workload: Workload, *,
             out[fmt] = str(err)
             continue
         out[fmt] = exportable(plan, fmt, model, global_batch=workload.global_batch, spec=spec, cluster=cluster,
-                              tp_comm_overlap=workload.tp_comm_overlap)
+                              tp_comm_overlap=workload.tp_comm_overlap, dtype=workload.dtype)
     return out
 
 

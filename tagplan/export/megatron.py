@@ -135,7 +135,7 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     if seq_len != model.seq_len:
         raise refuse(FMT, f"seq_len={seq_len} but the model graph was built at {model.seq_len} tokens")
     dp, tp = plan_checks(plan, cluster, tp_comm_overlap=tp_comm_overlap, model=model)
-    if cluster is not None and (why := block_scaling_refusal(plan, cluster, model.dtype)):
+    if cluster is not None and (why := quantized_refusal(plan, cluster, model.dtype)):
         raise refuse(FMT, why)
     pp, chunks = _pipeline_depth(plan)
     _check_sharding(model, plan)
@@ -165,18 +165,28 @@ def megatron_arguments(model: ModelGraph, plan: Plan, *, global_batch: int, seq_
     return args + reduce_args + _DTYPE_FLAG[model.dtype]
 
 
-def block_scaling_refusal(plan: Plan, cluster: Cluster, dtype: DType) -> str | None:
-    """Why Transformer Engine cannot run `dtype` on the plan's devices (None: it can): its block-scaled
-    recipes (mxfp8, nvfp4) need Blackwell's block-scaled tensor cores (sm100+; the catalog marks them by
-    an fp4 rate), which it uses in place of the fallback rate the cost model gives other devices."""
-    if not dtype.block_scaled:
+def quantized_refusal(plan: Plan, cluster: Cluster, dtype: DType) -> str | None:
+    """Why Transformer Engine cannot run quantized recipe `dtype` on the plan's devices (None: it can, or `dtype`
+    is not quantized). The block-scaled recipes (mxfp8, nvfp4) need Blackwell's block-scaled tensor cores (sm100+;
+    the catalog marks them by an fp4 rate), the per-tensor fp8 ones (fp8, fp8-cs) fp8 tensor cores (sm89+: Ada,
+    Hopper, Blackwell; an fp8 rate): Transformer Engine refuses them elsewhere, where the cost model gives such a
+    device its fallback rate (`DeviceSpec.peak_flops`)."""
+    if not dtype.quantized:
         return None
-    specs = (cluster.device(d).spec for d in plan.devices)
-    lacking = sorted({spec.name for spec in specs if spec.peak_flops_fp4 is None})
+    specs = {cluster.device(d).spec.name: cluster.device(d).spec for d in plan.devices}
+    if dtype.block_scaled:
+        lacking = sorted(name for name, spec in specs.items() if spec.peak_flops_fp4 is None)
+        needs = "runs block-scaled GEMMs only on Blackwell (sm100+) GPUs"
+    else:
+        lacking = sorted(name for name, spec in specs.items() if spec.peak_flops_fp8 is None)
+        needs = "runs fp8 GEMMs only on GPUs with fp8 tensor cores (sm89+: Ada, Hopper, Blackwell)"
     if not lacking:
         return None
-    return (f"dtype {dtype.value}: Transformer Engine runs block-scaled GEMMs only on Blackwell (sm100+) GPUs; the "
-            f"plan uses {', '.join(lacking)}. Plan in fp8 or fp8-cs (per-tensor scaling) for these devices")
+    fp8_everywhere = all(spec.peak_flops_fp8 is not None for spec in specs.values())
+    instead = ("fp8 or fp8-cs (per-tensor scaling)" if dtype.block_scaled and fp8_everywhere
+               else "bf16 (or fp16 where a GPU has no bf16 tensor cores)")
+    return (f"dtype {dtype.value}: Transformer Engine {needs}; the plan uses {', '.join(lacking)}. Plan in "
+            f"{instead} for these devices")
 
 
 def tp_overlap_refusal(plan: Plan, cluster: Cluster) -> str | None:

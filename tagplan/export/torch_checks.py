@@ -24,7 +24,7 @@ from tagplan.export.tp_flow import (
 )
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
 from tagplan.ir.model import ModelGraph, OpKind
-from tagplan.ir.plan import Plan, ShardStrategy, Stage
+from tagplan.ir.plan import Plan, ShardStrategy, Stage, check_whole_samples
 from tagplan.ir.workload import DType
 
 _SPLITTABLE = (ShardStrategy.COLUMN, ShardStrategy.ROW, ShardStrategy.REPLICATE)
@@ -242,3 +242,43 @@ def check_reduce_dtype_of(dtype: DType, grad_reduce_dtype: DType | None) -> None
                           f"{dtype.value}: bf16/fp16 run under autocast over them), so its gradients cross the "
                           "data-parallel group in fp32; it accepts grad_reduce_dtype fp32 or unset (re-plan with "
                           "--grad-reduce-dtype fp32 to cost it as it runs)")
+
+
+def check_dtype(dtype: DType) -> None:
+    """ExportError for a dtype the torch program cannot compute in: a quantized recipe (it runs bf16/fp16
+    autocast, not Transformer Engine's quantized GEMMs)."""
+    if dtype.quantized:
+        raise ExportError(f"dtype {dtype.value}: the torch program runs bf16/fp16 autocast, not Transformer "
+                          "Engine's quantized GEMMs; export to megatron (--fp8-format/--fp4-format) or plan in bf16")
+
+
+def check_batch(plan: Plan, model: ModelGraph, *, seq_len: int, global_batch: int) -> None:
+    """ExportError unless every replica gets whole samples of every micro-batch and the sequence splits over
+    every stage's tp group where the program splits it (`check_sequence_split`)."""
+    try:
+        check_whole_samples(plan, global_batch)
+    except ValueError as err:
+        raise ExportError(f"global_batch={global_batch}: {err}") from None
+    check_sequence_split(plan, model, seq_len=seq_len)
+
+
+def check_sequence_split(plan: Plan, model: ModelGraph, *, seq_len: int) -> None:
+    """ExportError unless, under sequence parallelism or a token-split matmul, every stage's tp divides the
+    sequence (each rank takes an equal part)."""
+    sp = sequence_parallel(plan, model)
+    for i, stage in enumerate(plan.stages):
+        if stage.tp == 1 or not seq_len % stage.tp:
+            continue
+        if sp:
+            raise ExportError(f"seq_len={seq_len} does not split over stages[{i}].tp={stage.tp} ranks: the norms "
+                              "are 'sequence' (sequence parallel), so the sequence must be a multiple of tp")
+        split = sorted({op for j in range(*stage.layers) for op, st in strategies_for(model, stage, j).items()
+                        if st is ShardStrategy.SEQUENCE and _op_kind(model, j, op) is OpKind.MATMUL})
+        if split:
+            raise ExportError(f"seq_len={seq_len} does not split over stages[{i}].tp={stage.tp} ranks: matmuls "
+                              f"{split[:4]} are token-split ('sequence'), so the sequence must be a multiple of tp")
+
+
+def _op_kind(model: ModelGraph, layer: int, op: str) -> OpKind | None:
+    """The kind of op `op` of layer `layer` (None: no such op)."""
+    return next((o.kind for o in model.block_of(layer).ops if o.name == op), None)

@@ -75,6 +75,8 @@ from tagplan.export.node_launch import launch_scripts, rank_table
 from tagplan.export.runtime_train import PROGRAM_FORMAT
 from tagplan.export.shapes import ModelConfig, model_config, parsed
 from tagplan.export.torch_checks import (
+    check_batch,
+    check_dtype,
     check_expressible,
     check_reduce_dtype_of,
     sequence_parallel,
@@ -86,7 +88,7 @@ from tagplan.frontends.hf_config import config_path
 from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, build_model
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph, OpKind
-from tagplan.ir.plan import Plan, Schedule, ShardStrategy, check_whole_samples
+from tagplan.ir.plan import Plan, Schedule
 from tagplan.ir.workload import DType, LossKernel, Optimizer
 
 FMT = "torch"
@@ -210,32 +212,6 @@ def grad_reduce(plan: Plan, runtime: str, *, dtype: DType, grad_reduce_dtype: DT
     return GradReduce(dtype=DType.FP32, overlap=not exposed, notes=tuple(notes))
 
 
-def check_batch(plan: Plan, model: ModelGraph, *, seq_len: int, global_batch: int) -> None:
-    """ExportError unless every replica gets whole samples of every micro-batch and, under sequence
-    parallelism, every stage's tp divides the sequence."""
-    try:
-        check_whole_samples(plan, global_batch)
-    except ValueError as err:
-        raise ExportError(f"global_batch={global_batch}: {err}") from None
-    sp = sequence_parallel(plan, model)
-    for i, stage in enumerate(plan.stages):
-        if stage.tp == 1 or not seq_len % stage.tp:
-            continue
-        if sp:
-            raise ExportError(f"seq_len={seq_len} does not split over stages[{i}].tp={stage.tp} ranks: the norms "
-                              "are 'sequence' (sequence parallel), so the sequence must be a multiple of tp")
-        split = sorted({op for j in range(*stage.layers) for op, st in strategies_for(model, stage, j).items()
-                        if st is ShardStrategy.SEQUENCE and _op_kind(model, j, op) is OpKind.MATMUL})
-        if split:
-            raise ExportError(f"seq_len={seq_len} does not split over stages[{i}].tp={stage.tp} ranks: matmuls "
-                              f"{split[:4]} are token-split ('sequence'), so the sequence must be a multiple of tp")
-
-
-def _op_kind(model: ModelGraph, layer: int, op: str) -> OpKind | None:
-    """The kind of op `op` of layer `layer` (None: no such op)."""
-    return next((o.kind for o in model.block_of(layer).ops if o.name == op), None)
-
-
 def _carry_user_file(spec: ModelSpec, out_dir: Path) -> str | None:
     """For a `file.py:factory` or config.json SPEC, copy the file beside the program and return the
     SPEC naming the copy (the program runs in its folder); None for every other SPEC (a
@@ -269,9 +245,7 @@ def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, 
     a sample.
     """
     text = model_spec.text if isinstance(model_spec, ModelSpec) else model_spec  # what plan.json names
-    if dtype.quantized:
-        raise ExportError(f"dtype {dtype.value}: the torch program runs bf16/fp16 autocast, not Transformer "
-                          "Engine's quantized GEMMs; export to megatron (--fp8-format/--fp4-format) or plan in bf16")
+    check_dtype(dtype)
     try:
         spec = parsed(model_spec)
         config = model_config(spec, seq_len=seq_len)

@@ -303,13 +303,17 @@ def even_bounds(layers: int, parts: int) -> list[int]:
 
 
 def data_parallel_best(sim: Simulator, judge: Judge, nodes: Sequence[int], *, complete: bool = False) -> Baseline:
-    """The fastest pure data-parallel plan on `nodes`: every device a whole-model replica."""
-    devices = tuple(d for n in nodes for d in sim.cluster.node_devices(n))
-    batch, n = sim.workload.global_batch, len(devices)
-    if batch % n:
-        return Baseline("data_parallel", None, f"the global batch {batch} does not split into equal whole shares over "
-                                               f"{n} devices (plain data parallelism gives every replica the same "
-                                               "share; the planner's own plans may split it unevenly)")
+    """The fastest pure data-parallel plan on `nodes`: every device a whole-model replica, each with the same whole
+    number of samples. Where the global batch does not split so over all of them, as a practitioner runs it: on
+    as many devices as it does split over (the fastest of them; the rest idle)."""
+    on = tuple(d for n in nodes for d in sim.cluster.node_devices(n))
+    batch = sim.workload.global_batch
+    n = max(d for d in divisors(batch) if d <= len(on))
+    dtype = sim.workload.dtype
+    fastest = sorted(on, key=lambda d: -sim.cluster.devices[d].spec.sustained_peak_flops(dtype))[:n]
+    devices = tuple(sorted(fastest))
+    idle = f", on {n} of the {len(on)} devices (the global batch {batch} splits evenly over no more)" \
+        if n < len(on) else ""
     best: tuple[Candidate, str] | None = None
     for recompute in (False, True):
         for zero in range(4) if n > 1 else (0,):
@@ -323,7 +327,7 @@ def data_parallel_best(sim: Simulator, judge: Judge, nodes: Sequence[int], *, co
                 best = found
     if best is None:
         return Baseline("data_parallel", None, "a whole-model replica does not fit in memory at any ZeRO stage")
-    return Baseline("data_parallel", best[0], config=best[1])
+    return Baseline("data_parallel", best[0], config=best[1] + idle)
 
 
 def _time(b: Baseline) -> float:

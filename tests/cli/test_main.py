@@ -286,7 +286,8 @@ def test_plan_exportable_exits_1_when_the_format_runs_no_plan_that_fits(tmp_path
             "--out", str(out)]
     assert main(args) == 1
     captured = capsys.readouterr()
-    assert "--exportable deepspeed: no plan that format runs fits in memory" in " ".join(captured.err.split())
+    assert "--exportable deepspeed: the search found no plan that format runs and that fits in memory" in " ".join(
+        captured.err.split())
     assert "note: no plan the search simulated is admissible (deepspeed: refused here)" in " ".join(
         captured.out.split())
     assert not out.exists()

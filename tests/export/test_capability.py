@@ -201,3 +201,19 @@ def test_a_format_refuses_a_model_family_it_cannot_build_whatever_the_plan() -> 
     assert model_refusal("torch", load_model(moe, seq_len=16), parse_model_spec(moe)) is None  # at tp 1
     with pytest.raises(ValueError, match="unknown export format"):
         model_refusal("jax", gpt)
+
+
+def test_the_torch_verdict_holds_every_check_its_exporter_makes() -> None:
+    """What `export --format torch` refuses, the verdict refuses too: a sequence that does not split over a
+    sequence-parallel stage's tp ranks, and a quantized recipe (the program runs bf16/fp16 autocast)."""
+    from tagplan.export.capability import verdicts
+
+    plan = Plan(micro_batches=1, stages=(Stage(layers=(0, 4), devices=(0, 1, 2, 3), tp=4),))
+    odd = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=18)
+    assert "seq_len=18 does not split over stages[0].tp=4" in (exportable(plan, "torch", odd) or "")
+    even = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=16)
+    assert exportable(plan, "torch", even) is None
+    fp8 = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=16, dtype=DType.FP8)
+    found = verdicts(plan, fp8, Workload(global_batch=4, seq_len=16, dtype=DType.FP8))
+    assert "dtype fp8: the torch program runs bf16/fp16 autocast" in (found["torch"] or "")
+    assert verdicts(plan, even, Workload(global_batch=4, seq_len=16))["torch"] is None

@@ -9,7 +9,7 @@ import pytest
 from tagplan.export import ExportError
 from tagplan.export.capability import exportable
 from tagplan.export.deepspeed import deepspeed_config
-from tagplan.export.megatron import block_scaling_refusal, megatron_arguments
+from tagplan.export.megatron import megatron_arguments, quantized_refusal
 from tagplan.export.torch_program import write_torch_program
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.model_spec import load_model
@@ -33,12 +33,18 @@ def test_megatron_writes_each_recipe_as_its_flags(dtype: DType, flags: list[str]
     assert "--bf16" in args and args.count("--bf16") == 1
 
 
-def test_block_scaled_recipes_are_refused_where_transformer_engine_cannot_run_them() -> None:
-    h100 = load_cluster("dgx-h100")
-    assert block_scaling_refusal(PLAN, h100, DType.FP8_CS) is None
-    assert block_scaling_refusal(PLAN, load_cluster("dgx-b300"), DType.NVFP4) is None
-    why = block_scaling_refusal(PLAN, h100, DType.MXFP8) or ""
-    assert "dtype mxfp8" in why and "H100-SXM" in why and "Blackwell" in why
+def test_quantized_recipes_are_refused_where_transformer_engine_cannot_run_them() -> None:
+    h100, a100 = load_cluster("dgx-h100"), load_cluster("dgx-a100-80gb")
+    assert quantized_refusal(PLAN, h100, DType.FP8_CS) is None
+    assert quantized_refusal(PLAN, load_cluster("dgx-b300"), DType.NVFP4) is None
+    assert quantized_refusal(PLAN, a100, DType.BF16) is None
+    why = quantized_refusal(PLAN, h100, DType.MXFP8) or ""
+    assert "dtype mxfp8" in why and "H100-SXM" in why and "Blackwell" in why and "Plan in fp8 or fp8-cs" in why
+    for dtype in (DType.FP8, DType.FP8_CS, DType.MXFP8):  # an A100 has no fp8 tensor cores: bf16 is the advice
+        why = quantized_refusal(PLAN, a100, dtype) or ""
+        assert f"dtype {dtype.value}" in why and "A100-SXM-80GB" in why and "Plan in bf16" in why
+    model = load_model(SPEC, seq_len=16, dtype=DType.FP8)
+    assert "A100-SXM-80GB" in (exportable(PLAN, "megatron", model, global_batch=8, cluster=a100) or "")
     model = load_model(SPEC, seq_len=16, dtype=DType.NVFP4)
     assert "H100-SXM" in (exportable(PLAN, "megatron", model, global_batch=8, cluster=h100) or "")
     assert exportable(PLAN, "megatron", model, global_batch=8, cluster=load_cluster("gb300-nvl72")) is None

@@ -231,3 +231,19 @@ def test_a_group_of_unequal_memories_fits_only_within_its_smallest() -> None:
         assert sim.fits(plan) == own == sim.simulate(plan).fits
         checked.append((own, 40e9 < max(held.values()) <= 80e9))
     assert (True, False) in checked and (False, True) in checked  # fits, and too big only for the 40 GB ones
+
+
+def test_data_parallelism_runs_on_as_many_of_the_fastest_devices_as_the_batch_splits_over() -> None:
+    """A global batch that does not split into equal whole shares over every device (6 samples, 12 GPUs) runs as
+    a practitioner runs it: on as many devices as it does split over (6), the fastest ones (the A100s), the rest
+    idle; every replica a whole number of samples."""
+    sim = Simulator(load_model("gpt?layers=2&hidden=256&heads=4&vocab=1024", seq_len=128),
+                    load_cluster("p3.8xlarge+dgx-a100-80gb"), Workload(global_batch=6, seq_len=128))
+    found = baselines.data_parallel_best(sim, SimulatorEvaluator(PlanSpace(sim)).candidate, range(2))
+    assert found.candidate is not None, found.config
+    (stage,) = found.candidate.plan.stages
+    assert stage.dp == 6 and all(sim.cluster.devices[d].spec.name.startswith("A100") for d in stage.devices)
+    assert "on 6 of the 12 devices" in found.config
+    one = Simulator(sim.model, load_cluster("dgx-a100-80gb"), Workload(global_batch=1, seq_len=128))
+    single = baselines.data_parallel_best(one, SimulatorEvaluator(PlanSpace(one)).candidate, range(1))
+    assert single.candidate is not None and single.candidate.plan.stages[0].devices == (0,)
