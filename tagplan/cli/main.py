@@ -45,3 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `tagplan ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    except OSError as exc:  # a file or folder the command was told to read or write: the path and what is wrong
+        if args.verbose:
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"tagplan: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT

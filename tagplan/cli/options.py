@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -47,6 +48,17 @@ Subparsers = argparse._SubParsersAction
 
 ATTENTION_KERNELS: dict[str, bool | None] = {"auto": None, "fused": True, "unfused": False}
 """`--attention` -> `Workload.fused_attention`."""
+
+
+def output_file(text: str) -> str:
+    """argparse type: a file this command may write (its folder exists; it is not a folder), checked before the
+    command's work, so that a search is not thrown away for a mistyped path."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name in it")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(path.parent)!r} does not exist")
+    return text
 
 
 def positive_int(text: str) -> int:

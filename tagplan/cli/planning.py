@@ -23,6 +23,7 @@ from tagplan.cli.options import (
     emit,
     load_calibration_option,
     load_problem,
+    output_file,
     positive_float,
     positive_int,
 )
@@ -40,8 +41,10 @@ def add_planning_commands(sub: Subparsers) -> None:
     add_problem_options(sim)
     sim.add_argument("--plan", required=True, help="a Plan JSON file, or a baseline: dp | megatron")
     _add_comm_mode(sim)
-    sim.add_argument("--timeline", default=None, metavar="OUT.json", help="write a Chrome trace (open in Perfetto)")
-    sim.add_argument("--plan-out", default=None, metavar="PLAN.json", help="write the simulated plan (for baselines)")
+    sim.add_argument("--timeline", default=None, type=output_file, metavar="OUT.json",
+                     help="write a Chrome trace (open in Perfetto)")
+    sim.add_argument("--plan-out", default=None, type=output_file, metavar="PLAN.json",
+                     help="write the simulated plan (for baselines)")
     sim.add_argument("--predictor", choices=["simulator", "gnn"], default="simulator",
                      help="gnn: also the active GNN's prediction, when it was fine-tuned on measured iterations of "
                           "this cluster's GPU types and beat the simulator on held-out records")
@@ -69,8 +72,10 @@ def add_planning_commands(sub: Subparsers) -> None:
                           "card records a measured wall-clock gain for this class of problem (docs/PLANNER.md); "
                           "plans are always ranked by the simulator")
     _add_comm_mode(cmd)
-    cmd.add_argument("--out", default=None, metavar="PLAN.json", help="write the best plan (Plan JSON v1)")
-    cmd.add_argument("--timeline", default=None, metavar="OUT.json", help="write the best plan's Chrome trace")
+    cmd.add_argument("--out", default=None, type=output_file, metavar="PLAN.json",
+                     help="write the best plan (Plan JSON v1)")
+    cmd.add_argument("--timeline", default=None, type=output_file, metavar="OUT.json",
+                     help="write the best plan's Chrome trace")
     cmd.add_argument("--exportable", choices=["torch", "megatron", "deepspeed"], default=None,
                      help="return only plans this export format runs")
     cmd.add_argument("--allow-infeasible", action="store_true",

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tagplan.cli.options import Subparsers, add_json_option, emit, positive_int
+from tagplan.cli.options import Subparsers, add_json_option, emit, output_file, positive_int
 from tagplan.errors import SpecError
 from tagplan.ir.workload import DType
 
@@ -63,7 +63,7 @@ def add_trace_commands(sub: Subparsers) -> None:
 
     cal = sub.add_parser("calibrate", help="fit the cost model to trace bundles; report held-out error")
     cal.add_argument("bundles", nargs="+")
-    cal.add_argument("--out", required=True, metavar="CALIB.json")
+    cal.add_argument("--out", required=True, type=output_file, metavar="CALIB.json")
     cal.add_argument("--pin", default=None, metavar="VERSION",
                      help="also pin the calibration beside this GNN version in the registry")
     cal.add_argument("--device", default=None,

@@ -343,3 +343,24 @@ def test_a_format_that_expresses_a_plan_but_cannot_fit_it_as_its_runtime_runs_it
     assert "torch: the plan does not fit in memory as this runtime runs it" in result["exporters"]["torch"]
     assert main([*args, "--exportable", "torch"]) == 1
     assert "no plan that torch runs fits in memory" in " ".join(capsys.readouterr().err.split())
+
+
+def test_an_output_path_that_cannot_be_written_is_an_error_naming_it_not_a_traceback(tmp_path, capsys) -> None:
+    """A missing folder or a folder given as a file is refused before the search runs (argparse, exit 2); a write
+    the system refuses later (here: a file where a folder must be made) is one line naming the path, exit 2."""
+    from tagplan.cli import main
+
+    problem = ["--model", "gpt3-125m", "--cluster", "dgx-h100", "--max-evaluations", "5"]
+    for out, said in ((str(tmp_path / "nodir" / "x.json"), "does not exist"), (str(tmp_path), "is a folder")):
+        with pytest.raises(SystemExit) as exited:
+            main(["plan", *problem, "--out", out])
+        assert exited.value.code == 2 and said in capsys.readouterr().err
+    plan = tmp_path / "p.json"
+    assert main(["plan", *problem, "--out", str(plan)]) == 0
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    capsys.readouterr()
+    code = main(["export", "--model", "gpt3-125m", "--cluster", "dgx-h100", "--plan", str(plan), "--format",
+                 "torch", "--out", str(blocker / "program")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("tagplan: error: ") and str(blocker) in err and "Traceback" not in err
