@@ -114,7 +114,7 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
     start = time.perf_counter()
     sim = Simulator(problem.model, problem.cluster, problem.workload, calibration=problem.calibration,
                     comm_mode=problem.comm_mode, fold=problem.fold, reduce_overlap=reduce_overlap)
-    space = PlanSpace(sim, frugal=problem.objective is Objective.GPUS)
+    space = PlanSpace(sim)
     judge = SimulatorEvaluator(space)
     families = baseline_families(sim, deadline=start + BASELINE_BUDGET_SHARE * problem.budget_s)
     prefetch = problem.objective is Objective.TIME and admissible is None and correction is None
@@ -385,7 +385,7 @@ def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None, 
             raise ValueError("no candidate to choose from")
         infeasible = [c for c in others if not c.report.fits]
         if not infeasible:  # every fallback fits (none is admissible): the best of them by the objective
-            return _choose(others, objective, bound_s, [])[0], []
+            return _choose(others, objective, bound_s, [], kind=kind)
         if objective is Objective.MEMORY:  # the plan nearest to fitting: its worst device least over its memory
             fallback = min(infeasible, key=lambda c: (_overcommit(c.report), c.report.iteration_time_s))
             return fallback, [f"no {kind}plan fits in memory; the {kind}plan nearest to fitting the search "
@@ -397,7 +397,11 @@ def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None, 
     if objective is Objective.TIME:
         return fastest, []
     bound = bound_s if bound_s is not None else DEFAULT_TIME_SLACK * fastest.report.iteration_time_s
-    within = [c for c in pool if c.report.iteration_time_s <= bound] or [fastest]
+    within = [c for c in pool if c.report.iteration_time_s <= bound]
+    notes = [] if within else [
+        f"no {kind}plan runs within the time bound of {bound:.4g} s; the fastest {kind}plan the search found "
+        f"({fastest.report.iteration_time_s:.4g} s) is returned"]
+    within = within or [fastest]
     if objective is Objective.MEMORY:
-        return min(within, key=lambda c: (c.report.peak_memory_bytes, c.report.iteration_time_s)), []
-    return min(within, key=lambda c: (c.report.devices_used, c.report.iteration_time_s)), []
+        return min(within, key=lambda c: (c.report.peak_memory_bytes, c.report.iteration_time_s)), notes
+    return min(within, key=lambda c: (c.report.devices_used, c.report.iteration_time_s)), notes

@@ -1,7 +1,7 @@
 """The decision process: a state is a partial plan; each action fills one small decision.
 
-Order of decisions: which nodes to use (all of them, or the nodes of the fastest GPU types, or
-fewer nodes for the GPU objective; a decision only where there is a choice) -> pipeline depth ->
+Order of decisions: which nodes to use (all of them, the nodes of the fastest GPU types, or the first
+half, quarter or eighth of those; a decision only where there is a choice) -> pipeline depth ->
 device groups of the stages -> tensor-parallel degree of each stage -> the context-parallel degree
 of the whole plan (from `LONG_CONTEXT_TOKENS`; data parallel is the rest of each group) -> each
 layer boundary, among candidates near the compute-balanced split for the
@@ -73,11 +73,8 @@ class Action:
 class PlanSpace:
     """The decision process over plans of one (model, cluster, workload) — an MCTS Environment."""
 
-    def __init__(self, sim: Simulator, *, max_stages: int = 64, boundary_radius: int = 2,
-                 frugal: bool = False) -> None:
-        """`frugal=True` (the GPU objective) also offers fewer nodes than every node of a type."""
+    def __init__(self, sim: Simulator, *, max_stages: int = 64, boundary_radius: int = 2) -> None:
         self.sim = sim
-        self.frugal = frugal
         self._subsets: dict[tuple[int, ...], tuple[Cluster, tuple[int, ...]]] = {}
         self._partitions: dict[tuple[tuple[int, ...], int], list[Partition]] = {}
         self._depths: dict[tuple[int, ...], list[int]] = {}
@@ -115,8 +112,9 @@ class PlanSpace:
         (empty when none does: the batch is too small for any placement).
 
         Every node; the nodes of the k fastest GPU types (k = 1 .. types - 1: slow nodes can cost more
-        than they add); with `frugal`, or when nothing else can run, also the first half, quarter and
-        eighth of each of those sets.
+        than they add); then the first half, quarter and eighth of each of those sets, last (under
+        progressive widening the search reaches them after the natural sets): fewer nodes can be faster
+        (a small model over a slow network) and use fewer GPUs (the GPU objective).
         """
         full = self.sim.cluster
         dtype = self.sim.workload.dtype
@@ -127,9 +125,17 @@ class PlanSpace:
                  for k in range(1, len(ranked))]
         halves = [s[: len(s) // d] for s in sets for d in (2, 4, 8) if len(s) // d >= 1]
         feasible = [s for s in dict.fromkeys(sets) if self._stage_counts(s)]
-        if self.frugal or not feasible:
-            feasible += [s for s in dict.fromkeys(halves) if s not in feasible and self._stage_counts(s)]
+        feasible += [s for s in dict.fromkeys(halves)
+                     if s not in feasible and self._holds_the_training_state(s) and self._stage_counts(s)]
         return feasible
+
+    def _holds_the_training_state(self, nodes: tuple[int, ...]) -> bool:
+        """Whether `nodes` have the memory for the model's weights, gradients and optimizer state, sharded over
+        every device (ZeRO-3): a subset without it runs no plan, and is not offered."""
+        w = self.sim.workload
+        per_param = w.weight_bytes_per_param + w.grad_bytes_per_param + w.optimizer_bytes_per_param
+        cluster, _ = self.subset(nodes)
+        return self.sim.model.params * per_param <= sum(d.spec.mem_bytes for d in cluster.devices)
 
     def _stage_counts(self, nodes: tuple[int, ...]) -> list[int]:
         """Pipeline depths on `nodes` with at least one partition that gives every replica a sample (memoised)."""

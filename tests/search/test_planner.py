@@ -101,14 +101,35 @@ def test_cli_plan_beats_both_baselines(capsys: pytest.CaptureFixture[str]) -> No
     assert out["search"]["evaluations"] <= 150 and out["search"]["wall_s"] > 0
 
 
-def test_gpu_objective_can_use_fewer_nodes_within_the_time_bound() -> None:
+def test_fewer_nodes_are_offered_to_every_objective() -> None:
+    """A tiny model over 10 Gb/s: one node is faster than four (the time objective leaves nodes out too) and uses
+    fewer GPUs; a time bound no plan meets returns the fastest plan and says so."""
     model = load_model("gpt?layers=4&hidden=256&heads=4&vocab=500", seq_len=128)
-    cluster = load_cluster("p3.8xlarge:nodes=4")  # a tiny model over 10 Gb/s: more nodes barely help
+    cluster = load_cluster("p3.8xlarge:nodes=4")
     workload = Workload(global_batch=16, seq_len=128)
     fastest = _plan(model, cluster, workload, max_evaluations=150)
-    frugal = _plan(model, cluster, workload, max_evaluations=150, objective=Objective.GPUS)
-    assert frugal.best.report.devices_used < 16
-    assert frugal.best.report.iteration_time_s <= 1.25 * fastest.best.report.iteration_time_s + 1e-12
+    assert fastest.best.report.devices_used < 16
+    every = _plan(model, cluster, workload, max_evaluations=150, objective=Objective.GPUS)
+    assert every.best.report.devices_used <= fastest.best.report.devices_used
+    assert every.best.report.iteration_time_s <= 1.25 * fastest.best.report.iteration_time_s + 1e-12
+    assert not any("time bound" in note for note in every.notes)
+    impossible = _plan(model, cluster, workload, max_evaluations=150, objective=Objective.GPUS, time_bound_s=1e-6)
+    fastest_s = min(c.report.iteration_time_s for c in (impossible.best, *impossible.pareto))
+    assert impossible.best.report.iteration_time_s == fastest_s  # the fastest it found, and said so
+    assert any("no plan runs within the time bound of 1e-06 s" in note for note in impossible.notes)
+
+
+def test_a_subset_of_nodes_without_the_memory_for_the_training_state_is_not_offered() -> None:
+    """A half (quarter, eighth) of a node set is offered only where its memory holds the training state."""
+    from tagplan.cost.simulator import Simulator
+    from tagplan.search.space import PlanSpace
+
+    cluster = load_cluster("rtx4090x4:nodes=2+g4dn.12xlarge")  # 13B's 208 GB of state: only all three nodes
+    sim = Simulator(load_model("gpt3-13b", seq_len=2048), cluster, Workload(global_batch=32, seq_len=2048))
+    assert PlanSpace(sim).node_subsets == [(0, 1, 2), (0, 1)]  # every node, the fastest type's; no half of them
+    small = Simulator(load_model("gpt?layers=4&hidden=256&heads=4&vocab=500", seq_len=128), cluster,
+                      Workload(global_batch=16, seq_len=128))
+    assert PlanSpace(small).node_subsets == [(0, 1, 2), (0, 1), (0,)]  # and half of the fastest type's nodes
 
 
 @pytest.mark.slow
