@@ -45,6 +45,9 @@ def add_planning_commands(sub: Subparsers) -> None:
                      help="write a Chrome trace (open in Perfetto)")
     sim.add_argument("--plan-out", default=None, type=output_file, metavar="PLAN.json",
                      help="write the simulated plan (for baselines)")
+    sim.add_argument("--exportable", choices=["torch", "megatron", "deepspeed"], default=None,
+                     help="cost the plan as that format's runtime runs it, as `plan --exportable FORMAT` does (its "
+                          "gradient reduction, kernels, loss and memory), and say whether the format runs it")
     sim.add_argument("--predictor", choices=["simulator", "gnn"], default="simulator",
                      help="gnn: also the active GNN's prediction, when it was fine-tuned on measured iterations of "
                           "this cluster's GPU types and beat the simulator on held-out records")
@@ -98,8 +101,14 @@ def _simulate(args: argparse.Namespace) -> int:
     from tagplan.frontends.plan_file import load_plan
 
     model, cluster, workload = load_problem(args)
+    overlap = None
+    if args.exportable:  # as `plan --exportable` costs it
+        from tagplan.export.capability import reduce_overlap, runtime_workload
+
+        workload = runtime_workload(args.exportable, workload, parse_model_spec(args.model))
+        overlap = reduce_overlap(args.exportable, workload, cluster)
     sim = Simulator(model, cluster, workload, comm_mode=CommMode(args.comm_mode),
-                    calibration=load_calibration_option(args))
+                    calibration=load_calibration_option(args), reduce_overlap=overlap)
     if args.plan in ("dp", "megatron"):
         baseline = (data_parallel if args.plan == "dp" else megatron)(sim)
         if baseline.plan is None:
@@ -115,6 +124,14 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.predictor == "gnn":
         return _with_correction(args, result.report, plan, (model, cluster, workload), sim.calibration)
     emit(result.report, args.json, lambda report: report_table(report, plan))
+    if args.exportable and not args.json:
+        from tagplan.cli.tables import workload_line
+        from tagplan.export.capability import verdicts
+
+        why = verdicts(plan, model, workload, spec=parse_model_spec(args.model), cluster=cluster)[args.exportable]
+        print(workload_line(workload))
+        print(f"{args.exportable} runs this plan" if why is None else f"{args.exportable} does not run this plan: "
+              f"{' '.join(why.split())}")
     return 0
 
 

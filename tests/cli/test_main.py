@@ -364,3 +364,26 @@ def test_an_output_path_that_cannot_be_written_is_an_error_naming_it_not_a_trace
                  "torch", "--out", str(blocker / "program")])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("tagplan: error: ") and str(blocker) in err and "Traceback" not in err
+
+
+def test_simulate_exportable_costs_a_plan_as_plan_exportable_did(tmp_path, capsys) -> None:
+    """`simulate --exportable torch` costs a plan as the torch program runs it (eager under autocast, fp32
+    gradient reduction, the fused gated activation): the time and memory `plan --exportable torch` reported,
+    which the default workload does not give; and it says whether the format runs the plan."""
+    import json
+
+    problem = ["--model", "llama?layers=4&hidden=256&heads=4&kv_heads=2&vocab=1000", "--cluster", "dgx-a100-80gb",
+               "--batch", "16", "--seq", "256"]
+    out = tmp_path / "p.json"
+    assert main(["plan", *problem, "--exportable", "torch", "--max-evaluations", "30", "--out", str(out),
+                 "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["best"]["report"]
+    assert main(["simulate", *problem, "--exportable", "torch", "--plan", str(out), "--json"]) == 0
+    costed = json.loads(capsys.readouterr().out)
+    assert costed["iteration_time_s"] == pytest.approx(planned["iteration_time_s"], rel=1e-9)
+    assert costed["peak_memory_bytes"] == pytest.approx(planned["peak_memory_bytes"], rel=1e-9)
+    assert main(["simulate", *problem, "--plan", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_time_s"] < costed["iteration_time_s"]  # fused: faster
+    assert main(["simulate", *problem, "--exportable", "torch", "--plan", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "torch runs this plan" in said and "eager PyTorch under autocast" in said
