@@ -68,16 +68,26 @@ class DeviceSpec(Record):
 
     def peak_flops(self, dtype: DType) -> float:
         """Peak dense FLOP/s in `dtype`. A device without the dtype's tensor cores runs the next wider
-        format it has: nvfp4 as fp8, the fp8 recipes (fp8, fp8-cs, mxfp8) as bf16, bf16 as fp16."""
+        format it has: nvfp4 as fp8, the fp8 recipes (fp8, fp8-cs, mxfp8) as bf16, bf16 as fp16
+        (`costed_format`)."""
+        rates = {"fp4": self.peak_flops_fp4, "fp8": self.peak_flops_fp8, "bf16": self.peak_flops_bf16,
+                 "fp16": self.peak_flops_fp16, "fp32": self.peak_flops_fp32}
+        rate = rates[self.costed_format(dtype)]
+        assert rate is not None  # `costed_format` names a format the device has
+        return rate
+
+    def costed_format(self, dtype: DType) -> str:
+        """The format `peak_flops(dtype)` costs `dtype` at on this device: the dtype's own tensor cores where the
+        device has them, else the next wider format it has: "fp4", "fp8", "bf16", "fp16" or "fp32"."""
         if dtype is DType.FP32:
-            return self.peak_flops_fp32
+            return "fp32"
         if dtype is DType.NVFP4 and self.peak_flops_fp4 is not None:
-            return self.peak_flops_fp4
+            return "fp4"
         if dtype.quantized and self.peak_flops_fp8 is not None:
-            return self.peak_flops_fp8
+            return "fp8"
         if (dtype is DType.BF16 or dtype.quantized) and self.peak_flops_bf16 is not None:
-            return self.peak_flops_bf16
-        return self.peak_flops_fp16
+            return "bf16"
+        return "fp16"
 
     def sustained_peak_flops(self, dtype: DType) -> float:
         """`peak_flops(dtype)` at the clock a continuous training load sustains (`sustained_peak_fraction`):

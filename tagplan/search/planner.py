@@ -30,7 +30,9 @@ from tagplan.cost.bounds import lower_bound_s, plan_value
 from tagplan.cost.report import Report
 from tagplan.cost.simulator import ReduceOverlap, Simulator
 from tagplan.errors import SpecError
+from tagplan.ir.cluster import Cluster
 from tagplan.ir.plan import Plan
+from tagplan.ir.workload import DType
 from tagplan.search.background import Background
 from tagplan.search.baselines import BaselineFamily, baseline_families
 from tagplan.search.exhaustive import exhaustive
@@ -141,7 +143,7 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
         stats = _search(space, problem, prior_factory, progress, judge, time.perf_counter() - start)
     for key, cand in searcher.candidates.items():  # after the baselines' and the seeds', as one process has them
         judge.candidates.setdefault(key, cand)
-    notes: list[str] = []
+    notes: list[str] = dtype_notes(problem.cluster, problem.workload.dtype)
     if not judge.candidates:
         raise SpecError(f"no plan gives every data-parallel replica a whole sample of the global batch "
                         f"{problem.workload.global_batch} on this cluster; raise the batch")
@@ -405,3 +407,21 @@ def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None, 
     if objective is Objective.MEMORY:
         return min(within, key=lambda c: (c.report.peak_memory_bytes, c.report.iteration_time_s)), notes
     return min(within, key=lambda c: (c.report.devices_used, c.report.iteration_time_s)), notes
+
+
+def dtype_notes(cluster: Cluster, dtype: DType) -> list[str]:
+    """A note per tensor-core format the cluster's GPUs are costed at in place of `dtype`, which they lack
+    (`DeviceSpec.costed_format`): such a plan's time is that format's, which a run in `dtype` there does not
+    reach (V100 and T4 have no bf16 tensor cores, A100 no fp8 ones)."""
+    own = "fp4" if dtype is DType.NVFP4 else "fp8" if dtype.quantized else dtype.value
+    lacking: dict[str, list[str]] = {}
+    for name, spec in {n.device.name: n.device for n in cluster.nodes}.items():
+        if (costed := spec.costed_format(dtype)) != own:
+            lacking.setdefault(costed, []).append(name)
+    notes = []
+    for costed, names in lacking.items():
+        run = (f"Transformer Engine refuses {dtype.value} there" if dtype.quantized
+               else f"a {dtype.value} run there is slower")
+        notes.append(f"{', '.join(names)}: no {dtype.value} tensor cores; costed at the {costed} rate, as a run in "
+                     f"{costed} there would go ({run})")
+    return notes

@@ -356,3 +356,22 @@ def test_where_no_plan_that_fits_is_admissible_the_answer_is_an_admissible_one_a
     assert nothing.best.report.iteration_time_s >= free.best.report.iteration_time_s
     assert any("no plan the search simulated is admissible (never)" in n for n in nothing.notes)
     assert not any("fits in memory" in n for n in nothing.notes)
+
+
+def test_a_gpu_without_the_dtypes_tensor_cores_is_named_with_the_rate_it_is_costed_at() -> None:
+    from tagplan.ir.workload import DType
+    from tagplan.search.planner import dtype_notes
+
+    mixed = load_cluster("p3.8xlarge+g4dn.12xlarge+dgx-a100-80gb")
+    (bf16,) = dtype_notes(mixed, DType.BF16)
+    assert bf16.startswith("V100-SXM2-16GB, T4: no bf16 tensor cores; costed at the fp16 rate")
+    assert dtype_notes(mixed, DType.FP16) == [] and dtype_notes(mixed, DType.FP32) == []
+    fp8 = dtype_notes(mixed, DType.FP8)
+    assert any(n.startswith("A100-SXM-80GB: no fp8 tensor cores; costed at the bf16 rate") for n in fp8)
+    assert any(n.startswith("V100-SXM2-16GB, T4: no fp8 tensor cores; costed at the fp16 rate") for n in fp8)
+    assert dtype_notes(load_cluster("dgx-h100"), DType.FP8) == []
+    assert dtype_notes(load_cluster("dgx-h100"), DType.NVFP4)[0].startswith("H100-SXM: no nvfp4 tensor cores; "
+                                                                            "costed at the fp8 rate")
+    result = _plan(load_model("gpt?layers=2&hidden=128&heads=4&vocab=500", seq_len=64), mixed,
+                   Workload(global_batch=8, seq_len=64), max_evaluations=20)
+    assert bf16 in result.notes
