@@ -121,9 +121,29 @@ def _export(args: argparse.Namespace) -> int:
                                   grad_reduce_overlap=args.grad_reduce_overlap)
     tp_comm = tp_comm_settings(plan, fmt=args.fmt, tp_comm_overlap=args.tp_comm_overlap)
     loss = loss_settings(fmt=args.fmt, loss=LossKernel(args.loss))
+    memory = _memory_note(args, spec, plan, cluster, dtype, reduce_dtype) if cluster is not None else None
     emit({"format": args.fmt, "files": [str(p) for p in written], "grad_reduce": reduce.as_json(), "tp_comm": tp_comm,
-          "loss": loss}, args.json, _export_text)
+          "loss": loss, "memory": memory}, args.json, _export_text)
     return 0
+
+
+def _memory_note(args: argparse.Namespace, spec: Any, plan: Any, cluster: Any, dtype: DType,
+                 reduce_dtype: DType | None) -> str | None:
+    """Why the exported runtime will run out of memory on the plan (None: it fits), costed as `plan --exportable`
+    costs it: the plan may have been searched for another runtime."""
+    from tagplan.cost.simulator import Simulator
+    from tagplan.export.capability import memory_refusal, runtime_workload
+    from tagplan.frontends.model_spec import build_model
+    from tagplan.ir.workload import Workload
+
+    model = build_model(spec, seq_len=args.seq, dtype=dtype)
+    asked = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype, optimizer=Optimizer(args.optimizer),
+                     grad_reduce_dtype=reduce_dtype, grad_reduce_overlap=args.grad_reduce_overlap,
+                     tp_comm_overlap=args.tp_comm_overlap, loss=LossKernel(args.loss))
+    sim = Simulator(model, cluster, runtime_workload(args.fmt, asked, spec))
+    why = memory_refusal(plan, args.fmt, sim)
+    return None if why is None else f"{why}: the run will run out of memory (`plan --exportable {args.fmt}` " \
+                                    "searches plans this runtime fits)"
 
 
 def _export_text(result: dict[str, Any]) -> str:
@@ -138,8 +158,9 @@ def _export_text(result: dict[str, Any]) -> str:
     written = ("Transformer Engine's fused kernel (--cross-entropy-loss-fusion --cross-entropy-fusion-impl te written)"
                if result["format"] == "megatron" else "the program's fused cross-entropy (the 16-bit logits kept)")
     fused = [f"cross-entropy: {written}"] if loss["fused_written"] else []
+    memory = [f"warning: {result['memory']}"] if result.get("memory") else []
     return "\n".join(lines + _reduce_lines(result["grad_reduce"]) + overlap + fused
-                     + [f"note: {n}" for n in tp_comm["notes"] + loss["notes"]])
+                     + [f"note: {n}" for n in tp_comm["notes"] + loss["notes"]] + memory)
 
 
 def _reduce_lines(reduce: dict[str, Any]) -> list[str]:

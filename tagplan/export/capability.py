@@ -223,23 +223,18 @@ def with_verdicts(result: PlanResult, model: ModelGraph, workload: Workload, *, 
     seen: dict[str, dict[str, str | None]] = {}
     sims: dict[str, Simulator] = {}
 
-    def memory_refusal(plan: Plan, fmt: str) -> str | None:
+    def memory(plan: Plan, fmt: str) -> str | None:
         if cluster is None:
             return None
         if fmt not in sims:
             sims[fmt] = Simulator(model, cluster, runtime_workload(fmt, workload, spec), calibration=calibration)
-        if sims[fmt].fits(plan):
-            return None
-        used = sims[fmt].memory_bytes(plan)
-        device = max(used, key=lambda d: used[d] / cluster.devices[d].spec.mem_bytes)
-        return (f"{fmt}: the plan does not fit in memory as this runtime runs it: {used[device] / 2**30:.1f} GiB on "
-                f"device {device} of {cluster.devices[device].spec.mem_bytes / 2**30:.1f} GiB")
+        return memory_refusal(plan, fmt, sims[fmt])
 
     def judge(plan: Plan) -> dict[str, str | None]:
         key = plan.model_dump_json()
         if key not in seen:
             found = {**verdicts(plan, model, workload, spec=spec, cluster=cluster), **(refusals or {})}
-            seen[key] = {fmt: why if why is not None else memory_refusal(plan, fmt) for fmt, why in found.items()}
+            seen[key] = {fmt: why if why is not None else memory(plan, fmt) for fmt, why in found.items()}
         return seen[key]
 
     return replace(result, exporters=judge(result.best.plan),
@@ -251,3 +246,15 @@ def with_verdicts(result: PlanResult, model: ModelGraph, workload: Workload, *, 
 def _batch(plan: Plan) -> int:
     """A global batch the model-dependent checks accept when none is given: one sample per replica."""
     return plan.micro_batches * plan.stages[0].dp
+
+
+def memory_refusal(plan: Plan, fmt: str, sim: Simulator) -> str | None:
+    """Why format `fmt`'s runtime runs out of memory on `plan` (None: it fits), `sim` costing the workload as that
+    runtime runs it (`runtime_workload`): the most committed device, its need and its memory."""
+    if sim.fits(plan):
+        return None
+    used = sim.memory_bytes(plan)
+    devices = sim.cluster.devices
+    device = max(used, key=lambda d: used[d] / devices[d].spec.mem_bytes)
+    return (f"{fmt}: the plan does not fit in memory as this runtime runs it: {used[device] / 2**30:.1f} GiB on "
+            f"device {device} of {devices[device].spec.mem_bytes / 2**30:.1f} GiB")

@@ -345,6 +345,23 @@ def test_a_format_that_expresses_a_plan_but_cannot_fit_it_as_its_runtime_runs_it
     assert "no plan that torch runs fits in memory" in " ".join(capsys.readouterr().err.split())
 
 
+def test_exporting_a_plan_its_runtime_cannot_fit_warns(tmp_path, capsys) -> None:
+    """The same 13B plan exported to the torch program anyway: written, with a warning naming the device, its need
+    and its memory (the plan was searched for the default runtime)."""
+    import json
+
+    problem = ["--model", "gpt3-13b", "--cluster", "rtx4090x4:nodes=2+g4dn.12xlarge", "--batch", "32", "--seq", "2048"]
+    out = tmp_path / "p.json"
+    assert main(["plan", *problem, "--max-evaluations", "60", "--workers", "1", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["export", *problem, "--plan", str(out), "--format", "torch", "--out", str(tmp_path / "t")]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "warning: torch: the plan does not fit in memory as this runtime runs it" in said
+    assert main(["export", *problem, "--plan", str(out), "--format", "torch", "--out", str(tmp_path / "t"),
+                 "--json"]) == 0
+    assert "does not fit" in json.loads(capsys.readouterr().out)["memory"]
+
+
 def test_an_output_path_that_cannot_be_written_is_an_error_naming_it_not_a_traceback(tmp_path, capsys) -> None:
     """A missing folder or a folder given as a file is refused before the search runs (argparse, exit 2); a write
     the system refuses later (here: a file where a folder must be made) is one line naming the path, exit 2."""
