@@ -100,8 +100,11 @@ def _trace(config: Any, arch: HFArch, name: str, seq: int, dtype: DType, batch: 
     model.train()
     with torch.device("meta"):
         ids = torch.zeros(batch, seq, dtype=torch.long)  # [batch, seq]
-    graph = graph_from_module(model, (), {"input_ids": ids}, name=name, family=arch.model_type, seq_len=seq,
-                              dtype=dtype, batch=batch)
+    inputs = {"input_ids": ids}
+    if getattr(config, "is_encoder_decoder", False):  # T5, BART, ...: the decoder reads its own tokens
+        inputs["decoder_input_ids"] = ids.clone()
+    graph = graph_from_module(model, (), inputs, name=name, family=arch.model_type, seq_len=seq, dtype=dtype,
+                              batch=batch)
     if getattr(config, "num_experts_per_tok", None):
         graph = moe_analytic(graph, config)
     return mark_causal(graph) if is_causal_lm(arch.model_class) else graph

@@ -99,3 +99,22 @@ def test_bad_configs_are_spec_errors(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_model", "hidden_size": 8}))
     with pytest.raises(SpecError, match="model_type 'not_a_model'"):
         graph_from_hf_file(str(tmp_path))
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("T5ForConditionalGeneration", {"num_layers": "2", "num_decoder_layers": "2", "d_model": "64", "d_ff": "128",
+                                    "num_heads": "4", "d_kv": "16", "vocab_size": "100"}),
+    ("BartForConditionalGeneration", {"encoder_layers": "2", "decoder_layers": "2", "d_model": "64",
+                                      "encoder_ffn_dim": "128", "decoder_ffn_dim": "128",
+                                      "encoder_attention_heads": "4", "decoder_attention_heads": "4",
+                                      "vocab_size": "100"}),
+])
+def test_an_encoder_decoder_architecture_is_traced_with_its_decoders_tokens(arch: str,
+                                                                           overrides: dict[str, str]) -> None:
+    """An encoder-decoder class (T5, BART) needs the decoder's token ids beside the encoder's: its graph holds both
+    stacks, the decoder's blocks reading the encoder's output (cross-attention)."""
+    graph = graph_from_hf(arch, overrides, seq_len=16)
+    names = [layer.name for layer in graph.layers]
+    assert sum(n.startswith("encoder") for n in names) >= 2 and sum(n.startswith("decoder") for n in names) >= 2
+    attention = [sum(op.kind is OpKind.ATTENTION for op in graph.block_of(i).ops) for i in range(len(names))]
+    assert max(attention) == 2  # a decoder block: self- and cross-attention
