@@ -45,7 +45,8 @@ def add_export_commands(sub: Subparsers) -> None:
     add_cluster_options(exp)
     exp.add_argument("--plan", required=True, help="a Plan JSON file")
     exp.add_argument("--format", choices=["torch", "megatron", "deepspeed"], default="torch", dest="fmt")
-    exp.add_argument("--batch", type=positive_int, default=DEFAULT_GLOBAL_BATCH, help="global batch in samples")
+    exp.add_argument("--batch", type=positive_int, default=DEFAULT_GLOBAL_BATCH,
+                     help=f"global batch in samples, as the plan was searched for (default {DEFAULT_GLOBAL_BATCH})")
     exp.add_argument("--seq", type=positive_int, default=None, help="tokens per sample (default: the model's)")
     add_dtype_option(exp)
     exp.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value,

@@ -39,7 +39,10 @@ def add_planning_commands(sub: Subparsers) -> None:
     """Add `simulate` and `plan` to the `tagplan` parser."""
     sim = sub.add_parser("simulate", help="predict one iteration of a plan: time, memory, breakdown, timeline")
     add_problem_options(sim)
-    sim.add_argument("--plan", required=True, help="a Plan JSON file, or a baseline: dp | megatron")
+    sim.add_argument("--plan", required=True,
+                     help="a Plan JSON file, or a fixed rule: dp (every GPU a replica) | megatron (tp = GPUs per node, "
+                          "the fewest pipeline stages that fit, micro-batch 1); `plan` reports its searched baselines, "
+                          "whose plans `plan --json` gives")
     _add_comm_mode(sim)
     sim.add_argument("--timeline", default=None, type=output_file, metavar="OUT.json",
                      help="write a Chrome trace (open in Perfetto)")

@@ -95,7 +95,7 @@ def micro_batch_size(plan: Plan, global_batch: int, dp: int, fmt: str) -> int:
     if global_batch % per_step:
         raise refuse(fmt, f"global batch {global_batch} is not divisible by micro_batches * dp = "
                           f"{plan.micro_batches} * {dp} = {per_step}; the per-replica micro-batch size must "
-                          "be a whole number of samples")
+                          "be a whole number of samples (give the global batch the plan was searched for)")
     return global_batch // per_step
 
 

@@ -56,8 +56,9 @@ def layout_of(model_type: str) -> str:
     if model_type in GPT2_TYPES:
         return "gpt2"
     raise SpecError(f"Hugging Face model type {model_type!r}: the torch exporter runs the transformers class for "
-                    f"model types {', '.join((*DECODER_TYPES, *GPT2_TYPES))}; export other models to megatron or "
-                    "plan them as a tagplan family")
+                    f"model types {', '.join((*DECODER_TYPES, *GPT2_TYPES))} (and Megatron's exporter only "
+                    "hf:LlamaConfig and hf:GPT2Config); describe another model as a tagplan family (gpt?..., "
+                    "llama?..., moe?...) to export it")
 
 
 def make_hf_config(name: str, overrides: dict[str, str]) -> tuple[Any, str]:
