@@ -45,7 +45,9 @@ from tagplan.cost.calibration import Calibration
 from tagplan.datasets.traces.bundle import Bundle, IterationRecord
 from tagplan.errors import SpecError
 from tagplan.frontends import presets
+from tagplan.frontends.cluster_file import parse_cluster_data
 from tagplan.frontends.cluster_spec import ClusterSpec, parse_cluster_spec
+from tagplan.frontends.json_graph import graph_from_dict
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
 from tagplan.ir.workload import (
     EAGER_RUNTIME_TEXT,
@@ -436,6 +438,16 @@ def check_limits(request: PlanRequest, settings: Settings) -> None:
     if request.max_evaluations is not None and request.max_evaluations > settings.max_evaluations:
         raise LimitError(f"max_evaluations: {request.max_evaluations} is over this service's limit of "
                          f"{settings.max_evaluations} (TAGPLAN_MAX_EVALUATIONS)", limit="max_evaluations")
+
+
+def check_inline(request: PlanRequest) -> None:
+    """SpecError naming the field when an inline graph or cluster file does not parse (no layers, no node groups, a
+    wrong field): read, within the limits `check_limits` already held, so that a bad one is refused before it is
+    queued; a SPEC is left to the worker, which builds it."""
+    if isinstance(request.model, Mapping):
+        graph_from_dict(dict(request.model), "model")
+    if isinstance(request.cluster, Mapping):
+        parse_cluster_data(dict(request.cluster))
 
 
 def check_sizes(model: ModelSpec | Mapping[str, Any], cluster: ClusterSpec | Mapping[str, Any],

@@ -30,6 +30,7 @@ from tagplan.service.requests import (
     LimitError,
     PlanRequest,
     calibration_of,
+    check_inline,
     check_limits,
 )
 from tagplan.service.settings import Settings
@@ -62,11 +63,12 @@ def _job_json(job: JobView) -> dict[str, Any]:
 def validate(request: PlanRequest, settings: Settings) -> None:
     """What the body's model cannot know: the service's limits and the calibration's registry version.
 
-    Read off the parsed request (`requests.check_limits`): no model or cluster is built here. Any
-    failure to understand the input is a 422, never a 500.
+    Read off the parsed request (`requests.check_limits`), then an inline graph or cluster file parsed
+    (`requests.check_inline`): no SPEC is built here. Any failure to understand the input is a 422, never a 500.
     """
     try:
         check_limits(request, settings)
+        check_inline(request)
         calibration_of(request.calibration, settings)
     except (SpecError, LimitError):
         raise

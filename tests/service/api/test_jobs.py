@@ -159,6 +159,17 @@ def test_unknown_model_is_422_naming_it(client: TestClient, keys: Any, api: Any)
     assert client.get("/v1/jobs", headers=api.auth(keys.a)).json()["total"] == 0  # never became a job
 
 
+@pytest.mark.parametrize(("change", "said"), [
+    ({"model": {"seq_len": 16, "blocks": {}, "layers": []}}, "model"),
+    ({"cluster": {"name": "lab", "node_groups": []}}, "node_groups"),
+])
+def test_an_inline_graph_or_cluster_that_does_not_parse_is_422_and_never_a_job(
+        client: TestClient, keys: Any, api: Any, change: dict[str, Any], said: str) -> None:
+    answer = client.post("/v1/plans", json={**api.TINY, **change}, headers=api.auth(keys.a))
+    assert answer.status_code == 422 and said in answer.json()["detail"], answer.text
+    assert client.get("/v1/jobs", headers=api.auth(keys.a)).json()["total"] == 0
+
+
 @pytest.mark.parametrize(("change", "field"), [
     ({"model": "/etc/passwd"}, "body.model"),
     ({"model": "graph.json"}, "body.model"),
