@@ -26,8 +26,13 @@ def unknown(field: str, value: str, choices: list[str] | tuple[str, ...]) -> Spe
 def from_validation(source: str, err: Exception) -> SpecError:
     """A SpecError listing each pydantic validation failure as `field.path: message (got value)`."""
     lines = []
-    for e in getattr(err, "errors", lambda: [])()[:8]:
-        path = ".".join(str(p) for p in e.get("loc", ())) or "(top level)"
+    errors = getattr(err, "errors", lambda: [])()
+    failed = {tuple(e.get("loc", ())) for e in errors}
+    for e in errors[:8]:
+        loc = tuple(e.get("loc", ()))
+        if e.get("type") == "too_short" and any(other[:len(loc)] == loc and len(other) > len(loc) for other in failed):
+            continue  # a list left short only because its failing items (reported) were dropped
+        path = ".".join(str(p) for p in loc) or "(top level)"
         got = e.get("input")
         shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
         lines.append(f"  {path}: {e.get('msg', '')} (got {shown[:80]})")

@@ -33,3 +33,13 @@ def test_plan_json_v1_example_from_the_docs_loads(tmp_path: Path) -> None:
     plan = load_plan(write(tmp_path, json.loads(example)))
     assert plan.micro_batches == 8 and plan.stages[1].batch_shares == (0.6, 0.4)
     assert load_plan(write(tmp_path, {"plan": json.loads(example)})) == plan
+
+
+def test_a_bad_stage_is_reported_once_not_again_as_a_short_list(tmp_path: Path) -> None:
+    """Pydantic drops the failing stage and then finds `stages` too short: that second line says nothing new."""
+    with pytest.raises(SpecError) as err:
+        load_plan(write(tmp_path, {"stages": [{"layers": [0, 5], "devices": [0, 1], "dp": 3}]}))
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 1 and lines[0].startswith("  stages.0: ")
+    with pytest.raises(SpecError, match="stages: Tuple should have at least 1 item"):
+        load_plan(write(tmp_path, {"stages": []}))  # an empty list is still reported
