@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from typing import Any
 
 
 class SpecError(ValueError):
@@ -26,11 +27,12 @@ def unknown(field: str, value: str, choices: list[str] | tuple[str, ...]) -> Spe
 def from_validation(source: str, err: Exception) -> SpecError:
     """A SpecError listing each pydantic validation failure as `field.path: message (got value)`."""
     lines = []
-    errors = getattr(err, "errors", lambda: [])()
+    errors: list[dict[str, Any]] = getattr(err, "errors", lambda: [])()
     failed = {tuple(e.get("loc", ())) for e in errors}
     for e in errors[:8]:
         loc = tuple(e.get("loc", ()))
-        if e.get("type") == "too_short" and any(other[:len(loc)] == loc and len(other) > len(loc) for other in failed):
+        if loc and e.get("type") == "too_short" and any(other[:len(loc)] == loc and len(other) > len(loc)
+                                                         for other in failed):
             continue  # a list left short only because its failing items (reported) were dropped
         path = ".".join(str(p) for p in loc) or "(top level)"
         got = e.get("input")

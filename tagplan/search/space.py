@@ -1,6 +1,6 @@
 """The decision process: a state is a partial plan; each action fills one small decision.
 
-Order of decisions: which nodes to use (all of them, the nodes of the fastest GPU types, or the first
+Order of decisions: which nodes to use (all of them, the nodes of the fastest GPU types, or the fastest
 half, quarter or eighth of those; a decision only where there is a choice) -> pipeline depth ->
 device groups of the stages -> tensor-parallel degree of each stage -> the context-parallel degree
 of the whole plan (from `LONG_CONTEXT_TOKENS`; data parallel is the rest of each group) -> each
@@ -28,6 +28,7 @@ from functools import cached_property
 from itertools import accumulate
 from typing import Any, cast
 
+from tagplan.cost.memory import FRAMEWORK_OVERHEAD_BYTES, model_state_bytes
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.plan import Plan, Schedule, Stage, context_split_whole
@@ -112,7 +113,8 @@ class PlanSpace:
         (empty when none does: the batch is too small for any placement).
 
         Every node; the nodes of the k fastest GPU types (k = 1 .. types - 1: slow nodes can cost more
-        than they add); then the first half, quarter and eighth of each of those sets, last (under
+        than they add); then the fastest half, quarter and eighth of each of those sets (its fastest nodes,
+        in cluster order among equals), where their memory holds the training state, last (under
         progressive widening the search reaches them after the natural sets): fewer nodes can be faster
         (a small model over a slow network) and use fewer GPUs (the GPU objective).
         """
@@ -123,19 +125,22 @@ class PlanSpace:
         sets = [tuple(range(len(full.nodes)))]
         sets += [tuple(i for i, n in enumerate(full.nodes) if n.device.name in ranked[:k])
                  for k in range(1, len(ranked))]
-        halves = [s[: len(s) // d] for s in sets for d in (2, 4, 8) if len(s) // d >= 1]
+        node_speed = [speed[n.device.name] for n in full.nodes]
+        fastest_first = [sorted(s, key=lambda i: -node_speed[i]) for s in sets]
+        halves = [tuple(sorted(s[: len(s) // d])) for s in fastest_first for d in (2, 4, 8) if len(s) // d >= 1]
         feasible = [s for s in dict.fromkeys(sets) if self._stage_counts(s)]
         feasible += [s for s in dict.fromkeys(halves)
                      if s not in feasible and self._holds_the_training_state(s) and self._stage_counts(s)]
         return feasible
 
     def _holds_the_training_state(self, nodes: tuple[int, ...]) -> bool:
-        """Whether `nodes` have the memory for the model's weights, gradients and optimizer state, sharded over
-        every device (ZeRO-3): a subset without it runs no plan, and is not offered."""
-        w = self.sim.workload
-        per_param = w.weight_bytes_per_param + w.grad_bytes_per_param + w.optimizer_bytes_per_param
+        """Whether `nodes` have the memory for the model's weights, gradients and optimizer state sharded over
+        every device (ZeRO-3) beside each device's framework overhead: a subset without it runs no plan, and is
+        not offered."""
         cluster, _ = self.subset(nodes)
-        return self.sim.model.params * per_param <= sum(d.spec.mem_bytes for d in cluster.devices)
+        state = sum(model_state_bytes(self.sim.model.params, self.sim.workload, zero=3, dp=1))
+        overhead = FRAMEWORK_OVERHEAD_BYTES * cluster.num_devices
+        return state + overhead <= sum(d.spec.mem_bytes for d in cluster.devices)
 
     def _stage_counts(self, nodes: tuple[int, ...]) -> list[int]:
         """Pipeline depths on `nodes` with at least one partition that gives every replica a sample (memoised)."""
