@@ -50,7 +50,8 @@ def add_planning_commands(sub: Subparsers) -> None:
                      help="write the simulated plan (for baselines)")
     sim.add_argument("--exportable", choices=["torch", "megatron", "deepspeed"], default=None,
                      help="cost the plan as that format's runtime runs it, as `plan --exportable FORMAT` does (its "
-                          "gradient reduction, kernels, loss and memory), and say whether the format runs it")
+                          "gradient reduction, kernels, loss and memory), and say whether the format runs it and fits "
+                          "it (--json: {report, exportable: {FORMAT: null or why not}})")
     sim.add_argument("--predictor", choices=["simulator", "gnn"], default="simulator",
                      help="gnn: also the active GNN's prediction, when it was fine-tuned on measured iterations of "
                           "this cluster's GPU types and beat the simulator on held-out records")
@@ -126,15 +127,21 @@ def _simulate(args: argparse.Namespace) -> int:
         Path(args.plan_out).write_text(plan.model_dump_json(indent=2))
     if args.predictor == "gnn":
         return _with_correction(args, result.report, plan, (model, cluster, workload), sim.calibration)
-    emit(result.report, args.json, lambda report: report_table(report, plan))
-    if args.exportable and not args.json:
-        from tagplan.cli.tables import workload_line
-        from tagplan.export.capability import verdicts
+    if not args.exportable:
+        emit(result.report, args.json, lambda report: report_table(report, plan))
+        return 0
+    from tagplan.cli.tables import workload_line
+    from tagplan.export.capability import memory_refusal, verdicts
 
-        why = verdicts(plan, model, workload, spec=parse_model_spec(args.model), cluster=cluster)[args.exportable]
-        print(workload_line(workload))
-        print(f"{args.exportable} runs this plan" if why is None else f"{args.exportable} does not run this plan: "
-              f"{' '.join(why.split())}")
+    why = (verdicts(plan, model, workload, spec=parse_model_spec(args.model), cluster=cluster)[args.exportable]
+           or memory_refusal(plan, args.exportable, sim))
+    if args.json:
+        emit({"report": result.report.model_dump(mode="json"), "exportable": {args.exportable: why}}, True, str)
+        return 0
+    console().print(report_table(result.report, plan))
+    print(workload_line(workload))
+    print(f"{args.exportable} runs this plan" if why is None else f"{args.exportable} does not run this plan: "
+          f"{' '.join(why.split())}")
     return 0
 
 

@@ -396,7 +396,9 @@ def test_simulate_exportable_costs_a_plan_as_plan_exportable_did(tmp_path, capsy
                  "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["best"]["report"]
     assert main(["simulate", *problem, "--exportable", "torch", "--plan", str(out), "--json"]) == 0
-    costed = json.loads(capsys.readouterr().out)
+    answer = json.loads(capsys.readouterr().out)
+    costed = answer["report"]
+    assert answer["exportable"] == {"torch": None}
     assert costed["iteration_time_s"] == pytest.approx(planned["iteration_time_s"], rel=1e-9)
     assert costed["peak_memory_bytes"] == pytest.approx(planned["peak_memory_bytes"], rel=1e-9)
     assert main(["simulate", *problem, "--plan", str(out), "--json"]) == 0
@@ -404,3 +406,18 @@ def test_simulate_exportable_costs_a_plan_as_plan_exportable_did(tmp_path, capsy
     assert main(["simulate", *problem, "--exportable", "torch", "--plan", str(out)]) == 0
     said = capsys.readouterr().out
     assert "torch runs this plan" in said and "eager PyTorch under autocast" in said
+
+
+def test_simulate_exportable_says_when_the_runtime_cannot_fit_the_plan(tmp_path, capsys) -> None:
+    """13B whole on every GPU of one node without ZeRO: expressible by the torch program, but out of memory as it
+    runs it; simulate says so, as plan's verdict would."""
+    import json
+
+    plan = tmp_path / "p.json"
+    plan.write_text(json.dumps({"stages": [{"layers": [0, 42], "devices": list(range(8)), "dp": 8}]}))
+    problem = ["--model", "gpt3-13b", "--cluster", "dgx-a100-80gb", "--batch", "8", "--seq", "2048", "--plan",
+               str(plan), "--exportable", "torch"]
+    assert main(["simulate", *problem]) == 0
+    assert "torch does not run this plan: torch: the plan does not fit in memory" in capsys.readouterr().out
+    assert main(["simulate", *problem, "--json"]) == 0
+    assert "does not fit in memory" in json.loads(capsys.readouterr().out)["exportable"]["torch"]
