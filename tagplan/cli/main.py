@@ -46,8 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except OSError as exc:  # a file or folder the command was told to read or write: the path and what is wrong
-        if args.verbose:
+        if args.verbose or not exc.filename:  # not a path (memory, a socket, a process): a fault, with its traceback
             raise
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"tagplan: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        print(f"tagplan: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

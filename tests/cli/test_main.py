@@ -421,3 +421,27 @@ def test_simulate_exportable_says_when_the_runtime_cannot_fit_the_plan(tmp_path,
     assert "torch does not run this plan: torch: the plan does not fit in memory" in capsys.readouterr().out
     assert main(["simulate", *problem, "--json"]) == 0
     assert "does not fit in memory" in json.loads(capsys.readouterr().out)["exportable"]["torch"]
+
+
+def test_an_oserror_without_a_path_is_not_reported_as_bad_input(monkeypatch, capsys) -> None:
+    """Only an error about a path is one line naming it (exit 2); another OSError (out of memory, a socket) is a
+    fault and keeps its traceback."""
+    import argparse
+
+    import tagplan.cli.main as cli_main
+
+    def run(error: OSError) -> int:
+        def command(_: object) -> int:
+            raise error
+
+        class Parser:
+            def parse_args(self, argv: object) -> argparse.Namespace:
+                return argparse.Namespace(func=command, verbose=False)
+
+        monkeypatch.setattr(cli_main, "build_parser", Parser)
+        return cli_main.main([])
+
+    assert run(FileNotFoundError(2, "No such file or directory", "/nowhere/x.json")) == 2
+    assert capsys.readouterr().err == "tagplan: error: /nowhere/x.json: No such file or directory\n"
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        run(OSError(12, "Cannot allocate memory"))
