@@ -427,8 +427,9 @@ def test_an_oserror_without_a_path_is_not_reported_as_bad_input(monkeypatch, cap
     """Only an error about a path is one line naming it (exit 2); another OSError (out of memory, a socket) is a
     fault and keeps its traceback."""
     import argparse
+    import importlib
 
-    import tagplan.cli.main as cli_main
+    cli_main = importlib.import_module("tagplan.cli.main")  # the module (the package's `main` is its function)
 
     def run(error: OSError) -> int:
         def command(_: object) -> int:
