@@ -182,7 +182,8 @@ def as_run(m: Any, c: Any, w: Workload, spec: Any, *, evaluations: int, budget_s
         overlap = reduce_overlap(fmt, wf, c)
 
         def admissible(p: Any, fmt: str = fmt, tp_overlap: bool = tp_overlap) -> str | None:
-            return exportable(p, fmt, m, global_batch=w.global_batch, spec=spec, cluster=c, tp_comm_overlap=tp_overlap)
+            return exportable(p, fmt, m, global_batch=w.global_batch, spec=spec, cluster=c, tp_comm_overlap=tp_overlap,
+                              dtype=w.dtype)
 
         r = plan(PlanProblem(m, c, wf, max_evaluations=evaluations, budget_s=budget_s), admissible=admissible,
                  reduce_overlap=overlap)

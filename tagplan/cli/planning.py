@@ -204,9 +204,12 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
     if exportable is not None:
         from tagplan.export.capability import exportable as can_export
         from tagplan.export.capability import model_refusal, reduce_overlap
+        from tagplan.export.megatron import cluster_quantized_refusal
 
         if (why := model_refusal(exportable, problem.model, spec)) is not None:
             raise SpecError(f"--exportable {exportable}: no plan of this model runs in that format: {why}")
+        if exportable == "megatron" and (why := cluster_quantized_refusal(problem.cluster, problem.workload.dtype)):
+            raise SpecError(f"--exportable megatron: no plan on this cluster runs in that format: {why}")
 
         batch = problem.workload.global_batch
         admissible = lambda p: can_export(p, exportable, problem.model, global_batch=batch, spec=spec,  # noqa: E731

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ from tagplan.export.node_launch import fixed_rank_table, launch_scripts
 from tagplan.export.shapes import ffn_width, transformer_shape
 from tagplan.frontends.families import TransformerShape
 from tagplan.frontends.model_spec import ModelSpec
-from tagplan.ir.cluster import Cluster, LinkKind
+from tagplan.ir.cluster import Cluster, DeviceSpec, LinkKind
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule, context_split_whole
 from tagplan.ir.workload import DType, LossKernel
@@ -169,17 +170,27 @@ def quantized_refusal(plan: Plan, cluster: Cluster, dtype: DType) -> str | None:
     """Why Transformer Engine cannot run quantized recipe `dtype` on the plan's devices (None: it can, or `dtype`
     is not quantized). The block-scaled recipes (mxfp8, nvfp4) need Blackwell's block-scaled tensor cores (sm100+;
     the catalog marks them by an fp4 rate), the per-tensor fp8 ones (fp8, fp8-cs) fp8 tensor cores (sm89+: Ada,
-    Hopper, Blackwell; an fp8 rate): Transformer Engine refuses them elsewhere, where the cost model gives such a
-    device its fallback rate (`DeviceSpec.peak_flops`)."""
+    Hopper, Blackwell; an fp8 rate), `DeviceSpec.has_tensor_cores_for`: Transformer Engine refuses them elsewhere,
+    where the cost model gives such a device its fallback rate (`DeviceSpec.peak_flops`)."""
+    return _quantized_refusal([cluster.device(d).spec for d in plan.devices], dtype)
+
+
+def cluster_quantized_refusal(cluster: Cluster, dtype: DType) -> str | None:
+    """`quantized_refusal` where no GPU of the cluster can run `dtype`, so that no plan on it can (None where some
+    can: a plan on those alone may)."""
+    specs = [d.spec for d in cluster.devices]
+    if not dtype.quantized or any(spec.has_tensor_cores_for(dtype) for spec in specs):
+        return None
+    return _quantized_refusal(specs, dtype)
+
+
+def _quantized_refusal(devices: Sequence[DeviceSpec], dtype: DType) -> str | None:
     if not dtype.quantized:
         return None
-    specs = {cluster.device(d).spec.name: cluster.device(d).spec for d in plan.devices}
-    if dtype.block_scaled:
-        lacking = sorted(name for name, spec in specs.items() if spec.peak_flops_fp4 is None)
-        needs = "runs block-scaled GEMMs only on Blackwell (sm100+) GPUs"
-    else:
-        lacking = sorted(name for name, spec in specs.items() if spec.peak_flops_fp8 is None)
-        needs = "runs fp8 GEMMs only on GPUs with fp8 tensor cores (sm89+: Ada, Hopper, Blackwell)"
+    specs = {spec.name: spec for spec in devices}
+    lacking = sorted(name for name, spec in specs.items() if not spec.has_tensor_cores_for(dtype))
+    needs = ("runs block-scaled GEMMs only on Blackwell (sm100+) GPUs" if dtype.block_scaled
+             else "runs fp8 GEMMs only on GPUs with fp8 tensor cores (sm89+: Ada, Hopper, Blackwell)")
     if not lacking:
         return None
     fp8_everywhere = all(spec.peak_flops_fp8 is not None for spec in specs.values())

@@ -37,6 +37,16 @@ def is_cpu_name(name: str) -> bool:
     return lowered.startswith("cpu") or "epyc" in lowered or "xeon" in lowered
 
 
+class TensorFormat(StrEnum):
+    """The number format a device's GEMMs run in (`DeviceSpec.costed_format`)."""
+
+    FP4 = "fp4"
+    FP8 = "fp8"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
 class DeviceSpec(Record):
     """One accelerator type: vendor datasheet figures (dense, no sparsity)."""
 
@@ -70,24 +80,38 @@ class DeviceSpec(Record):
         """Peak dense FLOP/s in `dtype`. A device without the dtype's tensor cores runs the next wider
         format it has: nvfp4 as fp8, the fp8 recipes (fp8, fp8-cs, mxfp8) as bf16, bf16 as fp16
         (`costed_format`)."""
-        rates = {"fp4": self.peak_flops_fp4, "fp8": self.peak_flops_fp8, "bf16": self.peak_flops_bf16,
-                 "fp16": self.peak_flops_fp16, "fp32": self.peak_flops_fp32}
+        rates = {TensorFormat.FP4: self.peak_flops_fp4, TensorFormat.FP8: self.peak_flops_fp8,
+                 TensorFormat.BF16: self.peak_flops_bf16, TensorFormat.FP16: self.peak_flops_fp16,
+                 TensorFormat.FP32: self.peak_flops_fp32}
         rate = rates[self.costed_format(dtype)]
         assert rate is not None  # `costed_format` names a format the device has
         return rate
 
-    def costed_format(self, dtype: DType) -> str:
+    def costed_format(self, dtype: DType) -> TensorFormat:
         """The format `peak_flops(dtype)` costs `dtype` at on this device: the dtype's own tensor cores where the
-        device has them, else the next wider format it has: "fp4", "fp8", "bf16", "fp16" or "fp32"."""
+        device has them, else the next wider format it has."""
         if dtype is DType.FP32:
-            return "fp32"
+            return TensorFormat.FP32
         if dtype is DType.NVFP4 and self.peak_flops_fp4 is not None:
-            return "fp4"
+            return TensorFormat.FP4
         if dtype.quantized and self.peak_flops_fp8 is not None:
-            return "fp8"
+            return TensorFormat.FP8
         if (dtype is DType.BF16 or dtype.quantized) and self.peak_flops_bf16 is not None:
-            return "bf16"
-        return "fp16"
+            return TensorFormat.BF16
+        return TensorFormat.FP16
+
+    def has_tensor_cores_for(self, dtype: DType) -> bool:
+        """Whether this device computes `dtype`'s GEMMs on tensor cores of their own, as a runtime needs them:
+        block-scaled recipes (mxfp8, nvfp4) on Blackwell's block-scaled cores (marked by an fp4 rate), per-tensor
+        fp8 (fp8, fp8-cs) on fp8 cores (sm89+), bf16 on bf16 cores (sm80+); fp16 and fp32 everywhere. Where not,
+        `costed_format` is the fallback the cost model takes."""
+        if dtype.block_scaled:
+            return self.peak_flops_fp4 is not None
+        if dtype.quantized:
+            return self.peak_flops_fp8 is not None
+        if dtype is DType.BF16:
+            return self.peak_flops_bf16 is not None
+        return True
 
     def sustained_peak_flops(self, dtype: DType) -> float:
         """`peak_flops(dtype)` at the clock a continuous training load sustains (`sustained_peak_fraction`):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import partial
@@ -30,7 +30,7 @@ from tagplan.cost.bounds import lower_bound_s, plan_value
 from tagplan.cost.report import Report
 from tagplan.cost.simulator import ReduceOverlap, Simulator
 from tagplan.errors import SpecError
-from tagplan.ir.cluster import Cluster
+from tagplan.ir.cluster import Cluster, TensorFormat
 from tagplan.ir.plan import Plan
 from tagplan.ir.workload import DType
 from tagplan.search.background import Background
@@ -143,7 +143,7 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
         stats = _search(space, problem, prior_factory, progress, judge, time.perf_counter() - start)
     for key, cand in searcher.candidates.items():  # after the baselines' and the seeds', as one process has them
         judge.candidates.setdefault(key, cand)
-    notes: list[str] = dtype_notes(problem.cluster, problem.workload.dtype)
+    notes: list[str] = []
     if not judge.candidates:
         raise SpecError(f"no plan gives every data-parallel replica a whole sample of the global batch "
                         f"{problem.workload.global_batch} on this cluster; raise the batch")
@@ -183,6 +183,11 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                         fallback = False
                     best = better
                     pool.append(better)
+    bound = problem.time_bound_s
+    if problem.objective is not Objective.TIME and bound is not None and best.report.iteration_time_s > bound:
+        notes.append(f"no plan runs within the time bound of {bound:.4g} s; the fastest plan the search found "
+                     f"({best.report.iteration_time_s:.4g} s) is returned")
+    notes += dtype_notes(problem.cluster, problem.workload.dtype, best.plan.devices)
     simulation = sim.run(best.plan)  # the best plan's task times, for its timeline
     info = SearchInfo(wall_s=time.perf_counter() - start, evaluations=stats.evaluations, cache_hits=stats.cache_hits,
                       simulations=stats.simulations, stopped_by=stats.stopped_by, intra_solves=solves,
@@ -399,29 +404,26 @@ def _choose(pool: list[Candidate], objective: Objective, bound_s: float | None, 
     if objective is Objective.TIME:
         return fastest, []
     bound = bound_s if bound_s is not None else DEFAULT_TIME_SLACK * fastest.report.iteration_time_s
-    within = [c for c in pool if c.report.iteration_time_s <= bound]
-    notes = [] if within else [
-        f"no {kind}plan runs within the time bound of {bound:.4g} s; the fastest {kind}plan the search found "
-        f"({fastest.report.iteration_time_s:.4g} s) is returned"]
-    within = within or [fastest]
+    within = [c for c in pool if c.report.iteration_time_s <= bound] or [fastest]  # none: the fastest, noted by `plan`
     if objective is Objective.MEMORY:
-        return min(within, key=lambda c: (c.report.peak_memory_bytes, c.report.iteration_time_s)), notes
-    return min(within, key=lambda c: (c.report.devices_used, c.report.iteration_time_s)), notes
+        return min(within, key=lambda c: (c.report.peak_memory_bytes, c.report.iteration_time_s)), []
+    return min(within, key=lambda c: (c.report.devices_used, c.report.iteration_time_s)), []
 
 
-def dtype_notes(cluster: Cluster, dtype: DType) -> list[str]:
-    """A note per tensor-core format the cluster's GPUs are costed at in place of `dtype`, which they lack
-    (`DeviceSpec.costed_format`): such a plan's time is that format's, which a run in `dtype` there does not
-    reach (V100 and T4 have no bf16 tensor cores, A100 no fp8 ones)."""
-    own = "fp4" if dtype is DType.NVFP4 else "fp8" if dtype.quantized else dtype.value
-    lacking: dict[str, list[str]] = {}
-    for name, spec in {n.device.name: n.device for n in cluster.nodes}.items():
-        if (costed := spec.costed_format(dtype)) != own:
-            lacking.setdefault(costed, []).append(name)
+def dtype_notes(cluster: Cluster, dtype: DType, devices: Iterable[int] | None = None) -> list[str]:
+    """A note per tensor-core format the plan's GPUs (`devices`; default every GPU) are costed at in place of
+    `dtype`, whose tensor cores they lack (`DeviceSpec.has_tensor_cores_for`, `costed_format`): such a plan's time
+    is that format's, which a run in `dtype` there does not reach (V100 and T4 have no bf16 tensor cores, A100 no
+    fp8 ones, Hopper no block-scaled ones for mxfp8 and nvfp4)."""
+    used = range(cluster.num_devices) if devices is None else devices
+    lacking: dict[TensorFormat, list[str]] = {}
+    for spec in {cluster.devices[d].spec.name: cluster.devices[d].spec for d in used}.values():
+        if not spec.has_tensor_cores_for(dtype):
+            lacking.setdefault(spec.costed_format(dtype), []).append(spec.name)
     notes = []
     for costed, names in lacking.items():
         run = (f"Transformer Engine refuses {dtype.value} there" if dtype.quantized
                else f"a {dtype.value} run there is slower")
-        notes.append(f"{', '.join(names)}: no {dtype.value} tensor cores; costed at the {costed} rate, as a run in "
-                     f"{costed} there would go ({run})")
+        notes.append(f"{', '.join(sorted(names))}: no {dtype.value} tensor cores; costed at the {costed.value} rate, "
+                     f"as a run in {costed.value} there would go ({run})")
     return notes

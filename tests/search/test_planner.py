@@ -364,14 +364,20 @@ def test_a_gpu_without_the_dtypes_tensor_cores_is_named_with_the_rate_it_is_cost
 
     mixed = load_cluster("p3.8xlarge+g4dn.12xlarge+dgx-a100-80gb")
     (bf16,) = dtype_notes(mixed, DType.BF16)
-    assert bf16.startswith("V100-SXM2-16GB, T4: no bf16 tensor cores; costed at the fp16 rate")
+    assert bf16.startswith("T4, V100-SXM2-16GB: no bf16 tensor cores; costed at the fp16 rate")
     assert dtype_notes(mixed, DType.FP16) == [] and dtype_notes(mixed, DType.FP32) == []
     fp8 = dtype_notes(mixed, DType.FP8)
     assert any(n.startswith("A100-SXM-80GB: no fp8 tensor cores; costed at the bf16 rate") for n in fp8)
-    assert any(n.startswith("V100-SXM2-16GB, T4: no fp8 tensor cores; costed at the fp16 rate") for n in fp8)
+    assert any(n.startswith("T4, V100-SXM2-16GB: no fp8 tensor cores; costed at the fp16 rate") for n in fp8)
     assert dtype_notes(load_cluster("dgx-h100"), DType.FP8) == []
+    assert dtype_notes(load_cluster("dgx-h100"), DType.MXFP8)[0].startswith(
+        "H100-SXM: no mxfp8 tensor cores; costed at the fp8 rate")  # block-scaled cores are Blackwell's
+    a100 = [d for d in range(mixed.num_devices) if mixed.devices[d].spec.name == "A100-SXM-80GB"]
+    assert dtype_notes(mixed, DType.BF16, a100) == []  # a plan on the A100s alone: nothing to say
     assert dtype_notes(load_cluster("dgx-h100"), DType.NVFP4)[0].startswith("H100-SXM: no nvfp4 tensor cores; "
                                                                             "costed at the fp8 rate")
-    result = _plan(load_model("gpt?layers=2&hidden=128&heads=4&vocab=500", seq_len=64), mixed,
+    old_gpus = load_cluster("p3.8xlarge+g4dn.12xlarge")  # whichever GPUs the plan takes lack bf16 tensor cores
+    result = _plan(load_model("gpt?layers=2&hidden=128&heads=4&vocab=500", seq_len=64), old_gpus,
                    Workload(global_batch=8, seq_len=64), max_evaluations=20)
-    assert bf16 in result.notes
+    assert result.notes == tuple(dtype_notes(old_gpus, DType.BF16, result.best.plan.devices))
+    assert len(result.notes) == 1 and "no bf16 tensor cores; costed at the fp16 rate" in result.notes[0]
