@@ -127,7 +127,7 @@ def workload_line(workload: Workload, overlap: dict[int, bool] | None = None) ->
             + {LossKernel.EAGER: "", LossKernel.IN_PLACE: ", the loss's fp32 softmax turned into its gradient in place",
                LossKernel.FUSED: ", the loss fused over its logits"}[workload.loss]
             + _eager_phrase(workload)
-            + (", the gated MLP's activation fused" if workload.fused_activation else "")
+            + (", a gated MLP's activation fused (where the model has one)" if workload.fused_activation else "")
             + (", each stage keeping its micro-batches' inputs and outputs (DeepSpeed's pipeline engine)"
                if workload.keeps_stage_outputs else ""))
 

@@ -8,7 +8,8 @@
   interleaved 1F1B with every virtual-stage count vp >= 2 that Megatron accepts (the blocks split
   evenly into pp x vp chunks, a micro-batch count divisible by pp); nodes in the cluster's order and
   reversed (which end of the pipeline a node type takes matters on mixed clusters).
-- `data_parallel_best`: every device a replica, every micro-batch size, ZeRO 0-3, recompute off/on.
+- `data_parallel_best`: every device a replica (where the batch does not split into equal whole shares over
+  every device, the fastest as many as it does), every micro-batch size, ZeRO 0-3, recompute off/on.
 - `fastest_nodes`: the best of both on the nodes of the fastest GPU type alone (mixed clusters),
   the other nodes idle.
 
@@ -312,7 +313,7 @@ def data_parallel_best(sim: Simulator, judge: Judge, nodes: Sequence[int], *, co
     dtype = sim.workload.dtype
     fastest = sorted(on, key=lambda d: -sim.cluster.devices[d].spec.sustained_peak_flops(dtype))[:n]
     devices = tuple(sorted(fastest))
-    idle = f", on {n} of the {len(on)} devices (the global batch {batch} splits evenly over no more)" \
+    idle = f", on the {n} fastest of the {len(on)} devices (the global batch {batch} splits evenly over no more)" \
         if n < len(on) else ""
     best: tuple[Candidate, str] | None = None
     for recompute in (False, True):

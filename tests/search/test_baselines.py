@@ -243,7 +243,7 @@ def test_data_parallelism_runs_on_as_many_of_the_fastest_devices_as_the_batch_sp
     assert found.candidate is not None, found.config
     (stage,) = found.candidate.plan.stages
     assert stage.dp == 6 and all(sim.cluster.devices[d].spec.name.startswith("A100") for d in stage.devices)
-    assert "on 6 of the 12 devices" in found.config
+    assert "on the 6 fastest of the 12 devices" in found.config
     one = Simulator(sim.model, load_cluster("dgx-a100-80gb"), Workload(global_batch=1, seq_len=128))
     single = baselines.data_parallel_best(one, SimulatorEvaluator(PlanSpace(one)).candidate, range(1))
     assert single.candidate is not None and single.candidate.plan.stages[0].devices == (0,)
