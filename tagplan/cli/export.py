@@ -28,12 +28,15 @@ from tagplan.cli.options import (
     load_cluster_option,
     positive_float,
     positive_int,
+    workload_of,
 )
 from tagplan.errors import SpecError
 from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, DType, LossKernel, Optimizer
 
 if TYPE_CHECKING:
-    from tagplan.ir.cluster import DeviceSpec
+    from tagplan.frontends.model_spec import ModelSpec
+    from tagplan.ir.cluster import Cluster, DeviceSpec
+    from tagplan.ir.plan import Plan
 
 
 def add_export_commands(sub: Subparsers) -> None:
@@ -122,26 +125,22 @@ def _export(args: argparse.Namespace) -> int:
                                   grad_reduce_overlap=args.grad_reduce_overlap)
     tp_comm = tp_comm_settings(plan, fmt=args.fmt, tp_comm_overlap=args.tp_comm_overlap)
     loss = loss_settings(fmt=args.fmt, loss=LossKernel(args.loss))
-    memory = _memory_note(args, spec, plan, cluster, dtype, reduce_dtype) if cluster is not None else None
+    memory = _memory_note(args, spec, plan, cluster) if cluster is not None else None
     emit({"format": args.fmt, "files": [str(p) for p in written], "grad_reduce": reduce.as_json(), "tp_comm": tp_comm,
           "loss": loss, "memory": memory}, args.json, _export_text)
     return 0
 
 
-def _memory_note(args: argparse.Namespace, spec: Any, plan: Any, cluster: Any, dtype: DType,
-                 reduce_dtype: DType | None) -> str | None:
+def _memory_note(args: argparse.Namespace, spec: ModelSpec, plan: Plan, cluster: Cluster) -> str | None:
     """Why the exported runtime will run out of memory on the plan (None: it fits), costed as `plan --exportable`
-    costs it: the plan may have been searched for another runtime."""
+    costs it (`options.workload_of`, `capability.runtime_workload`): the plan may have been searched for another
+    runtime."""
     from tagplan.cost.simulator import Simulator
     from tagplan.export.capability import memory_refusal, runtime_workload
     from tagplan.frontends.model_spec import build_model
-    from tagplan.ir.workload import Workload
 
-    model = build_model(spec, seq_len=args.seq, dtype=dtype)
-    asked = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype, optimizer=Optimizer(args.optimizer),
-                     grad_reduce_dtype=reduce_dtype, grad_reduce_overlap=args.grad_reduce_overlap,
-                     tp_comm_overlap=args.tp_comm_overlap, loss=LossKernel(args.loss))
-    sim = Simulator(model, cluster, runtime_workload(args.fmt, asked, spec))
+    model = build_model(spec, seq_len=args.seq, dtype=DType(args.dtype))
+    sim = Simulator(model, cluster, runtime_workload(args.fmt, workload_of(args, model), spec))
     why = memory_refusal(plan, args.fmt, sim)
     return None if why is None else f"{why}: the run will run out of memory (`plan --exportable {args.fmt}` " \
                                     "searches plans this runtime fits)"

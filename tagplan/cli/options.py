@@ -213,19 +213,25 @@ def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workloa
     """(ModelGraph, Cluster, Workload) from the options `add_problem_options` defines."""
     from tagplan.frontends.model_spec import load_model
 
+    model = load_model(args.model, seq_len=args.seq, dtype=DType(args.dtype),
+                       input_shape=getattr(args, "input_shape", None))
+    return model, load_cluster_option(args.cluster, args), workload_of(args, model)
+
+
+def workload_of(args: argparse.Namespace, model: ModelGraph) -> Workload:
+    """The Workload the workload options describe (those a command lacks take their defaults), at `model`'s
+    sequence length: what `plan` and `simulate` cost, and `export` checks memory with."""
     dtype = DType(args.dtype)
-    model = load_model(args.model, seq_len=args.seq, dtype=dtype, input_shape=getattr(args, "input_shape", None))
     reduce = getattr(args, "grad_reduce_dtype", None)
     eager = EagerRuntime(args.eager) if getattr(args, "eager", None) else None
     if eager is EagerRuntime.SIXTEEN_BIT_WEIGHTS and dtype is DType.FP32:
         raise SpecError(f"--eager {eager.value}: weights held in 16 bits need a dtype of 16 bits or fewer; --dtype "
                         f"is {dtype.value} (accepted: any --dtype but fp32; at fp32 use --eager "
                         f"{EagerRuntime.AUTOCAST.value}, which runs plain fp32)")
-    workload = Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
-                        optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None,
-                        grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True),
-                        tp_comm_overlap=getattr(args, "tp_comm_overlap", False),
-                        fused_attention=ATTENTION_KERNELS[getattr(args, "attention", "auto")],
-                        loss=LossKernel(getattr(args, "loss", None) or LossKernel.EAGER.value),
-                        **eager_fields(eager))
-    return model, load_cluster_option(args.cluster, args), workload
+    return Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
+                    optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None,
+                    grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True),
+                    tp_comm_overlap=getattr(args, "tp_comm_overlap", False),
+                    fused_attention=ATTENTION_KERNELS[getattr(args, "attention", "auto")],
+                    loss=LossKernel(getattr(args, "loss", None) or LossKernel.EAGER.value),
+                    **eager_fields(eager))

@@ -131,10 +131,11 @@ def _simulate(args: argparse.Namespace) -> int:
         emit(result.report, args.json, lambda report: report_table(report, plan))
         return 0
     from tagplan.cli.tables import workload_line
-    from tagplan.export.capability import memory_refusal, verdicts
+    from tagplan.export.capability import exportable, memory_refusal
 
-    why = (verdicts(plan, model, workload, spec=parse_model_spec(args.model), cluster=cluster)[args.exportable]
-           or memory_refusal(plan, args.exportable, sim))
+    why = (exportable(plan, args.exportable, model, global_batch=workload.global_batch,
+                      spec=parse_model_spec(args.model), cluster=cluster, tp_comm_overlap=workload.tp_comm_overlap,
+                      dtype=workload.dtype) or memory_refusal(plan, args.exportable, sim))
     if args.json:
         emit({"report": result.report.model_dump(mode="json"), "exportable": {args.exportable: why}}, True, str)
         return 0
@@ -204,12 +205,9 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
     if exportable is not None:
         from tagplan.export.capability import exportable as can_export
         from tagplan.export.capability import model_refusal, reduce_overlap
-        from tagplan.export.megatron import cluster_quantized_refusal
 
-        if (why := model_refusal(exportable, problem.model, spec)) is not None:
-            raise SpecError(f"--exportable {exportable}: no plan of this model runs in that format: {why}")
-        if exportable == "megatron" and (why := cluster_quantized_refusal(problem.cluster, problem.workload.dtype)):
-            raise SpecError(f"--exportable megatron: no plan on this cluster runs in that format: {why}")
+        if (why := model_refusal(exportable, problem.model, spec, problem.cluster)) is not None:
+            raise SpecError(f"--exportable {exportable}: no plan of this model runs in that format here: {why}")
 
         batch = problem.workload.global_batch
         admissible = lambda p: can_export(p, exportable, problem.model, global_batch=batch, spec=spec,  # noqa: E731

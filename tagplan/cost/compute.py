@@ -198,9 +198,9 @@ def eager_traffic_bytes(op: Op, *, samples: float, tp: int, strategy: ShardStrat
     uniform = op.eager_uniform_extra_bytes if sixteen_bit_weights else None
     extra = op.eager_extra_bytes if uniform is None else uniform
     forward_bytes, backward_bytes = (b * samples / split for b in extra)
-    if op.eager_bias_bytes:  # about the output: whole under row parallelism, split under column
-        whole = tp <= 1 or not divides(strategy) or strategy is ShardStrategy.ROW
-        backward_bytes += op.eager_bias_bytes * samples / (1 if whole else tp)
+    if op.eager_bias_bytes:  # about the output: whole under row parallelism (a partial sum), split under column
+        split_out = tp > 1 and layouts(op, strategy).output in (Layout.H, Layout.S)
+        backward_bytes += op.eager_bias_bytes * samples / (tp if split_out else 1)
     if autocast and op.kind in _GEMM_KINDS:
         casts = WEIGHT_CAST_PASSES * (op.param_bytes + op.shared_param_bytes) / param_split(strategy, op.kind, tp)
         forward_bytes, backward_bytes = forward_bytes + casts, backward_bytes + casts

@@ -22,7 +22,7 @@ from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_devices, check_whole_samples
-from tagplan.ir.workload import DType, Workload
+from tagplan.ir.workload import SIXTEEN_BIT, DType, Workload
 from tagplan.search.result import PlanResult
 
 Target = Literal["torch", "megatron", "deepspeed"]
@@ -74,7 +74,7 @@ def runtime_workload(fmt: Target | str, workload: Workload, spec: ModelSpec | No
         from tagplan.export.torch_checks import check_reduce_dtype_of
 
         check_reduce_dtype_of(workload.dtype, workload.grad_reduce_dtype)
-    sixteen = workload.dtype in (DType.BF16, DType.FP16)
+    sixteen = workload.dtype in SIXTEEN_BIT
     bf16_run = workload.dtype is DType.BF16 or workload.dtype.quantized  # Megatron's --bf16 runs
     fp32 = (fmt == "torch" and sixteen) or (fmt == "megatron" and bf16_run)
     update: dict[str, object] = {}
@@ -172,14 +172,19 @@ def exportable(plan: Plan, fmt: str, model: ModelGraph | None = None, *, global_
     return None
 
 
-def model_refusal(fmt: str, model: ModelGraph, spec: ModelSpec | None = None) -> str | None:
-    """Why format `fmt` runs no plan of `model` at all (the model families it builds), else None: what
+def model_refusal(fmt: str, model: ModelGraph, spec: ModelSpec | None = None,
+                  cluster: Cluster | None = None) -> str | None:
+    """Why format `fmt` runs no plan of `model` at all (the model families it builds, its dtype; with the
+    `cluster`, a quantized dtype none of its GPUs has the tensor cores for under Megatron), else None: what
     `plan --exportable` checks before it searches, so that a model no plan of which can run is refused at
     once, not after a search that admits nothing. `spec` as in `exportable`. ValueError for an unknown format."""
     if fmt not in TARGETS:
         raise ValueError(f"unknown export format {fmt!r}; accepted: {', '.join(TARGETS)}")
     if fmt == "megatron":
-        return megatron.model_refusal(model)
+        why = megatron.model_refusal(model)
+        if why is None and cluster is not None:
+            why = megatron.cluster_quantized_refusal(cluster, model.dtype)
+        return why
     if fmt == "torch":
         from tagplan.export.torch_checks import check_dtype
         from tagplan.export.torch_checks import model_refusal as torch_refusal

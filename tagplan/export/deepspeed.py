@@ -44,7 +44,7 @@ from tagplan.export.node_launch import fixed_rank_table
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule
-from tagplan.ir.workload import DType
+from tagplan.ir.workload import SIXTEEN_BIT, DType
 
 FMT = "deepspeed"
 
@@ -193,7 +193,7 @@ def _reduce_keys(dtype: DType, grad_reduce_dtype: DType | None) -> dict[str, Any
     if grad_reduce_dtype is None:
         return {}
     keys: dict[str, Any] = {"communication_data_type": grad_reduce_dtype.value}
-    if grad_reduce_dtype is DType.FP32 and dtype in (DType.BF16, DType.FP16):
+    if grad_reduce_dtype is DType.FP32 and dtype in SIXTEEN_BIT:
         keys["fp32_allreduce"] = True
     return keys
 

@@ -50,6 +50,10 @@ def test_quantized_recipes_are_refused_where_transformer_engine_cannot_run_them(
     assert "A100-SXM-80GB" in (cluster_quantized_refusal(a100, DType.FP8) or "")  # no GPU of it runs fp8
     assert cluster_quantized_refusal(load_cluster("dgx-a100-80gb+dgx-h100"), DType.FP8) is None  # the H100s do
     assert cluster_quantized_refusal(a100, DType.BF16) is None
+    from tagplan.export.capability import model_refusal
+
+    assert "A100-SXM-80GB" in (model_refusal("megatron", model, cluster=a100) or "")  # what --exportable asks first
+    assert model_refusal("megatron", model) is None and model_refusal("megatron", model, cluster=h100) is None
     model = load_model(SPEC, seq_len=16, dtype=DType.NVFP4)
     assert "H100-SXM" in (exportable(PLAN, "megatron", model, global_batch=8, cluster=h100) or "")
     assert exportable(PLAN, "megatron", model, global_batch=8, cluster=load_cluster("gb300-nvl72")) is None
