@@ -14,6 +14,7 @@ import fcntl
 import functools
 import logging
 import os
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,7 @@ def make_engine(url: str, *, timeout_s: float = SQLITE_BUSY_TIMEOUT_MS / 1000) -
         kwargs = {"connect_args": {"check_same_thread": False, "timeout": timeout_s}}
         if parsed.database and parsed.database != ":memory:":
             _private_file(Path(parsed.database).expanduser())
+            _journal_in_wal(Path(parsed.database).expanduser(), timeout_s)
     engine = create_engine(parsed, **kwargs)
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", functools.partial(_sqlite_pragmas, busy_ms=round(timeout_s * 1000)))
@@ -199,6 +201,23 @@ def _private_file(path: Path) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+def _journal_in_wal(path: Path, timeout_s: float) -> None:
+    """Switch the SQLite file to the WAL journal once, under the file's lock.
+
+    WAL mode is kept in the file; switching needs an exclusive lock, and two connections switching
+    a new file at once deadlock in the rollback journal's locks, where SQLite fails one of them at
+    once ("database is locked") rather than wait. Under the lock the first process switches the
+    file and the others find it switched, so every connection's own `PRAGMA journal_mode=WAL`
+    (`_sqlite_pragmas`) is then a no-op.
+    """
+    with _file_lock(path):
+        conn = sqlite3.connect(path, timeout=timeout_s)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL").fetchall()
+        finally:
+            conn.close()
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any, *, busy_ms: int) -> None:
@@ -262,8 +281,14 @@ def _migration_lock(engine: Engine) -> Iterator[None]:
     if engine.dialect.name != "sqlite" or not database or database == ":memory:":
         yield
         return
-    path = Path(database).expanduser().with_name(Path(database).name + "-migrate.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    with _file_lock(Path(database).expanduser()):
+        yield
+
+
+@contextlib.contextmanager
+def _file_lock(database: Path) -> Iterator[None]:
+    """`flock` on `<file>-migrate.lock`: one process at a time on this machine changes the file."""
+    fd = os.open(database.with_name(database.name + "-migrate.lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
