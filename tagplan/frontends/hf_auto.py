@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from tagplan.errors import SpecError
-from tagplan.frontends.hf_config import HFArch, is_causal_lm
-from tagplan.frontends.hf_fold import Stack, mark_causal, moe_analytic, short_depths, unfold, with_values
+from tagplan.frontends.hf_config import HFArch
+from tagplan.frontends.hf_fold import Stack, causal_masks, moe_analytic, short_depths, unfold, with_values
 from tagplan.frontends.torch_export import graph_from_module
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.workload import DType
@@ -107,4 +107,4 @@ def _trace(config: Any, arch: HFArch, name: str, seq: int, dtype: DType, batch: 
                               batch=batch)
     if getattr(config, "num_experts_per_tok", None):
         graph = moe_analytic(graph, config)
-    return mark_causal(graph) if is_causal_lm(arch.model_class) else graph
+    return causal_masks(graph, arch.model_class, config)

@@ -89,11 +89,13 @@ def _config_classes() -> dict[str, str]:
     return dict(CONFIG_MAPPING_NAMES)
 
 
-def _model_classes() -> dict[str, str]:
-    """model class name -> model type, from every auto model mapping (causal LMs first)."""
+def _model_classes() -> dict[str, list[str]]:
+    """model class name -> the model types whose auto mappings list it (causal LMs first). A class may be
+    listed under several types (LlamaForCausalLM under llama and exaone, GPT2LMHeadModel under gpt2 and
+    gpt-sw3): `_model_type_of` picks the class's own."""
     from transformers.models.auto import modeling_auto
 
-    out: dict[str, str] = {}
+    out: dict[str, list[str]] = {}
     causal = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
     names = [causal, *sorted(n for n in dir(modeling_auto) if n.endswith("_MAPPING_NAMES") and n != causal)]
     for attr in names:
@@ -102,8 +104,25 @@ def _model_classes() -> dict[str, str]:
             continue
         for model_type, classes in mapping.items():
             for cls in (classes,) if isinstance(classes, str) else classes:
-                out.setdefault(str(cls), str(model_type))
+                types = out.setdefault(str(cls), [])
+                if str(model_type) not in types:
+                    types.append(str(model_type))
     return out
+
+
+def _model_type_of(model_class: str, listed: list[str], configs: dict[str, str]) -> str:
+    """The model type of a class listed under `listed`: the type of its own config class (`config_class`,
+    which every transformers model class names), where the class is listed under more than one."""
+    if len(listed) == 1:
+        return listed[0]
+    import transformers
+
+    own = getattr(getattr(transformers, model_class, None), "config_class", None)
+    own_type = getattr(own, "model_type", None)
+    if own_type in listed:
+        return str(own_type)
+    by_config = [t for t in listed if configs.get(t) == getattr(own, "__name__", None)]
+    return by_config[0] if by_config else listed[0]
 
 
 def is_causal_lm(model_class: str) -> bool:
@@ -133,7 +152,7 @@ def resolve_hf_name(name: str) -> HFArch:
         return HFArch(model_type, name, default_model_class(model_type))
     models = _model_classes()
     if name in models:
-        model_type = models[name]
+        model_type = _model_type_of(name, models[name], configs)
         return HFArch(model_type, configs[model_type], name)
     raise _unknown("Hugging Face config class or architecture", name, [*by_config, *models])
 
@@ -189,7 +208,7 @@ def _arch_of(data: dict[str, Any], source: str) -> HFArch:
     model_type = data.get("model_type")
     if model_type is None:
         models = _model_classes()
-        model_type = next((models[a] for a in architectures if a in models), None)
+        model_type = next((_model_type_of(a, models[a], configs) for a in architectures if a in models), None)
         if model_type is None:
             raise SpecError(f"{source}: no 'model_type', and architectures {architectures} are not in transformers")
     if model_type not in configs:

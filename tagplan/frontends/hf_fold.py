@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tagplan.frontends.hf_config import is_causal_lm
 from tagplan.ir.model import Block, Layer, ModelGraph, Op, OpKind, PartitionDim
 
 FOLD_DEPTH = 3  # repeated blocks per stack traced when folding
@@ -172,15 +173,56 @@ def _rehash(digest: str, *facts: float) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[: len(digest)]
 
 
-def mark_causal(graph: ModelGraph) -> ModelGraph:
+def causal_masks(graph: ModelGraph, model_class: str, config: Any) -> ModelGraph:
+    """`graph` with the attention a Hugging Face model masks causally marked so: every self-attention of a
+    causal LM; the decoder's self-attention of an encoder-decoder model (T5, BART; `config.is_encoder_decoder`).
+    Neither trace shows the mask where the model passes it as a tensor, as Hugging Face's do."""
+    if is_causal_lm(model_class):
+        return mark_causal(graph)
+    if getattr(config, "is_encoder_decoder", False):
+        return mark_causal(graph, decoder_blocks_only=True)
+    return graph
+
+
+def mark_causal(graph: ModelGraph, *, decoder_blocks_only: bool = False) -> ModelGraph:
     """`graph` with every self-attention op (as many keys as queries: `Op.score_elements` = heads x queries x
-    queries) marked causal: what a causal LM's attention is, which its trace does not show where the model passes
-    its mask as a tensor (Hugging Face's do). Block hashes leave the flag out, so they stay as traced."""
+    queries, its queries and keys projected from one tensor) marked causal: what a causal LM's attention is.
+    `decoder_blocks_only` (an encoder-decoder model): only in blocks that also hold a cross-attention (keys
+    projected from another tensor than the queries: the encoder's output), which are the decoder's; the
+    encoder's self-attention sees every token. Block hashes leave the flag out, so they stay as traced."""
     blocks = []
     for block in graph.blocks:
-        ops = tuple(op.model_copy(update={"causal": True}) if _self_attention(op) else op for op in block.ops)
+        by_name = {op.name: op for op in block.ops}
+        selfs = {op.name for op in block.ops if _self_attention(op) and not _cross_attention(op, by_name)}
+        if decoder_blocks_only and not any(_cross_attention(op, by_name) for op in block.ops
+                                           if op.kind is OpKind.ATTENTION):
+            selfs = set()
+        ops = tuple(op.model_copy(update={"causal": True}) if op.name in selfs else op for op in block.ops)
         blocks.append(block.model_copy(update={"ops": ops}) if ops != block.ops else block)
     return rebuild(graph, blocks=tuple(blocks))
+
+
+def _cross_attention(op: Op, by_name: dict[str, Op]) -> bool:
+    """Whether the attention op's queries and keys (its first two inputs) were projected from different
+    tensors. A tensor from outside the block (no producer in it) reads as the block's input."""
+    if len(op.inputs) < 2:
+        return False
+    return _projected_from(op.inputs[0], by_name) != _projected_from(op.inputs[1], by_name)
+
+
+def _projected_from(name: str, by_name: dict[str, Op]) -> tuple[str, ...]:
+    """The inputs of the projection (matmul) a query or key tensor comes from, following first inputs back
+    through views, reshapes and pointwise ops (rotary); () where the chain leaves the block first."""
+    seen: set[str] = set()
+    while name in by_name and name not in seen:
+        seen.add(name)
+        op = by_name[name]
+        if op.kind is OpKind.MATMUL:
+            return op.inputs
+        if not op.inputs:
+            return ()
+        name = op.inputs[0]
+    return ()
 
 
 def _self_attention(op: Op) -> bool:

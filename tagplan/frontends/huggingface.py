@@ -31,8 +31,8 @@ import torch
 
 from tagplan.errors import SpecError
 from tagplan.frontends.hf_auto import graph_from_config
-from tagplan.frontends.hf_config import is_causal_lm, make_config, read_hf_config, resolve_hf_name
-from tagplan.frontends.hf_fold import Stack, mark_causal, moe_analytic, short_depths, unfold, with_values
+from tagplan.frontends.hf_config import make_config, read_hf_config, resolve_hf_name
+from tagplan.frontends.hf_fold import Stack, causal_masks, moe_analytic, short_depths, unfold, with_values
 from tagplan.frontends.torch_export import graph_from_module
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.workload import DType
@@ -169,7 +169,7 @@ def _trace(spec: _HFModel, config: Any, name: str, seq: int, dtype: DType, batch
     )  # fmt: skip
     if spec.family == "mixtral":
         graph = moe_analytic(graph, config)
-    return mark_causal(graph) if is_causal_lm(spec.model_class) else graph
+    return causal_masks(graph, spec.model_class, config)
 
 
 def _example_inputs(spec: _HFModel, config: Any, seq: int, batch: int) -> dict[str, torch.Tensor]:

@@ -118,3 +118,22 @@ def test_an_encoder_decoder_architecture_is_traced_with_its_decoders_tokens(arch
     assert sum(n.startswith("encoder") for n in names) >= 2 and sum(n.startswith("decoder") for n in names) >= 2
     attention = [sum(op.kind is OpKind.ATTENTION for op in graph.block_of(i).ops) for i in range(len(names))]
     assert max(attention) == 2  # a decoder block: self- and cross-attention
+    causal = {(names[i], op.name) for i in range(len(names)) for op in graph.block_of(i).ops if op.causal}
+    # the decoder's self-attention is masked causally; the encoder's and the cross-attention see every token
+    decoders = {n for n in names if n.startswith(("decoder.block.", "decoder.layers."))}
+    assert len(decoders) == 2 and {name for name, _ in causal} == decoders
+    assert all("self" in op.lower() for _, op in causal)
+
+
+@pytest.mark.parametrize("arch, config_class", [("LlamaForCausalLM", "LlamaConfig"), ("GPT2LMHeadModel", "GPT2Config"),
+                                                ("DeepseekV3ForCausalLM", "DeepseekV3Config")])
+def test_an_architecture_listed_under_several_model_types_takes_its_own_config(arch: str, config_class: str) -> None:
+    """Transformers lists LlamaForCausalLM under llama, exaone, internlm3...: `hf:LlamaForCausalLM` is built from
+    LlamaConfig (ExaoneConfig's defaults, 8 key-value heads, broke a 4-head override at tracing)."""
+    from tagplan.frontends.hf_config import resolve_hf_name
+
+    assert resolve_hf_name(arch).config_class == config_class
+    if arch == "LlamaForCausalLM":
+        graph = graph_from_hf(arch, {"num_hidden_layers": "2", "hidden_size": "64", "intermediate_size": "128",
+                                     "num_attention_heads": "4", "vocab_size": "100"}, seq_len=16)
+        assert graph.family == "llama"
