@@ -27,6 +27,7 @@ from tagplan.ir.workload import (
     LossKernel,
     Optimizer,
     Workload,
+    eager_dtype_refusal,
     eager_fields,
 )
 from tagplan.search.problem import DEFAULT_GLOBAL_BATCH
@@ -224,10 +225,9 @@ def workload_of(args: argparse.Namespace, model: ModelGraph) -> Workload:
     dtype = DType(args.dtype)
     reduce = getattr(args, "grad_reduce_dtype", None)
     eager = EagerRuntime(args.eager) if getattr(args, "eager", None) else None
-    if eager is EagerRuntime.SIXTEEN_BIT_WEIGHTS and dtype is DType.FP32:
-        raise SpecError(f"--eager {eager.value}: weights held in 16 bits need a dtype of 16 bits or fewer; --dtype "
-                        f"is {dtype.value} (accepted: any --dtype but fp32; at fp32 use --eager "
-                        f"{EagerRuntime.AUTOCAST.value}, which runs plain fp32)")
+    refusal = eager_dtype_refusal(eager, dtype)
+    if refusal:
+        raise SpecError(f"--eager {args.eager} with --dtype {dtype.value}: {refusal}")
     return Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
                     optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None,
                     grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True),

@@ -144,6 +144,16 @@ def eager_runtime(workload: Workload) -> EagerRuntime | None:
     return EagerRuntime.SIXTEEN_BIT_WEIGHTS if workload.eager_16bit_weights else EagerRuntime.AUTOCAST
 
 
+def eager_dtype_refusal(runtime: EagerRuntime | None, dtype: DType) -> str | None:
+    """Why an eager runtime cannot compute in `dtype` (None: it can): weights held in 16 bits need a dtype of
+    16 bits or fewer. Each surface names its own fields before it (`Workload`, the CLI's --eager, the
+    service's `eager`)."""
+    if runtime is EagerRuntime.SIXTEEN_BIT_WEIGHTS and dtype is DType.FP32:
+        return (f"weights held in 16 bits need a dtype of 16 bits or fewer, not {dtype.value!r} (accepted: any "
+                f"dtype but fp32; at fp32 the {EagerRuntime.AUTOCAST.value!r} runtime runs plain fp32)")
+    return None
+
+
 SIXTEEN_BIT = (DType.BF16, DType.FP16)
 """The 16-bit dtypes autocast computes in (`Workload.autocast`)."""
 
@@ -219,10 +229,12 @@ class Workload(Record):
 
     @model_validator(mode="after")
     def _check_eager_weights(self) -> Workload:
-        if self.eager_16bit_weights and not (self.eager and self.dtype is not DType.FP32):
-            raise ValueError(f"eager_16bit_weights true describes an eager runtime computing in 16 bits or fewer; "
-                             f"this workload has eager {str(self.eager).lower()} and dtype {self.dtype.value!r} "
-                             f"(accepted: eager true with any dtype but fp32)")
+        if self.eager_16bit_weights and not self.eager:
+            raise ValueError("eager_16bit_weights true describes an eager runtime; this workload has eager false "
+                             "(accepted: eager true beside it)")
+        refusal = eager_dtype_refusal(eager_runtime(self), self.dtype)
+        if refusal:
+            raise ValueError(f"eager_16bit_weights true, dtype {self.dtype.value!r}: {refusal}")
         return self
 
     @model_validator(mode="after")

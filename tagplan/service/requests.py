@@ -56,6 +56,7 @@ from tagplan.ir.workload import (
     EagerRuntime,
     LossKernel,
     Optimizer,
+    eager_dtype_refusal,
 )
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_GLOBAL_BATCH, DEFAULT_MAX_EVALUATIONS, Objective
 from tagplan.service.settings import Settings
@@ -376,10 +377,9 @@ class WorkloadRequest(BaseModel):
     def _sixteen_bit_weights(self) -> WorkloadRequest:
         """Weights held in the compute dtype need a 16-bit one."""
         dtype = self.dtype or DType.BF16
-        if self.eager is EagerRuntime.SIXTEEN_BIT_WEIGHTS and dtype is DType.FP32:
-            raise ValueError(f"eager={self.eager.value!r} holds the weights in 16 bits, which needs a dtype of 16 "
-                             f"bits or fewer; dtype is {dtype.value!r} (accepted: any dtype but fp32; at fp32 eager "
-                             f"'autocast' runs plain fp32)")
+        refusal = eager_dtype_refusal(self.eager, dtype)
+        if refusal and self.eager is not None:
+            raise ValueError(f"eager={self.eager.value!r} with dtype={dtype.value!r}: {refusal}")
         return self
 
 

@@ -114,7 +114,7 @@ def test_eager_names_the_runtime_and_its_weights() -> None:
     assert workload("--eager", "16bit-weights") == (True, True, False)
     assert workload("--eager", "autocast", "--dtype", "fp32") == (True, False, False)
     assert workload("--eager", "16bit-weights", "--dtype", "fp8") == (True, True, False)  # Composer's fp8 over bf16
-    with pytest.raises(SpecError, match=r"--eager 16bit-weights: .*--dtype is fp32 \(accepted: any --dtype but fp32"):
+    with pytest.raises(SpecError, match=r"--eager 16bit-weights with --dtype fp32: .*\(accepted: any dtype but fp32"):
         workload("--eager", "16bit-weights", "--dtype", "fp32")
 
 
