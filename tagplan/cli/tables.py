@@ -155,8 +155,9 @@ def exporters_line(exporters: dict[str, str | None], *, fits: bool = True) -> st
     return f"runs under: {', '.join(runs)}" + (f" (not {refusals})" if refusals else "")
 
 
-def formats_cell(exporters: dict[str, str | None] | None, *, fits: bool) -> str:
-    """A reported plan's row: the formats that run it, or why none does."""
+def formats_cell(exporters: dict[str, str | None] | None, *, fits: bool, refusals: dict[str, int]) -> str:
+    """A reported plan's row: the formats that run it, or which refuse it, each refusal numbered once in
+    `refusals` (its text -> its number, which the table's caption lists: many rows share the same refusals)."""
     if exporters is None:
         return ""
     runs = [fmt for fmt, reason in exporters.items() if reason is None]
@@ -164,7 +165,11 @@ def formats_cell(exporters: dict[str, str | None] | None, *, fits: bool) -> str:
         return "none: does not fit in memory"
     if runs:
         return ", ".join(runs)
-    return "none: " + "; ".join(" ".join(str(reason).split()) for reason in exporters.values())
+    cited = []
+    for fmt, reason in exporters.items():
+        text = f"{fmt}: {' '.join(str(reason).split()).removeprefix(f'{fmt}: ')}"
+        cited.append(f"{fmt} [{refusals.setdefault(text, len(refusals) + 1)}]")
+    return "none: " + ", ".join(cited)
 
 
 def plan_result_table(result: PlanResult) -> Table:
@@ -181,21 +186,18 @@ def plan_result_table(result: PlanResult) -> Table:
     if result.exporters:
         lines.append(exporters_line(result.exporters, fits=best.report.fits))
     lines += [f"note: {note}" for note in result.notes]
-    caption = "\n".join(lines) or None
-    table = Table(title=title, caption=caption)
     asked = bool(result.exporters)
-    for col in ("plan", "stages (layers: dp x (cp x) tp @ devices)", "micro-batches", "iteration", "samples/s",
-                "peak memory", "GPUs", "vs best", *(("runs under",) if asked else ())):
-        table.add_column(col)
     pareto = result.pareto_exporters or (None,) * len(result.pareto)
     rows: list[tuple[str, Candidate | None, str, dict[str, str | None] | None]] = [
         ("best", best, "", result.exporters or None)]
     rows += [(name, b.candidate, b.reason or b.config, result.baseline_exporters.get(name))
              for name, b in result.baselines.items()]
     rows += [(f"pareto {i}", c, "", e) for i, (c, e) in enumerate(zip(result.pareto, pareto, strict=True))]
+    table_rows: list[tuple[str, ...]] = []
+    refusals: dict[str, int] = {}
     for name, cand, reason, exporters in rows:
         if cand is None:
-            table.add_row(name, f"n/a: {reason}", "", "", "", "", "", "", *(("",) if asked else ()))
+            table_rows.append((name, f"n/a: {reason}", "", "", "", "", "", "", *(("",) if asked else ())))
             continue
         stages = "; ".join(f"[{s.layers[0]},{s.layers[1]}): {_mesh(s.dp, s.cp, s.tp).replace(' ', '')} @ "
                            f"{device_ranges(s.devices)}"
@@ -203,10 +205,17 @@ def plan_result_table(result: PlanResult) -> Table:
         if reason:  # a baseline's configuration
             stages = f"{reason}\n{stages}"
         r = cand.report
-        table.add_row(name, stages, str(cand.plan.micro_batches), f"{r.iteration_time_s:.3f} s",
-                      f"{r.throughput_samples_s:.2f}", si(r.peak_memory_bytes, "B"), str(r.devices_used),
-                      f"{r.iteration_time_s / best.report.iteration_time_s:.2f}x",
-                      *((formats_cell(exporters, fits=r.fits),) if asked else ()))
+        table_rows.append((name, stages, str(cand.plan.micro_batches), f"{r.iteration_time_s:.3f} s",
+                           f"{r.throughput_samples_s:.2f}", si(r.peak_memory_bytes, "B"), str(r.devices_used),
+                           f"{r.iteration_time_s / best.report.iteration_time_s:.2f}x",
+                           *((formats_cell(exporters, fits=r.fits, refusals=refusals),) if asked else ())))
+    lines += [f"[{number}] {text}" for text, number in refusals.items()]
+    table = Table(title=title, caption="\n".join(lines) or None, caption_justify="left")
+    for col in ("plan", "stages (layers: dp x (cp x) tp @ devices)", "micro-batches", "iteration", "samples/s",
+                "peak memory", "GPUs", "vs best", *(("runs under",) if asked else ())):
+        table.add_column(col)
+    for row in table_rows:
+        table.add_row(*row)
     return table
 
 

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -249,6 +250,19 @@ def test_the_caption_names_the_refusals_when_no_format_runs_the_plan() -> None:
     assert exporters_line({"torch": "a", "megatron": "b"}) == "no export format runs this plan (torch: a; megatron: b)"
 
 
+def test_a_refusal_many_rows_share_is_numbered_once_and_each_row_cites_it() -> None:
+    from tagplan.cli.tables import formats_cell
+
+    refusals: dict[str, int] = {}
+    first = formats_cell({"torch": "no T5\n here", "megatron": "megatron: no T5"}, fits=True, refusals=refusals)
+    second = formats_cell({"torch": "no T5 here", "megatron": "tp 4"}, fits=True, refusals=refusals)
+    assert (first, second) == ("none: torch [1], megatron [2]", "none: torch [1], megatron [3]")
+    assert refusals == {"torch: no T5 here": 1, "megatron: no T5": 2, "megatron: tp 4": 3}
+    assert formats_cell({"torch": None, "megatron": "x"}, fits=True, refusals=refusals) == "torch"
+    assert formats_cell({"torch": None}, fits=False, refusals=refusals) == "none: does not fit in memory"
+    assert len(refusals) == 3
+
+
 def test_the_caption_says_which_stages_reduce_after_the_backward() -> None:
     from tagplan.cli.tables import workload_line
     from tagplan.ir.workload import DType, LossKernel, Workload
@@ -327,6 +341,9 @@ def test_every_reported_plan_says_which_formats_run_it(capsys) -> None:
                if all(v is not None for v in e["exporters"].values())]
     assert refused  # Megatron builds no T5 either; DeepSpeed's config may still run some plans
     assert "runs under" in table and table.count("none:") == len(refused)  # each such row says why
+    cited = set(re.findall(r"(torch|megatron|deepspeed) \[(\d+)\]", table))
+    for fmt, number in cited:  # each cited refusal is written out once, below the table
+        assert table.count(f"[{number}] {fmt}: ") == 1
 
 
 def test_a_format_that_expresses_a_plan_but_cannot_fit_it_as_its_runtime_runs_it_does_not_run_it(capsys) -> None:
