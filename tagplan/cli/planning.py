@@ -224,7 +224,7 @@ def search(problem: PlanProblem, *, show_progress: bool, exportable: str | None 
         result = plan(problem, prior_factory=prior, progress=tick, admissible=admissible, correction=fix,
                       reduce_overlap=overlap)
     return with_verdicts(result, problem.model, problem.workload, spec=spec, cluster=problem.cluster,
-                         calibration=problem.calibration)
+                         calibration=problem.calibration, exportable_option="--exportable")
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -217,14 +217,16 @@ def verdicts(plan: Plan, model: ModelGraph, workload: Workload, *,
 
 def with_verdicts(result: PlanResult, model: ModelGraph, workload: Workload, *, spec: ModelSpec | None = None,
                   cluster: Cluster | None = None, refusals: dict[str, str] | None = None,
-                  calibration: Calibration = DEFAULT_CALIBRATION) -> PlanResult:
+                  calibration: Calibration = DEFAULT_CALIBRATION, exportable_option: str | None = None) -> PlanResult:
     """`result` with every plan it reports judged by each export format (`verdicts`): the best plan,
     each plan of the frontier and each baseline's plan, so that none is shown as runnable without
     saying by which runtime, or why none runs it. With the `cluster`, a format that expresses a plan
     also has to fit it in memory as its runtime runs it (`runtime_workload`: e.g. the torch program's
     fp32 master weights and eager activations), else its verdict says by how much it does not.
     `refusals` override a format's verdict on all of them (the service's inline graph, which the torch
-    program cannot build)."""
+    program cannot build). Where no format runs the best plan, a note names the fastest reported plan one does
+    (`runnable_note`; `exportable_option`: the option that asks the search for a format's plans, e.g. the CLI's
+    --exportable)."""
     seen: dict[str, dict[str, str | None]] = {}
     sims: dict[str, Simulator] = {}
 
@@ -242,10 +244,34 @@ def with_verdicts(result: PlanResult, model: ModelGraph, workload: Workload, *, 
             seen[key] = {fmt: why if why is not None else memory(plan, fmt) for fmt, why in found.items()}
         return seen[key]
 
-    return replace(result, exporters=judge(result.best.plan),
-                   pareto_exporters=tuple(judge(c.plan) for c in result.pareto),
-                   baseline_exporters={name: judge(b.candidate.plan) for name, b in result.baselines.items()
-                                       if b.candidate is not None})
+    judged = replace(result, exporters=judge(result.best.plan),
+                     pareto_exporters=tuple(judge(c.plan) for c in result.pareto),
+                     baseline_exporters={name: judge(b.candidate.plan) for name, b in result.baselines.items()
+                                         if b.candidate is not None})
+    note = runnable_note(judged, exportable_option)
+    return replace(judged, notes=(*judged.notes, note)) if note else judged
+
+
+def runnable_note(result: PlanResult, exportable_option: str | None = None) -> str | None:
+    """Where no format runs the best plan: the fastest reported plan (frontier or baseline) that one does, and,
+    given the option that asks for it, how to search for the fastest plan a format runs (None: a format runs
+    the best plan, or none was judged)."""
+    if not result.exporters or any(why is None for why in result.exporters.values()):
+        return None
+    reported = [(f"pareto {i}", c, e) for i, (c, e) in enumerate(zip(result.pareto, result.pareto_exporters,
+                                                                     strict=False))]
+    reported += [(name, b.candidate, result.baseline_exporters[name]) for name, b in result.baselines.items()
+                 if b.candidate is not None and name in result.baseline_exporters]
+    runnable = [(c.report.iteration_time_s, name, [fmt for fmt, why in e.items() if why is None])
+                for name, c, e in reported if c.report.fits and any(why is None for why in e.values())]
+    if not runnable:
+        return (f"no reported plan runs under {', '.join(result.exporters)}"
+                + (f"; {exportable_option} FORMAT searches only the plans a format runs" if exportable_option else ""))
+    time_s, name, runs = min(runnable)
+    return (f"the fastest reported plan a format runs is {name}: {time_s:.3f} s as costed here "
+            f"({time_s / result.best.report.iteration_time_s:.2f}x the best), under {', '.join(runs)}"
+            + (f"; {exportable_option} {runs[0]} searches for the fastest plan {runs[0]} runs, costed as its "
+               "runtime runs it" if exportable_option else ""))
 
 
 def _batch(plan: Plan) -> int:

@@ -341,6 +341,12 @@ def test_every_reported_plan_says_which_formats_run_it(capsys) -> None:
                if all(v is not None for v in e["exporters"].values())]
     assert refused  # Megatron builds no T5 either; DeepSpeed's config may still run some plans
     assert "runs under" in table and table.count("none:") == len(refused)  # each such row says why
+    runnable = [(e["report"]["iteration_time_s"], e) for e in reported
+                if e["report"]["fits"] and any(v is None for v in e["exporters"].values())]
+    if all(v is not None for v in result["exporters"].values()) and runnable:
+        time_s, fastest = min(runnable, key=lambda pair: pair[0])
+        fmt = next(f for f, v in fastest["exporters"].items() if v is None)
+        assert f"{time_s:.3f} s as costed here" in table and f"--exportable {fmt} searches" in table
     cited = set(re.findall(r"(torch|megatron|deepspeed) \[(\d+)\]", table))
     for fmt, number in cited:  # each cited refusal is written out once, below the table
         assert table.count(f"[{number}] {fmt}: ") == 1

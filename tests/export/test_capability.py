@@ -217,3 +217,31 @@ def test_the_torch_verdict_holds_every_check_its_exporter_makes() -> None:
     found = verdicts(plan, fp8, Workload(global_batch=4, seq_len=16, dtype=DType.FP8))
     assert "dtype fp8: the torch program runs bf16/fp16 autocast" in (found["torch"] or "")
     assert verdicts(plan, even, Workload(global_batch=4, seq_len=16))["torch"] is None
+
+
+def test_where_no_format_runs_the_best_plan_a_note_names_the_fastest_reported_plan_one_does() -> None:
+    from dataclasses import replace
+
+    from tagplan.export.capability import runnable_note
+    from tagplan.search.planner import plan
+    from tagplan.search.problem import PlanProblem
+
+    model = load_model("gpt?layers=4&hidden=256&heads=4&vocab=500", seq_len=128)
+    result = plan(PlanProblem(model, load_cluster("p3.8xlarge"), Workload(global_batch=8, seq_len=128),
+                              max_evaluations=40))
+    assert len(result.pareto) >= 2
+    refused = {"torch": "no", "megatron": "no"}
+    times = [c.report.iteration_time_s for c in result.pareto]
+    order = sorted(range(len(times)), key=times.__getitem__)
+    slow, fast = order[-1], order[1]  # the fastest plan stays refused
+    pareto = tuple({"torch": "no", "megatron": None} if i in (slow, fast) else refused for i in range(len(times)))
+    judged = replace(result, exporters=refused, pareto_exporters=pareto, baseline_exporters={})
+    note = runnable_note(judged, "--exportable")
+    assert note is not None and note.startswith(f"the fastest reported plan a format runs is pareto {fast}: "
+                                                f"{times[fast]:.3f} s as costed here")
+    assert note.endswith("under megatron; --exportable megatron searches for the fastest plan megatron runs, costed "
+                         "as its runtime runs it")
+    assert "--exportable" not in (runnable_note(judged) or "")  # the service has no such option
+    none_runs = replace(judged, pareto_exporters=tuple(refused for _ in times))
+    assert runnable_note(none_runs) == "no reported plan runs under torch, megatron"
+    assert runnable_note(replace(judged, exporters={"torch": None, "megatron": "no"})) is None  # the best one runs

@@ -119,7 +119,8 @@ def test_the_workload_says_whether_the_runtime_runs_eager_and_how_it_holds_its_w
         planned = problem(asked, settings)
         assert planned.workload.eager is True and planned.workload.eager_16bit_weights is sixteen
         assert echo(read_request(PlanRequest, asked, "plan request"), planned)["workload"]["eager"] == runtime
-    with pytest.raises(SpecError, match=r"workload: .*eager='16bit-weights' with dtype='fp32': .*accepted: any dtype but fp32"):
+    with pytest.raises(SpecError, match=r"workload: .*eager='16bit-weights' with dtype='fp32': .*accepted: any "
+                                        r"dtype but fp32"):
         problem({**TINY_PLAN, "workload": {"eager": "16bit-weights", "dtype": "fp32"}}, settings)
     with pytest.raises(SpecError, match=r"workload\.eager: Input should be 'autocast' or '16bit-weights'"):
         problem({**TINY_PLAN, "workload": {"eager": True}}, settings)
