@@ -73,6 +73,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def folds_count(text: str) -> int:
+    """argparse type: cross-validation folds, at least 2 (one fold holds nothing out)."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value}: cross-validation needs at least 2 folds")
+    return value
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number above zero."""
     try:

@@ -221,14 +221,16 @@ def plan_result_table(result: PlanResult) -> Table:
 
 def calibration_table(report: dict[str, Any]) -> Table:
     """`tagplan calibrate`'s report: held-out error per device and kind, before and after the fit."""
-    caption = None
+    notes = []
     if report.get("ops_mape_before") is not None:
-        caption = (f"ops, all held out: MAPE {report['ops_mape_before']:.1%} before -> "
-                   f"{report['ops_mape_after']:.1%} after")
+        notes.append(f"ops, all held out: MAPE {report['ops_mape_before']:.1%} before -> "
+                     f"{report['ops_mape_after']:.1%} after")
     if (causal := report.get("causal_attention")) is not None:
-        caption = ((caption + "; ") if caption else "") + (
-            f"a causal attention call takes {causal['time_fraction']:.3f} + {causal['diagonal_tokens']:.0f} / keys "
-            "of its unmasked time (fitted from calls timed both ways)")
+        notes.append(f"a causal attention call takes {causal['time_fraction']:.3f} + "
+                     f"{causal['diagonal_tokens']:.0f} / keys of its unmasked time (fitted from calls timed both ways)")
+    if layers := report.get("layer_records"):
+        notes.append(f"{layers} layer records taken as measured block times (used as measured, not held out)")
+    caption = "; ".join(notes) or None
     table = Table(title=f"held-out error of the simulator's op and collective times ({report['calibration']})",
                   caption=caption)
     for column in ("device", "what", "fitted on", "held out", "MAPE before", "MAPE after"):
@@ -277,7 +279,8 @@ def models_table(summary: dict[str, Any]) -> Table | str:
 def bundle_line(summary: dict[str, Any]) -> str:
     """A trace bundle's record counts in one line (and, when the summary holds it, what its manifest says)."""
     line = (f"{summary['bundle']}: {summary['op_records']} op records, {summary['collective_records']} collective "
-            f"records, {summary['iteration_records']} iteration records")
+            f"records, {summary['iteration_records']} iteration records, {summary.get('layer_records', 0)} layer "
+            "records")
     manifest = summary.get("manifest")
     if manifest:
         line += (f"\nmeasured on {manifest['fingerprint']['device_type']} by `{manifest['source']}` "

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tagplan.cli.options import Subparsers, add_json_option, emit, output_file, positive_int
+from tagplan.cli.options import Subparsers, add_json_option, emit, folds_count, output_file, positive_int
 from tagplan.errors import SpecError
 from tagplan.ir.workload import DType
 
@@ -36,7 +36,7 @@ def add_trace_commands(sub: Subparsers) -> None:
                       help="precision of --layers and --iterations (default fp32 on CPU, bf16 on CUDA; "
                            "bf16/fp16 iterations are mixed precision: fp32 weights and Adam states)")
     prof.add_argument("--out", required=True, help="bundle directory to write")
-    add_json_option(prof, "{bundle, op_records, collective_records, iteration_records}")
+    add_json_option(prof, "{bundle, op_records, collective_records, iteration_records, layer_records}")
     prof.set_defaults(func=_profile)
 
     traces = sub.add_parser("traces", help="import traces machines already print; show a bundle")
@@ -58,7 +58,7 @@ def add_trace_commands(sub: Subparsers) -> None:
     imp.set_defaults(func=_traces_import)
     show = what.add_parser("show", help="what a bundle holds")
     show.add_argument("bundle")
-    add_json_option(show, "{bundle, manifest, op_records, collective_records, iteration_records}")
+    add_json_option(show, "{bundle, manifest, op_records, collective_records, iteration_records, layer_records}")
     show.set_defaults(func=_traces_show)
 
     cal = sub.add_parser("calibrate", help="fit the cost model to trace bundles; report held-out error")
@@ -68,8 +68,8 @@ def add_trace_commands(sub: Subparsers) -> None:
                      help="also pin the calibration beside this GNN version in the registry")
     cal.add_argument("--device", default=None,
                      help="device type the bundles should have measured; warns on records that disagree")
-    cal.add_argument("--folds", type=int, default=None, help="cross-validation folds over iteration records "
-                     "(default min(5, records))")
+    cal.add_argument("--folds", type=folds_count, default=None, help="cross-validation folds over iteration "
+                     "records, at least 2 (default min(5, records))")
     cal.add_argument("--no-iterations", action="store_true", help="fit ops and links only")
     cal.add_argument("--force", action="store_true",
                      help="write the calibration even when its held-out error is worse than what it replaces")
@@ -188,7 +188,7 @@ def _emit_counts(path: str, bundle: Any, as_json: bool, **extra: Any) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     from tagplan.cli.tables import calibration_table
     from tagplan.datasets.traces.bundle import read_bundle
-    from tagplan.training.calibrate import compare_with, fingerprint_warnings, fit_calibration
+    from tagplan.training.calibrate import calibrated_devices, compare_with, fingerprint_warnings, fit_calibration
 
     bundles = [read_bundle(b) for b in args.bundles]
     if args.device:
@@ -200,6 +200,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     comparison = compare_with(fit, replaced, bundles)
     report: dict[str, Any] = {"calibration": args.out, **fit.summary(), "rows": [row.__dict__ for row in fit.rows],
                               "links": {k: v.model_dump() for k, v in fit.calibration.links.items()}}
+    report["layer_records"] = sum(len(b.layers()) for b in bundles)  # taken as measured; the table's caption says so
     cal = fit.calibration
     if (cal.causal_time_fraction, cal.causal_diagonal_tokens) != (1.0, 0.0):  # fitted from causal and unmasked pairs
         report["causal_attention"] = {"time_fraction": cal.causal_time_fraction,
@@ -212,17 +213,35 @@ def _calibrate(args: argparse.Namespace) -> int:
                               "replaced_calibration": replaced_name}
     if not args.json:
         _say_iterations(fit, comparison, replaced_name)
-    if comparison is not None and comparison.worse and not args.force:
-        raise SpecError(f"calibrate: not written: the new calibration's held-out {comparison.metric} is "
-                        f"{comparison.new:.1%}, worse than the {comparison.replaced:.1%} of {replaced_name}, which "
-                        "it would replace; pass --force to write it anyway")
-    out.write_text(fit.calibration.model_dump_json(indent=2) + "\n")
+    refusal = _write_refusal(comparison, replaced_name, calibrated_devices(replaced) - calibrated_devices(cal))
+    if refusal and not args.force:
+        raise SpecError(f"calibrate: {args.out} not written: {refusal}; pass --force to write it anyway")
     if args.pin:
         from tagplan.training.registry import Registry
 
+        Registry().card(args.pin)  # SpecError for an unknown version, before --out is replaced
+    out.write_text(fit.calibration.model_dump_json(indent=2) + "\n")
+    if args.pin:
         Registry().pin_calibration(args.pin, out)
     emit(report, args.json, calibration_table)
     return 0
+
+
+def _write_refusal(comparison: Any, replaced_name: str, lost: set[str]) -> str | None:
+    """Why a new calibration may not replace the old one unasked (None: it may): no held-out error checks it,
+    it is worse on held-out records, or it drops device types the replaced one calibrated."""
+    if comparison is None:
+        return ("the bundles give no held-out error to check it against "
+                f"{replaced_name} (cross-validation needs at least 2 iteration records, or op records at held-out "
+                "shapes; layer records are used as measured and not held out), so it could make predictions "
+                "worse unnoticed")
+    if comparison.worse:
+        return (f"the new calibration's held-out {comparison.metric} is {comparison.new:.1%}, worse than the "
+                f"{comparison.replaced:.1%} of {replaced_name}, which it would replace")
+    if lost:
+        return (f"{replaced_name} also calibrates {', '.join(sorted(lost))}, which these bundles do not measure: "
+                "the new file would drop them (calibrate all the bundles together, or write to another --out)")
+    return None
 
 
 def _replaced_calibration(out: Path, pin: str | None) -> tuple[str, Any]:

@@ -446,6 +446,17 @@ def compare_with(fit: CalibrationFit, replaced: Calibration, bundles: Sequence[B
     return None
 
 
+def calibrated_devices(calibration: Calibration) -> set[str]:
+    """The device types `calibration` holds fitted figures for (op curves, scales, overheads, layer times; the
+    catch-all `*` entries excluded)."""
+    keyed = (calibration.compute, calibration.launch_by_device, calibration.compute_scale,
+             calibration.micro_batch_overhead_s, calibration.iteration_overhead_s, calibration.p2p_overhead_s,
+             calibration.optimizer_scale, calibration.host_dispatch_s)
+    names = {name for table in keyed for name in table}
+    names |= {layer.device for layer in calibration.layers}
+    return names - {ANY_DEVICE}
+
+
 def fingerprint_warnings(bundles: Sequence[Bundle], device: str) -> list[str]:
     """One line per bundle or record whose measured device type is not `device`."""
     out = []

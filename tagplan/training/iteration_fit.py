@@ -42,6 +42,7 @@ import numpy as np
 from tagplan.cost.calibration import ANY_DEVICE, INTER, INTRA, Calibration, LinkScale
 from tagplan.cost.simulator import Simulator
 from tagplan.datasets.traces.bundle import IterationRecord
+from tagplan.datasets.traces.iterations import rebuild_record
 from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
@@ -106,27 +107,6 @@ class IterationFitReport:
     after: IterationScore
     parameters: dict[str, float]
     held_out_predictions_s: tuple[float, ...]
-
-
-def rebuild_record(record: IterationRecord, where: str) -> tuple[ModelGraph, Cluster, Plan]:
-    """The model, cluster and plan a record names; SpecError naming `where` when one does not load."""
-    from tagplan.frontends.cluster_file import parse_cluster_data
-    from tagplan.frontends.cluster_spec import load_cluster
-    from tagplan.frontends.json_graph import graph_from_dict
-    from tagplan.frontends.model_spec import load_model
-    from tagplan.ir.plan import check_plan
-
-    w = record.workload
-    try:
-        model = (load_model(record.model, seq_len=w.seq_len, dtype=w.dtype) if isinstance(record.model, str)
-                 else graph_from_dict(record.model, source=f"{where}: model"))
-        cluster = (load_cluster(record.cluster) if isinstance(record.cluster, str)
-                   else parse_cluster_data(record.cluster, default_name="measured"))
-        plan = Plan.model_validate(record.plan)
-        check_plan(plan, model, cluster)
-    except (SpecError, ValueError) as err:
-        raise SpecError(f"{where}: {err}") from None
-    return model, cluster, plan
 
 
 def rebuild_cases(records: Sequence[IterationRecord]) -> list[IterationCase]:

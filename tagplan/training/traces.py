@@ -31,10 +31,10 @@ from tagplan.cost.bounds import lower_bound_s
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.cost.simulator import Simulator
 from tagplan.datasets.traces.bundle import Bundle
+from tagplan.datasets.traces.iterations import rebuild_record
 from tagplan.errors import SpecError
 from tagplan.gnn.features import FeatureCache, featurize
 from tagplan.gnn.model import PlanGNN, load_checkpoint, save_checkpoint
-from tagplan.training.iteration_fit import rebuild_record
 from tagplan.training.registry import Registry
 from tagplan.training.train import git_commit
 

@@ -107,3 +107,67 @@ def test_calibrate_reports_what_a_causal_mask_saves_where_the_bundle_times_both(
     assert "causal attention call takes" in capsys.readouterr().out
     assert main(["calibrate", str(BUNDLE), "--out", str(tmp_path / "cpu.json"), "--json"]) == 0
     assert "causal_attention" not in json.loads(capsys.readouterr().out)  # no call timed both ways: nothing fitted
+
+
+def test_layer_records_are_counted_by_import_show_and_calibrate(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A layer-only bundle's text summaries name its layer records, which --json already counted."""
+    out, calib = tmp_path / "layers", tmp_path / "c.json"
+    model = "gpt?layers=4&hidden=1024&heads=16&vocab=8192"
+    assert main(["traces", "import", str(IMPORTS / "layers.csv"), "--format", "generic", "--model", model,
+                 "--device", "H100-SXM", "--out", str(out)]) == 0
+    assert "0 iteration records, 6 layer records" in capsys.readouterr().out
+    assert main(["traces", "show", str(out)]) == 0
+    assert "6 layer records" in capsys.readouterr().out
+    assert main(["calibrate", str(out), "--out", str(calib), "--force"]) == 0
+    assert "6 layer records taken as measured" in " ".join(capsys.readouterr().out.split())  # the caption wraps
+    assert main(["calibrate", str(out), "--out", str(calib), "--force", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layer_records"] == 6
+
+
+ONE_RUN = {"model": "gpt?layers=2&hidden=128&heads=2&vocab=2048", "cluster": "dgx-a100-80gb:nodes=1",
+           "workload": {"global_batch": 8, "seq_len": 64, "dtype": "bf16"},
+           "plan": {"micro_batches": 1, "stages": [{"layers": [0, 4], "devices": [0]}]}, "measured_s": 0.1}
+
+
+def test_a_calibration_nothing_held_out_can_check_is_not_written_unasked(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """One iteration record gives no held-out error: its fit (a per-micro-batch overhead from a one-micro-batch run)
+    once quadrupled a 32-micro-batch prediction and replaced a good calibration without a word."""
+    (tmp_path / "one.jsonl").write_text(json.dumps(ONE_RUN) + "\n")
+    assert main(["traces", "import", str(tmp_path / "one.jsonl"), "--device", "A100-SXM-80GB",
+                 "--out", str(tmp_path / "b")]) == 0
+    good = tmp_path / "good.json"
+    assert main(["calibrate", str(BUNDLE), "--out", str(good)]) == 0
+    before = good.read_text()
+    capsys.readouterr()
+    assert main(["calibrate", str(tmp_path / "b"), "--out", str(good)]) == 2
+    assert "not written: the bundles give no held-out error to check it against the existing" in capsys.readouterr().err
+    assert good.read_text() == before
+    assert main(["calibrate", str(tmp_path / "b"), "--out", str(tmp_path / "forced.json"), "--force"]) == 0
+    assert main(["calibrate", str(BUNDLE), "--out", str(good), "--pin", "v0099", "--force"]) == 2
+    assert "unknown model version 'v0099'" in capsys.readouterr().err
+    assert good.read_text() == before  # the version is checked before --out is replaced
+    with pytest.raises(SystemExit):
+        main(["calibrate", str(BUNDLE), "--out", str(good), "--folds", "1"])
+    assert "at least 2 folds" in capsys.readouterr().err
+
+
+def test_a_calibration_that_drops_device_types_the_replaced_one_calibrated_is_refused(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from tagplan.cli.traces import _write_refusal
+    from tagplan.cost.calibration import DEFAULT_CALIBRATION
+    from tagplan.training.calibrate import calibrated_devices
+
+    assert calibrated_devices(DEFAULT_CALIBRATION) == set()
+    assert main(["calibrate", str(BUNDLE), "--out", str(tmp_path / "c.json")]) == 0
+    assert "cpu-amd-epyc" in calibrated_devices(load_calibration(tmp_path / "c.json"))
+    better = SimpleNamespace(worse=False, metric="iteration MAPE", new=0.1, replaced=0.2)
+    assert _write_refusal(better, "the existing c.json", set()) is None
+    lost = _write_refusal(better, "the existing c.json", {"cpu-amd-epyc"})
+    assert lost is not None and "also calibrates cpu-amd-epyc, which these bundles do not measure" in lost
+    worse = SimpleNamespace(worse=True, metric="iteration MAPE", new=0.3, replaced=0.2)
+    assert "30.0%, worse than the 20.0% of the existing c.json" in (_write_refusal(worse, "the existing c.json",
+                                                                                   set()) or "")
+

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from tagplan.errors import SpecError, unknown
+from tagplan.frontends.catalog import known_devices, lookup_device
 from tagplan.ir.cluster import is_cpu_name
 
 from .bundle import (
@@ -170,6 +171,7 @@ def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.
     if not paths:
         raise SpecError("import: no files given; expected Kineto traces, nccl-tests logs, iteration records, layer "
                         "tables, or Metis or Galvatron profiles")
+    device = catalog_name(device, warn)
     kinds = {Path(p): resolve_kind(p, kind) for p in paths}
     memories = dict(pair_profiles([p for p, k in kinds.items() if k == "galvatron"]))
     records: list[ImportedRecord] = []
@@ -181,20 +183,62 @@ def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.
         measured = measured_device(path, kinds[path])
         if warn is not None and measured is not None and device_disagrees(measured, device):
             warn(f"{path}: the file says it measured {measured!r}, but it is imported as {device!r}")
+        _check_devices(path, found, device)
         records.extend(found)
     out = Path(out_dir)
     if (out / MANIFEST_FILE).is_file():
-        measured = read_bundle(out).manifest.fingerprint.device_type
-        if measured != device:
+        existing = read_bundle(out)
+        measured = existing.manifest.fingerprint.device_type
+        if catalog_name(measured, None) != device:
             raise SpecError(f"{out}: the bundle measured device {measured!r}; these files were imported for "
                             f"{device!r}; import them into another bundle directory")
-        append_records(out, records)
+        records = _new_records(records, existing.records, warn)
+        if records:
+            append_records(out, records)
     elif (out / RECORDS_FILE).exists():
         raise SpecError(f"{out}: has {RECORDS_FILE} but no {MANIFEST_FILE}; not a bundle to append to, "
                         "and not overwritten")
     else:
         manifest = Manifest(created=now_iso(), source=source, fingerprint=Fingerprint(device_type=device))
-        write_bundle(out, manifest, records)
+        write_bundle(out, manifest, _new_records(records, (), warn))
+    return out
+
+
+def catalog_name(device: str, warn: Callable[[str], None] | None) -> str:
+    """`device` as the catalog names it (`h100`, `NVIDIA H100 80GB HBM3` -> `H100-SXM`): records apply to a
+    cluster's devices by that name. A name outside the catalog (a CPU, a cluster file's own GPU) is kept, with a
+    warning unless it names a CPU: its records apply only to devices named exactly so."""
+    try:
+        return lookup_device(device).name
+    except SpecError:
+        if warn is not None and not is_cpu_name(device):
+            warn(f"device {device!r} is not in the catalog ({', '.join(known_devices())}): its records apply only "
+                 f"to a cluster whose GPU is named exactly {device!r} (a cluster file's own GPU)")
+        return device
+
+
+def _check_devices(path: Path, records: Sequence[ImportedRecord], device: str) -> None:
+    """SpecError where a record names a device other than the one imported (a layer table's device column)."""
+    for number, record in enumerate(records):
+        named = getattr(record, "device", None)
+        if isinstance(named, str) and catalog_name(named, None) != device:
+            raise SpecError(f"{path}: record {number + 1} measured device {named!r}, but the files are imported as "
+                            f"{device!r}; import each device's rows into its own bundle (--device)")
+
+
+def _new_records(records: Sequence[ImportedRecord], existing: Sequence[object],
+                 warn: Callable[[str], None] | None) -> list[ImportedRecord]:
+    """`records` without those the bundle already holds or that repeat within the import: a measurement counted
+    twice is weighed twice by a fit, and its copies land on both sides of a cross-validation split."""
+    seen = {record.model_dump_json() for record in existing if hasattr(record, "model_dump_json")}
+    out = []
+    for record in records:
+        key = record.model_dump_json()
+        if key not in seen:
+            seen.add(key)
+            out.append(record)
+    if warn is not None and len(out) < len(records):
+        warn(f"{len(records) - len(out)} record(s) already in the bundle or repeated in these files were skipped")
     return out
 
 

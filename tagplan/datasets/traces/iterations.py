@@ -5,7 +5,9 @@ and optionally `repeats` and `source`. CSV: a header row naming those columns; `
 text, `plan` JSON text or the path of a Plan JSON file (relative to the CSV), `model` and
 `cluster` a SPEC string (or JSON text of an inline object). In both, `plan` is validated as a
 `Plan` (docs/PLAN_FORMAT.md) and stored in its canonical form, `workload` as a `Workload`.
-Model and cluster SPECs are stored as given: resolving them is the consumer's job.
+Model and cluster SPECs are stored as given, and resolved at import (`rebuild_record`): a record whose model or
+cluster does not load, whose plan does not cover the model, or whose time beats what the plan's GPUs can compute
+at their peak (`peak_refusal`: a unit mistake, a wrong batch) is refused there, not by every later fit.
 
 Every error is a SpecError naming the file, the line, the field and what was wrong.
 """
@@ -21,9 +23,16 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from tagplan.cost.bounds import lower_bound_s
 from tagplan.errors import SpecError
+from tagplan.frontends.cluster_file import parse_cluster_data
+from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.json_graph import graph_from_dict
+from tagplan.frontends.model_spec import load_model
 from tagplan.frontends.textfile import read_text
-from tagplan.ir.plan import Plan
+from tagplan.ir.cluster import Cluster
+from tagplan.ir.model import ModelGraph
+from tagplan.ir.plan import Plan, check_plan
 from tagplan.ir.workload import Workload
 
 from .bundle import IterationRecord
@@ -126,7 +135,40 @@ def _record(data: dict[str, Any], where: str, base: Path) -> IterationRecord:
     plan = _load_plan(data["plan"], where, base) if isinstance(data["plan"], str) else data["plan"]
     fields = {**data, "record": "iteration", "plan": _validated(Plan, plan, "plan", where).model_dump(mode="json"),
               "workload": _validated(Workload, data["workload"], "workload", where)}
-    return _validated(IterationRecord, fields, "", where)
+    record = _validated(IterationRecord, fields, "", where)
+    model, cluster, checked = rebuild_record(record, where)
+    refusal = peak_refusal(model, cluster, checked, record.workload, record.measured_s)
+    if refusal:
+        raise SpecError(f"{where}: {refusal}")
+    return record
+
+
+def rebuild_record(record: IterationRecord, where: str) -> tuple[ModelGraph, Cluster, Plan]:
+    """The model, cluster and plan a record names; SpecError naming `where` when one does not load."""
+    w = record.workload
+    try:
+        model = (load_model(record.model, seq_len=w.seq_len, dtype=w.dtype) if isinstance(record.model, str)
+                 else graph_from_dict(record.model, source=f"{where}: model"))
+        cluster = (load_cluster(record.cluster) if isinstance(record.cluster, str)
+                   else parse_cluster_data(record.cluster, default_name="measured"))
+        plan = Plan.model_validate(record.plan)
+        check_plan(plan, model, cluster)
+    except (SpecError, ValueError) as err:
+        raise SpecError(f"{where}: {err}") from None
+    return model, cluster, plan
+
+
+def peak_refusal(model: ModelGraph, cluster: Cluster, plan: Plan, workload: Workload, measured_s: float) -> str | None:
+    """Why `measured_s` cannot be an iteration of `plan` (None: it can): it is shorter than the model's matrix
+    multiplications alone take (forward, and twice that backward, over the global batch) on the plan's devices at
+    their peak dense rate in the workload's dtype (`cost.bounds.lower_bound_s`)."""
+    bound_s = lower_bound_s(model, cluster, workload, devices=plan.devices, matmuls_only=True)
+    if measured_s >= bound_s:
+        return None
+    return (f"measured_s {measured_s:g} s is shorter than the {bound_s:.3g} s this model's matrix multiplications "
+            f"alone take on the plan's {len(plan.devices)} device(s) at their peak {workload.dtype.value} rate "
+            f"({bound_s / measured_s:.0%} of peak): are the seconds per iteration, the batch "
+            f"({workload.global_batch}) and the plan's devices those of the run?")
 
 
 def _load_plan(text: str, where: str, base: Path) -> Any:

@@ -61,8 +61,14 @@ def _collective(result: NcclTestResult, path: str | os.PathLike[str]) -> Collect
     name = COLLECTIVE_NAMES.get(result.collective)
     if name is None:
         accepted = ", ".join(f"{k} ({v})" for k, v in COLLECTIVE_NAMES.items())
-        raise SpecError(f"{path}: collective {result.collective!r} (from the '# Collective test starting' line "
-                        f"or the file name {Path(path).name!r}) is not accepted; accepted: {accepted}")
+        binaries = ", ".join(f"{k}_perf.log" for k in COLLECTIVE_NAMES)
+        found = (f"collective {result.collective!r} (from the '# Collective test starting' line or the file name "
+                 f"{Path(path).name!r}) is not accepted; accepted: {accepted}")
+        if result.collective == "unknown":
+            found = (f"cannot tell which collective this log measured: it has no '# Collective test starting: "
+                     f"NAME_perf' line and its file name {Path(path).name!r} names none")
+        raise SpecError(f"{path}: {found}; rename the file after the nccl-tests binary that wrote it ({binaries}), "
+                        "or add the line '# Collective test starting: all_reduce_perf' (that binary's name) to it")
     return name
 
 

@@ -282,6 +282,18 @@ def test_nccl_errors_name_the_file(tmp_path: Path) -> None:
         import_nccl_tests(broken, device="a100-sxm4-80gb")
 
 
+def test_nccl_log_with_a_generic_name_says_how_to_name_its_collective(tmp_path: Path) -> None:
+    """No '# Collective test starting' line and a name like README's `nccl.log`: the error says both ways out."""
+    generic = tmp_path / "nccl.log"
+    generic.write_text(NCCL_1NODE.read_text())  # this fixture has no starting line; its name told the collective
+    with pytest.raises(SpecError, match=r"nccl\.log: cannot tell which collective .* rename the file after the "
+                                        r"nccl-tests binary that wrote it \(all_reduce_perf\.log, .*\), or add the "
+                                        r"line '# Collective test starting: all_reduce_perf'"):
+        import_nccl_tests(generic, device="a100-sxm4-80gb")
+    generic.write_text("# Collective test starting: all_gather_perf\n" + NCCL_1NODE.read_text())
+    assert {r.collective for r in import_nccl_tests(generic, device="a100-sxm4-80gb")} == {"all_gather"}
+
+
 # --- iteration records ----------------------------------------------------------------------------------------------
 
 
@@ -402,7 +414,7 @@ def test_import_to_bundle_writes_nothing_when_a_file_is_bad(tmp_path: Path) -> N
     bad = _bad_jsonl(tmp_path, "{not json")
     with pytest.raises(SpecError, match=r"bad\.jsonl:3"):
         import_to_bundle([ITERATIONS_CSV, bad], out, device="cpu", source="test")
-    with pytest.raises(SpecError, match=r"measured device 'cpu'.* 'h100-sxm'"):
+    with pytest.raises(SpecError, match=r"measured device 'cpu'.* 'H100-SXM'"):
         import_to_bundle([ITERATIONS_CSV], out, device="h100-sxm", source="test")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     fresh = tmp_path / "fresh"
@@ -489,3 +501,42 @@ def test_without_sequence_numbers_a_gemm_outside_a_gemms_node_is_skipped_not_pai
                                   for r in gemm_backwards)
     assert sum(r.repeats for r in result.records if r.name == "aten::bmm" and r.phase == "forward") == 4
     assert sum(n for name, n in result.skipped.items() if name.startswith("aten::bmm (an op inside a backward")) == 4
+
+
+def _one_run(**changes: Any) -> dict[str, Any]:
+    run = json.loads(ITERATIONS_JSONL.read_text().splitlines()[0])
+    return {**run, **changes}
+
+
+def test_an_iteration_record_that_cannot_be_a_run_of_its_plan_is_refused_at_import(tmp_path: Path) -> None:
+    """A cluster SPEC that does not load, a plan that does not cover the model, or a time faster than the plan's
+    GPUs can multiply the model's matrices at their peak: refused naming the file and line, not by every later fit."""
+    cases = {"cluster": ({"cluster": "dgx-a100:nodes=1"}, r"runs\.jsonl:1: .*unknown cluster preset 'dgx-a100'"),
+             "layers": ({"plan": {"stages": [{"layers": [0, 100], "devices": [0]}]}}, r"runs\.jsonl:1: .*\[0, 100\)"),
+             "fast": ({"measured_s": 1e-9}, r"runs\.jsonl:1: measured_s 1e-09 s is shorter than the .* s this model's "
+                                            r"matrix multiplications alone take on the plan's 4 device\(s\)")}
+    for name, (changes, message) in cases.items():
+        path = tmp_path / name / "runs.jsonl"
+        path.parent.mkdir()
+        path.write_text(json.dumps(_one_run(**changes)) + "\n")
+        with pytest.raises(SpecError, match=message):
+            import_iterations(path)
+    assert import_iterations(ITERATIONS_JSONL)  # the fixture's real runs pass
+
+
+def test_import_names_devices_as_the_catalog_does_and_skips_records_it_already_holds(tmp_path: Path) -> None:
+    out, warnings = tmp_path / "bundle", []
+    once = tmp_path / "once.jsonl"
+    once.write_text(json.dumps(_one_run()) + "\n" + json.dumps(_one_run()) + "\n")  # the same run twice
+    import_to_bundle([once], out, device="v100", source="t", warn=warnings.append)
+    assert read_bundle(out).manifest.fingerprint.device_type == "V100-SXM2-16GB"  # how clusters name it
+    assert len(read_bundle(out).iterations()) == 1 and "1 record(s) already in the bundle" in warnings[-1]
+    import_to_bundle([once], out, device="V100-SXM2-16GB", source="t", warn=warnings.append)
+    assert len(read_bundle(out).iterations()) == 1  # imported again: nothing added, the same device accepted
+    import_to_bundle([ITERATIONS_JSONL], tmp_path / "own", device="my-gpu", source="t", warn=warnings.append)
+    assert "'my-gpu' is not in the catalog" in warnings[-1]
+    table = tmp_path / "layers.csv"
+    table.write_text("layer,device,micro_batch,seq_len,forward_s,backward_s\nblock,A100-SXM-80GB,1,32,0.001,0.002\n")
+    with pytest.raises(SpecError, match=r"measured device 'A100-SXM-80GB', but the files are imported as 'H100-SXM'"):
+        import_to_bundle([table], tmp_path / "h100", device="h100", source="t",
+                         model="gpt?layers=2&hidden=64&heads=4&vocab=100")
