@@ -109,6 +109,8 @@ def _parse_term(term: str) -> ClusterTerm:
         if not sep or key not in OPTIONS:
             raise SpecError(f"cluster spec {term!r}: option {part!r} is not accepted; accepted options: "
                             f"{', '.join(k + '=...' for k in OPTIONS)}")
+        if key in values:  # last-wins would drop one silently
+            raise SpecError(f"cluster spec {term!r}: option {key!r} is given twice; give each option once")
         values[key] = _option_value(key, value, f"{name}:{key}")
     return ClusterTerm(preset=name, **values)
 

@@ -1,7 +1,8 @@
 """Whole models of the parametric families, and the `family?key=value&...` spec grammar.
 
 `gpt?layers=96&hidden=12288&heads=96&vocab=50257` builds GPT-3 175B; keys not given take the
-family's defaults (see `FAMILY_DEFAULTS`). Every builder derives each distinct block once.
+family's defaults (see `FAMILY_DEFAULTS`). A key the family's builder does not read (`FAMILY_KEYS`),
+or a key given twice, is refused. Every builder derives each distinct block once.
 """
 
 from __future__ import annotations
@@ -130,26 +131,46 @@ FAMILY_DEFAULTS: dict[str, TransformerShape] = {
     "vit": TransformerShape(layers=32, hidden=1280, heads=16, vocab=0, patch=14, image=224),
 }
 
-# Spec keys and the TransformerShape field each sets.
-_KEYS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "vocab": "vocab", "ffn": "ffn",
-         "kv_heads": "kv_heads", "head_dim": "head_dim", "max_positions": "max_positions",
-         "tied": "tied", "experts": "experts", "top_k": "top_k", "dec_layers": "dec_layers",
-         "patch": "patch", "image": "image", "classes": "classes"}
+# The spec keys each family's builder reads (each key sets the TransformerShape field of its name);
+# a key the builder ignores would build a model other than the one asked for, so it is refused.
+_ATTENTION_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn")
+FAMILY_KEYS: dict[str, tuple[str, ...]] = {
+    "gpt": (*_ATTENTION_KEYS, "vocab", "tied", "max_positions"),
+    "llama": (*_ATTENTION_KEYS, "vocab", "tied"),
+    "bert": (*_ATTENTION_KEYS, "vocab", "tied", "max_positions"),
+    "t5": (*_ATTENTION_KEYS, "dec_layers", "vocab", "tied"),
+    "moe": (*_ATTENTION_KEYS, "vocab", "tied", "experts", "top_k"),
+    "vit": (*_ATTENTION_KEYS, "patch", "image", "classes"),
+}
+_ALL_KEYS = tuple(f.name for f in fields(TransformerShape))
 _POSITIVE = {"layers", "hidden", "heads", "vocab", "experts", "top_k", "patch", "image", "classes",
-             "max_positions"}
+             "max_positions", "dec_layers"}
+_ZERO_MEANS = {"ffn": "the family's default width", "kv_heads": "as many as heads", "head_dim": "hidden // heads"}
 
 
 def parse_shape(family: str, query: str) -> TransformerShape:
-    """The family's default shape updated by `key=value&...`; errors name key and value."""
-    shape = FAMILY_DEFAULTS[family]
+    """The family's default shape updated by `key=value&...`; SpecError naming the key and value for a
+    key the family does not read, a key given twice, a bad value or an inconsistent shape."""
     updates: dict[str, int | bool] = {}
     for key, raw in parse_qsl(query, keep_blank_values=True):
-        if key not in _KEYS:
-            raise unknown(f"key for family {family!r}", key, list(_KEYS))
-        updates[_KEYS[key]] = _coerce(key, raw)
-    shape = replace(shape, **updates)  # type: ignore[arg-type]
-    _check_shape(family, shape)
+        _check_key(family, key)
+        if key in updates:
+            raise SpecError(f"{family}: key {key!r} is given twice; give each key once")
+        updates[key] = _coerce(key, raw)
+    shape = replace(FAMILY_DEFAULTS[family], **updates)  # type: ignore[arg-type]
+    _check_shape(family, shape, set(updates))
     return shape
+
+
+def _check_key(family: str, key: str) -> None:
+    accepted = FAMILY_KEYS[family]
+    if key in accepted:
+        return
+    if key not in _ALL_KEYS:
+        raise unknown(f"key for family {family!r}", key, accepted)
+    readers = [f for f, keys in FAMILY_KEYS.items() if key in keys]
+    raise SpecError(f"{family}: key {key!r} is not read by the {family} family (only by {', '.join(readers)}); "
+                    f"{family} accepts {', '.join(accepted)}")
 
 
 def _coerce(key: str, raw: str) -> int | bool:
@@ -161,20 +182,28 @@ def _coerce(key: str, raw: str) -> int | bool:
         raise SpecError(f"{key}={raw!r}: expected a whole number")
     value = int(raw)
     if value < 0 or (value == 0 and key in _POSITIVE):
-        raise SpecError(f"{key}={value}: must be {'positive' if key in _POSITIVE else '>= 0'}")
+        hint = " (leave dec_layers out for as many decoder layers as encoder layers)" if key == "dec_layers" else ""
+        accepted = "positive" if key in _POSITIVE else f">= 0; 0 means {_ZERO_MEANS[key]}"
+        raise SpecError(f"{key}={value}: must be {accepted}{hint}")
     return value
 
 
-def _check_shape(family: str, shape: TransformerShape) -> None:
+def _check_shape(family: str, shape: TransformerShape, given: set[str]) -> None:
+    """SpecError for sizes that do not fit together; a value the SPEC did not set is named as the family default."""
+    def named(key: str, value: int) -> str:
+        return f"{key}={value}" if key in given else f"{key}={value} (the {family} default)"
+
     if not shape.head_dim and shape.hidden % shape.heads:
-        raise SpecError(f"{family}: hidden={shape.hidden} is not divisible by heads={shape.heads}; "
-                        "give head_dim explicitly or choose heads dividing hidden")
+        raise SpecError(f"{family}: {named('hidden', shape.hidden)} is not divisible by "
+                        f"{named('heads', shape.heads)}; give head_dim explicitly or choose heads dividing hidden")
     if shape.heads % shape.kvh:
-        raise SpecError(f"{family}: heads={shape.heads} is not divisible by kv_heads={shape.kvh}")
+        fits = max(d for d in range(1, shape.kvh + 1) if shape.heads % d == 0)
+        raise SpecError(f"{family}: {named('heads', shape.heads)} is not divisible by "
+                        f"{named('kv_heads', shape.kvh)}; set kv_heads to a divisor of heads (e.g. kv_heads={fits})")
     if shape.top_k > shape.experts:
-        raise SpecError(f"{family}: top_k={shape.top_k} exceeds experts={shape.experts}")
+        raise SpecError(f"{family}: {named('top_k', shape.top_k)} exceeds {named('experts', shape.experts)}")
     if family == "vit" and shape.image % shape.patch:
-        raise SpecError(f"vit: image={shape.image} is not divisible by patch={shape.patch}")
+        raise SpecError(f"vit: {named('image', shape.image)} is not divisible by {named('patch', shape.patch)}")
 
 
 def shape_fields() -> list[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import re
 import sys
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TRACED = 4  # elements kept per repeated list: first, two middle ones compared, last
+# torch logs each failing meta kernel with its traceback (~20 lines) before raising; the trace's
+# SpecError already names the error, so the log only buries it
+_FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 _SHAPE = re.compile(r"(?P<dims>\d+(?:[x,]\d+)*)(?::(?P<dtype>float|long|int|bool))?")
 
 
@@ -85,7 +89,7 @@ def instantiate(module: str, attr: str, *, input_shape: str | None = None, devic
         raise SpecError(f"model {name!r}: {module} has no class or factory named {attr!r}")
     shaped = parse_input_shape(input_shape, name) if input_shape else None
     with torch.device(device):
-        made = target()
+        made = _build(target, attr, name)
         module_obj, inputs = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
         if not isinstance(module_obj, nn.Module):
             raise SpecError(f"model {name!r}: {attr}() returned {type(module_obj).__name__}; expected an nn.Module "
@@ -95,6 +99,33 @@ def instantiate(module: str, attr: str, *, input_shape: str | None = None, devic
         elif inputs is None:
             inputs = _inputs_of(module_obj, name)
     return module_obj, inputs
+
+
+def _build(target: Any, attr: str, name: str) -> Any:
+    """`target()`; a required parameter, or an exception it raises, as a SpecError naming the SPEC."""
+    kind = "class" if isinstance(target, type) else "factory"
+    required = _required_parameters(target)
+    if required:
+        called = f"the class {attr}" if kind == "class" else f"the factory {attr}()"
+        takes = "a required argument" if len(required) == 1 else "required arguments"
+        raise SpecError(f"model {name!r}: {called} takes {takes} {', '.join(repr(p) for p in required)}; "
+                        f"a {kind} is called with no arguments (docs/MODELS.md)")
+    try:
+        return target()
+    except SpecError:
+        raise
+    except Exception as exc:  # the user's code: any failure is theirs to fix, in one line
+        raise SpecError(f"model {name!r}: the {kind} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _required_parameters(target: Any) -> list[str]:
+    """Names of `target`'s parameters without a default (none when its signature cannot be read)."""
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C extensions have no signature
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p.name for p in params if p.default is inspect.Parameter.empty and p.kind not in variadic]
 
 
 def parse_input_shape(text: str, name: str = "model") -> tuple[tuple[int, ...], Any]:
@@ -117,7 +148,9 @@ def fold_trace(
     from tagplan.frontends.torch_export import graph_from_module
 
     def trace() -> ModelGraph:
-        return graph_from_module(module, args, kwargs, name=name, seq_len=seq_len, dtype=dtype, split_independent=True)
+        with _quiet(_FAKE_TENSOR_LOG):
+            return graph_from_module(module, args, kwargs, name=name, seq_len=seq_len, dtype=dtype,
+                                     split_independent=True)
 
     lists = repeated_lists(module) if fold else {}
     if lists:
@@ -131,6 +164,18 @@ def fold_trace(
         except SpecError as exc:
             log.info("%s: the model with cut lists does not trace (%s); tracing the full model", name, exc)
     return trace()
+
+
+@contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Only CRITICAL records from `logger_name` for the duration; its level restored after."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def repeated_lists(module: nn.Module) -> dict[str, int]:
@@ -232,6 +277,10 @@ def _run(call: Any, module: str) -> Any:
         raise SpecError(f"model module {module!r} cannot be imported: {exc}") from None
     except SyntaxError as exc:
         raise SpecError(f"model module {module!r}: syntax error at line {exc.lineno}: {exc.msg}") from None
+    except SpecError:
+        raise
+    except Exception as exc:
+        raise SpecError(f"model module {module!r}: importing it raised {type(exc).__name__}: {exc}") from exc
 
 
 def _inputs_of(module: Any, name: str) -> Any:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tagplan.errors import SpecError
 from tagplan.training.metrics import kendall_tau, mape, top_k_regret
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,23 @@ def split(items: Sequence[Any], held_out_gpu_items: Sequence[Any], config: Train
     for item in rest:
         (out.val if int(item.group) in val_groups else out.train).append(item)
     return out
+
+
+def no_training_samples(data_dir: Path, splits: Splits, config: TrainConfig) -> SpecError:
+    """Why `split` left no training samples: an empty set, only held-out families, or a single
+    instance group, which the validation split takes whole."""
+    where = data_dir / "train"
+    held = config.held_out_families
+    if not splits.test_family and not splits.val:
+        return SpecError(f"{where}: no samples; create them with `tagplan dataset generate --instances 2` or more")
+    if not splits.val:
+        return SpecError(f"{where}: all {len(splits.test_family)} samples are of the held-out families {held}, "
+                         "which are test data only; generate more instances (`tagplan dataset generate --instances N`)")
+    others = f" of families other than the held-out {held}" if splits.test_family else ""
+    return SpecError(  # `split` leaves training samples whenever there are two groups or more
+        f"{where}: no training samples: all {len(splits.val)} samples{others} are of one instance, and the "
+        "validation split took it (it takes 20% of the instances, at least one); training needs at least 2 "
+        f"instances{others} (`tagplan dataset generate --instances 2` or more)")
 
 
 def pairwise_rank_loss(pred: Tensor, target: Tensor, group: Tensor) -> Tensor:
@@ -171,7 +189,7 @@ def train(data_dir: Path, out_dir: Path, config: TrainConfig = TrainConfig(),
     held = list(PlanDataset(str(held_dir))) if (held_dir / "samples.jsonl").exists() else []
     splits = split(train_set, held, config)
     if not splits.train:
-        raise ValueError(f"{data_dir}: no training samples after holding out families {config.held_out_families}")
+        raise no_training_samples(data_dir, splits, config)
     model = PlanGNN(hidden=config.hidden, layers=config.layers, dropout=config.dropout)
     run = fit(model, splits, config, on_epoch)
     metrics = {name: evaluate(model, items) for name, items in

@@ -63,6 +63,9 @@ def test_repeated_names_stay_unique() -> None:
         ("dgx-h100", {"network_latency_us": -3}, r"network_latency_us: -3"),
         ("nowhere/cluster.yaml", {}, r"'nowhere/cluster\.yaml': no such file"),
         ("p3.8xlarge:nodes=5_0000", {}, r"nodes: '5_0000' is not accepted; expected a whole number"),
+        ("dgx-h100:nodes=2:nodes=3", {}, r"^cluster spec 'dgx-h100:nodes=2:nodes=3': option 'nodes' is given twice; "
+         r"give each option once$"),
+        ("dgx-h100:gpu=H100-SXM,nics=4,gpu=A100-SXM-80GB", {}, r"option 'gpu' is given twice"),
     ],
 )
 def test_bad_specs(spec: str, kwargs: dict[str, Any], pattern: str) -> None:

@@ -5,6 +5,7 @@ import pytest
 from tagplan.errors import SpecError
 from tagplan.frontends.families import TransformerShape, gpt_block
 from tagplan.frontends.model_spec import load_model
+from tagplan.frontends.parametric import FAMILY_KEYS
 from tagplan.ir import OpKind
 
 
@@ -58,6 +59,20 @@ def test_activation_memory_is_saved_once_per_tensor() -> None:
     ("gpt?hiden=64", "Did you mean 'hidden'"),
     ("gpt?tied=maybe", "expected true or false"),
     ("bert", None),
+    ("gpt?layers=2&hidden=128&heads=4&experts=8&image=3",
+     r"^gpt: key 'experts' is not read by the gpt family \(only by moe\); gpt accepts layers, hidden, heads, "
+     r"kv_heads, head_dim, ffn, vocab, tied, max_positions$"),
+    ("vit?layers=2&image=28&patch=14&vocab=100", r"key 'vocab' is not read by the vit family"),
+    ("llama?max_positions=4096", r"key 'max_positions' is not read by the llama family \(only by gpt, bert\)"),
+    ("t5?layers=2&hidden=128&heads=4&dec_layers=0",
+     r"^dec_layers=0: must be positive \(leave dec_layers out for as many decoder layers as encoder layers\)$"),
+    ("moe?layers=2&hidden=128&heads=4",
+     r"^moe: heads=4 is not divisible by kv_heads=8 \(the moe default\); set kv_heads to a divisor of heads "
+     r"\(e\.g\. kv_heads=4\)$"),
+    ("moe?layers=2&hidden=128&heads=4&kv_heads=3", r"heads=4 is not divisible by kv_heads=3; set kv_heads"),
+    ("gpt?hidden=100", r"hidden=100 is not divisible by heads=12 \(the gpt default\)"),
+    ("gpt?layers=2&layers=3", r"^gpt: key 'layers' is given twice; give each key once$"),
+    ("gpt?kv_heads=-1", r"kv_heads=-1: must be >= 0; 0 means as many as heads"),
 ])
 def test_family_spec_errors(spec: str, message: str | None) -> None:
     if message is None:
@@ -96,3 +111,22 @@ def test_the_rotary_op_splits_by_heads_without_a_collective() -> None:
     assert sharded.strategies["attn.rotary"] is ShardStrategy.COLUMN
     assert not [c for c in sharded.comms if c.op == "attn.rotary"]
     assert len(sharded.comms) == 8  # all-gather and reduce-scatter at each norm-to-projection and back, fwd + bwd
+
+
+@pytest.mark.parametrize("spec", [  # each value differs from the family default
+    "gpt?layers=2&hidden=64&heads=4&kv_heads=2&head_dim=8&ffn=128&vocab=100&tied=false&max_positions=64",
+    "llama?layers=2&hidden=64&heads=4&kv_heads=2&head_dim=8&ffn=128&vocab=100&tied=true",
+    "bert?layers=2&hidden=64&heads=4&kv_heads=2&head_dim=8&ffn=128&vocab=100&tied=false&max_positions=64",
+    "t5?layers=2&hidden=64&heads=4&dec_layers=3&kv_heads=2&head_dim=8&ffn=128&vocab=100&tied=false",
+    "moe?layers=2&hidden=64&heads=8&kv_heads=2&head_dim=16&ffn=128&vocab=100&tied=true&experts=4&top_k=1",
+    "vit?layers=2&hidden=64&heads=4&kv_heads=2&head_dim=8&ffn=128&patch=7&image=28&classes=10",
+])
+def test_every_key_a_family_reads_is_accepted_and_changes_its_model(spec: str) -> None:
+    """Each key each family accepts changes the model it builds: none is accepted and then ignored."""
+    family, _, query = spec.partition("?")
+    assert {pair.split("=")[0] for pair in query.split("&")} == set(FAMILY_KEYS[family])
+    sizes, others = query.split("&")[:3], query.split("&")[3:]  # layers, hidden, heads; then the keys under test
+    base = load_model(spec, seq_len=32).model_dump(exclude={"name"})
+    for pair in others:
+        without = load_model(f"{family}?{'&'.join(sizes + [p for p in others if p != pair])}", seq_len=32)
+        assert without.model_dump(exclude={"name"}) != base, pair

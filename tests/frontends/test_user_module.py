@@ -1,5 +1,7 @@
 """User modules: factories and classes, block folding, two towers as layer inputs, input shapes, errors."""
 
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -70,3 +72,71 @@ def test_missing_names_and_inputs_are_spec_errors(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="--input-shape"):
         build(str(bare), "Bare")
     assert build(str(bare), "Bare", input_shape="2x4").params == 20
+
+
+FACTORIES = """
+import torch
+from torch import nn
+
+
+def needs_arg(x):
+    return nn.Linear(4, 4)
+
+
+def needs_two(x, *, y, z=1, **rest):
+    return nn.Linear(4, 4)
+
+
+def raises():
+    raise RuntimeError("no config found")
+
+
+class NeedsWidth(nn.Linear):
+    def __init__(self, width):
+        super().__init__(width, width)
+
+
+class Mismatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+    def example_inputs(self):
+        return torch.zeros(2, 4)
+"""
+
+
+def test_factories_that_need_arguments_or_raise_are_one_line_spec_errors(tmp_path: Path) -> None:
+    mod = tmp_path / "mymod.py"
+    mod.write_text(FACTORIES)
+    spec, where = str(mod), re.escape(str(mod))
+    with pytest.raises(SpecError, match=rf"^model '{where}:needs_arg': the factory needs_arg\(\) takes a required "
+                       r"argument 'x'; a factory is called with no arguments \(docs/MODELS\.md\)$"):
+        build(spec, "needs_arg")
+    with pytest.raises(SpecError, match=r"needs_two\(\) takes required arguments 'x', 'y'; a factory"):
+        build(spec, "needs_two")
+    with pytest.raises(SpecError, match=r"the class NeedsWidth takes a required argument 'width'; a class is called"):
+        build(spec, "NeedsWidth")
+    with pytest.raises(SpecError, match=rf"^model '{where}:raises': the factory raised RuntimeError: no config found$"):
+        build(spec, "raises")
+
+
+def test_a_module_that_raises_on_import_is_a_spec_error(tmp_path: Path) -> None:
+    mod = tmp_path / "broken.py"
+    mod.write_text("raise ImportError('needs a GPU build')\n")
+    with pytest.raises(SpecError, match=r"broken\.py': importing it raised ImportError: needs a GPU build$"):
+        build(str(mod), "Model")
+
+
+def test_a_shape_mismatch_is_a_clean_error_without_torch_log_lines(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    mod = tmp_path / "mymod.py"
+    mod.write_text(FACTORIES)
+    with pytest.raises(SpecError, match=r"torch\.export failed: RuntimeError: .*same reduction dim"):
+        build(str(mod), "Mismatch")
+    assert "fake_tensor" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+    assert logging.getLogger("torch._subclasses.fake_tensor").level != logging.CRITICAL  # restored
