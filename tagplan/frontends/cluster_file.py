@@ -30,13 +30,14 @@ group 5 us with NICs of 100 Gb/s and more (RDMA), else 30 us (TCP). Nodes are na
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from tagplan.errors import SpecError, unknown
 from tagplan.frontends import catalog, presets
 from tagplan.frontends.textfile import parse_structured, read_text
-from tagplan.ir.cluster import Cluster, LinkKind, Network, Node
+from tagplan.ir.cluster import Cluster, DeviceSpec, LinkKind, Network, Node
 
 _FABRICS = ("nvswitch", "nvlink", "xgmi", "pcie", "pcie_host", "smp")
 _LATENCY_S = {
@@ -64,13 +65,32 @@ def positive_int(value: Any, field: str) -> int:
     return value
 
 
+def _finite(value: Any) -> bool:
+    """Whether `value` is an int or float (not a bool) with a finite float value (YAML's .inf and .nan are not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
 def number(value: Any, field: str, *, minimum: float | None = None) -> float:
-    """`value` as a float, required > 0 (or >= `minimum` when given); SpecError otherwise."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if ok and (value > 0 if minimum is None else value >= minimum):
+    """`value` as a finite float, required > 0 (or >= `minimum` when given); SpecError otherwise."""
+    if _finite(value) and (value > 0 if minimum is None else value >= minimum):
         return float(value)
-    expected = "a positive number" if minimum is None else f"a number >= {minimum:g}"
+    expected = "a finite positive number" if minimum is None else f"a finite number >= {minimum:g}"
     raise SpecError(f"{field}: {value!r} is not accepted; expected {expected}")
+
+
+def checked_device(value: Any, field: str) -> DeviceSpec:
+    """`catalog.device_value(value, field)`, after refusing a custom device's non-finite figure (memory,
+    bandwidth, FLOP/s: YAML's .inf or .nan), naming the field and value."""
+    if isinstance(value, dict):
+        for key, figure in value.items():
+            if isinstance(figure, float) and not math.isfinite(figure):
+                raise SpecError(f"{field}.{key}: {figure!r} is not accepted; expected a finite number")
+    return catalog.device_value(value, field)
 
 
 def read_data(path: str | Path) -> Any:
@@ -96,7 +116,7 @@ def default_fabric_bandwidth_Bps(links: catalog.DeviceLinks, fabric: LinkKind, g
 
 
 def _gpu_group(group: dict[str, Any], field: str, name: str) -> tuple[Node, float]:
-    device = catalog.device_value(group["gpu"], f"{field}.gpu")
+    device = checked_device(group["gpu"], f"{field}.gpu")
     base = group["gpu"].get("base") if isinstance(group["gpu"], dict) else None
     links = catalog.device_links(catalog.lookup_device(str(base)) if base is not None else device)
     gpus = positive_int(group.get("gpus_per_node"), f"{field}.gpus_per_node")
@@ -128,7 +148,7 @@ def _preset_group(group: dict[str, Any], field: str) -> tuple[Node, float]:
         raise SpecError(f"{field}.preset: {err}") from None
     node = presets.with_overrides(
         base.node,
-        gpu=catalog.device_value(group["gpu"], f"{field}.gpu") if "gpu" in group else None,
+        gpu=checked_device(group["gpu"], f"{field}.gpu") if "gpu" in group else None,
         nics=positive_int(group["nics"], f"{field}.nics") if "nics" in group else None,
         nic_speed_Gbps=number(group["nic_speed_Gbps"], f"{field}.nic_speed_Gbps") if "nic_speed_Gbps" in group
         else None,

@@ -54,13 +54,15 @@ class NcclTestRow:
 
 @dataclass(frozen=True)
 class NcclTestResult:
-    """A parsed nccl-tests run: collective, rank hosts (one entry per rank), device and rows."""
+    """A parsed nccl-tests run: collective, rank hosts (one entry per rank), device and rows; `source`
+    names the log in error messages."""
 
     collective: str
     rank_hosts: tuple[str, ...]
     device_name: str
     rows: tuple[NcclTestRow, ...]
     avg_busbw_Bps: float | None = None
+    source: str = "nccl-tests log"
 
     @property
     def ranks(self) -> int:
@@ -133,7 +135,7 @@ def parse_nccl_tests(text: str, *, source: str = "nccl-tests log") -> NcclTestRe
     if not hosts:
         raise SpecError(f"{source}: no '#  Rank N ... on HOST device ...' header lines; cannot tell hosts")
     return NcclTestResult(_collective(text, source), tuple(hosts[r] for r in sorted(hosts)), devices[0],
-                          tuple(rows), avg)
+                          tuple(rows), avg, source)
 
 
 def load_nccl_tests(path: str | Path) -> NcclTestResult:
@@ -141,18 +143,30 @@ def load_nccl_tests(path: str | Path) -> NcclTestResult:
     return parse_nccl_tests(read_text(path), source=str(path))
 
 
-def _target_nodes(cluster: Cluster, result: NcclTestResult) -> list[int]:
-    """Indices of the nodes with the device the test ran on (all nodes if the cluster has one type)."""
+def _catalog_name(name: str) -> str | None:
+    """The device catalog's name for the GPU `name` spells (nvidia-smi names accepted); None if it knows none."""
     try:
-        name = lookup_device(result.device_name).name
+        return lookup_device(name).name
     except SpecError:
-        name = result.device_name
-    targets = [i for i, node in enumerate(cluster.nodes) if node.device.name == name]
-    if not targets and len(cluster.device_types) == 1:
+        return None
+
+
+def _target_nodes(cluster: Cluster, result: NcclTestResult) -> list[int]:
+    """Indices of the nodes with the device the test ran on, names compared through the device catalog.
+
+    A log whose rank lines name a GPU the catalog does not know applies to every node of a
+    one-type cluster (nothing to check it against); SpecError where no node has the log's GPU.
+    """
+    tested = _catalog_name(result.device_name)
+    targets = [i for i, node in enumerate(cluster.nodes)
+               if (_catalog_name(node.device.name) or node.device.name) == (tested or result.device_name)]
+    if not targets and tested is None and len(cluster.device_types) == 1:
         targets = list(range(len(cluster.nodes)))
     if not targets:
-        raise SpecError(f"nccl-tests ran on {result.device_name!r}; the cluster's devices are "
-                        f"{', '.join(cluster.device_types)}, none of them that one")
+        known = f" ({tested} in the device catalog)" if tested and tested != result.device_name else ""
+        raise SpecError(f"{result.source}: nccl-tests ran on {result.device_name!r}{known}; the cluster's devices "
+                        f"are {', '.join(cluster.device_types)}, none of them that one; give a log measured on "
+                        "the cluster's GPUs, or leave this one out")
     return targets
 
 

@@ -89,6 +89,34 @@ def test_validation_errors_name_field_value_and_accepted(data: Any, pattern: str
         parse_cluster_data(data)
 
 
+@pytest.mark.parametrize(
+    ("yaml_text", "pattern"),
+    [
+        ("node_groups: [{gpu: T4, gpus_per_node: 4, fabric_bandwidth_GBps: .inf}]",
+         r"node_groups\[0\]\.fabric_bandwidth_GBps: inf is not accepted; expected a finite positive number"),
+        ("node_groups: [{gpu: T4, gpus_per_node: 4, fabric_bandwidth_GBps: .nan}]", r"fabric_bandwidth_GBps: nan"),
+        ("node_groups: [{gpu: T4, gpus_per_node: 4, fabric_latency_us: .inf}]",
+         r"fabric_latency_us: inf is not accepted; expected a finite number >= 0"),
+        ("node_groups: [{gpu: T4, gpus_per_node: 4, nic_speed_Gbps: .inf}]", r"\]\.nic_speed_Gbps: inf"),
+        ("node_groups: [{preset: g4dn.12xlarge, fabric_bandwidth_GBps: .inf}]", r"\]\.fabric_bandwidth_GBps: inf"),
+        ("node_groups: [{preset: g4dn.12xlarge, nic_speed_Gbps: .inf}]", r"\]\.nic_speed_Gbps: inf"),
+        ("node_groups: [{gpu: {base: H100-SXM, mem_bandwidth_Bps: .inf}, gpus_per_node: 8}]",
+         r"node_groups\[0\]\.gpu\.mem_bandwidth_Bps: inf is not accepted; expected a finite number"),
+        ("node_groups: [{gpu: {base: H100-SXM, mem_bytes: .inf}, gpus_per_node: 8}]", r"\.gpu\.mem_bytes: inf"),
+        ("node_groups: [{preset: g4dn.12xlarge, gpu: {base: T4, peak_flops_fp16: -.inf}}]",
+         r"\.gpu\.peak_flops_fp16: -inf"),
+        ("node_groups: [{preset: g4dn.12xlarge}]\nnetwork: {latency_us: .inf}",
+         r"network\.latency_us: inf is not accepted; expected a finite number >= 0"),
+        ("node_groups: [{preset: g4dn.12xlarge}]\nnetwork: {oversubscription: .inf}",
+         r"network\.oversubscription: inf is not accepted; expected a finite number >= 1"),
+    ],
+)
+def test_non_finite_figures_are_refused(yaml_text: str, pattern: str) -> None:
+    """YAML's .inf and .nan in any bandwidth, latency, memory or custom device figure name the field."""
+    with pytest.raises(SpecError, match=pattern):
+        parse_cluster_data(yaml.safe_load(yaml_text))
+
+
 def test_second_group_error_names_its_index() -> None:
     data = {"node_groups": [{"preset": "g4dn.12xlarge"}, {"gpu": "L4", "gpus_per_node": 0}]}
     with pytest.raises(SpecError, match=r"node_groups\[1\]\.gpus_per_node"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tagplan.errors import SpecError
-from tagplan.frontends.cluster_spec import load_cluster
+from tagplan.frontends.cluster_spec import ClusterOptions, load_cluster
 from tagplan.frontends.nccl_tests import apply_nccl_tests, load_nccl_tests, parse_nccl_tests
 from tagplan.ir import LinkKind
 
@@ -94,6 +94,25 @@ def test_device_missing_from_a_mixed_cluster() -> None:
     cluster = load_cluster("p3.8xlarge+g4dn.12xlarge")
     with pytest.raises(SpecError, match=r"ran on 'NVIDIA A100-SXM4-80GB'.*V100-SXM2-16GB, T4"):
         apply_nccl_tests(cluster, load_nccl_tests(ONE_NODE))
+
+
+def test_another_gpus_log_is_refused_by_a_one_type_cluster() -> None:
+    """An A100 log no longer replaces an H100 cluster's bandwidths: names compare through the catalog."""
+    with pytest.raises(SpecError, match=r"all_reduce_perf_1node\.log: nccl-tests ran on 'NVIDIA A100-SXM4-80GB' "
+                                        r"\(A100-SXM-80GB in the device catalog\); the cluster's devices are "
+                                        r"H100-SXM, none of them that one"):
+        load_cluster("dgx-h100:nodes=2", ClusterOptions(nccl_tests=(str(ONE_NODE),)))
+    with pytest.raises(SpecError, match=r"ran on 'NVIDIA A100-SXM4-80GB'.*are A100-SXM-40GB"):
+        apply_nccl_tests(load_cluster("dgx-a100-40gb"), load_nccl_tests(ONE_NODE))  # another catalog GPU
+
+
+def test_a_gpu_the_catalog_does_not_know_applies_to_a_one_type_cluster() -> None:
+    text = ONE_NODE.read_text().replace("NVIDIA A100-SXM4-80GB", "NVIDIA Graphics Device")
+    cluster = load_cluster("dgx-h100:nodes=2")
+    measured = apply_nccl_tests(cluster, parse_nccl_tests(text))
+    assert measured.link(0, 1).bandwidth_Bps == measured.link(8, 9).bandwidth_Bps == pytest.approx(233.74e9)
+    with pytest.raises(SpecError, match=r"ran on 'NVIDIA Graphics Device'; .*V100-SXM2-16GB, T4"):
+        apply_nccl_tests(load_cluster("p3.8xlarge+g4dn.12xlarge"), parse_nccl_tests(text))  # mixed: cannot tell
 
 
 def test_malformed_row_names_its_line() -> None:
