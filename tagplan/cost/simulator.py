@@ -96,7 +96,8 @@ class Simulator:
                               if calibration.collective_overhead_s else None)
         self.coster = StageCoster(model, cluster, workload, calibration, self.comm, fold=fold)
         self._dp_sync_memo: dict[tuple[tuple[int, ...], int, int, int, float, int], tuple[float, float]] = {}
-        self._model_flops = sum(model_flops(model.block_of(i)) for i in range(len(model.layers)))
+        per_block = {block.hash: model_flops(block) for block in model.blocks}  # once per distinct block
+        self._model_flops = sum(per_block[layer.block] for layer in model.layers)
         # per device id, for the O(devices) sums of every report
         self._peak_flops = tuple(d.spec.peak_flops(workload.dtype) for d in cluster.devices)
         self._mem_bytes = tuple(d.spec.mem_bytes for d in cluster.devices)

@@ -16,6 +16,7 @@ keeping the fastest), which makes the search a beam; transformer blocks stay wel
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,7 +60,14 @@ class _Tensor:
 
 
 _State = tuple[tuple[str, _Tensor], ...]
-_Partial = tuple[float, float, tuple[tuple[str, ShardStrategy], ...]]
+_Trace = tuple["_Trace", tuple[str, ShardStrategy]] | None
+"""The decisions so far, newest first, as a linked list: extending it copies nothing (a tuple of every decision
+copied it per op, quadratic in a block's ops)."""
+_Partial = tuple[float, float, _Trace]
+
+
+class OutOfTimeError(Exception):
+    """`solve_block` passed its deadline; the solve is abandoned."""
 
 
 @dataclass(frozen=True)
@@ -77,14 +85,17 @@ class _Problem:
 
 def solve_block(block: Block, *, tp: int, samples: float, spec: DeviceSpec, dtype: DType, calibration: Calibration,
                 comm: CollectiveTime, micro_batches: int = 1, boundary: Layout = BOUNDARY,
-                max_states: int = 512, max_pareto: int = 16) -> list[IntraSolution]:
-    """The Pareto frontier of shardings of `block` on a `tp`-way group, fastest first."""
+                max_states: int = 512, max_pareto: int = 16, deadline: float | None = None) -> list[IntraSolution]:
+    """The Pareto frontier of shardings of `block` on a `tp`-way group, fastest first. OutOfTimeError when
+    `time.perf_counter()` passes `deadline` before it is done."""
     problem = _Problem(block, tp, samples, micro_batches, spec, dtype, calibration, comm, boundary)
     alias, ops = _fold_views(block)
     last_use = _last_uses(ops, alias)
     states: dict[_State, list[_Partial]] = {((_EXTERNAL, _Tensor(boundary, boundary, frozenset(), frozenset())),): [
-        (0.0, 0.0, ())]}
+        (0.0, 0.0, None)]}
     for index, op in enumerate(ops):
+        if deadline is not None and time.perf_counter() > deadline:
+            raise OutOfTimeError(f"block {block.hash}: op {index} of {len(ops)}")
         nxt: dict[_State, list[_Partial]] = {}
         for state, partials in states.items():
             for strategy in candidate_strategies(op):
@@ -93,9 +104,18 @@ def solve_block(block: Block, *, tp: int, samples: float, spec: DeviceSpec, dtyp
                     continue
                 new_state, dt, dm = step
                 bucket = nxt.setdefault(new_state, [])
-                bucket.extend((t + dt, m + dm, (*trace, (op.name, strategy))) for t, m, trace in partials)
+                bucket.extend((t + dt, m + dm, (trace, (op.name, strategy))) for t, m, trace in partials)
         states = _prune(nxt, max_states, max_pareto)
     return _finish(problem, states, ops, block)
+
+
+def _decisions(trace: _Trace) -> list[tuple[str, ShardStrategy]]:
+    """A trace's decisions, oldest first."""
+    out = []
+    while trace is not None:
+        trace, decision = trace
+        out.append(decision)
+    return out[::-1]
 
 
 def _fold_views(block: Block) -> tuple[dict[str, str], list[Op]]:
@@ -224,7 +244,7 @@ def _finish(p: _Problem, states: dict[_State, list[_Partial]], ops: list[Op], bl
         if t == float("inf"):
             continue
         if not frontier or m < frontier[-1].memory_bytes:
-            strategies = dict(trace)
+            strategies = dict(_decisions(trace))
             strategies.update({op.name: ShardStrategy.REPLICATE for op in block.ops if op.name not in strategies})
             frontier.append(IntraSolution(strategies, t, m))
     return frontier

@@ -48,6 +48,7 @@ from tagplan.search.space import PlanSpace, PlanState
 DEFAULT_TIME_SLACK = 1.25  # memory / GPU objectives accept plans up to 25% slower than the fastest
 BASELINE_BUDGET_SHARE = 0.5  # the baselines' grid may take up to this share of the wall-clock budget
 MIN_SEARCH_S = 1.0  # the search runs at least this long after the baselines
+REFINE_OVERRUN_SHARE = 0.5  # the sharding refinement after the search may overrun the budget by this share of it
 MIN_BASELINE_WAIT_S = 30.0
 """Beside the search, the baselines' processes are waited for until the end of the budget, and at least this
 long after the search (their grid stops at half the budget, past the configuration it is walking)."""
@@ -172,8 +173,9 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
         # the time objective refines every plan that was the fastest so far (a set that only grows with
         # the budget, so more evaluations never lose a refinement); the others refine their choice
         starts = _incumbents(pool) if problem.objective is Objective.TIME else [best]
+        deadline = start + (1.0 + REFINE_OVERRUN_SHARE) * problem.budget_s
         for incumbent in starts if best.report.fits else [best]:
-            refined, more_solves, more_hits = refine_sharding(sim, incumbent.plan)
+            refined, more_solves, more_hits = refine_sharding(sim, incumbent.plan, deadline=deadline)
             solves, hits = solves + more_solves, hits + more_hits
             if refined is not None and (admissible is None or admissible(refined) is None):
                 better = judge.candidate(refined, "search+intra")

@@ -3,20 +3,22 @@
 For each stage with tp > 1 and each distinct block in it, the solver runs once per
 (block hash, tp, device type, link class, samples per micro-batch, micro-batches); the fastest
 sharding is written into the stage's `sharding` (ops whose names are not unique across the
-stage's blocks keep the default).
+stage's blocks keep the default). Past a `deadline` the refinement stops and changes nothing (an abandoned solve
+is not memoised).
 """
 
 from __future__ import annotations
 
 from tagplan.cost.simulator import Simulator
 from tagplan.ir.plan import Plan, ShardStrategy, Stage
-from tagplan.search.intra import IntraSolution, solve_block
+from tagplan.search.intra import IntraSolution, OutOfTimeError, solve_block
 
 _SOLUTIONS: str = "intra_memo"
 
 
-def refine_sharding(sim: Simulator, plan: Plan) -> tuple[Plan | None, int, int]:
-    """(plan with solved sharding or None if nothing changed, solves run, memo hits)."""
+def refine_sharding(sim: Simulator, plan: Plan, *, deadline: float | None = None) -> tuple[Plan | None, int, int]:
+    """(plan with solved sharding or None if nothing changed or `deadline` (`time.perf_counter()`) passed, solves
+    run, memo hits)."""
     memo: dict[tuple[object, ...], IntraSolution | None] = getattr(sim, _SOLUTIONS, None) or {}
     setattr(sim, _SOLUTIONS, memo)
     solves = hits = 0
@@ -37,7 +39,10 @@ def refine_sharding(sim: Simulator, plan: Plan) -> tuple[Plan | None, int, int]:
                 hits += 1
             else:
                 solves += 1
-                memo[key] = _solve(sim, block_hash, stage, samples, plan.micro_batches)
+                try:
+                    memo[key] = _solve(sim, block_hash, stage, samples, plan.micro_batches, deadline)
+                except OutOfTimeError:
+                    return None, solves, hits
             solution = memo[key]
             for name in sim.model.block_by_hash[block_hash].ops:
                 names_seen[name.name] = names_seen.get(name.name, 0) + 1
@@ -54,7 +59,8 @@ def refine_sharding(sim: Simulator, plan: Plan) -> tuple[Plan | None, int, int]:
     return plan.model_copy(update={"stages": tuple(stages)}), solves, hits
 
 
-def _solve(sim: Simulator, block_hash: str, stage: Stage, samples: float, micro_batches: int) -> IntraSolution | None:
+def _solve(sim: Simulator, block_hash: str, stage: Stage, samples: float, micro_batches: int,
+           deadline: float | None) -> IntraSolution | None:
     group = stage.tp_group(0)
     block = sim.model.block_by_hash[block_hash]
 
@@ -63,5 +69,5 @@ def _solve(sim: Simulator, block_hash: str, stage: Stage, samples: float, micro_
 
     solutions = solve_block(block, tp=stage.tp, samples=samples, spec=sim.coster.slowest(group),
                             dtype=sim.workload.dtype, calibration=sim.calibration, comm=comm,
-                            micro_batches=micro_batches)
+                            micro_batches=micro_batches, deadline=deadline)
     return solutions[0] if solutions else None

@@ -61,3 +61,30 @@ def test_the_fastest_head_sharding_hands_the_loss_its_logits_where_they_lie() ->
     fastest = sols[0].strategies
     assert fastest["lm_head.tied"] is not ShardStrategy.ROW
     assert not [e for e in comm_events(head, fastest) if e.bytes_per_sample == logits and not e.per_iteration]
+
+
+def test_a_solve_past_its_deadline_is_abandoned_and_the_refinement_changes_nothing() -> None:
+    """The refinement after the search kept a service worker for minutes past a 5 s budget on a block of 10,000
+    ops: a deadline now bounds it, and an abandoned solve is not remembered as a block without a solution."""
+    import time
+
+    import pytest
+
+    from tagplan.cost.simulator import Simulator
+    from tagplan.ir import Workload
+    from tagplan.ir.plan import Plan, Stage
+    from tagplan.search.intra import OutOfTimeError
+    from tagplan.search.refine import refine_sharding
+
+    cluster = load_cluster("dgx-a100-80gb")
+    model = load_model("gpt?layers=2&hidden=256&heads=4&vocab=100", seq_len=128)
+    comm = CommModel(cluster)
+    with pytest.raises(OutOfTimeError):
+        solve_block(model.block_of(1), tp=2, samples=1, spec=cluster.devices[0].spec, dtype=DType.BF16,
+                    calibration=DEFAULT_CALIBRATION, comm=lambda c, n: comm.collective(c, (0, 1), n).time_s,
+                    deadline=time.perf_counter() - 1.0)
+    sim = Simulator(model, cluster, Workload(global_batch=8, seq_len=128))
+    plan = Plan(micro_batches=2, stages=(Stage(layers=(0, 4), devices=(0, 1), tp=2),))
+    assert refine_sharding(sim, plan, deadline=time.perf_counter() - 1.0) == (None, 1, 0)
+    refined, solves, hits = refine_sharding(sim, plan)  # in time: solved now, not taken from the abandoned one
+    assert solves >= 1 and hits == 0 and refined is not None
