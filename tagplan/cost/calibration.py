@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from functools import cached_property
 
 from pydantic import Field, model_validator
@@ -146,6 +147,10 @@ BLOCK_SCALED_GEMM_FRACTION: dict[DType, float] = {DType.MXFP8: 0.913, DType.NVFP
 Megatron-Bridge Blackwell rows of each format (docs/FIDELITY.md)."""
 
 
+MAX_FIGURE_S = 3600.0
+"""The longest per-call or per-step overhead a calibration may hold: an hour is no device's figure."""
+
+
 class Calibration(Record):
     """Efficiencies by device type (`*` for any) and op kind; memory and launch figures; measured links.
 
@@ -253,6 +258,29 @@ class Calibration(Record):
         if not queued:
             return table.get(device, 0.0)
         return table.get(device, table.get(ANY_DEVICE, self.eager_host_dispatch_s))
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> Calibration:
+        """Every figure finite, efficiencies in (0, 1], scales above 0, seconds at least 0 and at most an hour: a
+        figure outside these is no calibration of a device (a zero efficiency divided a time by zero)."""
+        checks: list[tuple[str, dict[str, float], Callable[[float], bool], str]] = [
+            ("memory_efficiency", self.memory_efficiency, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("compute_scale", self.compute_scale, lambda v: v > 0, "> 0"),
+            ("optimizer_scale", self.optimizer_scale, lambda v: v > 0, "> 0")]
+        seconds = {"launch_by_device": self.launch_by_device, "micro_batch_overhead_s": self.micro_batch_overhead_s,
+                   "iteration_overhead_s": self.iteration_overhead_s, "p2p_overhead_s": self.p2p_overhead_s,
+                   "collective_overhead_s": self.collective_overhead_s,
+                   "recompute_overhead_s": self.recompute_overhead_s, "host_dispatch_s": self.host_dispatch_s,
+                   "launch_overhead_s": {"": self.launch_overhead_s},
+                   "eager_host_dispatch_s": {"": self.eager_host_dispatch_s}}
+        checks += [(name, table, lambda v: 0 <= v <= MAX_FIGURE_S, f"in [0, {MAX_FIGURE_S:g}] s")
+                   for name, table in seconds.items()]
+        for name, table, ok, accepted in checks:
+            bad = {k: v for k, v in table.items() if not (math.isfinite(v) and ok(v))}
+            if bad:
+                shown = bad.get("", bad) if set(bad) == {""} else bad
+                raise ValueError(f"{name} must be {accepted}, got {shown}")
+        return self
 
     @model_validator(mode="after")
     def _check_zero3(self) -> Calibration:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,32 @@ def _coerce(config_class: str, key: str, text: str, default: Any) -> Any:
             f"{config_class}: {key}={text!r} is not a valid {type(default).__name__} "
             f"(default {default!r})"
         ) from None
+
+
+_DEPTH_KEY = re.compile(r"(?:num_|n_)?(?:hidden_|encoder_|decoder_)?layers?")
+"""A config key that counts blocks: num_hidden_layers, num_layers, n_layer(s), num_decoder_layers, encoder_layers..."""
+
+
+def config_depth(config: Any) -> int:
+    """Blocks a transformers config builds: the sum of its layer counts, nested configs' too (T5's num_layers plus
+    num_decoder_layers, which defaults to it; MPT's n_layers; a multimodal model's text and vision stacks)."""
+    def count(values: dict[str, Any]) -> int:
+        total = 0
+        for key, value in values.items():
+            if isinstance(value, dict):
+                total += count(value)
+            elif isinstance(key, str) and _DEPTH_KEY.fullmatch(key) and isinstance(value, int) \
+                    and not isinstance(value, bool):
+                total += max(value, 0)
+        return total
+
+    return count(config.to_dict())
+
+
+def spec_depth(config_class: str, overrides: dict[str, str]) -> int:
+    """`config_depth` of an `hf:NAME?key=value` SPEC's config (a config class or an architecture), built without
+    the model; SpecError for an unknown name or key."""
+    return config_depth(make_config(resolve_hf_name(config_class).config_class, overrides))
 
 
 def _config_classes() -> dict[str, str]:

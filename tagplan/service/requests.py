@@ -47,8 +47,9 @@ from tagplan.errors import SpecError
 from tagplan.frontends import presets
 from tagplan.frontends.cluster_file import parse_cluster_data
 from tagplan.frontends.cluster_spec import ClusterSpec, parse_cluster_spec
+from tagplan.frontends.hf_config import spec_depth
 from tagplan.frontends.json_graph import graph_from_dict
-from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
+from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, parse_model_spec
 from tagplan.ir.workload import (
     EAGER_RUNTIME_TEXT,
     LOSS_KERNEL_TEXT,
@@ -66,7 +67,7 @@ from tagplan.training.registry import Registry
 MAX_SHOWN = 80  # characters of a rejected value quoted back
 MAX_NAME_CHARS = 200  # a registry version name (a calibration choice)
 MAX_SPEC_CHARS = 10_000  # a model or cluster SPEC string, before any parsing (settings may say less)
-MAX_NESTING = 32  # levels of an inline object or of cluster YAML text (a graph needs about 5)
+MAX_NESTING = 32  # levels of an inline object or of cluster YAML text (a graph needs about 5); not a setting
 _DEVICE_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 R = TypeVar("R", bound=BaseModel)
 
@@ -98,6 +99,8 @@ def shown(value: Any) -> str | None:
     """`value` as an error quotes it: its repr, at most `MAX_SHOWN` characters; a container by its type."""
     if isinstance(value, dict | list):
         return type(value).__name__ if value else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _number(value)
     text = repr(value)
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
 
@@ -189,11 +192,25 @@ def model_layers(model: ModelSpec | Mapping[str, Any]) -> int:
     tell, e.g. a Hugging Face config at its default depth), or the inline graph's layers with
     their repeats (an entry that is not a positive whole number counts once; building explains)."""
     if isinstance(model, ModelSpec):
+        if model.kind is ModelSpecKind.HF:  # the config's own layer counts: a key the SPEC leaves out, or one
+            return max(model.blocks or 0, spec_depth(model.name, dict(model.overrides)))  # that defaults to another
         return model.blocks or 0
     layers = model.get("layers")
     if not isinstance(layers, list):
         return 0
     return sum(_count(e.get("repeat", 1)) if isinstance(e, Mapping) else 1 for e in layers)
+
+
+def model_tokens(model: ModelSpec | Mapping[str, Any]) -> int | None:
+    """Tokens per sample a model fixes itself, read off the request (None: the workload's seq_len says): a ViT's
+    patches and class token, an inline graph's `seq_len`."""
+    if isinstance(model, ModelSpec):
+        shape = model.shape
+        if model.family == "vit" and shape is not None and shape.patch > 0:
+            return (shape.image // shape.patch) ** 2 + 1
+        return None
+    seq = model.get("seq_len")
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
 
 
 def _count(value: Any) -> int:
@@ -241,7 +258,23 @@ def nesting(value: Any, limit: int = MAX_NESTING) -> int:
 def _shallow(value: dict[str, Any], what: str) -> dict[str, Any]:
     if nesting(value) > MAX_NESTING:
         raise _refused("nesting", f"the inline {what} is nested deeper than {MAX_NESTING} levels")
+    where = _non_finite(value, what)
+    if where:
+        raise _refused("finite", f"the inline {what}'s {where} is not a finite number; numbers must be finite")
     return value
+
+
+def _non_finite(value: Any, path: str) -> str | None:
+    """The path of the first infinite or NaN number in a JSON-like value (None: every number is finite); JSON
+    bodies may spell them Infinity and NaN, which the stored request could not keep."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{str(key)[:MAX_SHOWN]}")
+        if found:
+            return found
+    return None
 
 
 def _json_like(value: Any) -> bool:
@@ -257,7 +290,7 @@ def _json_like(value: Any) -> bool:
 def _cluster_yaml(text: str) -> dict[str, Any]:
     try:
         data = yaml.load(text, Loader=_NoAliasLoader)
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, ValueError) as err:  # ValueError: an integer too long to convert
         raise _refused("yaml", f"not valid cluster-file YAML: {_clipped(str(err), text)[:300]}") from None
     if not isinstance(data, dict) or not _json_like(data):
         raise _refused("yaml", f"cluster-file YAML text must hold a mapping of JSON values (name, node_groups, "
@@ -429,7 +462,8 @@ def read_request(model: type[R], data: Any, what: str) -> R:
 def check_limits(request: PlanRequest, settings: Settings) -> None:
     """LimitError naming the limit when the request asks for more than `settings` allow.
 
-    Read off the parsed request alone: nothing is built, no file is read.
+    Read off the parsed request alone: no model is built (a Hugging Face SPEC's config is, for its layer counts),
+    no file is read.
     """
     check_sizes(request.model, request.cluster, request.workload, settings)
     if request.budget_s is not None and request.budget_s > settings.max_budget_s:
@@ -448,12 +482,21 @@ def check_inline(request: PlanRequest) -> None:
         graph_from_dict(dict(request.model), "model")
     if isinstance(request.cluster, Mapping):
         parse_cluster_data(dict(request.cluster))
+    if isinstance(request.calibration, Mapping):
+        where = _non_finite(request.calibration, "calibration")
+        if where:
+            raise SpecError(f"{where}: numbers must be finite")
+        try:
+            Calibration.model_validate(dict(request.calibration))
+        except ValidationError as err:
+            raise invalid("calibration", err) from None
 
 
 def check_sizes(model: ModelSpec | Mapping[str, Any], cluster: ClusterSpec | Mapping[str, Any],
                 workload: WorkloadRequest | None, settings: Settings, where: str = "") -> None:
     """LimitError when a model, a cluster or a workload is larger than `settings` allow (SPEC lengths,
-    layers, devices, global batch, sequence length), read off the parsed values: nothing is built."""
+    layers, devices, global batch, sequence length, the tokens a model fixes itself), read off the parsed values:
+    no model is built."""
     texts = [("model", m.text) for m in (model,) if isinstance(m, ModelSpec)]
     texts += [("cluster", c.text) for c in (cluster,) if isinstance(c, ClusterSpec)]
     for name, text in texts:
@@ -461,6 +504,7 @@ def check_sizes(model: ModelSpec | Mapping[str, Any], cluster: ClusterSpec | Map
             raise LimitError(f"{where}{name}: a SPEC of {len(text)} characters is over this service's limit of "
                              f"{settings.max_spec_chars} (TAGPLAN_MAX_SPEC_CHARS)", limit="max_spec_chars")
     _at_most(f"{where}model: layers", model_layers(model), settings.max_layers, "max_layers")
+    _at_most(f"{where}model: tokens per sample", model_tokens(model), settings.max_seq_len, "max_seq_len")
     _at_most(f"{where}cluster: devices", cluster_devices(cluster), settings.max_devices, "max_devices")
     if workload is not None:
         _at_most(f"{where}workload.global_batch", workload.global_batch, settings.max_global_batch,
@@ -470,8 +514,17 @@ def check_sizes(model: ModelSpec | Mapping[str, Any], cluster: ClusterSpec | Map
 
 def _at_most(what: str, value: int | None, limit: int, name: str) -> None:
     if value is not None and value > limit:
-        raise LimitError(f"{what}: {value} is over this service's limit of {limit} (TAGPLAN_{name.upper()})",
-                         limit=name)
+        raise LimitError(f"{what}: {_number(value)} is over this service's limit of {limit} "
+                         f"(TAGPLAN_{name.upper()})", limit=name)
+
+
+def _number(value: int) -> str:
+    """An integer as an error quotes it: whole up to `MAX_SHOWN` digits, else by its number of digits (one of
+    thousands of digits cannot even be written out by default)."""
+    if value.bit_length() > 3 * MAX_SHOWN:  # about MAX_SHOWN decimal digits
+        return f"a number of about {int(value.bit_length() * 0.30103) + 1} digits"
+    text = str(value)
+    return text if len(text) <= MAX_SHOWN else f"a number of {len(text)} digits"
 
 
 def check_iteration(record: IterationRecord, settings: Settings, where: str) -> IterationRecord:
@@ -485,8 +538,11 @@ def check_iteration(record: IterationRecord, settings: Settings, where: str) -> 
     except PydanticCustomError as err:
         raise SpecError(f"{where}: {err.message()}") from None
     w = record.workload
-    check_sizes(model, cluster, WorkloadRequest(global_batch=w.global_batch, seq_len=w.seq_len), settings,
-                where=f"{where}: ")
+    try:
+        workload = WorkloadRequest(global_batch=w.global_batch, seq_len=w.seq_len)
+    except ValidationError as err:
+        raise invalid(f"{where}: workload", err) from None
+    check_sizes(model, cluster, workload, settings, where=f"{where}: ")
     return record.model_copy(update={"model": _model_json(model), "cluster": _cluster_json(cluster)})
 
 

@@ -2,8 +2,11 @@
 
 Every limit has a `TAGPLAN_<FIELD>` variable (`TAGPLAN_MAX_EVALUATIONS`, `TAGPLAN_LEASE_S`, ...),
 so an operator or a test tunes the service without code; worker processes get the pool's
-settings back through `to_env()`. `get_settings()` reads the environment once and caches it (what
-`create_app()` and `uvicorn --factory` use); a test sets variables, then `get_settings.cache_clear()`.
+settings back through `to_env()`. One limit is fixed, not a setting: the nesting of an inline
+object or of cluster YAML text (`requests.MAX_NESTING`, 32 levels), checked inside the request
+body's validators, which no settings reach. `get_settings()` reads the environment once and
+caches it (what `create_app()` and `uvicorn --factory` use); a test sets variables, then
+`get_settings.cache_clear()`.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ class Settings(BaseSettings):
     max_global_batch: int = Field(default=65_536, gt=0)
     max_seq_len: int = Field(default=131_072, gt=0)
     max_spec_chars: int = Field(default=1000, gt=0)
-    max_nesting: int = Field(default=32, gt=0)
     rate_per_minute: int = Field(default=60, gt=0)
     max_attempts: int = Field(default=3, gt=0)
     lease_s: float = Field(default=30.0, gt=0)

@@ -340,9 +340,17 @@ class JobStore:
         self._finish(job_id, worker_id, status=JobStatus.CANCELLED.value, message="cancelled", finished_at=utcnow())
 
     def release(self, job_id: str, worker_id: str) -> None:
-        """Hand a job back to the queue without counting the attempt (the worker is shutting down)."""
-        self._finish(job_id, worker_id, status=JobStatus.QUEUED.value, attempts=Job.attempts - 1,
-                     message="queued again: its worker stopped", progress=0.0)
+        """Hand a job back to the queue without counting the attempt (the worker is shutting down);
+        `cancelled` instead when its cancellation was requested, decided inside the one UPDATE, so a
+        cancel that lands while the worker stops is never lost (a queued job with `cancel_requested`
+        would never be claimed nor end). LeaseLost if `worker_id` lost the job."""
+        asked = Job.cancel_requested
+        self._finish(job_id, worker_id,
+                     status=case((asked, JobStatus.CANCELLED.value), else_=JobStatus.QUEUED.value),
+                     attempts=case((asked, Job.attempts), else_=Job.attempts - 1),
+                     message=case((asked, "cancelled"), else_="queued again: its worker stopped"),
+                     progress=case((asked, Job.progress), else_=0.0),
+                     finished_at=case((asked, _when(utcnow())), else_=None))
 
     # -- traces --------------------------------------------------------------------------------
 
@@ -455,13 +463,21 @@ class JobStore:
             return conn.execute(stmt).rowcount == 1
 
     def _reap(self, now: dt.datetime) -> None:
-        """Finish jobs whose worker died and that may not run again: failed, or cancelled if asked."""
+        """Finish jobs whose worker died and that may not run again: failed, or cancelled if asked;
+        and cancel queued jobs asked to stop (handed back by a stopping worker before `release`
+        honoured the request: nothing else would ever end them)."""
         dead = and_(Job.status == JobStatus.RUNNING.value, Job.lease_expires_at < now,
                     or_(Job.attempts >= Job.max_attempts, Job.cancel_requested))
+        stranded = and_(Job.status == JobStatus.QUEUED.value, Job.cancel_requested)
         with self.engine.connect() as conn:
-            rows = conn.execute(select(Job.id, Job.attempts, Job.lease_owner, Job.cancel_requested)
-                                .where(dead)).all()
+            rows = conn.execute(select(Job.id, Job.status, Job.attempts, Job.lease_owner, Job.cancel_requested)
+                                .where(or_(dead, stranded))).all()
         for row in rows:
+            if row.status == JobStatus.QUEUED.value:
+                with self.engine.begin() as conn:
+                    conn.execute(update(Job).where(Job.id == row.id, stranded).values(
+                        status=JobStatus.CANCELLED.value, message="cancelled", finished_at=now))
+                continue
             values: dict[str, Any] = {"status": JobStatus.CANCELLED.value, "message": "cancelled"}
             if not row.cancel_requested:
                 values = {"status": JobStatus.FAILED.value, "message": "failed",

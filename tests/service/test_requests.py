@@ -81,6 +81,44 @@ def test_limits_name_the_limit(settings: Settings) -> None:
     validate(TINY_PLAN, small)
 
 
+@pytest.mark.parametrize("model", [
+    "hf:MptConfig?n_layers=100000&d_model=64&n_heads=2&vocab_size=100",  # a depth key the SPEC grammar did not know
+    "hf:T5Config?num_layers=4",  # the decoder's depth defaults to the encoder's: 8 blocks
+    "hf:LlavaConfig",  # no depth key given: the config's own text and vision stacks
+])
+def test_a_hugging_face_models_layers_are_read_off_its_config(settings: Settings, model: str) -> None:
+    small = settings.model_copy(update={"max_layers": 6})
+    assert limit_error({**TINY_PLAN, "model": model}, small).limit == "max_layers"
+
+
+def test_tokens_a_model_fixes_itself_are_bounded(settings: Settings) -> None:
+    small = settings.model_copy(update={"max_seq_len": 1000})
+    vit = {**TINY_PLAN, "model": "vit?layers=2&hidden=64&heads=4&image=2000&patch=1"}  # 4,000,001 tokens
+    err = limit_error(vit, small)
+    assert err.limit == "max_seq_len" and "model: tokens per sample: 4000001" in str(err)
+    graph = {"seq_len": 2 * 10**9, "blocks": {"b": {"kind": "mlp", "ops": [{"kind": "matmul", "flops": 1}],
+                                                     "output_bytes": 1}}, "layers": [{"block": "b"}]}
+    assert limit_error({**TINY_PLAN, "model": graph}, small).limit == "max_seq_len"
+
+
+def test_numbers_an_inline_object_holds_must_be_finite_and_a_calibration_in_range() -> None:
+    from tagplan.service.requests import check_inline
+
+    graph = {"blocks": {"b": {"kind": "mlp", "ops": [{"kind": "matmul", "flops": float("inf")}], "output_bytes": 1}},
+             "layers": [{"block": "b"}]}
+    with pytest.raises(SpecError, match=r"graph's graph\.blocks\.b\.ops\[0\]\.flops is not a finite number"):
+        plan_request({**TINY_PLAN, "model": graph})
+    cluster = {"node_groups": [{"preset": "p3.8xlarge"}], "network": {"latency_us": float("nan")}}
+    with pytest.raises(SpecError, match=r"cluster\.network\.latency_us is not a finite number"):
+        plan_request({**TINY_PLAN, "cluster": cluster})
+    for calibration, message in (({"memory_efficiency": {"*": 0}}, r"memory_efficiency must be in \(0, 1\]"),
+                                 ({"micro_batch_overhead_s": {"*": -1e9}}, "micro_batch_overhead_s must be in"),
+                                 ({"launch_overhead_s": float("inf")}, r"calibration\.launch_overhead_s: numbers must "
+                                                                       "be finite")):
+        with pytest.raises(SpecError, match=message):
+            check_inline(plan_request({**TINY_PLAN, "calibration": calibration}))
+
+
 def test_sizes_are_read_off_the_request() -> None:
     assert model_layers(plan_request({**TINY_PLAN, "model": "gpt3-1.3b"}).model) == 24
     assert model_layers({"layers": [{"block": "b", "repeat": 3}, {"block": "c"}, {"block": "d", "repeat": "x"}]}) == 5
@@ -133,3 +171,14 @@ def test_a_training_request_names_trace_bundles() -> None:
                        ({"traces": [7]}, r"traces\.0")):
         with pytest.raises(SpecError, match=names):
             read_request(TrainRequest, bad, "training request")
+
+
+def test_numbers_too_long_to_write_out_are_refused_by_their_size(settings: Settings) -> None:
+    huge = 10**5000  # past Python's default int-to-text limit: quoting it whole would itself fail
+    graph = {"blocks": {"b": {"kind": "mlp", "ops": [{"kind": "matmul", "flops": 1}], "output_bytes": 1}},
+             "layers": [{"block": "b", "repeat": huge}]}
+    err = limit_error({**TINY_PLAN, "model": graph}, settings)
+    assert err.limit == "max_layers" and "a number of about 5001 digits is over" in str(err) and len(str(err)) < 300
+    yaml_text = "node_groups:\n  - preset: p3.8xlarge\n    nodes: 0x" + "f" * 5000  # YAML reads hex of any length
+    err = limit_error({**TINY_PLAN, "cluster": yaml_text}, settings)
+    assert err.limit == "max_devices" and "a number of about 6022 digits is over" in str(err)

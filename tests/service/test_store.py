@@ -6,13 +6,16 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import Engine, select
+from pydantic import ValidationError
+from sqlalchemy import Engine, select, update
 
 from tagplan.errors import SpecError
-from tagplan.service.db import ApiKey, make_engine
+from tagplan.service.db import ApiKey, Job, make_engine
 from tagplan.service.keys import authenticate, create_key, ensure_tenant, hash_key, revoke_key
+from tagplan.service.requests import MAX_NESTING, PlanRequest
 from tagplan.service.settings import Settings
 from tagplan.service.store import JobStatus, JobStore, LeaseLost
 
@@ -177,6 +180,31 @@ def test_release_hands_the_job_back_without_an_attempt(store: JobStore) -> None:
     assert store.claim("w2").attempts == 1  # type: ignore[union-attr]
 
 
+def test_a_job_cancelled_while_its_worker_stops_is_cancelled_not_requeued(store: JobStore) -> None:
+    # DELETE and SIGTERM at once: the worker hands back a job whose cancellation was already requested
+    tenant = ensure_tenant(store.engine, "acme")
+    job = store.submit(tenant, "plan", REQUEST)
+    assert store.claim("w1") is not None
+    asked = store.cancel(tenant, job.id)
+    assert asked is not None and asked.status == JobStatus.RUNNING
+    store.release(job.id, "w1")
+    final = store.get(tenant, job.id)
+    assert final is not None and (final.status, final.message) == (JobStatus.CANCELLED, "cancelled")
+    assert final.finished_at is not None and final.attempts == 1
+    assert store.claim("w2") is None
+
+
+def test_a_queued_job_left_with_a_cancel_request_is_reaped(store: JobStore) -> None:
+    # such a row was left by workers that handed a cancelled job back to the queue: never claimed, never ended
+    tenant = ensure_tenant(store.engine, "acme")
+    job = store.submit(tenant, "plan", REQUEST)
+    with store.engine.begin() as conn:
+        conn.execute(update(Job).where(Job.id == job.id).values(cancel_requested=True))
+    assert store.claim("w1") is None
+    final = store.get(tenant, job.id)
+    assert final is not None and final.status == JobStatus.CANCELLED and final.finished_at is not None
+
+
 def test_cancel_queued_and_running(store: JobStore) -> None:
     tenant = ensure_tenant(store.engine, "acme")
     queued = store.submit(tenant, "plan", REQUEST)
@@ -281,6 +309,17 @@ def test_settings_from_env(tmp_path: Path) -> None:
         Settings.from_env(environ={**env, "TAGPLAN_MAX_DEVICES": "many"})
     with pytest.raises(SpecError, match="TAGPLAN_LEASE_S=0"):
         Settings.from_env(environ={**env, "TAGPLAN_LEASE_S": "0"})
+
+
+def test_the_nesting_limit_is_fixed_not_a_setting(tmp_path: Path) -> None:
+    # checked inside the body's validators, where no settings reach: a TAGPLAN_MAX_NESTING would change nothing
+    assert "max_nesting" not in Settings.model_fields
+    assert not any("NESTING" in name for name in Settings.from_env(environ={"TAGPLAN_HOME": str(tmp_path)}).to_env())
+    deep: dict[str, Any] = {"name": "lab"}
+    for _ in range(MAX_NESTING):
+        deep = {"x": deep}
+    with pytest.raises(ValidationError, match=f"nested deeper than {MAX_NESTING} levels"):
+        PlanRequest.model_validate({"model": "gpt3-125m", "cluster": deep})
 
 
 def test_get_settings_reads_the_environment_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

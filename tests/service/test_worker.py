@@ -139,6 +139,22 @@ def test_sigterm_hands_the_running_job_back(fast_settings: Settings, store: JobS
     assert back is not None and (back.status, back.attempts) == (JobStatus.QUEUED, 0), workers.logs()
 
 
+@pytest.mark.slow
+def test_a_job_cancelled_as_its_worker_stops_ends_cancelled(fast_settings: Settings, store: JobStore, workers: Any,
+                                                            wait_for: Any) -> None:
+    # DELETE and SIGTERM at once: the stopping worker hands the job back before it sees the cancel
+    tenant = ensure_tenant(store.engine, "acme")
+    job = store.submit(tenant, JobKind.PLAN, LONG_PLAN)
+    worker = workers.start(fast_settings)
+    wait_for(store, tenant, job.id, searching)
+    store.cancel(tenant, job.id)
+    worker.terminate()
+    assert worker.wait(30) == 0, workers.logs()
+    final = store.get(tenant, job.id)
+    assert final is not None and final.status == JobStatus.CANCELLED, (final, workers.logs())
+    assert store.claim("w2") is None
+
+
 def test_pool_restarts_a_dead_worker_and_stops(settings: Settings) -> None:
     pool = WorkerPool(settings, 2)
     pool.start()

@@ -227,6 +227,10 @@ def parse_record(line: str, where: str) -> OpRecord | CollectiveRecord | Iterati
         data = json.loads(line)
     except json.JSONDecodeError as err:
         raise SpecError(f"{where}: not JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise SpecError(f"{where}: not readable JSON: nested too deeply (a record nests a few levels)") from None
+    except ValueError as err:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+        raise SpecError(f"{where}: not readable JSON: {str(err).split(';')[0]}") from None
     if not isinstance(data, dict) or data.get("record") not in RECORD_KINDS:
         kind = data.get("record") if isinstance(data, dict) else type(data).__name__
         raise SpecError(f"{where}: record {kind!r} is not one of {', '.join(map(repr, RECORD_KINDS))}")

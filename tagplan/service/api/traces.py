@@ -7,6 +7,7 @@ malformed line is a 422 naming it and leaves nothing behind.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import shutil
@@ -40,11 +41,22 @@ from tagplan.service.api.deps import (
 )
 from tagplan.service.api.schemas import Error, JobOut, TraceBundleIn, TraceCreated, TrainingRunRequest, job_out
 from tagplan.service.keys import Principal
-from tagplan.service.requests import CalibrationChoice, TrainRequest, calibration_of, check_iteration, traces_root
+from tagplan.service.requests import (
+    MAX_NESTING,
+    CalibrationChoice,
+    TrainRequest,
+    calibration_of,
+    check_iteration,
+    clipped,
+    invalid,
+    nesting,
+    traces_root,
+)
 from tagplan.service.settings import Settings
 from tagplan.service.store import Idempotency
 from tagplan.service.vocabulary import JobKind
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["traces"])
 
 PRINTABLE = r"^[^\x00-\x1f\x7f]*$"  # no control characters (PostgreSQL refuses NUL in text)
@@ -155,13 +167,32 @@ def _from_lines(text: str, device: str | None, principal: Principal,
 
 
 def _record(line: str, where: str, settings: Settings) -> TraceRecord:
-    """One record, checked whole: an iteration record names its model and cluster inline or as a SPEC
-    that names no file, within the service's limits (`requests.check_iteration`)."""
+    """One record, checked whole: nested at most `MAX_NESTING` levels inside it (a plan or an inline graph;
+    a deeper one could not be stored), finite, and an iteration record names its model and cluster inline
+    or as a SPEC that names no file, within the service's limits (`requests.check_iteration`)."""
     record = parse_record(line, where)
+    deep = [name for name, value in record if nesting(value) > MAX_NESTING]
+    if deep:
+        raise SpecError(f"{where}: {deep[0]}: nested deeper than {MAX_NESTING} levels; at most {MAX_NESTING} "
+                        "are accepted")
     _finite(record.model_dump(), where)
     if isinstance(record, IterationRecord):
-        return check_iteration(record, settings, where)
+        return _checked_iteration(record, settings, where)
     return record
+
+
+def _checked_iteration(record: IterationRecord, settings: Settings, where: str) -> IterationRecord:
+    """`requests.check_iteration`, whose every failure to read the record is a SpecError naming `where`."""
+    try:
+        return check_iteration(record, settings, where)
+    except SpecError:
+        raise
+    except ValidationError as err:  # its workload beyond what a plan request accepts
+        raise invalid(f"{where}: workload", err) from None
+    except Exception as err:  # e.g. cluster YAML with an integer longer than Python converts: the tenant's input
+        reason = clipped(str(err).split(";")[0])[:200]
+        log.warning("%s: iteration record check raised %s: %s", where, type(err).__name__, reason)
+        raise SpecError(f"{where}: its model or cluster cannot be read ({type(err).__name__}: {reason})") from None
 
 
 def _finite(value: Any, where: str, field: str = "") -> None:

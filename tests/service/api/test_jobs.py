@@ -194,6 +194,30 @@ def test_errors_quote_at_most_80_characters_of_input(client: TestClient, keys: A
         assert "v" * 81 not in detail, detail
 
 
+def test_errors_quote_at_most_80_characters_of_a_key_and_1000_in_all(client: TestClient, keys: Any,
+                                                                      api: Any) -> None:
+    answer = client.post("/v1/plans", json={**api.TINY, "workload": {"y" * 1_000_000: 1}}, headers=api.auth(keys.a))
+    assert answer.status_code == 422 and len(answer.content) < 2000, len(answer.content)
+    assert "body.workload." + "y" * 80 + "..." in answer.json()["detail"], answer.text
+    many = {**api.TINY, **{f"k{i}" + "x" * 50_000: 1 for i in range(30)}}
+    answer = client.post("/v1/plans", json=many, headers=api.auth(keys.a))
+    assert answer.status_code == 422 and len(answer.content) < 2500, len(answer.content)
+    assert len(answer.json()["detail"]) <= 1000 and "and 25 more" in answer.json()["detail"]
+    cluster = {"name": "lab", "node_groups": [{"preset": "p3.8xlarge", "nodes": 10**4000}]}
+    answer = client.post("/v1/plans", json={**api.TINY, "cluster": cluster}, headers=api.auth(keys.a))
+    assert answer.status_code == 422, answer.text
+    assert "0" * 81 not in answer.text and "4001 digits" in answer.json()["detail"], answer.text
+
+
+@pytest.mark.parametrize("path", ["/v1/plans", "/v1/training-runs"])
+def test_a_body_too_deep_to_parse_is_422_saying_so(client: TestClient, keys: Any, api: Any, path: str) -> None:
+    deep = b'{"model": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    answer = client.post(path, content=deep, headers={**api.auth(keys.a), "Content-Type": "application/json"})
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["detail"].startswith("body: not readable JSON: nested too deeply"), answer.text
+    assert "at most 32 levels" in answer.json()["detail"]
+
+
 def test_limits_are_422_naming_the_limit(make_settings: Any, keys: Any, api: Any) -> None:
     with api.client_for(make_settings(max_devices=4, max_layers=6)) as client:
         devices = client.post("/v1/plans", json={**api.TINY, "cluster": "p3.8xlarge:nodes=2"},

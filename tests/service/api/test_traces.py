@@ -86,3 +86,63 @@ def test_training_on_another_tenants_trace_is_404(client: TestClient, keys: Any,
         bad = client.post("/v1/training-runs", json={"traces": [mine], "calibration": calibration},
                           headers=api.auth(keys.a))
         assert bad.status_code == 422 and "calibration" in bad.json()["detail"], bad.text
+
+
+# -- what no upload may turn into a 500 ------------------------------------------------------------
+
+_ITERATION = {"record": "iteration", "model": "gpt?layers=2&hidden=64&heads=2&vocab=100", "cluster": "p3.8xlarge",
+              "workload": {"global_batch": 8, "seq_len": 128}, "plan": {}, "measured_s": 0.1}
+
+
+def _upload_lines(client: TestClient, key: str, api: Any, text: str) -> Any:
+    return client.post("/v1/traces", params={"device": "v100"}, content=text.encode(),
+                       headers={**api.auth(key), "Content-Type": "application/x-ndjson"})
+
+
+def test_a_line_nested_too_deep_to_parse_is_422_naming_it(client: TestClient, keys: Any, api: Any) -> None:
+    answer = _upload_lines(client, keys.a, api, '{"a":' * 1000 + "1" + "}" * 1000 + "\n")
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["detail"] == "line 1: not readable JSON: nested too deeply (a record nests a few levels)"
+
+
+def test_a_line_with_an_integer_of_5000_digits_is_422_naming_it(client: TestClient, keys: Any, api: Any) -> None:
+    line = json.dumps(_ITERATION).replace('"measured_s": 0.1', '"repeats": ' + "9" * 5000)
+    answer = _upload_lines(client, keys.a, api, line)
+    assert answer.status_code == 422, answer.text
+    detail = answer.json()["detail"]
+    assert detail.startswith("line 1: not readable JSON: ") and "4300 digits" in detail, detail
+
+
+def test_an_iteration_beyond_the_workload_bounds_is_422_naming_the_field(client: TestClient, keys: Any,
+                                                                        api: Any) -> None:
+    huge_batch = {**_ITERATION, "workload": {"global_batch": 10**10, "seq_len": 128}}
+    answer = _upload_lines(client, keys.a, api, json.dumps(huge_batch))
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["detail"].startswith("line 1: workload: global_batch: "), answer.text
+    assert "10000000000" in answer.json()["detail"]
+    huge_sequence = {**_ITERATION, "workload": {"global_batch": 8, "seq_len": 10**12}}
+    answer = client.post("/v1/traces", json={**_bundle(), "records": [huge_sequence]}, headers=api.auth(keys.a))
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["detail"].startswith("records[0]: workload: seq_len: "), answer.text
+
+
+def test_cluster_yaml_with_a_5000_digit_node_count_is_422_naming_the_line(client: TestClient, keys: Any,
+                                                                          api: Any) -> None:
+    cluster = "node_groups:\n- preset: p3.8xlarge\n  nodes: " + "9" * 5000 + "\n"
+    answer = _upload_lines(client, keys.a, api, json.dumps({**_ITERATION, "cluster": cluster}))
+    assert answer.status_code == 422, answer.text
+    detail = answer.json()["detail"]
+    assert detail.startswith("line 1: not valid cluster-file YAML: Exceeds the limit (4300 digits)"), detail
+    assert "4300 digits" in detail and "9" * 81 not in detail
+
+
+def test_a_record_field_nested_deeper_than_the_limit_is_422_and_nothing_is_stored(
+        make_settings: Any, client: TestClient, keys: Any, api: Any) -> None:
+    # 300 levels parse, but could not be written back (pydantic serialises at most 255 levels)
+    deep: dict[str, Any] = {}
+    for _ in range(300):
+        deep = {"a": deep}
+    answer = _upload_lines(client, keys.a, api, json.dumps({**_ITERATION, "plan": deep}))
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["detail"] == "line 1: plan: nested deeper than 32 levels; at most 32 are accepted"
+    assert _stored_traces(make_settings()) == []
