@@ -126,9 +126,25 @@ def _export(args: argparse.Namespace) -> int:
     tp_comm = tp_comm_settings(plan, fmt=args.fmt, tp_comm_overlap=args.tp_comm_overlap)
     loss = loss_settings(fmt=args.fmt, loss=LossKernel(args.loss))
     memory = _memory_note(args, spec, plan, cluster) if cluster is not None else None
+    tensor_cores = _tensor_core_note(plan, cluster, dtype) if cluster is not None else None
     emit({"format": args.fmt, "files": [str(p) for p in written], "grad_reduce": reduce.as_json(), "tp_comm": tp_comm,
-          "loss": loss, "memory": memory}, args.json, _export_text)
+          "loss": loss, "memory": memory, "tensor_cores": tensor_cores}, args.json, _export_text)
     return 0
+
+
+def _tensor_core_note(plan: Plan, cluster: Cluster, dtype: DType) -> str | None:
+    """Where the plan's GPUs lack `dtype`'s tensor cores (V100 and T4 in bf16): the plan was costed at the format
+    they have (`DeviceSpec.costed_format`), which the exported run in `dtype` does not reach there. None where
+    every GPU has them (a quantized dtype without them is refused by the exporters themselves)."""
+    lacking = sorted({cluster.devices[d].spec.name for d in plan.devices
+                      if not cluster.devices[d].spec.has_tensor_cores_for(dtype)})
+    if not lacking or dtype.quantized:
+        return None
+    costed = cluster.devices[next(d for d in plan.devices
+                                  if cluster.devices[d].spec.name == lacking[0])].spec.costed_format(dtype).value
+    return (f"{', '.join(lacking)}: no {dtype.value} tensor cores; this export computes {dtype.value} there without "
+            f"them, slower than the plan's figure (costed at the {costed} rate): export with --dtype {costed} for "
+            "the run the plan describes")
 
 
 def _memory_note(args: argparse.Namespace, spec: ModelSpec, plan: Plan, cluster: Cluster) -> str | None:
@@ -158,7 +174,7 @@ def _export_text(result: dict[str, Any]) -> str:
     written = ("Transformer Engine's fused kernel (--cross-entropy-loss-fusion --cross-entropy-fusion-impl te written)"
                if result["format"] == "megatron" else "the program's fused cross-entropy (the 16-bit logits kept)")
     fused = [f"cross-entropy: {written}"] if loss["fused_written"] else []
-    memory = [f"warning: {result['memory']}"] if result.get("memory") else []
+    memory = [f"warning: {result[key]}" for key in ("memory", "tensor_cores") if result.get(key)]
     return "\n".join(lines + _reduce_lines(result["grad_reduce"]) + overlap + fused
                      + [f"note: {n}" for n in tp_comm["notes"] + loss["notes"]] + memory)
 

@@ -279,3 +279,18 @@ def test_export_writes_the_loss_as_costed_or_says_what_runs(tmp_path: Path, caps
     assert main(["export", "--model", TINY, "--plan", str(plan), "--seq", "16", "--format", "torch", "--loss",
                  "fused", "--out", str(tmp_path / "torch-text")]) == 0
     assert "cross-entropy: the program's fused cross-entropy" in capsys.readouterr().out
+
+
+def test_an_export_in_a_dtype_the_gpus_lack_tensor_cores_for_says_the_run_is_slower(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The planner costs bf16 on a V100 at fp16's rate (it has no bf16 tensor cores) and says so; the export that
+    writes --bf16 for it said nothing."""
+    plan = write_plan(tmp_path / "plan.json", [{"layers": [0, 4], "devices": [0, 1], "dp": 2, "tp": 1}])
+    args = ["export", "--model", TINY, "--plan", str(plan), "--seq", "16", "--format", "megatron", "--json"]
+    assert main([*args, "--cluster", "p3.8xlarge", "--out", str(tmp_path / "v100")]) == 0
+    note = json.loads(capsys.readouterr().out)["tensor_cores"]
+    assert note.startswith("V100-SXM2-16GB: no bf16 tensor cores") and "export with --dtype fp16" in note
+    assert main([*args, "--cluster", "p3.8xlarge", "--dtype", "fp16", "--out", str(tmp_path / "fp16")]) == 0
+    assert json.loads(capsys.readouterr().out)["tensor_cores"] is None
+    assert main([*args, "--cluster", "dgx-a100-80gb", "--out", str(tmp_path / "a100")]) == 0
+    assert json.loads(capsys.readouterr().out)["tensor_cores"] is None
