@@ -40,7 +40,10 @@ def make_config(config_class: str, overrides: dict[str, str]) -> Any:
     import transformers
 
     cls = getattr(transformers, config_class)
-    default = cls()
+    try:
+        default = cls()
+    except Exception as exc:
+        raise SpecError(f"{config_class}: transformers cannot build its default config: {exc}") from exc
     keys = sorted(set(default.to_dict()) | set(getattr(cls, "attribute_map", {})))
     values: dict[str, Any] = {}
     for key, text in overrides.items():
@@ -83,7 +86,8 @@ def _coerce(config_class: str, key: str, text: str, default: Any) -> Any:
         ) from None
 
 
-_DEPTH_KEY = re.compile(r"(?:num_|n_)?(?:hidden_|encoder_|decoder_)?layers?")
+_DEPTH_KEY = re.compile(r"(?:num_|n_)?(?:hidden_|encoder_|decoder_)?layers?|(?:encoder|decoder)_num_hidden_layers"
+                        r"|num_global_layers|depth")
 """A config key that counts blocks: num_hidden_layers, num_layers, n_layer(s), num_decoder_layers, encoder_layers..."""
 
 
@@ -92,6 +96,8 @@ def config_depth(config: Any) -> int:
     num_decoder_layers, which defaults to it; MPT's n_layers; a multimodal model's text and vision stacks)."""
     def count(values: dict[str, Any]) -> int:
         total = 0
+        if "encoder_layers" in values and "decoder_layers" in values:  # transformers 4's BART family mirrors
+            values = {k: v for k, v in values.items() if k != "num_hidden_layers"}  # encoder_layers in it
         for key, value in values.items():
             if isinstance(value, dict):
                 total += count(value)

@@ -192,11 +192,11 @@ def mark_causal(graph: ModelGraph, *, decoder_blocks_only: bool = False) -> Mode
     encoder's self-attention sees every token. Block hashes leave the flag out, so they stay as traced."""
     blocks = []
     for block in graph.blocks:
-        by_name = {op.name: op for op in block.ops}
-        selfs = {op.name for op in block.ops if _self_attention(op) and not _cross_attention(op, by_name)}
-        if decoder_blocks_only and not any(_cross_attention(op, by_name) for op in block.ops
-                                           if op.kind is OpKind.ATTENTION):
-            selfs = set()
+        selfs = {op.name for op in block.ops if _self_attention(op)}
+        if decoder_blocks_only:  # a causal LM has no encoder: its queries and keys may come from different
+            by_name = {op.name: op for op in block.ops}  # projections (MLA's q_b_proj and kv_b_proj)
+            crosses = {op.name for op in block.ops if op.kind is OpKind.ATTENTION and _cross_attention(op, by_name)}
+            selfs = selfs - crosses if crosses else set()
         ops = tuple(op.model_copy(update={"causal": True}) if op.name in selfs else op for op in block.ops)
         blocks.append(block.model_copy(update={"ops": ops}) if ops != block.ops else block)
     return rebuild(graph, blocks=tuple(blocks))

@@ -5,8 +5,7 @@ Cells map to links (one way, bytes/s; figures of the GPU generation, see `catalo
   the same `NV#` with # >= 12 (DGX A100 NV12, DGX H100 NV18), or every pair shows one and some GPU's
   counts add up to more links than it has (a switch with a degraded link: NV17 among NV18s), the node
   is an NVSwitch fabric at the slowest pair's rate. Point-to-point NVLinks (the DGX-1's hybrid cube
-  mesh) stay pair links, whose rings the cost model searches (`cost.mesh_rings`). A GPU without
-  NVLink (T4, L4, ...) refuses `NV#` cells, as cluster files refuse it fabric nvlink and nvswitch.
+  mesh) stay pair links, whose rings the cost model searches (`cost.mesh_rings`).
 - `PIX`/`PXB` (PCIe switches): PCIE at the GPU's host-link rate.
 - `PHB`/`NODE` (through a host bridge): PCIE_HOST at 5/6 of it.
 - `SYS` (old drivers: `SOC`; across sockets): SMP at 10 GB/s (at most the host link).
@@ -33,7 +32,6 @@ import re
 
 from tagplan.errors import SpecError
 from tagplan.frontends import catalog
-from tagplan.frontends.cluster_file import default_fabric_bandwidth_Bps
 from tagplan.frontends.presets import gbps_to_Bps
 from tagplan.ir.cluster import DeviceSpec, LinkKind, Node, PairLink
 
@@ -110,21 +108,6 @@ def _infer_device(cells: list[str]) -> DeviceSpec:
     return catalog.lookup_device(name)
 
 
-def _check_nvlinks(rows: list[list[Cell]], device: DeviceSpec, figures: catalog.DeviceLinks) -> None:
-    """SpecError naming the first `NV#` cell when `device` has no NVLink: cluster files' rule, which
-    refuses fabric nvlink and nvswitch for such a GPU (`cluster_file.default_fabric_bandwidth_Bps`)."""
-    gpus = len(rows)
-    if default_fabric_bandwidth_Bps(figures, LinkKind.NVLINK, gpus) is not None:
-        return
-    for a, row in enumerate(rows):
-        for b, (cell, line) in enumerate(row[:gpus]):
-            if _NV.match(cell):
-                raise SpecError(f"nvidia-smi topo -m: line {line}: GPU{a}-GPU{b} cell {cell!r} is an NVLink, but "
-                                f"{device.name} has no NVLink (no default bandwidth on 'nvlink' or 'nvswitch', as "
-                                "in cluster files); pass the GPU type the matrix was taken on as gpu, or describe "
-                                "the node in a cluster file with fabric_bandwidth_GBps")
-
-
 def _link(cell: str, links: catalog.DeviceLinks) -> tuple[LinkKind, float, float]:
     """(kind, one-way bytes/s, latency s) of one matrix cell."""
     if m := _NV.match(cell):
@@ -191,7 +174,6 @@ def parse_nvidia_topo(
     cells = {(a, b): rows[a][b][0] for a in range(gpus) for b in range(a + 1, gpus)}
     device = gpu if gpu is not None else _infer_device(list(cells.values()))
     figures = catalog.device_links(device)
-    _check_nvlinks(rows, device, figures)
     links = {pair: _link(cell, figures) for pair, cell in cells.items()}
     if _switched(cells, gpus, figures.nvlinks):
         slowest = min(links.values(), key=lambda k: k[1])

@@ -137,3 +137,16 @@ def test_an_architecture_listed_under_several_model_types_takes_its_own_config(a
         graph = graph_from_hf(arch, {"num_hidden_layers": "2", "hidden_size": "64", "intermediate_size": "128",
                                      "num_attention_heads": "4", "vocab_size": "100"}, seq_len=16)
         assert graph.family == "llama"
+
+
+def test_a_causal_lm_whose_queries_and_keys_come_from_different_projections_stays_causal() -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3) projects queries through q_b_proj and keys through kv_b_proj:
+    read as a cross-attention, its self-attention lost its causal marking (and half its costed time)."""
+    graph = graph_from_hf("DeepseekV3Config", {
+        "num_hidden_layers": "2", "hidden_size": "64", "num_attention_heads": "4", "num_key_value_heads": "4",
+        "q_lora_rank": "32", "kv_lora_rank": "16", "qk_rope_head_dim": "8", "qk_nope_head_dim": "8",
+        "v_head_dim": "16", "intermediate_size": "128", "moe_intermediate_size": "32", "n_routed_experts": "4",
+        "num_experts_per_tok": "2", "first_k_dense_replace": "1", "vocab_size": "100", "n_group": "1",
+        "topk_group": "1"}, seq_len=16)
+    attention = [op for block in graph.blocks for op in block.ops if op.kind is OpKind.ATTENTION]
+    assert attention and all(op.causal for op in attention)

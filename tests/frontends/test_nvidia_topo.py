@@ -10,7 +10,6 @@ import pytest
 from tagplan.cost.comm import group_topology
 from tagplan.errors import SpecError
 from tagplan.frontends.catalog import lookup_device
-from tagplan.frontends.cluster_spec import ClusterOptions, load_cluster
 from tagplan.frontends.nvidia_topo import compute_nics, parse_nvidia_topo
 from tagplan.ir import Cluster, LinkKind, Node
 
@@ -122,24 +121,6 @@ def test_bad_cell_names_its_line() -> None:
     lines[2] = lines[2].replace("PHB", "QPI", 1)
     with pytest.raises(SpecError, match=r"line 3: GPU1-GPU2 cell 'QPI' is not accepted; expected NV#, PIX"):
         parse_nvidia_topo("\n".join(lines), gpu=lookup_device("T4"))
-
-
-@pytest.mark.parametrize(("fixture", "cell"), [("topo_dgx_a100.txt", "NV12"), ("topo_dgx1v.txt", "NV1")])
-def test_nvlink_cells_on_a_gpu_without_nvlink_are_refused(fixture: str, cell: str) -> None:
-    """A T4 on an NV12 (switch) or NV1/NV2 (mesh) matrix: cluster files' rule, not 240 GB/s of NVSwitch."""
-    with pytest.raises(SpecError, match=rf"line 2: GPU0-GPU1 cell '{cell}' is an NVLink, but T4 has no NVLink "
-                                        r"\(no default bandwidth on 'nvlink' or 'nvswitch'.*pass the GPU type"):
-        parse_nvidia_topo(_read(fixture), gpu=lookup_device("T4"))
-
-
-def test_nvlink_rule_through_the_cluster_spec(tmp_path: Path) -> None:
-    """`inspect cluster topo.txt --gpu T4` and a cluster file's T4 nvswitch group refuse alike."""
-    with pytest.raises(SpecError, match=r"T4 has no NVLink \(no default bandwidth on 'nvlink' or 'nvswitch'"):
-        load_cluster(str(FIXTURES / "topo_dgx_a100.txt"), ClusterOptions(gpu="T4"))
-    group = tmp_path / "t4.yaml"
-    group.write_text("node_groups:\n  - {gpu: T4, gpus_per_node: 8, fabric: nvswitch}\n")
-    with pytest.raises(SpecError, match=r"T4 has no default bandwidth on 'nvswitch'"):
-        load_cluster(str(group))
 
 
 def test_short_row_names_its_line() -> None:
