@@ -20,8 +20,9 @@ def add_trace_commands(sub: Subparsers) -> None:
     prof = sub.add_parser("profile", help="measure this machine's ops and collectives into a trace bundle")
     prof.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     prof.add_argument("--quick", action="store_true", help="a small grid (under 2 minutes on 2 CPU cores)")
-    prof.add_argument("--world", type=int, default=None, help="processes for the collectives (default 2 on CPU)")
-    prof.add_argument("--threads", type=int, default=None,
+    prof.add_argument("--world", type=positive_int, default=None,
+                      help="processes for the collectives (default 2 on CPU)")
+    prof.add_argument("--threads", type=positive_int, default=None,
                       help="torch threads for the ops (default: the idle cores, at least 1)")
     prof.add_argument("--iterations", action="store_true",
                       help="also time real training iterations of GPTs on one device (CPU: small shapes, about "
@@ -29,7 +30,7 @@ def add_trace_commands(sub: Subparsers) -> None:
     prof.add_argument("--layers", action="store_true",
                       help="instead: time the unique blocks of --model over micro-batch sizes and tp degrees")
     prof.add_argument("--model", default=None, help="with --layers: the model SPEC (gpt?... or llama?...)")
-    prof.add_argument("--seq", type=int, default=128, help="with --layers: sequence length")
+    prof.add_argument("--seq", type=positive_int, default=128, help="with --layers: sequence length")
     prof.add_argument("--micro-batches", default="1,2,4", help="with --layers: micro-batch sizes, comma-separated")
     prof.add_argument("--tps", default="1,2", help="with --layers: tp degrees, comma-separated")
     prof.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
@@ -84,6 +85,12 @@ def _profile(args: argparse.Namespace) -> int:
     say = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if args.layers:
         return _profile_layers(args, say)
+    layer_options = {"model": None, "micro_batches": "1,2,4", "tps": "1,2", "seq": 128}  # --dtype is shared
+    for name, default in layer_options.items():
+        given = getattr(args, name)
+        if given != default:
+            raise SpecError(f"--{name.replace('_', '-')} {given} is an option of --layers, which profiles a model's "
+                            "blocks; without --layers, profile measures ops and collectives (add --layers)")
     threads = args.threads
     if args.iterations and threads is None:  # the iterations must run on the cores the device figures count
         import torch
@@ -192,7 +199,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     bundles = [read_bundle(b) for b in args.bundles]
     if args.device:
-        for line in fingerprint_warnings(bundles, args.device):
+        from tagplan.datasets.traces.importing import catalog_name
+
+        for line in fingerprint_warnings(bundles, catalog_name(args.device, None)):
             print(f"warning: {line}", file=sys.stderr)
     out = Path(args.out)
     fit = fit_calibration(bundles, name=out.stem, iterations=not args.no_iterations, folds=args.folds)
@@ -213,7 +222,10 @@ def _calibrate(args: argparse.Namespace) -> int:
                               "replaced_calibration": replaced_name}
     if not args.json:
         _say_iterations(fit, comparison, replaced_name)
-    refusal = _write_refusal(comparison, replaced_name, calibrated_devices(replaced) - calibrated_devices(cal))
+    unchecked = comparison is None and any(b.iterations() or b.layers() for b in bundles)
+    overwritten = out.is_file() or args.pin is not None  # a calibration in the registry is not replaced otherwise
+    lost = calibrated_devices(replaced) - calibrated_devices(cal) if overwritten else set()
+    refusal = _write_refusal(comparison, replaced_name, lost, unchecked=unchecked)
     if refusal and not args.force:
         raise SpecError(f"calibrate: {args.out} not written: {refusal}; pass --force to write it anyway")
     if args.pin:
@@ -227,20 +239,21 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_refusal(comparison: Any, replaced_name: str, lost: set[str]) -> str | None:
-    """Why a new calibration may not replace the old one unasked (None: it may): no held-out error checks it,
-    it is worse on held-out records, or it drops device types the replaced one calibrated."""
-    if comparison is None:
+def _write_refusal(comparison: Any, replaced_name: str, lost: set[str], *, unchecked: bool = False) -> str | None:
+    """Why a new calibration may not replace the old one unasked (None: it may): no held-out error checks what it
+    fitted from iteration or layer records (`unchecked`; a link fit from nccl-tests logs reports its own held-out
+    sizes), it is worse on held-out records, or it drops device types the file or pin it overwrites calibrated."""
+    if unchecked:
         return ("the bundles give no held-out error to check it against "
                 f"{replaced_name} (cross-validation needs at least 2 iteration records, or op records at held-out "
                 "shapes; layer records are used as measured and not held out), so it could make predictions "
                 "worse unnoticed")
-    if comparison.worse:
+    if comparison is not None and comparison.worse:
         return (f"the new calibration's held-out {comparison.metric} is {comparison.new:.1%}, worse than the "
                 f"{comparison.replaced:.1%} of {replaced_name}, which it would replace")
     if lost:
         return (f"{replaced_name} also calibrates {', '.join(sorted(lost))}, which these bundles do not measure: "
-                "the new file would drop them (calibrate all the bundles together, or write to another --out)")
+                "the new file would drop them (calibrate all the bundles together, or write it to a new --out)")
     return None
 
 

@@ -449,11 +449,14 @@ def compare_with(fit: CalibrationFit, replaced: Calibration, bundles: Sequence[B
 def calibrated_devices(calibration: Calibration) -> set[str]:
     """The device types `calibration` holds fitted figures for (op curves, scales, overheads, layer times; the
     catch-all `*` entries excluded)."""
-    keyed = (calibration.compute, calibration.launch_by_device, calibration.compute_scale,
-             calibration.micro_batch_overhead_s, calibration.iteration_overhead_s, calibration.p2p_overhead_s,
-             calibration.optimizer_scale, calibration.host_dispatch_s)
+    keyed = (calibration.compute, calibration.memory_efficiency, calibration.launch_by_device,
+             calibration.compute_scale, calibration.micro_batch_overhead_s, calibration.iteration_overhead_s,
+             calibration.p2p_overhead_s, calibration.collective_overhead_s, calibration.recompute_overhead_s,
+             calibration.optimizer_scale, calibration.zero3_comm_scale, calibration.zero3_hidden_fraction,
+             calibration.host_dispatch_s)
     names = {name for table in keyed for name in table}
     names |= {layer.device for layer in calibration.layers}
+    names |= {key.rsplit("/", 1)[0] for key in (*calibration.links, *calibration.link_scales)}  # link_key's device
     return names - {ANY_DEVICE}
 
 

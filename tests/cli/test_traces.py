@@ -151,6 +151,12 @@ def test_a_calibration_nothing_held_out_can_check_is_not_written_unasked(tmp_pat
     with pytest.raises(SystemExit):
         main(["calibrate", str(BUNDLE), "--out", str(good), "--folds", "1"])
     assert "at least 2 folds" in capsys.readouterr().err
+    # a link fit from nccl-tests logs alone holds its own sizes out: it is written
+    assert main(["traces", "import", str(TESTS / "frontends" / "fixtures" / "all_reduce_perf_1node.log"), "--device",
+                 "a100-sxm-80gb", "--out", str(tmp_path / "links")]) == 0
+    assert main(["calibrate", str(tmp_path / "links"), "--out", str(tmp_path / "links.json"),
+                 "--device", "a100-sxm-80gb"]) == 0
+    assert "not 'a100-sxm-80gb'" not in capsys.readouterr().err  # --device named as the catalog does
 
 
 def test_a_calibration_that_drops_device_types_the_replaced_one_calibrated_is_refused(tmp_path: Path) -> None:
@@ -171,3 +177,14 @@ def test_a_calibration_that_drops_device_types_the_replaced_one_calibrated_is_re
     assert "30.0%, worse than the 20.0% of the existing c.json" in (_write_refusal(worse, "the existing c.json",
                                                                                    set()) or "")
 
+
+
+def test_profile_refuses_options_that_would_be_ignored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "--model", "gpt3-1.3b", "--out", str(tmp_path / "p")]) == 2
+    assert "--model gpt3-1.3b is an option of --layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["profile", "--world", "0", "--out", str(tmp_path / "p")])
+    assert "--world: 0 must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+    assert main(["models", "list", "v0001"]) == 2
+    assert "models list takes no VERSION (got 'v0001')" in capsys.readouterr().err

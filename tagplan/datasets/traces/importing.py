@@ -174,7 +174,7 @@ def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.
     device = catalog_name(device, warn)
     kinds = {Path(p): resolve_kind(p, kind) for p in paths}
     memories = dict(pair_profiles([p for p, k in kinds.items() if k == "galvatron"]))
-    records: list[ImportedRecord] = []
+    files: list[tuple[Path, list[ImportedRecord]]] = []
     for path in (p for p, k in kinds.items() if k != "galvatron" or p in memories):
         _, found = import_file(path, device=device, kind=kinds[path], model=model, seq_len=seq_len, dtype=dtype,
                                memory=memories.get(path), warn=warn)
@@ -183,8 +183,7 @@ def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.
         measured = measured_device(path, kinds[path])
         if warn is not None and measured is not None and device_disagrees(measured, device):
             warn(f"{path}: the file says it measured {measured!r}, but it is imported as {device!r}")
-        _check_devices(path, found, device)
-        records.extend(found)
+        files.append((path, _on_device(path, found, device)))
     out = Path(out_dir)
     if (out / MANIFEST_FILE).is_file():
         existing = read_bundle(out)
@@ -192,7 +191,7 @@ def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.
         if catalog_name(measured, None) != device:
             raise SpecError(f"{out}: the bundle measured device {measured!r}; these files were imported for "
                             f"{device!r}; import them into another bundle directory")
-        records = _new_records(records, existing.records, warn)
+        records = _not_imported_before(files, existing.records, warn)
         if records:
             append_records(out, records)
     elif (out / RECORDS_FILE).exists():
@@ -200,7 +199,7 @@ def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.
                         "and not overwritten")
     else:
         manifest = Manifest(created=now_iso(), source=source, fingerprint=Fingerprint(device_type=device))
-        write_bundle(out, manifest, _new_records(records, (), warn))
+        write_bundle(out, manifest, [r for _, found in files for r in found])
     return out
 
 
@@ -209,36 +208,52 @@ def catalog_name(device: str, warn: Callable[[str], None] | None) -> str:
     cluster's devices by that name. A name outside the catalog (a CPU, a cluster file's own GPU) is kept, with a
     warning unless it names a CPU: its records apply only to devices named exactly so."""
     try:
-        return lookup_device(device).name
+        name = lookup_device(device).name
     except SpecError:
         if warn is not None and not is_cpu_name(device):
             warn(f"device {device!r} is not in the catalog ({', '.join(known_devices())}): its records apply only "
                  f"to a cluster whose GPU is named exactly {device!r} (a cluster file's own GPU)")
         return device
+    variants = [n for n in known_devices() if _spelled(device) in _spelled(n)]
+    if warn is not None and len(variants) > 1 and name != device:  # `a100` is one of several: the 40 GB SXM
+        warn(f"device {device!r} is imported as the catalog's {name!r}; give the exact name for another variant "
+             f"({', '.join(variants)})")
+    return name
 
 
-def _check_devices(path: Path, records: Sequence[ImportedRecord], device: str) -> None:
-    """SpecError where a record names a device other than the one imported (a layer table's device column)."""
+def _spelled(name: str) -> str:
+    """A device name without case or separators, as the catalog compares names."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def _on_device(path: Path, records: list[ImportedRecord], device: str) -> list[ImportedRecord]:
+    """`records` with the device each names written as the catalog names it; SpecError where one names another
+    device than the one imported (a layer table's device column)."""
+    out = []
     for number, record in enumerate(records):
         named = getattr(record, "device", None)
-        if isinstance(named, str) and catalog_name(named, None) != device:
-            raise SpecError(f"{path}: record {number + 1} measured device {named!r}, but the files are imported as "
-                            f"{device!r}; import each device's rows into its own bundle (--device)")
+        if isinstance(named, str):
+            if catalog_name(named, None) != device:
+                raise SpecError(f"{path}: record {number + 1} measured device {named!r}, but the files are imported "
+                                f"as {device!r}; import each device's rows into its own bundle (--device)")
+            record = record.model_copy(update={"device": device}) if named != device else record
+        out.append(record)
+    return out
 
 
-def _new_records(records: Sequence[ImportedRecord], existing: Sequence[object],
-                 warn: Callable[[str], None] | None) -> list[ImportedRecord]:
-    """`records` without those the bundle already holds or that repeat within the import: a measurement counted
-    twice is weighed twice by a fit, and its copies land on both sides of a cross-validation split."""
-    seen = {record.model_dump_json() for record in existing if hasattr(record, "model_dump_json")}
-    out = []
-    for record in records:
-        key = record.model_dump_json()
-        if key not in seen:
-            seen.add(key)
-            out.append(record)
-    if warn is not None and len(out) < len(records):
-        warn(f"{len(records) - len(out)} record(s) already in the bundle or repeated in these files were skipped")
+def _not_imported_before(files: Sequence[tuple[Path, list[ImportedRecord]]], existing: Sequence[object],
+                         warn: Callable[[str], None] | None) -> list[ImportedRecord]:
+    """The records of the files the bundle does not already hold: a file whose every record the bundle holds was
+    imported before (counted twice, a measurement is weighed twice and lands on both sides of a cross-validation
+    split), and is skipped with a warning. A file with new records is taken whole: two runs may print equal rows."""
+    held = {record.model_dump_json() for record in existing if hasattr(record, "model_dump_json")}
+    out: list[ImportedRecord] = []
+    for path, found in files:
+        if all(record.model_dump_json() in held for record in found):
+            if warn is not None:
+                warn(f"{path}: the bundle already holds its {len(found)} record(s) (imported before); skipped")
+            continue
+        out.extend(found)
     return out
 
 

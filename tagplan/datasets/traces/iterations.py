@@ -15,6 +15,7 @@ Every error is a SpecError naming the file, the line, the field and what was wro
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import os
@@ -33,7 +34,7 @@ from tagplan.frontends.textfile import read_text
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, check_plan
-from tagplan.ir.workload import Workload
+from tagplan.ir.workload import DType, Workload
 
 from .bundle import IterationRecord
 
@@ -147,9 +148,9 @@ def rebuild_record(record: IterationRecord, where: str) -> tuple[ModelGraph, Clu
     """The model, cluster and plan a record names; SpecError naming `where` when one does not load."""
     w = record.workload
     try:
-        model = (load_model(record.model, seq_len=w.seq_len, dtype=w.dtype) if isinstance(record.model, str)
+        model = (_model(record.model, w.seq_len, w.dtype) if isinstance(record.model, str)
                  else graph_from_dict(record.model, source=f"{where}: model"))
-        cluster = (load_cluster(record.cluster) if isinstance(record.cluster, str)
+        cluster = (_cluster(record.cluster) if isinstance(record.cluster, str)
                    else parse_cluster_data(record.cluster, default_name="measured"))
         plan = Plan.model_validate(record.plan)
         check_plan(plan, model, cluster)
@@ -158,10 +159,24 @@ def rebuild_record(record: IterationRecord, where: str) -> tuple[ModelGraph, Clu
     return model, cluster, plan
 
 
+@functools.lru_cache(maxsize=8)
+def _model(spec: str, seq_len: int, dtype: DType) -> ModelGraph:
+    """A SPEC's graph, built once for the records of a file that name it (graphs are immutable)."""
+    return load_model(spec, seq_len=seq_len, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _cluster(spec: str) -> Cluster:
+    return load_cluster(spec)
+
+
 def peak_refusal(model: ModelGraph, cluster: Cluster, plan: Plan, workload: Workload, measured_s: float) -> str | None:
     """Why `measured_s` cannot be an iteration of `plan` (None: it can): it is shorter than the model's matrix
     multiplications alone take (forward, and twice that backward, over the global batch) on the plan's devices at
-    their peak dense rate in the workload's dtype (`cost.bounds.lower_bound_s`)."""
+    their peak dense rate in the workload's dtype (`cost.bounds.lower_bound_s`). Not for fp32: a run may compute its
+    fp32 GEMMs as TF32 or on AMD's matrix cores, faster than the catalog's fp32 figure."""
+    if workload.dtype is DType.FP32:
+        return None
     bound_s = lower_bound_s(model, cluster, workload, devices=plan.devices, matmuls_only=True)
     if measured_s >= bound_s:
         return None
