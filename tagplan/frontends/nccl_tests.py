@@ -154,13 +154,15 @@ def _catalog_name(name: str) -> str | None:
 def _target_nodes(cluster: Cluster, result: NcclTestResult) -> list[int]:
     """Indices of the nodes with the device the test ran on, names compared through the device catalog.
 
-    A log whose rank lines name a GPU the catalog does not know applies to every node of a
-    one-type cluster (nothing to check it against); SpecError where no node has the log's GPU.
+    A log whose rank lines name a GPU the catalog does not know, or one given to a one-type cluster of a GPU the
+    catalog does not know (a cluster file's own, e.g. a power-capped A100 with `base:`), applies to every node of
+    that cluster (nothing to check it against); SpecError where no node has the log's GPU.
     """
     tested = _catalog_name(result.device_name)
     targets = [i for i, node in enumerate(cluster.nodes)
                if (_catalog_name(node.device.name) or node.device.name) == (tested or result.device_name)]
-    if not targets and tested is None and len(cluster.device_types) == 1:
+    custom = all(_catalog_name(node.device.name) is None for node in cluster.nodes)  # a cluster file's own GPU
+    if not targets and (tested is None or custom) and len(cluster.device_types) == 1:
         targets = list(range(len(cluster.nodes)))
     if not targets:
         known = f" ({tested} in the device catalog)" if tested and tested != result.device_name else ""

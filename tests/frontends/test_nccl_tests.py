@@ -115,6 +115,15 @@ def test_a_gpu_the_catalog_does_not_know_applies_to_a_one_type_cluster() -> None
         apply_nccl_tests(load_cluster("p3.8xlarge+g4dn.12xlarge"), parse_nccl_tests(text))  # mixed: cannot tell
 
 
+def test_a_log_applies_to_a_one_type_cluster_of_a_gpu_the_catalog_does_not_know(tmp_path: Path) -> None:
+    """A cluster file's own GPU (a power-capped A100 described with `base:`) cannot be compared with the log's."""
+    path = tmp_path / "c.yaml"
+    path.write_text("name: custom\nnode_groups:\n  - gpu: {base: A100-SXM-80GB, name: a100-400w, "
+                    "peak_flops_bf16: 2.8e14}\n    gpus_per_node: 8\n")
+    measured = apply_nccl_tests(load_cluster(str(path)), parse_nccl_tests(ONE_NODE.read_text()))
+    assert measured.link(0, 1).bandwidth_Bps == pytest.approx(233.74e9)
+
+
 def test_malformed_row_names_its_line() -> None:
     text = V100_ALLGATHER.replace("80.00   52.43", "80.00   fast!")
     with pytest.raises(SpecError, match=r"line 6: .*expected time \(us\), algbw and busbw"):
