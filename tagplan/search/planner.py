@@ -174,8 +174,11 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
         # the budget, so more evaluations never lose a refinement); the others refine their choice
         starts = _incumbents(pool) if problem.objective is Objective.TIME else [best]
         deadline = start + (1.0 + REFINE_OVERRUN_SHARE) * problem.budget_s
+        cut = False
         for incumbent in starts if best.report.fits else [best]:
             refined, more_solves, more_hits = refine_sharding(sim, incumbent.plan, deadline=deadline)
+            # past the deadline a plan with tensor parallelism was not (or not wholly) refined
+            cut = cut or (time.perf_counter() > deadline and any(st.tp > 1 for st in incumbent.plan.stages))
             solves, hits = solves + more_solves, hits + more_hits
             if refined is not None and (admissible is None or admissible(refined) is None):
                 better = judge.candidate(refined, "search+intra")
@@ -185,6 +188,10 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
                         fallback = False
                     best = better
                     pool.append(better)
+        if cut:
+            notes.append(f"the sharding refinement stopped at its deadline ({1 + REFINE_OVERRUN_SHARE:g}x budget_s "
+                         f"= {(1 + REFINE_OVERRUN_SHARE) * problem.budget_s:g} s): some plans keep the default "
+                         "sharding; a larger budget_s refines them all")
     bound = problem.time_bound_s
     if problem.objective is not Objective.TIME and bound is not None and best.report.iteration_time_s > bound:
         notes.append(f"no plan runs within the time bound of {bound:.4g} s; the fastest plan the search found "
