@@ -141,6 +141,9 @@ def _models(args: argparse.Namespace) -> int:
     from tagplan.training.registry import Registry
 
     registry = Registry()
+    if args.action == "list" and args.version:
+        raise SpecError(f"models list takes no VERSION (got {args.version!r}); it lists every version; "
+                        f"`tagplan models activate {args.version}` activates one")
     if args.action == "activate":
         if not args.version:
             raise SpecError("models activate: give a VERSION (see `tagplan models list`)")

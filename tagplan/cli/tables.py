@@ -25,6 +25,16 @@ def si(x: float, unit: str = "") -> str:
     return f"{x:.0f} {unit}".strip()
 
 
+def duration(seconds: float) -> str:
+    """A time for people: seconds to three decimals from 0.1 s, else milliseconds or microseconds (a small model's
+    iteration printed as 0.000 s)."""
+    if abs(seconds) >= 0.1 or seconds == 0:
+        return f"{seconds:.3f} s"
+    if abs(seconds) >= 1e-4:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.2f} us"
+
+
 def model_table(summary: dict[str, Any], max_rows: int = 40) -> Table:
     """A table of the layer sequence; runs of identical blocks are collapsed into one row."""
     title = (f"{summary['name']}: {si(summary['params'])} params, {si(summary['flops_per_sample'], 'FLOP')} "
@@ -80,7 +90,7 @@ def _gpu_gpu(summary: dict[str, Any], node: dict[str, Any]) -> str:
 def report_table(report: Report, plan: Plan) -> Table:
     """The report for people: headline figures, the breakdown, and one row per stage."""
     b = report.breakdown
-    title = (f"iteration {report.iteration_time_s:.3f} s | {report.throughput_samples_s:.2f} samples/s | "
+    title = (f"iteration {duration(report.iteration_time_s)} | {report.throughput_samples_s:.2f} samples/s | "
              f"{report.tflops_per_device:.1f} TFLOP/s per device | MFU {report.mfu:.1%} | peak memory "
              f"{si(report.peak_memory_bytes, 'B')} on device {report.worst_device} "
              f"({'fits' if report.fits else 'DOES NOT FIT'})\n"
@@ -175,7 +185,7 @@ def formats_cell(exporters: dict[str, str | None] | None, *, fits: bool, refusal
 def plan_result_table(result: PlanResult) -> Table:
     """The best plan beside the baselines and the frontier, for people."""
     best = result.best
-    title = (f"best plan ({best.source}, objective {result.objective.value}): {best.report.iteration_time_s:.3f} s "
+    title = (f"best plan ({best.source}, objective {result.objective.value}): {duration(best.report.iteration_time_s)} "
              f"per iteration, {best.report.throughput_samples_s:.2f} samples/s, MFU {best.report.mfu:.1%}, "
              f"peak {si(best.report.peak_memory_bytes, 'B')} | searched {result.search.evaluations} plans in "
              f"{result.search.wall_s:.1f} s")
@@ -205,7 +215,7 @@ def plan_result_table(result: PlanResult) -> Table:
         if reason:  # a baseline's configuration
             stages = f"{reason}\n{stages}"
         r = cand.report
-        table_rows.append((name, stages, str(cand.plan.micro_batches), f"{r.iteration_time_s:.3f} s",
+        table_rows.append((name, stages, str(cand.plan.micro_batches), duration(r.iteration_time_s),
                            f"{r.throughput_samples_s:.2f}", si(r.peak_memory_bytes, "B"), str(r.devices_used),
                            f"{r.iteration_time_s / best.report.iteration_time_s:.2f}x",
                            *((formats_cell(exporters, fits=r.fits, refusals=refusals),) if asked else ())))

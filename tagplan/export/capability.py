@@ -268,7 +268,7 @@ def runnable_note(result: PlanResult, exportable_option: str | None = None) -> s
         return (f"no reported plan runs under {', '.join(result.exporters)}"
                 + (f"; {exportable_option} FORMAT searches only the plans a format runs" if exportable_option else ""))
     time_s, name, runs = min(runnable)
-    return (f"the fastest reported plan a format runs is {name}: {time_s:.3f} s as costed here "
+    return (f"the fastest reported plan a format runs is {name}: {time_s:.4g} s as costed here "
             f"({time_s / result.best.report.iteration_time_s:.2f}x the best), under {', '.join(runs)}"
             + (f"; {exportable_option} {runs[0]} searches for the fastest plan {runs[0]} runs, costed as its "
                "runtime runs it" if exportable_option else ""))

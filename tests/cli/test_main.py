@@ -346,7 +346,7 @@ def test_every_reported_plan_says_which_formats_run_it(capsys) -> None:
     if all(v is not None for v in result["exporters"].values()) and runnable:
         time_s, fastest = min(runnable, key=lambda pair: pair[0])
         fmt = next(f for f, v in fastest["exporters"].items() if v is None)
-        assert f"{time_s:.3f} s as costed here" in table and f"--exportable {fmt} searches" in table
+        assert f"{time_s:.4g} s as costed here" in table and f"--exportable {fmt} searches" in table
     cited = set(re.findall(r"(torch|megatron|deepspeed) \[(\d+)\]", table))
     for fmt, number in cited:  # each cited refusal is written out once, below the table
         assert table.count(f"[{number}] {fmt}: ") == 1
@@ -469,3 +469,10 @@ def test_an_oserror_without_a_path_is_not_reported_as_bad_input(monkeypatch, cap
     assert capsys.readouterr().err == "tagplan: error: /nowhere/x.json: No such file or directory\n"
     with pytest.raises(OSError, match="Cannot allocate memory"):
         run(OSError(12, "Cannot allocate memory"))
+
+
+def test_times_below_a_tenth_of_a_second_print_in_milli_or_microseconds() -> None:
+    from tagplan.cli.tables import duration
+
+    assert [duration(t) for t in (1.2345, 0.1, 0.0123456, 0.000365, 4.2e-5, 0.0)] == [
+        "1.234 s", "0.100 s", "12.346 ms", "0.365 ms", "42.00 us", "0.000 s"]

@@ -238,7 +238,7 @@ def test_where_no_format_runs_the_best_plan_a_note_names_the_fastest_reported_pl
     judged = replace(result, exporters=refused, pareto_exporters=pareto, baseline_exporters={})
     note = runnable_note(judged, "--exportable")
     assert note is not None and note.startswith(f"the fastest reported plan a format runs is pareto {fast}: "
-                                                f"{times[fast]:.3f} s as costed here")
+                                                f"{times[fast]:.4g} s as costed here")
     assert note.endswith("under megatron; --exportable megatron searches for the fastest plan megatron runs, costed "
                          "as its runtime runs it")
     assert "--exportable" not in (runnable_note(judged) or "")  # the service has no such option
