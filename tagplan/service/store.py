@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, case, cast, func, insert, literal, or_, select, update
+from sqlalchemy import Connection, Engine, and_, case, cast, delete, func, insert, literal, or_, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
@@ -40,6 +40,10 @@ class LeaseLost(Exception):  # noqa: N818 (the name docs/SERVICE.md promises)
 
 class IdempotencyConflictError(SpecError):
     """An `Idempotency-Key` the tenant already used for a different request (another body or route)."""
+
+
+class TraceInUseError(Exception):
+    """A trace a queued or running training run reads cannot be deleted (the API answers 409)."""
 
 
 @dataclass(frozen=True)
@@ -381,6 +385,27 @@ class JobStore:
         with self.engine.connect() as conn:
             records = conn.execute(select(Trace.records).where(Trace.id == earlier.trace_id)).scalar_one()
         return earlier.trace_id, int(records)
+
+    def delete_trace(self, tenant_id: int, trace_id: str) -> str | None:
+        """Forget the tenant's trace `trace_id` (its record and the idempotency keys that name it); returns the
+        directory its bundle is in, for the caller to remove, or None where the tenant has no such trace.
+        TraceInUseError while a queued or running training run of the tenant reads it."""
+        with self.engine.begin() as conn:
+            path = conn.execute(select(Trace.path).where(Trace.tenant_id == tenant_id, Trace.id == trace_id)
+                                ).scalar_one_or_none()
+            if path is None:
+                return None
+            live = conn.execute(select(Job.id, Job.request).where(
+                Job.tenant_id == tenant_id, Job.kind == JobKind.TRAIN.value,
+                Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)))).all()
+            readers = [row.id for row in live if path in (json.loads(row.request).get("traces") or [])]
+            if readers:
+                raise TraceInUseError(f"trace {trace_id} is read by training run(s) {', '.join(readers[:5])}, "
+                                      "queued or running; delete it once they end (or cancel them)")
+            conn.execute(delete(IdempotencyKey).where(IdempotencyKey.tenant_id == tenant_id,
+                                                      IdempotencyKey.trace_id == trace_id))
+            conn.execute(delete(Trace).where(Trace.tenant_id == tenant_id, Trace.id == trace_id))
+        return str(path)
 
     def traces(self, tenant_id: int, ids: builtins.list[str]) -> builtins.list[str] | None:
         """The paths of the tenant's traces `ids`, in order; None if any is unknown or another tenant's."""

@@ -53,7 +53,7 @@ from tagplan.service.requests import (
     traces_root,
 )
 from tagplan.service.settings import Settings
-from tagplan.service.store import Idempotency
+from tagplan.service.store import Idempotency, TraceInUseError
 from tagplan.service.vocabulary import JobKind
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,26 @@ async def upload_trace(request: Request, response: Response, principal: Principa
     root = traces_root(services.settings) / str(principal.tenant_id)
     trace_id = await run_in_threadpool(_store, services, principal, root, label, manifest, records, once)
     return TraceCreated(id=trace_id, records=len(records))
+
+
+@router.delete("/v1/traces/{trace_id}", status_code=204, responses={401: {"model": Error}, 404: {"model": Error},
+               409: {"model": Error}}, summary="Delete an uploaded trace bundle")
+async def delete_trace(trace_id: str, principal: PrincipalDep, services: ServicesDep) -> Response:
+    """Forget one of the tenant's traces and remove its bundle (it then counts no more against
+    `TAGPLAN_MAX_TRACES_PER_TENANT`); 404 for another tenant's or an unknown id; 409 while a queued or
+    running training run reads it."""
+    if not ID_PATTERN.fullmatch(trace_id):
+        raise HTTPException(404, f"no trace {clipped(repr(trace_id))} of this tenant")
+    try:
+        path = await run_in_threadpool(services.store.delete_trace, principal.tenant_id, trace_id)
+    except TraceInUseError as err:
+        raise HTTPException(409, str(err)) from None
+    if path is None:
+        raise HTTPException(404, f"no trace {trace_id!r} of this tenant")
+    root = traces_root(services.settings)
+    if Path(path).resolve().is_relative_to(root.resolve()):  # only ever a bundle the service wrote
+        await run_in_threadpool(shutil.rmtree, path, True)
+    return Response(status_code=204)
 
 
 def _store(services: Services, principal: Principal, root: Path, label: str, manifest: Manifest,

@@ -88,6 +88,24 @@ def test_training_on_another_tenants_trace_is_404(client: TestClient, keys: Any,
         assert bad.status_code == 422 and "calibration" in bad.json()["detail"], bad.text
 
 
+def test_a_tenant_deletes_its_trace_once_no_training_run_reads_it(make_settings: Any, client: TestClient, keys: Any,
+                                                                  api: Any) -> None:
+    """Stored traces count against TAGPLAN_MAX_TRACES_PER_TENANT: without a delete a tenant at the limit was
+    refused every later upload for good."""
+    mine = client.post("/v1/traces", json=_bundle(), headers={**api.auth(keys.a), "Idempotency-Key": "k1"}).json()
+    run = client.post("/v1/training-runs", json={"traces": [mine["id"]]}, headers=api.auth(keys.a)).json()
+    busy = client.delete(f"/v1/traces/{mine['id']}", headers=api.auth(keys.a))
+    assert busy.status_code == 409 and run["id"] in busy.json()["detail"]  # a queued run reads it
+    assert client.delete(f"/v1/jobs/{run['id']}", headers=api.auth(keys.a)).status_code in (200, 202)
+    assert client.delete(f"/v1/traces/{mine['id']}", headers=api.auth(keys.b)).status_code == 404  # not b's
+    assert client.delete(f"/v1/traces/{mine['id']}", headers=api.auth(keys.a)).status_code == 204
+    assert _stored_traces(make_settings()) == []  # the bundle is gone with it
+    assert client.delete(f"/v1/traces/{mine['id']}", headers=api.auth(keys.a)).status_code == 404
+    assert client.delete("/v1/traces/..%2f..%2fetc", headers=api.auth(keys.a)).status_code == 404
+    again = client.post("/v1/traces", json=_bundle(), headers={**api.auth(keys.a), "Idempotency-Key": "k1"})
+    assert again.status_code == 201 and again.json()["id"] != mine["id"]  # the key no longer names the deleted one
+
+
 # -- what no upload may turn into a 500 ------------------------------------------------------------
 
 _ITERATION = {"record": "iteration", "model": "gpt?layers=2&hidden=64&heads=2&vocab=100", "cluster": "p3.8xlarge",
