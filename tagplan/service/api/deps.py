@@ -68,6 +68,16 @@ def current_principal(services: ServicesDep,
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 
 
+def request_key(bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+                api_key: Annotated[str | None, Depends(_api_key)]) -> str:
+    """The API key the request was sent with (beside `PrincipalDep`, which checked it): a long-lived response
+    checks it again (`jobs._events`: a key revoked meanwhile ends the stream)."""
+    return (bearer.credentials if bearer is not None else api_key) or ""
+
+
+RequestKeyDep = Annotated[str, Depends(request_key)]
+
+
 def optional_principal(services: ServicesDep,
                        bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
                        api_key: Annotated[str | None, Depends(_api_key)]) -> Principal | None:

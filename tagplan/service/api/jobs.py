@@ -20,10 +20,12 @@ from tagplan.service.api.deps import (
     JobDep,
     PrincipalDep,
     RateLimitDep,
+    RequestKeyDep,
     Services,
     ServicesDep,
 )
 from tagplan.service.api.schemas import Error, JobList, JobOut, SafeJSONResponse, job_list_item, job_out
+from tagplan.service.keys import authenticate
 from tagplan.service.requests import (
     PLAN_EXAMPLE,
     TINY_PLAN_EXAMPLE,
@@ -44,6 +46,7 @@ MAX_WAIT_S = 60.0
 WAIT_POLL_S = 0.25
 EVENTS_POLL_S = 0.5
 KEEPALIVE_S = 15.0
+KEY_RECHECK_S = 5.0  # an open event stream checks its API key again this often
 MAX_PAGE = 100
 PLAN_EXAMPLES: dict[str, Any] = {
     "gpt3-1.3b": {"summary": "GPT-3 1.3B on two p3.8xlarge nodes", "value": PLAN_EXAMPLE},
@@ -156,17 +159,24 @@ def job_result(job: JobDep, principal: PrincipalDep, services: ServicesDep) -> S
 
 @router.get("/v1/jobs/{job_id}/events", responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
             response_class=EventSourceResponse, summary="A job's progress as server-sent events")
-def job_events(job: JobDep, principal: PrincipalDep, services: ServicesDep) -> EventSourceResponse:
+def job_events(job: JobDep, principal: PrincipalDep, key: RequestKeyDep, services: ServicesDep) -> EventSourceResponse:
     """`event: progress` with the job JSON at every change, then one `event: done`, and the stream
-    closes; a `: ping` comment every 15 s of quiet keeps proxies from closing it (sse-starlette)."""
-    return EventSourceResponse(_events(services, principal.tenant_id, job.id), ping=int(KEEPALIVE_S), sep="\n",
+    closes; a `: ping` comment every 15 s of quiet keeps proxies from closing it (sse-starlette). The key is
+    checked again every `KEY_RECHECK_S`: once revoked, one `event: error` and the stream closes."""
+    return EventSourceResponse(_events(services, principal.tenant_id, job.id, key), ping=int(KEEPALIVE_S), sep="\n",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _events(services: Services, tenant_id: int, job_id: str) -> AsyncIterator[ServerSentEvent]:
-    """The job's states as they change (polled every `EVENTS_POLL_S`), until it finished."""
+async def _events(services: Services, tenant_id: int, job_id: str, key: str) -> AsyncIterator[ServerSentEvent]:
+    """The job's states as they change (polled every `EVENTS_POLL_S`), until it finished or `key` is revoked."""
     last: tuple[Any, ...] | None = None
+    checked = time.monotonic()
     while True:
+        if time.monotonic() - checked >= KEY_RECHECK_S:
+            checked = time.monotonic()
+            if await run_in_threadpool(authenticate, services.engine, key) is None:
+                yield _sse("error", {"id": job_id, "detail": "invalid or revoked API key"})
+                return
         job = await run_in_threadpool(services.store.get, tenant_id, job_id)
         if job is None:
             yield _sse("done", {"id": job_id, "status": "unknown"})

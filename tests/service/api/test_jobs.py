@@ -94,6 +94,26 @@ def test_events_end_with_done(client: TestClient, keys: Any, api: Any, finished:
     assert json.loads(events[-1][1].removeprefix("data: "))["status"] == "succeeded"
 
 
+def test_an_open_event_stream_ends_when_its_key_is_revoked(client: TestClient, keys: Any, api: Any,
+                                                           make_settings: Any, monkeypatch: Any) -> None:
+    from tagplan.service.api import jobs
+    from tagplan.service.db import make_engine
+    from tagplan.service.keys import revoke_key
+
+    monkeypatch.setattr(jobs, "KEY_RECHECK_S", 0.2)
+    job = api.submit(client, keys.a)  # no worker: it stays queued, and its stream open
+    engine = make_engine(make_settings().database_url)
+    revoker = threading.Timer(0.5, revoke_key, args=(engine, keys.a))
+    revoker.start()
+    with client.stream("GET", f"/v1/jobs/{job['id']}/events", headers=api.auth(keys.a)) as stream:
+        text = "".join(stream.iter_text())
+    revoker.join()
+    engine.dispose()
+    events = [block.split("\n") for block in text.strip().split("\n\n")]
+    assert [e[0] for e in events] == ["event: progress", "event: error"]
+    assert json.loads(events[-1][1].removeprefix("data: "))["detail"] == "invalid or revoked API key"
+
+
 def test_wait_answers_with_the_result(make_settings: Any, client: TestClient, keys: Any, api: Any) -> None:
     stop = threading.Event()
     worker = threading.Thread(target=run_worker, args=(make_settings(),), kwargs={"stop": stop, "poll_s": 0.05})
