@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,16 +100,57 @@ _VIEW_COLUMNS = (Job.id, Job.tenant_id, Job.kind, Job.status, Job.progress, Job.
                  Job.created_at, Job.started_at, Job.finished_at, Job.request)
 
 
-def _view(row: Any, now: dt.datetime, iteration_time_s: float | None = None) -> JobView:
+def _view(row: Any, now: dt.datetime, iteration_time_s: float | None = None,
+          request: dict[str, Any] | None = None) -> JobView:
+    """A row as a JobView; `request`: what stands for the stored request where the row does not carry it (a job
+    list's `_summary`)."""
     status = JobStatus(row.status)
     return JobView(id=row.id, tenant_id=row.tenant_id, kind=JobKind(row.kind), status=status, progress=row.progress,
                    message=row.message, error=row.error, attempts=row.attempts, created_at=row.created_at,
                    started_at=row.started_at, finished_at=row.finished_at,
-                   eta_s=_eta_s(status, row.progress, row.started_at, now), request=json.loads(row.request),
+                   eta_s=_eta_s(status, row.progress, row.started_at, now),
+                   request=request if request is not None else json.loads(row.request),
                    iteration_time_s=iteration_time_s)
 
 
 _ITERATION_TIME_PATH = ("best", "report", "iteration_time_s")
+_SUMMARY_FIELDS = ("model", "cluster")  # what a job list shows of a request, with its objective
+
+
+def _summary_columns(dialect: str) -> list[ColumnElement[Any]] | None:
+    """Per summary field: its SPEC string (NULL for an object), whether it is an object, the object's `name`;
+    then the objective. Read inside the database: a request holding a 2 MB inline graph is not loaded and parsed
+    for a table cell (a page of them took the API a second and more). None on a backend without JSON functions."""
+    columns: list[ColumnElement[Any]] = []
+    if dialect == "sqlite":
+        valid = func.json_valid(Job.request) == 1
+        for field in _SUMMARY_FIELDS:
+            kind = func.json_type(Job.request, f"$.{field}")
+            columns += [case((and_(valid, kind == "text"), func.json_extract(Job.request, f"$.{field}")), else_=None),
+                        case((and_(valid, kind == "object"), literal(True)), else_=literal(False)),
+                        case((and_(valid, kind == "object"), func.json_extract(Job.request, f"$.{field}.name")),
+                             else_=None)]
+        return [*columns, case((valid, func.json_extract(Job.request, "$.objective")), else_=None)]
+    if dialect == "postgresql":
+        request = cast(Job.request, JSONB)
+        for field in _SUMMARY_FIELDS:
+            kind = func.jsonb_typeof(request[field])
+            columns += [case((kind == "string", request[field].astext), else_=None), kind == "object",
+                        case((kind == "object", request[field]["name"].astext), else_=None)]
+        return [*columns, request["objective"].astext]
+    return None
+
+
+def _summary(values: Sequence[Any]) -> dict[str, Any]:
+    """The request as a job list reads it, from `_summary_columns`' values: a SPEC string, or an object with only
+    its name (`api.schemas.job_list_item` labels it), and the objective."""
+    out: dict[str, Any] = {}
+    for i, field in enumerate(_SUMMARY_FIELDS):
+        text, is_object, name = values[3 * i: 3 * i + 3]
+        out[field] = text if isinstance(text, str) else ({"name": name} if is_object else None)
+    if isinstance(values[-1], str):
+        out["objective"] = values[-1]
+    return out
 
 
 def _iteration_time_column(dialect: str) -> ColumnElement[Any] | None:
@@ -237,13 +279,18 @@ class JobStore:
         extract = _iteration_time_column(self.engine.dialect.name)
         summary = extract if extract is not None else case(
             (and_(Job.status == JobStatus.SUCCEEDED.value, Job.kind == JobKind.PLAN.value), Job.result), else_=None)
-        query = (select(*_VIEW_COLUMNS, summary.label("summary")).where(Job.tenant_id == tenant_id)
+        labels = _summary_columns(self.engine.dialect.name)
+        columns = [c for c in _VIEW_COLUMNS if labels is None or c is not Job.request]
+        query = (select(*columns, summary.label("summary"), *(labels or ())).where(Job.tenant_id == tenant_id)
                  .order_by(Job.created_at.desc(), Job.id.desc()).offset(max(0, offset)).limit(max(0, limit)))
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
             total = conn.execute(select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id)).scalar_one()
         read = _seconds if extract is not None else _iteration_time_of
-        return [_view(r, now, read(r.summary)) for r in rows], int(total)
+        if labels is None:
+            return [_view(r, now, read(r.summary)) for r in rows], int(total)
+        first = len(columns) + 1  # the label columns follow the view's and the summary
+        return [_view(r, now, read(r.summary), request=_summary(tuple(r)[first:])) for r in rows], int(total)
 
     def cancel(self, tenant_id: int, job_id: str) -> JobView | None:
         """Cancel: a queued job at once, a running one at its worker's next heartbeat; None if unknown.

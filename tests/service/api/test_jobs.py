@@ -268,6 +268,13 @@ def test_the_job_list_shows_model_cluster_objective_and_predicted_time(client: T
     assert done["objective"] == "time"  # the default when the request names none
     assert done["iteration_time_s"] == pytest.approx(result["best"]["report"]["iteration_time_s"])
     assert (queued["cluster"], queued["objective"], queued["iteration_time_s"]) == ("lab", "memory", None)
+    op = {"name": "mm", "kind": "matmul", "flops": 1e6, "bytes_read": 1e3, "bytes_written": 1e3, "param_bytes": 1e3}
+    graph = {"format": "tagplan-graph/1", "seq_len": 16, "dtype": "bf16",
+             "blocks": {"b": {"kind": "block", "ops": [op]}}, "layers": [{"name": "l", "block": "b", "repeat": 2}]}
+    named = api.submit(client, keys.a, {**api.TINY, "model": {**graph, "name": "wide"}})
+    unnamed = api.submit(client, keys.a, {**api.TINY, "model": graph})
+    rows = {j["id"]: j for j in client.get("/v1/jobs", headers=api.auth(keys.a)).json()["jobs"]}
+    assert (rows[named["id"]]["model"], rows[unnamed["id"]]["model"]) == ("wide", "inline")  # read in the database
     # the list adds fields; every field of the job JSON is still there, with the same values
     single = client.get(f"/v1/jobs/{finished['id']}", headers=api.auth(keys.a)).json()
     assert {k: done[k] for k in single if k != "eta_s"} == {k: v for k, v in single.items() if k != "eta_s"}
