@@ -22,7 +22,15 @@ import torch
 
 from tagplan.errors import SpecError
 from tagplan.frontends.hf_config import HFArch
-from tagplan.frontends.hf_fold import Stack, causal_masks, moe_analytic, short_depths, unfold, with_values
+from tagplan.frontends.hf_fold import (
+    Stack,
+    causal_masks,
+    check_unfolded,
+    moe_analytic,
+    short_depths,
+    unfold,
+    with_values,
+)
 from tagplan.frontends.torch_export import graph_from_module
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.workload import DType
@@ -61,6 +69,7 @@ def graph_from_config(
         folded = unfold(graph, stacks, short, full)
         if folded is not None:
             return folded
+        check_unfolded(name, depth)
         log.info("%s: traced blocks differ, tracing all %s blocks", name, depth)
     return _trace(config, arch, name, seq, dtype, batch)
 

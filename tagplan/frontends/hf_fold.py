@@ -28,10 +28,22 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tagplan.errors import SpecError
 from tagplan.frontends.hf_config import is_causal_lm
 from tagplan.ir.model import Block, Layer, ModelGraph, Op, OpKind, PartitionDim
 
 FOLD_DEPTH = 3  # repeated blocks per stack traced when folding
+MAX_UNFOLDED_BLOCKS = 256
+"""Blocks traced one by one where folding fails: the trace grows faster than linearly (128 blocks about 30 s,
+256 about 90 s on 2 cores), and a 4096-layer config would hold a service worker for half an hour."""
+
+
+def check_unfolded(name: str, blocks: int) -> None:
+    """SpecError where a model whose traced blocks differ has more blocks than `MAX_UNFOLDED_BLOCKS`."""
+    if blocks > MAX_UNFOLDED_BLOCKS:
+        raise SpecError(f"{name}: its traced blocks differ from one another, so its {blocks} blocks would be traced "
+                        f"one by one; at most {MAX_UNFOLDED_BLOCKS} are (minutes past that): give fewer layers, or "
+                        "the model as a tagplan-graph/1 file")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,15 @@ import torch
 from tagplan.errors import SpecError
 from tagplan.frontends.hf_auto import graph_from_config
 from tagplan.frontends.hf_config import make_config, read_hf_config, resolve_hf_name
-from tagplan.frontends.hf_fold import Stack, causal_masks, moe_analytic, short_depths, unfold, with_values
+from tagplan.frontends.hf_fold import (
+    Stack,
+    causal_masks,
+    check_unfolded,
+    moe_analytic,
+    short_depths,
+    unfold,
+    with_values,
+)
 from tagplan.frontends.torch_export import graph_from_module
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.workload import DType
@@ -112,6 +120,7 @@ def graph_from_hf(
         folded = unfold(graph, spec.stacks, short, depths)
         if folded is not None:
             return folded
+        check_unfolded(name, sum(depths.values()))
         log.info("%s: traced blocks differ, tracing all %s blocks", name, sum(depths.values()))
     return _trace(spec, config, name, seq, dtype, batch)
 

@@ -150,3 +150,18 @@ def test_a_causal_lm_whose_queries_and_keys_come_from_different_projections_stay
         "topk_group": "1"}, seq_len=16)
     attention = [op for block in graph.blocks for op in block.ops if op.kind is OpKind.ATTENTION]
     assert attention and all(op.causal for op in attention)
+
+
+def test_a_model_whose_blocks_differ_is_traced_whole_only_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folding fails where the traced blocks differ (Qwen2-MoE with a dense layer among its experts): each block is
+    then traced one by one, which took 90 s at 256 blocks and held a service worker past any budget beyond."""
+    from tagplan.frontends import hf_fold
+
+    monkeypatch.setattr(hf_fold, "MAX_UNFOLDED_BLOCKS", 4)
+    overrides = {"num_hidden_layers": "5", "hidden_size": "64", "num_attention_heads": "2", "num_key_value_heads": "2",
+                 "intermediate_size": "64", "moe_intermediate_size": "32", "shared_expert_intermediate_size": "32",
+                 "num_experts": "4", "num_experts_per_tok": "2", "vocab_size": "100", "mlp_only_layers": "[1]"}
+    with pytest.raises(SpecError, match=r"its traced blocks differ from one another, so its 5 blocks would be traced "
+                                        r"one by one; at most 4 are"):
+        graph_from_hf("Qwen2MoeConfig", overrides, seq_len=16)
+    assert len(graph_from_hf("Qwen2MoeConfig", {**overrides, "num_hidden_layers": "4"}, seq_len=16).layers) == 6
