@@ -15,6 +15,10 @@ IMPORT_FORMATS = ("auto", "generic", "metis", "galvatron", "kineto", "nccl-tests
 """`traces import --format` choices: auto detects each file's kind; generic is the layer table."""
 
 
+LAYER_OPTIONS: dict[str, str | int | None] = {"model": None, "seq": 128, "micro_batches": "1,2,4", "tps": "1,2"}
+"""`profile --layers`' own options and their defaults: given without --layers, each is refused, not ignored."""
+
+
 def add_trace_commands(sub: Subparsers) -> None:
     """Add `profile`, `traces` and `calibrate` to the `tagplan` parser."""
     prof = sub.add_parser("profile", help="measure this machine's ops and collectives into a trace bundle")
@@ -29,10 +33,12 @@ def add_trace_commands(sub: Subparsers) -> None:
                            "a minute; CUDA: GPT-2 small to 2.7B shapes, a few minutes)")
     prof.add_argument("--layers", action="store_true",
                       help="instead: time the unique blocks of --model over micro-batch sizes and tp degrees")
-    prof.add_argument("--model", default=None, help="with --layers: the model SPEC (gpt?... or llama?...)")
-    prof.add_argument("--seq", type=positive_int, default=128, help="with --layers: sequence length")
-    prof.add_argument("--micro-batches", default="1,2,4", help="with --layers: micro-batch sizes, comma-separated")
-    prof.add_argument("--tps", default="1,2", help="with --layers: tp degrees, comma-separated")
+    prof.add_argument("--model", default=LAYER_OPTIONS["model"],
+                      help="with --layers: the model SPEC (gpt?... or llama?...)")
+    prof.add_argument("--seq", type=positive_int, default=LAYER_OPTIONS["seq"], help="with --layers: sequence length")
+    prof.add_argument("--micro-batches", default=LAYER_OPTIONS["micro_batches"],
+                      help="with --layers: micro-batch sizes, comma-separated")
+    prof.add_argument("--tps", default=LAYER_OPTIONS["tps"], help="with --layers: tp degrees, comma-separated")
     prof.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                       help="precision of --layers and --iterations (default fp32 on CPU, bf16 on CUDA; "
                            "bf16/fp16 iterations are mixed precision: fp32 weights and Adam states)")
@@ -85,8 +91,7 @@ def _profile(args: argparse.Namespace) -> int:
     say = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if args.layers:
         return _profile_layers(args, say)
-    layer_options = {"model": None, "micro_batches": "1,2,4", "tps": "1,2", "seq": 128}  # --dtype is shared
-    for name, default in layer_options.items():
+    for name, default in LAYER_OPTIONS.items():  # --layers' own options (--dtype is shared)
         given = getattr(args, name)
         if given != default:
             raise SpecError(f"--{name.replace('_', '-')} {given} is an option of --layers, which profiles a model's "
@@ -239,7 +244,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_refusal(comparison: Any, replaced_name: str, lost: set[str], *, unchecked: bool = False) -> str | None:
+def _write_refusal(comparison: Any, replaced_name: str, lost: set[tuple[str, str]], *,
+                   unchecked: bool = False) -> str | None:
     """Why a new calibration may not replace the old one unasked (None: it may): no held-out error checks what it
     fitted from iteration or layer records (`unchecked`; a link fit from nccl-tests logs reports its own held-out
     sizes), it is worse on held-out records, or it drops device types the file or pin it overwrites calibrated."""
@@ -252,8 +258,10 @@ def _write_refusal(comparison: Any, replaced_name: str, lost: set[str], *, unche
         return (f"the new calibration's held-out {comparison.metric} is {comparison.new:.1%}, worse than the "
                 f"{comparison.replaced:.1%} of {replaced_name}, which it would replace")
     if lost:
-        return (f"{replaced_name} also calibrates {', '.join(sorted(lost))}, which these bundles do not measure: "
-                "the new file would drop them (calibrate all the bundles together, or write it to a new --out)")
+        shown = ", ".join(f"{what} of {device}" for what, device in sorted(lost, key=lambda p: (p[1], p[0]))[:8])
+        return (f"{replaced_name} also holds {shown}{', ...' if len(lost) > 8 else ''}, which these bundles do not "
+                "measure: the new file would drop them (calibrate all the bundles together, or write it to a new "
+                "--out)")
     return None
 
 

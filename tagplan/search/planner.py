@@ -176,9 +176,8 @@ def plan(problem: PlanProblem, *, prior_factory: PriorFactory | None = None, pro
         deadline = start + (1.0 + REFINE_OVERRUN_SHARE) * problem.budget_s
         cut = False
         for incumbent in starts if best.report.fits else [best]:
-            refined, more_solves, more_hits = refine_sharding(sim, incumbent.plan, deadline=deadline)
-            # past the deadline a plan with tensor parallelism was not (or not wholly) refined
-            cut = cut or (time.perf_counter() > deadline and any(st.tp > 1 for st in incumbent.plan.stages))
+            refined, more_solves, more_hits, was_cut = refine_sharding(sim, incumbent.plan, deadline=deadline)
+            cut = cut or was_cut
             solves, hits = solves + more_solves, hits + more_hits
             if refined is not None and (admissible is None or admissible(refined) is None):
                 better = judge.candidate(refined, "search+intra")
@@ -297,7 +296,7 @@ def _prefetch_refinements(sim: Simulator, judged: list[Candidate], judge: Simula
     for cand in _incumbents([c for c in judged if c.report.fits]):
         if stop():
             return
-        refined, _, _ = refine_sharding(sim, cand.plan)
+        refined, _, _, _ = refine_sharding(sim, cand.plan)
         if refined is None:
             continue
         key = refined.to_json()

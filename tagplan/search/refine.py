@@ -16,9 +16,10 @@ from tagplan.search.intra import IntraSolution, OutOfTimeError, solve_block
 _SOLUTIONS: str = "intra_memo"
 
 
-def refine_sharding(sim: Simulator, plan: Plan, *, deadline: float | None = None) -> tuple[Plan | None, int, int]:
+def refine_sharding(sim: Simulator, plan: Plan, *,
+                    deadline: float | None = None) -> tuple[Plan | None, int, int, bool]:
     """(plan with solved sharding or None if nothing changed or `deadline` (`time.perf_counter()`) passed, solves
-    run, memo hits)."""
+    run, memo hits, whether the deadline cut a solve)."""
     memo: dict[tuple[object, ...], IntraSolution | None] = getattr(sim, _SOLUTIONS, None) or {}
     setattr(sim, _SOLUTIONS, memo)
     solves = hits = 0
@@ -42,7 +43,7 @@ def refine_sharding(sim: Simulator, plan: Plan, *, deadline: float | None = None
                 try:
                     memo[key] = _solve(sim, block_hash, stage, samples, plan.micro_batches, deadline)
                 except OutOfTimeError:
-                    return None, solves, hits
+                    return None, solves, hits, True
             solution = memo[key]
             for name in sim.model.block_by_hash[block_hash].ops:
                 names_seen[name.name] = names_seen.get(name.name, 0) + 1
@@ -55,8 +56,8 @@ def refine_sharding(sim: Simulator, plan: Plan, *, deadline: float | None = None
         else:
             stages.append(stage)
     if not changed:
-        return None, solves, hits
-    return plan.model_copy(update={"stages": tuple(stages)}), solves, hits
+        return None, solves, hits, False
+    return plan.model_copy(update={"stages": tuple(stages)}), solves, hits, False
 
 
 def _solve(sim: Simulator, block_hash: str, stage: Stage, samples: float, micro_batches: int,

@@ -430,8 +430,8 @@ class JobStore:
         if earlier is None or earlier.trace_id is None:
             return None
         with self.engine.connect() as conn:
-            records = conn.execute(select(Trace.records).where(Trace.id == earlier.trace_id)).scalar_one()
-        return earlier.trace_id, int(records)
+            records = conn.execute(select(Trace.records).where(Trace.id == earlier.trace_id)).scalar_one_or_none()
+        return None if records is None else (earlier.trace_id, int(records))  # None: deleted meanwhile
 
     def delete_trace(self, tenant_id: int, trace_id: str) -> str | None:
         """Forget the tenant's trace `trace_id` (its record and the idempotency keys that name it); returns the

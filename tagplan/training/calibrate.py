@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -446,18 +446,23 @@ def compare_with(fit: CalibrationFit, replaced: Calibration, bundles: Sequence[B
     return None
 
 
-def calibrated_devices(calibration: Calibration) -> set[str]:
-    """The device types `calibration` holds fitted figures for (op curves, scales, overheads, layer times; the
-    catch-all `*` entries excluded)."""
-    keyed = (calibration.compute, calibration.memory_efficiency, calibration.launch_by_device,
-             calibration.compute_scale, calibration.micro_batch_overhead_s, calibration.iteration_overhead_s,
-             calibration.p2p_overhead_s, calibration.collective_overhead_s, calibration.recompute_overhead_s,
-             calibration.optimizer_scale, calibration.zero3_comm_scale, calibration.zero3_hidden_fraction,
-             calibration.host_dispatch_s)
-    names = {name for table in keyed for name in table}
-    names |= {layer.device for layer in calibration.layers}
-    names |= {key.rsplit("/", 1)[0] for key in (*calibration.links, *calibration.link_scales)}  # link_key's device
-    return names - {ANY_DEVICE}
+def calibrated_devices(calibration: Calibration) -> set[tuple[str, str]]:
+    """(what, device type) for each figure `calibration` holds fitted for a device: its op curves, memory
+    efficiency (`device/kind` keys too), links, scales, overheads and layer times (the catch-all `*` entries
+    excluded). A new calibration that lacks a pair the file it overwrites has would drop that figure."""
+    tables: dict[str, Mapping[str, object]] = {
+        "op curves": calibration.compute, "memory efficiency": calibration.memory_efficiency,
+        "launch time": calibration.launch_by_device, "compute scale": calibration.compute_scale,
+        "micro-batch overhead": calibration.micro_batch_overhead_s,
+        "iteration overhead": calibration.iteration_overhead_s, "p2p overhead": calibration.p2p_overhead_s,
+        "collective overhead": calibration.collective_overhead_s,
+        "recompute overhead": calibration.recompute_overhead_s, "optimizer scale": calibration.optimizer_scale,
+        "ZeRO-3 scale": calibration.zero3_comm_scale, "ZeRO-3 overlap": calibration.zero3_hidden_fraction,
+        "host dispatch": calibration.host_dispatch_s, "links": calibration.links,
+        "link scales": calibration.link_scales}
+    pairs = {(what, key.split("/")[0]) for what, table in tables.items() for key in table}  # link_key's device
+    pairs |= {("layer times", layer.device) for layer in calibration.layers}
+    return {(what, device) for what, device in pairs if device != ANY_DEVICE}
 
 
 def fingerprint_warnings(bundles: Sequence[Bundle], device: str) -> list[str]:

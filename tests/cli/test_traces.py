@@ -168,11 +168,19 @@ def test_a_calibration_that_drops_device_types_the_replaced_one_calibrated_is_re
 
     assert calibrated_devices(DEFAULT_CALIBRATION) == set()
     assert main(["calibrate", str(BUNDLE), "--out", str(tmp_path / "c.json")]) == 0
-    assert "cpu-amd-epyc" in calibrated_devices(load_calibration(tmp_path / "c.json"))
+    fitted = calibrated_devices(load_calibration(tmp_path / "c.json"))
+    assert ("op curves", "cpu-amd-epyc") in fitted and ("links", "cpu-amd-epyc") in fitted
+    from tagplan.cost.calibration import Calibration, LinkFit
+
+    # a link fit alone does not stand in for the compute curves of the same device, nor a device/kind key for a device
+    links_only = Calibration(links={"A100-SXM-80GB/intra": LinkFit(bandwidth_Bps=2e11, latency_s=1e-5)})
+    curves = Calibration(memory_efficiency={"A100-SXM-80GB/matmul": 0.7}, launch_by_device={"A100-SXM-80GB": 5e-6})
+    assert calibrated_devices(curves) - calibrated_devices(links_only) == {
+        ("memory efficiency", "A100-SXM-80GB"), ("launch time", "A100-SXM-80GB")}
     better = SimpleNamespace(worse=False, metric="iteration MAPE", new=0.1, replaced=0.2)
     assert _write_refusal(better, "the existing c.json", set()) is None
-    lost = _write_refusal(better, "the existing c.json", {"cpu-amd-epyc"})
-    assert lost is not None and "also calibrates cpu-amd-epyc, which these bundles do not measure" in lost
+    lost = _write_refusal(better, "the existing c.json", {("op curves", "cpu-amd-epyc")})
+    assert lost is not None and "also holds op curves of cpu-amd-epyc, which these bundles do not measure" in lost
     worse = SimpleNamespace(worse=True, metric="iteration MAPE", new=0.3, replaced=0.2)
     assert "30.0%, worse than the 20.0% of the existing c.json" in (_write_refusal(worse, "the existing c.json",
                                                                                    set()) or "")

@@ -381,3 +381,20 @@ def test_a_gpu_without_the_dtypes_tensor_cores_is_named_with_the_rate_it_is_cost
                    Workload(global_batch=8, seq_len=64), max_evaluations=20)
     assert result.notes == tuple(dtype_notes(old_gpus, DType.BF16, result.best.plan.devices))
     assert len(result.notes) == 1 and "no bf16 tensor cores; costed at the fp16 rate" in result.notes[0]
+
+
+def test_a_result_whose_refinement_was_cut_by_the_deadline_says_so(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import tagplan.search.planner as planner
+    from tagplan.ir import Workload
+    from tagplan.search.problem import PlanProblem
+
+    model = load_model("gpt3-2.7b", seq_len=1024)  # on 16 GB V100s: tensor-parallel incumbents
+    problem = PlanProblem(model, load_cluster("p3.8xlarge"), Workload(global_batch=8, seq_len=1024),
+                          max_evaluations=60)
+    in_time = planner.plan(problem)
+    assert in_time.search.intra_solves > 0  # tensor-parallel incumbents were refined
+    assert not any("stopped at its deadline" in n for n in in_time.notes)
+    monkeypatch.setattr(planner, "REFINE_OVERRUN_SHARE", -1.0)  # the deadline is the search's start: passed
+    cut = planner.plan(problem)
+    assert any("sharding refinement stopped at its deadline" in n for n in cut.notes)
+    assert all(not c.source.endswith("+intra") for c in (cut.best, *cut.pareto))  # nothing was refined

@@ -16,6 +16,7 @@ import gzip
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, get_args
@@ -214,11 +215,17 @@ def catalog_name(device: str, warn: Callable[[str], None] | None) -> str:
             warn(f"device {device!r} is not in the catalog ({', '.join(known_devices())}): its records apply only "
                  f"to a cluster whose GPU is named exactly {device!r} (a cluster file's own GPU)")
         return device
-    variants = [n for n in known_devices() if _spelled(device) in _spelled(n)]
-    if warn is not None and len(variants) > 1 and name != device:  # `a100` is one of several: the 40 GB SXM
+    variants = [n for n in known_devices() if _spelled(device) in _prefixes(n)]
+    if warn is not None and len(variants) > 1 and _spelled(device) != _spelled(name):  # `a100`: the 40 GB SXM
         warn(f"device {device!r} is imported as the catalog's {name!r}; give the exact name for another variant "
              f"({', '.join(variants)})")
     return name
+
+
+def _prefixes(name: str) -> set[str]:
+    """A catalog name's leading parts as `_spelled` writes them: A100-SXM-40GB -> a100, a100sxm, a100sxm40gb."""
+    parts = re.split(r"[^A-Za-z0-9]+", name)
+    return {_spelled("".join(parts[: i + 1])) for i in range(len(parts))}
 
 
 def _spelled(name: str) -> str:
@@ -243,17 +250,24 @@ def _on_device(path: Path, records: list[ImportedRecord], device: str) -> list[I
 
 def _not_imported_before(files: Sequence[tuple[Path, list[ImportedRecord]]], existing: Sequence[object],
                          warn: Callable[[str], None] | None) -> list[ImportedRecord]:
-    """The records of the files the bundle does not already hold: a file whose every record the bundle holds was
-    imported before (counted twice, a measurement is weighed twice and lands on both sides of a cross-validation
-    split), and is skipped with a warning. A file with new records is taken whole: two runs may print equal rows."""
-    held = {record.model_dump_json() for record in existing if hasattr(record, "model_dump_json")}
+    """The records of the files beyond those the bundle already holds, counted: a file imported again, or grown
+    since (a training log with new lines), adds only what it adds (a measurement counted twice is weighed twice
+    and lands on both sides of a cross-validation split), while a row a file holds twice, two runs printing the
+    same figures, is kept twice."""
+    held = Counter(record.model_dump_json() for record in existing if hasattr(record, "model_dump_json"))
     out: list[ImportedRecord] = []
     for path, found in files:
-        if all(record.model_dump_json() in held for record in found):
-            if warn is not None:
-                warn(f"{path}: the bundle already holds its {len(found)} record(s) (imported before); skipped")
-            continue
-        out.extend(found)
+        new = []
+        for record in found:
+            key = record.model_dump_json()
+            if held[key] > 0:
+                held[key] -= 1
+            else:
+                new.append(record)
+        if warn is not None and len(new) < len(found):
+            warn(f"{path}: the bundle already holds {len(found) - len(new)} of its {len(found)} record(s) "
+                 f"(imported before); {'only the rest are added' if new else 'skipped'}")
+        out.extend(new)
     return out
 
 

@@ -15,7 +15,6 @@ Every error is a SpecError naming the file, the line, the field and what was wro
 from __future__ import annotations
 
 import csv
-import functools
 import io
 import json
 import os
@@ -55,7 +54,8 @@ def import_iterations(path: str | os.PathLike[str]) -> list[IterationRecord]:
 
 
 def _from_json_lines(source: Path, text: str) -> list[IterationRecord]:
-    records = []
+    records: list[IterationRecord] = []
+    built: dict[str, Any] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -68,7 +68,7 @@ def _from_json_lines(source: Path, text: str) -> list[IterationRecord]:
         if not isinstance(data, dict):
             raise SpecError(f"{where}: a JSON {type(data).__name__}; expected an object with keys "
                             f"{', '.join(REQUIRED)}")
-        records.append(_record(data, where, source.parent))
+        records.append(_record(data, where, source.parent, built))
     return records
 
 
@@ -90,6 +90,7 @@ def _from_csv(source: Path, text: str) -> list[IterationRecord]:
     reader = csv.reader(io.StringIO(text))
     header = csv_header(source, next(reader, []), REQUIRED, OPTIONAL)
     records, end = [], reader.line_num
+    built: dict[str, Any] = {}
     for row in reader:
         start, end = end + 1, reader.line_num
         if not any(cell.strip() for cell in row):
@@ -98,7 +99,7 @@ def _from_csv(source: Path, text: str) -> list[IterationRecord]:
         if len(row) != len(header):
             raise SpecError(f"{where}: {len(row)} cells; the header has {len(header)} columns ({', '.join(header)})")
         cells = {name: cell.strip() for name, cell in zip(header, row, strict=True)}
-        records.append(_record(_parse_cells(cells, where), where, source.parent))
+        records.append(_record(_parse_cells(cells, where), where, source.parent, built))
     return records
 
 
@@ -126,7 +127,7 @@ def _json_cell(text: str, name: str, where: str) -> Any:
         raise SpecError(f"{where}: {name}: not JSON text ({err.msg} at character {err.pos}): {text[:60]!r}") from None
 
 
-def _record(data: dict[str, Any], where: str, base: Path) -> IterationRecord:
+def _record(data: dict[str, Any], where: str, base: Path, built: dict[str, Any]) -> IterationRecord:
     """Validate one iteration's fields; SpecError naming `where` and the field."""
     missing = [k for k in REQUIRED if k not in data]
     unknown = [k for k in data if k not in (*REQUIRED, *OPTIONAL, "record")]
@@ -137,21 +138,31 @@ def _record(data: dict[str, Any], where: str, base: Path) -> IterationRecord:
     fields = {**data, "record": "iteration", "plan": _validated(Plan, plan, "plan", where).model_dump(mode="json"),
               "workload": _validated(Workload, data["workload"], "workload", where)}
     record = _validated(IterationRecord, fields, "", where)
-    model, cluster, checked = rebuild_record(record, where)
+    model, cluster, checked = rebuild_record(record, where, built)
     refusal = peak_refusal(model, cluster, checked, record.workload, record.measured_s)
     if refusal:
         raise SpecError(f"{where}: {refusal}")
     return record
 
 
-def rebuild_record(record: IterationRecord, where: str) -> tuple[ModelGraph, Cluster, Plan]:
-    """The model, cluster and plan a record names; SpecError naming `where` when one does not load."""
+def rebuild_record(record: IterationRecord, where: str,
+                   built: dict[str, Any] | None = None) -> tuple[ModelGraph, Cluster, Plan]:
+    """The model, cluster and plan a record names; SpecError naming `where` when one does not load. `built`: the
+    SPECs' graphs and clusters already built for other records of one file (kept there, not process-wide)."""
+    built = {} if built is None else built
     w = record.workload
     try:
-        model = (_model(record.model, w.seq_len, w.dtype) if isinstance(record.model, str)
-                 else graph_from_dict(record.model, source=f"{where}: model"))
-        cluster = (_cluster(record.cluster) if isinstance(record.cluster, str)
-                   else parse_cluster_data(record.cluster, default_name="measured"))
+        if isinstance(record.model, str):
+            key = json.dumps(["model", record.model, w.seq_len, w.dtype.value])
+            model = built[key] if key in built else built.setdefault(
+                key, load_model(record.model, seq_len=w.seq_len, dtype=w.dtype))
+        else:
+            model = graph_from_dict(record.model, source=f"{where}: model")
+        if isinstance(record.cluster, str):
+            key = json.dumps(["cluster", record.cluster])
+            cluster = built[key] if key in built else built.setdefault(key, load_cluster(record.cluster))
+        else:
+            cluster = parse_cluster_data(record.cluster, default_name="measured")
         plan = Plan.model_validate(record.plan)
         check_plan(plan, model, cluster)
     except (SpecError, ValueError) as err:
@@ -159,24 +170,13 @@ def rebuild_record(record: IterationRecord, where: str) -> tuple[ModelGraph, Clu
     return model, cluster, plan
 
 
-@functools.lru_cache(maxsize=8)
-def _model(spec: str, seq_len: int, dtype: DType) -> ModelGraph:
-    """A SPEC's graph, built once for the records of a file that name it (graphs are immutable)."""
-    return load_model(spec, seq_len=seq_len, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=8)
-def _cluster(spec: str) -> Cluster:
-    return load_cluster(spec)
-
-
 def peak_refusal(model: ModelGraph, cluster: Cluster, plan: Plan, workload: Workload, measured_s: float) -> str | None:
     """Why `measured_s` cannot be an iteration of `plan` (None: it can): it is shorter than the model's matrix
     multiplications alone take (forward, and twice that backward, over the global batch) on the plan's devices at
-    their peak dense rate in the workload's dtype (`cost.bounds.lower_bound_s`). Not for fp32: a run may compute its
-    fp32 GEMMs as TF32 or on AMD's matrix cores, faster than the catalog's fp32 figure."""
+    their peak dense rate in the workload's dtype (`cost.bounds.lower_bound_s`); an fp32 run at the 16-bit tensor
+    rate, since it may compute its GEMMs as TF32 or on AMD's matrix cores, faster than the catalog's fp32 figure."""
     if workload.dtype is DType.FP32:
-        return None
+        workload = workload.model_copy(update={"dtype": DType.BF16})
     bound_s = lower_bound_s(model, cluster, workload, devices=plan.devices, matmuls_only=True)
     if measured_s >= bound_s:
         return None

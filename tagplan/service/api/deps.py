@@ -51,11 +51,18 @@ _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <key>
 _api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="the same key in an `X-API-Key` header")
 
 
-def current_principal(services: ServicesDep,
-                      bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-                      api_key: Annotated[str | None, Depends(_api_key)]) -> Principal:
+def request_key(bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+                api_key: Annotated[str | None, Depends(_api_key)]) -> str:
+    """The API key the request was sent with ("" for none): `Authorization: Bearer`, else `X-API-Key`. A
+    long-lived response checks it again (`jobs._events`: a key revoked meanwhile ends the stream)."""
+    return (bearer.credentials if bearer is not None else api_key) or ""
+
+
+RequestKeyDep = Annotated[str, Depends(request_key)]
+
+
+def current_principal(services: ServicesDep, key: RequestKeyDep) -> Principal:
     """The tenant of the request's API key; 401 without a valid one."""
-    key = bearer.credentials if bearer is not None else api_key
     if not key:
         raise HTTPException(401, "missing API key: send `Authorization: Bearer <key>` or `X-API-Key: <key>`",
                             headers={"WWW-Authenticate": "Bearer"})
@@ -68,21 +75,9 @@ def current_principal(services: ServicesDep,
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 
 
-def request_key(bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-                api_key: Annotated[str | None, Depends(_api_key)]) -> str:
-    """The API key the request was sent with (beside `PrincipalDep`, which checked it): a long-lived response
-    checks it again (`jobs._events`: a key revoked meanwhile ends the stream)."""
-    return (bearer.credentials if bearer is not None else api_key) or ""
 
-
-RequestKeyDep = Annotated[str, Depends(request_key)]
-
-
-def optional_principal(services: ServicesDep,
-                       bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-                       api_key: Annotated[str | None, Depends(_api_key)]) -> Principal | None:
+def optional_principal(services: ServicesDep, key: RequestKeyDep) -> Principal | None:
     """The tenant of the request's API key, or None without a valid one (never 401)."""
-    key = bearer.credentials if bearer is not None else api_key
     return authenticate(services.engine, key) if key and len(key) <= MAX_KEY_CHARS else None
 
 

@@ -127,10 +127,18 @@ async def delete_trace(trace_id: str, principal: PrincipalDep, services: Service
         raise HTTPException(409, str(err)) from None
     if path is None:
         raise HTTPException(404, f"no trace {trace_id!r} of this tenant")
-    root = traces_root(services.settings)
-    if Path(path).resolve().is_relative_to(root.resolve()):  # only ever a bundle the service wrote
-        await run_in_threadpool(shutil.rmtree, path, True)
+    tenant_root = (traces_root(services.settings) / str(principal.tenant_id)).resolve()
+    if Path(path).resolve().parent == tenant_root:  # only ever a bundle the service wrote for this tenant
+        await run_in_threadpool(shutil.rmtree, path, False, _log_left_behind)
+    else:
+        log.warning("trace %s: its path %s is not under %s; the record is gone, the files are left", trace_id, path,
+                    tenant_root)
     return Response(status_code=204)
+
+
+def _log_left_behind(_function: Any, path: str, exc_info: tuple[type[BaseException], BaseException, Any]) -> None:
+    """`shutil.rmtree`'s onerror: a file it could not remove is logged, the rest removed."""
+    log.warning("a deleted trace's file %s could not be removed: %s", path, exc_info[1])
 
 
 def _store(services: Services, principal: Principal, root: Path, label: str, manifest: Manifest,

@@ -45,6 +45,10 @@ def run_train(data: Any, settings: Settings, progress: Progress, *, tenant_id: i
             raise SpecError(f"traces: {shown(path)} is not a trace bundle uploaded to this service")
     calibration = calibration_of(request.calibration, settings)
     progress(0.05, f"reading {len(request.traces)} trace bundles")
+    gone = [Path(p).name for p in request.traces if not Path(p).is_dir()]
+    if gone:  # deleted (DELETE /v1/traces/{id}) after the run was queued
+        raise SpecError(f"trace(s) {', '.join(gone)} were deleted after this training run was queued; submit it "
+                        "again with traces that exist")
     bundles = [check_bundle(read_bundle(p), settings, f"bundle {i}") for i, p in enumerate(request.traces)]
     progress(0.2, "fine-tuning the GNN on the measured iterations")
     out_dir = settings.home / "training" / uuid.uuid4().hex

@@ -533,7 +533,17 @@ def test_import_names_devices_as_the_catalog_does_and_skips_records_it_already_h
     assert "imported as the catalog's 'V100-SXM2-16GB'" in warnings[-1]  # one of several V100s
     assert len(read_bundle(out).iterations()) == 2  # two runs may print equal rows: a file is taken whole
     import_to_bundle([once], out, device="V100-SXM2-16GB", source="t", warn=warnings.append)
-    assert len(read_bundle(out).iterations()) == 2 and "already holds its 2 record(s)" in warnings[-1]
+    assert len(read_bundle(out).iterations()) == 2 and "already holds 2 of its 2 record(s)" in warnings[-1]
+    grown = json.loads(once.read_text().splitlines()[0]) | {"measured_s": 0.0125}
+    once.write_text(once.read_text() + json.dumps(grown) + "\n")  # a log grown by a run since
+    import_to_bundle([once], out, device="V100-SXM2-16GB", source="t", warn=warnings.append)
+    assert [r.measured_s for r in read_bundle(out).iterations()] == [0.0123, 0.0123, 0.0125]  # only the new line
+    from tagplan.datasets.traces.importing import catalog_name
+
+    for exact in ("a10", "A10", "l4", "l40", "H100-SXM"):  # a catalog name is no alias of a longer one
+        warnings.clear()
+        catalog_name(exact, warnings.append)
+        assert warnings == [], exact
     import_to_bundle([ITERATIONS_JSONL], tmp_path / "own", device="my-gpu", source="t", warn=warnings.append)
     assert "'my-gpu' is not in the catalog" in warnings[-1]
     table = tmp_path / "layers.csv"
