@@ -436,23 +436,35 @@ class JobStore:
     def delete_trace(self, tenant_id: int, trace_id: str) -> str | None:
         """Forget the tenant's trace `trace_id` (its record and the idempotency keys that name it); returns the
         directory its bundle is in, for the caller to remove, or None where the tenant has no such trace.
-        TraceInUseError while a queued or running training run of the tenant reads it."""
+        TraceInUseError while a queued or running training run of the tenant reads it.
+
+        The row is deleted before the runs are read, in one transaction: a training run queued meanwhile either
+        committed first (and is seen here: 409) or finds the trace gone when it checks again (`traces_held`)."""
         with self.engine.begin() as conn:
             path = conn.execute(select(Trace.path).where(Trace.tenant_id == tenant_id, Trace.id == trace_id)
                                 ).scalar_one_or_none()
             if path is None:
                 return None
+            conn.execute(delete(IdempotencyKey).where(IdempotencyKey.tenant_id == tenant_id,
+                                                      IdempotencyKey.trace_id == trace_id))
+            conn.execute(delete(Trace).where(Trace.tenant_id == tenant_id, Trace.id == trace_id))
             live = conn.execute(select(Job.id, Job.request).where(
                 Job.tenant_id == tenant_id, Job.kind == JobKind.TRAIN.value,
                 Job.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value)))).all()
             readers = [row.id for row in live if path in (json.loads(row.request).get("traces") or [])]
-            if readers:
+            if readers:  # raising rolls the deletes back
                 raise TraceInUseError(f"trace {trace_id} is read by training run(s) {', '.join(readers[:5])}, "
                                       "queued or running; delete it once they end (or cancel them)")
-            conn.execute(delete(IdempotencyKey).where(IdempotencyKey.tenant_id == tenant_id,
-                                                      IdempotencyKey.trace_id == trace_id))
-            conn.execute(delete(Trace).where(Trace.tenant_id == tenant_id, Trace.id == trace_id))
         return str(path)
+
+    def traces_held(self, tenant_id: int, ids: builtins.list[str]) -> bool:
+        """Whether the tenant still has every trace `ids`, read after a training run naming them was queued; the
+        rows are read FOR SHARE (PostgreSQL), so a deletion in flight is waited for, not missed. SQLite has one
+        writer at a time: a deletion committed before the run's insert is seen."""
+        with self.engine.begin() as conn:
+            found = conn.execute(select(Trace.id).where(Trace.tenant_id == tenant_id, Trace.id.in_(ids))
+                                 .with_for_update(read=True)).scalars().all()
+        return set(found) == set(ids)
 
     def traces(self, tenant_id: int, ids: builtins.list[str]) -> builtins.list[str] | None:
         """The paths of the tenant's traces `ids`, in order; None if any is unknown or another tenant's."""

@@ -258,6 +258,10 @@ def submit_training_run(body: TrainingRunRequest, principal: PrincipalDep, servi
     once = Idempotency.of(idempotency_key, "POST /v1/training-runs", body.model_dump(mode="json"))
     job, replayed = services.store.submit_once(principal.tenant_id, JobKind.TRAIN,
                                                request.model_dump(exclude_none=True), once)
+    if not replayed and not services.store.traces_held(principal.tenant_id, ids):  # deleted as the run was queued
+        services.store.cancel(principal.tenant_id, job.id)
+        raise HTTPException(404, f"trace(s) among {ids[:10]} were deleted as this training run was queued; its job "
+                                 f"{job.id} is cancelled")
     if replayed:
         response.headers[REPLAYED_HEADER] = "true"
     return job_out(job)

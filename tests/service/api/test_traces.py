@@ -107,6 +107,26 @@ def test_a_tenant_deletes_its_trace_once_no_training_run_reads_it(make_settings:
     assert again.status_code == 201 and again.json()["id"] != mine["id"]  # the key no longer names the deleted one
 
 
+def test_a_training_run_whose_trace_is_deleted_as_it_is_queued_is_refused_not_lost(client: TestClient, keys: Any,
+                                                                                   api: Any, monkeypatch: Any) -> None:
+    """The run reads its traces' paths, then is queued: a deletion landing in between (it sees no run yet) left a
+    queued run on a deleted bundle. The run now checks its traces again once queued."""
+    mine = client.post("/v1/traces", json=_bundle(), headers=api.auth(keys.a)).json()["id"]
+    store = client.app.state.services.store  # type: ignore[attr-defined]
+    looked_up = store.traces
+
+    def then_deleted(tenant_id: int, ids: list[str]) -> Any:
+        paths = looked_up(tenant_id, ids)
+        assert store.delete_trace(tenant_id, mine) is not None  # no run reads it yet
+        return paths
+
+    monkeypatch.setattr(store, "traces", then_deleted)
+    answer = client.post("/v1/training-runs", json={"traces": [mine]}, headers=api.auth(keys.a))
+    assert answer.status_code == 404 and "were deleted as this training run was queued" in answer.json()["detail"]
+    job_id = answer.json()["detail"].split("its job ")[1].split()[0]
+    assert client.get(f"/v1/jobs/{job_id}", headers=api.auth(keys.a)).json()["status"] == "cancelled"
+
+
 # -- what no upload may turn into a 500 ------------------------------------------------------------
 
 _ITERATION = {"record": "iteration", "model": "gpt?layers=2&hidden=64&heads=2&vocab=100", "cluster": "p3.8xlarge",
