@@ -15,27 +15,16 @@ Tokens per sample default to min(max_position_embeddings, 2048).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from tagplan.errors import SpecError
 from tagplan.frontends.hf_config import HFArch
-from tagplan.frontends.hf_fold import (
-    Stack,
-    causal_masks,
-    check_unfolded,
-    moe_analytic,
-    short_depths,
-    unfold,
-    with_values,
-)
+from tagplan.frontends.hf_fold import Stack, causal_masks, folded_or_whole, moe_analytic, with_values
 from tagplan.frontends.torch_export import graph_from_module
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.workload import DType
-
-log = logging.getLogger(__name__)
 
 _DEPTH = "num_hidden_layers"
 _MAX_DEFAULT_SEQ = 2048
@@ -62,16 +51,8 @@ def graph_from_config(
         raise SpecError(f"{name}: seq_len must be positive, got {seq_len}")
     seq = seq_len or min(_positions(config) or _MAX_DEFAULT_SEQ, _MAX_DEFAULT_SEQ)
     stacks = (Stack(_DEPTH, "", prefix=_dense_prefix(config, depth)),)
-    full = {_DEPTH: depth}
-    short = short_depths(stacks, full)
-    if fold and short != full:
-        graph = _trace(_shortened(config, short[_DEPTH]), arch, name, seq, dtype, batch)
-        folded = unfold(graph, stacks, short, full)
-        if folded is not None:
-            return folded
-        check_unfolded(name, depth)
-        log.info("%s: traced blocks differ, tracing all %s blocks", name, depth)
-    return _trace(config, arch, name, seq, dtype, batch)
+    return folded_or_whole(name, stacks, {_DEPTH: depth}, fold, lambda short: _trace(
+        config if short is None else _shortened(config, short[_DEPTH]), arch, name, seq, dtype, batch))
 
 
 def _positions(config: Any) -> int | None:

@@ -24,7 +24,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,18 +34,31 @@ from tagplan.errors import SpecError
 from tagplan.frontends.hf_config import is_causal_lm
 from tagplan.ir.model import Block, Layer, ModelGraph, Op, OpKind, PartitionDim
 
+log = logging.getLogger(__name__)
+
 FOLD_DEPTH = 3  # repeated blocks per stack traced when folding
 MAX_UNFOLDED_BLOCKS = 256
 """Blocks traced one by one where folding fails: the trace grows faster than linearly (128 blocks about 30 s,
 256 about 90 s on 2 cores), and a 4096-layer config would hold a service worker for half an hour."""
 
 
-def check_unfolded(name: str, blocks: int) -> None:
-    """SpecError where a model whose traced blocks differ has more blocks than `MAX_UNFOLDED_BLOCKS`."""
-    if blocks > MAX_UNFOLDED_BLOCKS:
-        raise SpecError(f"{name}: its traced blocks differ from one another, so its {blocks} blocks would be traced "
-                        f"one by one; at most {MAX_UNFOLDED_BLOCKS} are (minutes past that): give fewer layers, or "
-                        "the model as a tagplan-graph/1 file")
+def folded_or_whole(name: str, stacks: tuple[Stack, ...], full: dict[str, int], fold: bool,
+                    trace: Callable[[dict[str, int] | None], ModelGraph]) -> ModelGraph:
+    """The graph of a model with `full` blocks per stack: `trace(short)` of at most `FOLD_DEPTH` per stack,
+    replicated (`unfold`), else `trace(None)` of every block, which is refused past `MAX_UNFOLDED_BLOCKS` (the
+    trace grows faster than linearly). `fold` False traces every block at once."""
+    short = short_depths(stacks, full)
+    if fold and short != full:
+        folded = unfold(trace(short), stacks, short, full)
+        if folded is not None:
+            return folded
+        blocks = sum(full.values())
+        if blocks > MAX_UNFOLDED_BLOCKS:
+            raise SpecError(f"{name}: its traced blocks differ from one another, so its {blocks} blocks would be "
+                            f"traced one by one; at most {MAX_UNFOLDED_BLOCKS} are (minutes past that): give fewer "
+                            "layers, or the model as a tagplan-graph/1 file")
+        log.info("%s: traced blocks differ, tracing all %s blocks", name, blocks)
+    return trace(None)
 
 
 @dataclass(frozen=True)

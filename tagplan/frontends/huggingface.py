@@ -23,7 +23,6 @@ the configured depth, numbering continued. Otherwise the full model is traced. T
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,22 +31,12 @@ import torch
 from tagplan.errors import SpecError
 from tagplan.frontends.hf_auto import graph_from_config
 from tagplan.frontends.hf_config import make_config, read_hf_config, resolve_hf_name
-from tagplan.frontends.hf_fold import (
-    Stack,
-    causal_masks,
-    check_unfolded,
-    moe_analytic,
-    short_depths,
-    unfold,
-    with_values,
-)
+from tagplan.frontends.hf_fold import Stack, causal_masks, folded_or_whole, moe_analytic, with_values
 from tagplan.frontends.torch_export import graph_from_module
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.workload import DType
 
 __all__ = ["graph_from_hf", "graph_from_hf_file", "list_hf_configs", "make_config"]
-
-log = logging.getLogger(__name__)
 
 _MAX_DEFAULT_SEQ = 2048
 
@@ -113,16 +102,8 @@ def graph_from_hf(
         return graph_from_config(config, arch, name=name, seq_len=seq_len, dtype=dtype, batch=batch, fold=fold)
     config = make_config(config_class, overrides)
     seq = _seq_len(spec, config, seq_len, config_class)
-    depths = _depths(spec, config)
-    short = short_depths(spec.stacks, depths)
-    if fold and short != depths:
-        graph = _trace(spec, with_values(config, short), name, seq, dtype, batch)
-        folded = unfold(graph, spec.stacks, short, depths)
-        if folded is not None:
-            return folded
-        check_unfolded(name, sum(depths.values()))
-        log.info("%s: traced blocks differ, tracing all %s blocks", name, sum(depths.values()))
-    return _trace(spec, config, name, seq, dtype, batch)
+    return folded_or_whole(name, spec.stacks, _depths(spec, config), fold, lambda short: _trace(
+        spec, config if short is None else with_values(config, short), name, seq, dtype, batch))
 
 
 def graph_from_hf_file(

@@ -258,20 +258,20 @@ def nesting(value: Any, limit: int = MAX_NESTING) -> int:
 def _shallow(value: dict[str, Any], what: str) -> dict[str, Any]:
     if nesting(value) > MAX_NESTING:
         raise _refused("nesting", f"the inline {what} is nested deeper than {MAX_NESTING} levels")
-    where = _non_finite(value, what)
+    where = non_finite(value, what)
     if where:
         raise _refused("finite", f"the inline {what}'s {where} is not a finite number; numbers must be finite")
     return value
 
 
-def _non_finite(value: Any, path: str) -> str | None:
+def non_finite(value: Any, path: str) -> str | None:
     """The path of the first infinite or NaN number in a JSON-like value (None: every number is finite); JSON
-    bodies may spell them Infinity and NaN, which the stored request could not keep."""
+    bodies may spell them Infinity and NaN (and `1e999` parses as one), which nothing stored could keep."""
     if isinstance(value, float) and not math.isfinite(value):
         return path
     items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        found = _non_finite(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{str(key)[:MAX_SHOWN]}")
+        found = non_finite(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{str(key)[:MAX_SHOWN]}")
         if found:
             return found
     return None
@@ -483,7 +483,7 @@ def check_inline(request: PlanRequest) -> None:
     if isinstance(request.cluster, Mapping):
         parse_cluster_data(dict(request.cluster))
     if isinstance(request.calibration, Mapping):
-        where = _non_finite(request.calibration, "calibration")
+        where = non_finite(request.calibration, "calibration")
         if where:
             raise SpecError(f"{where}: numbers must be finite")
         try:

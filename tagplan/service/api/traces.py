@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import shutil
 import uuid
@@ -49,6 +48,7 @@ from tagplan.service.requests import (
     check_iteration,
     clipped,
     nesting,
+    non_finite,
     traces_root,
 )
 from tagplan.service.settings import Settings
@@ -220,13 +220,11 @@ def _checked_iteration(record: IterationRecord, settings: Settings, where: str) 
         raise SpecError(f"{where}: its model or cluster cannot be read ({type(err).__name__}: {reason})") from None
 
 
-def _finite(value: Any, where: str, field: str = "") -> None:
+def _finite(value: Any, where: str) -> None:
     """SpecError for an infinity or NaN (`1e999` parses as one): a bundle holds measured, finite numbers."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise SpecError(f"{where}: {field or 'value'}: {value} is not a finite number")
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        _finite(item, where, f"{field}.{key}" if field else str(key))
+    found = non_finite(value, "")
+    if found is not None:
+        raise SpecError(f"{where}: {found.lstrip('.') or 'value'}: not a finite number")
 
 
 def _nonempty(records: list[TraceRecord]) -> list[TraceRecord]:
