@@ -59,6 +59,10 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     revoke = what.add_parser("revoke-key", help="revoke an API key (it answers 401 from now on)")
     revoke.add_argument("--key", required=True, help="the key, or its first 8 characters as listed")
     revoke.set_defaults(func=_revoke_key)
+    purge = what.add_parser("purge-jobs", help="delete finished jobs past TAGPLAN_JOB_RETENTION_S or beyond "
+                                               "TAGPLAN_MAX_FINISHED_JOBS_PER_TENANT now (workers do it every "
+                                               "TAGPLAN_PURGE_EVERY_S)")
+    purge.set_defaults(func=_purge_jobs)
 
     submit = sub.add_parser("submit", help="submit a plan to a running service")
     submit.add_argument("--model", required=True, help=(
@@ -276,6 +280,18 @@ def _revoke_key(args: argparse.Namespace) -> int:
     if not revoke_key(make_engine(Settings.from_env().database_url), args.key):
         raise SpecError(f"revoke-key: no valid key {args.key[:8]!r}... (unknown, ambiguous or already revoked)")
     print(f"revoked {args.key[:8]}...", file=sys.stderr)
+    return 0
+
+
+def _purge_jobs(args: argparse.Namespace) -> int:
+    from tagplan.service.db import make_engine
+    from tagplan.service.settings import Settings
+    from tagplan.service.store import JobStore
+
+    settings = Settings.from_env()
+    purged = JobStore(make_engine(settings.database_url), settings).purge()
+    print(f"deleted {purged} finished jobs (kept: those that ended within {settings.job_retention_s:g} s, "
+          f"at most {settings.max_finished_jobs_per_tenant} per tenant)", file=sys.stderr)
     return 0
 
 

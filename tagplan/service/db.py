@@ -118,7 +118,8 @@ class Job(Base):
 
     __tablename__ = "jobs"
     __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),
-                      Index("ix_jobs_tenant_created", "tenant_id", "created_at"))
+                      Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
+                      Index("ix_jobs_status_finished", "status", "finished_at"))
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))

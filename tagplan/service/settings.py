@@ -55,6 +55,11 @@ class Settings(BaseSettings):
     max_queued_per_tenant: int = Field(default=1000, gt=0)
     max_running_per_tenant: int = Field(default=64, gt=0)
     max_traces_per_tenant: int = Field(default=200, gt=0)
+    job_retention_s: float = Field(default=30 * 86_400.0, gt=0,
+                                   description="how long a finished job (request, result) is kept after it ended")
+    max_finished_jobs_per_tenant: int = Field(default=10_000, gt=0,
+                                              description="a tenant's newest finished jobs kept; older are deleted")
+    purge_every_s: float = Field(default=300.0, gt=0, description="how often each worker deletes expired jobs")
     db_timeout_s: float = Field(default=30.0, gt=0)
 
     @field_validator("home")

@@ -33,6 +33,7 @@ from tagplan.service.vocabulary import TERMINAL, JobKind, JobStatus
 
 CLAIM_ROUNDS = 10  # candidate lists read per claim before giving up (each lost race moves on)
 CLAIM_CANDIDATES = 8
+PURGE_BATCH = 500  # finished jobs deleted per transaction by `JobStore.purge`
 
 
 class LeaseLost(Exception):  # noqa: N818 (the name docs/SERVICE.md promises)
@@ -235,8 +236,9 @@ class JobStore:
                 earlier = self._earlier(tenant_id, idempotency)
                 if earlier is not None and earlier.job_id is not None:
                     view = self._get(earlier.job_id, tenant_id)
-                    assert view is not None
-                    return view, True
+                    if view is not None:
+                        return view, True
+                    continue  # purged since the key was read (the key went with it): store a new job
             try:
                 return self._insert_job(tenant_id, kind, request, idempotency), False
             except IntegrityError:
@@ -473,6 +475,44 @@ class JobStore:
                                                                    Trace.id.in_(ids))).all()
         paths = {r.id: r.path for r in rows}
         return [paths[i] for i in ids] if all(i in paths for i in ids) else None
+
+    # -- retention -----------------------------------------------------------------------------
+
+    def purge(self, now: dt.datetime | None = None) -> int:
+        """Delete finished jobs (succeeded, failed, cancelled) the service no longer keeps; returns how many.
+
+        A finished job is kept `job_retention_s` after it finished, and a tenant's newest
+        `max_finished_jobs_per_tenant` finished jobs at most: older ones go with their request, result
+        and the idempotency keys that name them (a retry with such a key then makes a new job). Queued
+        and running jobs are never touched: a finished job never changes status again, and each DELETE
+        re-checks the status. Deletes run in batches of `PURGE_BATCH` jobs, one short transaction each.
+        """
+        now = now or utcnow()
+        finished = Job.status.in_(sorted(s.value for s in TERMINAL))  # each of which sets finished_at
+        cutoff = now - dt.timedelta(seconds=self.settings.job_retention_s)
+        purged = self._purge_where(and_(finished, Job.finished_at < _when(cutoff)))
+        keep = self.settings.max_finished_jobs_per_tenant
+        with self.engine.connect() as conn:
+            crowded = conn.execute(select(Job.tenant_id).where(finished).group_by(Job.tenant_id)
+                                   .having(func.count() > keep)).scalars().all()
+        for tenant_id in crowded:
+            newest = (select(Job.id).where(finished, Job.tenant_id == tenant_id)
+                      .order_by(Job.finished_at.desc(), Job.id.desc()).limit(keep).scalar_subquery())
+            purged += self._purge_where(and_(finished, Job.tenant_id == tenant_id, Job.id.not_in(newest)))
+        return purged
+
+    def _purge_where(self, which: ColumnElement[bool]) -> int:
+        """Delete the finished jobs `which` selects, and their idempotency keys, a batch per transaction."""
+        purged = 0
+        while True:
+            with self.engine.begin() as conn:
+                ids = conn.execute(select(Job.id).where(which).limit(PURGE_BATCH)).scalars().all()
+                if not ids:
+                    return purged
+                conn.execute(delete(IdempotencyKey).where(IdempotencyKey.job_id.in_(ids)))
+                purged += conn.execute(delete(Job).where(Job.id.in_(ids), which)).rowcount
+            if len(ids) < PURGE_BATCH:
+                return purged
 
     # -- internals -----------------------------------------------------------------------------
 

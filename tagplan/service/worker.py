@@ -15,8 +15,9 @@ it started with). The worker meanwhile
 - on SIGTERM kills it and hands the job back to the queue (not counted as an attempt);
 - when its lease was lost, kills it and drops it without a word: another worker owns the job.
 
-Run one with `python -m tagplan.service.worker` (or `tagplan worker`); `WorkerPool` keeps N of
-them alive for `tagplan serve`, and a worker exits when that parent dies.
+Between jobs, as it starts and every `purge_every_s`, a worker deletes the finished jobs past their
+retention (`JobStore.purge`). Run one with `python -m tagplan.service.worker` (or `tagplan worker`);
+`WorkerPool` keeps N of them alive for `tagplan serve`, and a worker exits when that parent dies.
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ def run_worker(settings: Settings, *, worker_id: str | None = None, stop: thread
     stop = stop or threading.Event()
     ran = 0
     log.info("worker %s polling %s", worker_id, settings.database_url)
+    purge_at = time.monotonic()
     while not stop.is_set():
+        if time.monotonic() >= purge_at:
+            purge_at = time.monotonic() + settings.purge_every_s
+            _purge(store, worker_id)
         try:
             job = store.claim(worker_id)
         except SQLAlchemyError as err:  # the database is away for a moment: try again, do not die
@@ -106,6 +111,17 @@ def run_worker(settings: Settings, *, worker_id: str | None = None, stop: thread
             break
     store.engine.dispose()
     return ran
+
+
+def _purge(store: JobStore, worker_id: str) -> None:
+    """Delete the finished jobs the service no longer keeps (`JobStore.purge`); a database away is tried next time."""
+    try:
+        purged = store.purge()
+    except SQLAlchemyError as err:
+        log.warning("worker %s: purging finished jobs failed: %s", worker_id, err)
+        return
+    if purged:
+        log.info("worker %s: deleted %d finished jobs past their retention", worker_id, purged)
 
 
 def run_one(store: JobStore, job: JobView, worker_id: str, settings: Settings, stop: threading.Event) -> None:
