@@ -59,6 +59,8 @@ class Settings(BaseSettings):
                                    description="how long a finished job (request, result) is kept after it ended")
     max_finished_jobs_per_tenant: int = Field(default=10_000, gt=0,
                                               description="a tenant's newest finished jobs kept; older are deleted")
+    max_versions_per_tenant: int = Field(default=20, gt=0,
+                                         description="GNN versions a tenant's registry keeps (and its active one)")
     purge_every_s: float = Field(default=300.0, gt=0, description="how often each worker deletes expired jobs")
     db_timeout_s: float = Field(default=30.0, gt=0)
 

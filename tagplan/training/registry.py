@@ -78,7 +78,8 @@ class Registry:
         """Copy `checkpoint` in as a new version with `card` (and a pinned `calibration` file);
         returns the version name. The first version becomes active unless `activate_if_first` is off."""
         index = self._index()
-        version = f"v{len(index['versions']) + 1:04d}"
+        numbers = [int(v[1:]) for v in index["versions"] if v[1:].isdigit()]
+        version = f"v{max(numbers, default=0) + 1:04d}"  # never a pruned version's name again
         target = self.root / "versions" / version
         target.mkdir(parents=True, exist_ok=False)
         shutil.copyfile(checkpoint, target / "model.pt")
@@ -90,6 +91,23 @@ class Registry:
             index["active"] = version
         self._write(index)
         return version
+
+    def prune(self, keep: int) -> list[str]:
+        """Delete the oldest versions beyond the newest `keep`, never the active one; returns those deleted.
+
+        The index is rewritten first, so a version is never listed without its files."""
+        if keep < 1:
+            raise SpecError(f"prune: keep={keep} is not accepted; keep at least 1 version")
+        index = self._index()
+        newest = set(index["versions"][-keep:])
+        gone = [v for v in index["versions"] if v not in newest and v != index["active"]]
+        if not gone:
+            return []
+        index["versions"] = [v for v in index["versions"] if v not in gone]
+        self._write(index)
+        for version in gone:
+            shutil.rmtree(self.root / "versions" / version, ignore_errors=True)
+        return gone
 
     def pin_calibration(self, version: str, calibration: Path) -> None:
         """Pin the calibration file `calibration` beside `version` (replacing one pinned before)."""

@@ -102,3 +102,19 @@ def test_auto_guides_only_a_class_whose_card_records_a_gain_and_no_case_20_perce
         assert not guidance_pays(reg, 16, heterogeneous=True), worse
         assert not class_pays({**entry, **worse})  # the one rule the benchmark's auto figures use too
     assert class_pays(entry) and class_pays({**entry, "worst": 1 / 1.2})  # exactly 20% slower still pays
+
+
+def test_prune_keeps_the_newest_and_the_active_and_never_reuses_a_name(tmp_path: Path) -> None:
+    ckpt = tmp_path / "m.pt"
+    ckpt.write_bytes(b"weights")
+    reg = Registry(tmp_path / "reg")
+    made = [reg.register(ckpt, {}, activate=i == 1) for i in range(5)]  # v0002 active
+    assert reg.prune(2) == ["v0001", "v0003"]
+    assert reg.versions() == ["v0002", "v0004", "v0005"] and reg.active() == "v0002"
+    assert sorted(p.name for p in (tmp_path / "reg" / "versions").iterdir()) == reg.versions()
+    assert reg.prune(2) == [] and made[-1] == "v0005"
+    assert reg.register(ckpt, {}) == "v0006"  # numbered past the newest, not by how many are left
+    with pytest.raises(SpecError, match="unknown model version 'v0001'"):
+        reg.card("v0001")
+    with pytest.raises(SpecError, match="keep=0"):
+        reg.prune(0)

@@ -8,12 +8,14 @@ a registry version, never a path (`requests.calibration_of`).
 The new version is registered in the tenant's own registry (`requests.tenant_registry`) and
 becomes the tenant's active version only when it lowers the held-out error on the tenant's data;
 the service-wide version every other tenant uses changes only by an admin's activation.
+A tenant's registry keeps its newest `max_versions_per_tenant` versions and its active one; older ones
+are deleted as a new one is registered (`Registry.prune`).
 """
 
 from __future__ import annotations
 
 import json
-import uuid
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +53,12 @@ def run_train(data: Any, settings: Settings, progress: Progress, *, tenant_id: i
                         "again with traces that exist")
     bundles = [check_bundle(read_bundle(p), settings, f"bundle {i}") for i, p in enumerate(request.traces)]
     progress(0.2, "fine-tuning the GNN on the measured iterations")
-    out_dir = settings.home / "training" / uuid.uuid4().hex
     registry = tenant_registry(settings, tenant_id)
-    card = finetune_on_traces(bundles, out_dir, registry=registry, calibration=calibration)
+    (settings.home / "training").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=settings.home / "training") as out_dir:  # the registry keeps a copy
+        card = finetune_on_traces(bundles, Path(out_dir), registry=registry, calibration=calibration)
+    if tenant_id is not None:
+        registry.prune(settings.max_versions_per_tenant)
     progress(1.0, "registered")
     scope = "service-wide" if tenant_id is None else f"tenant {tenant_id}"
     return {**json.loads(json.dumps(card, default=str)), "registry": scope}  # paths and dates as strings

@@ -38,3 +38,18 @@ def test_training_job_registers_a_version_in_the_service_home(settings: Settings
     card = run_job(JobKind.TRAIN, {"traces": [str(uploaded)]}, settings, lambda _f, m: messages.append(m))
     assert card["version"] == "v0001" and (settings.home / "registry" / "versions" / "v0001" / "model.pt").exists()
     assert messages[-1] == "registered"
+
+
+@pytest.mark.slow
+def test_a_tenant_keeps_its_newest_versions_and_no_training_leftovers(settings: Settings) -> None:
+    from tagplan.service.requests import tenant_registry
+
+    uploaded = settings.home / "traces" / "7" / "cpu-quick"
+    shutil.copytree(BUNDLE, uploaded)
+    one = settings.model_copy(update={"max_versions_per_tenant": 1})
+    cards = [run_job(JobKind.TRAIN, {"traces": [str(uploaded)]}, one, lambda _f, _m: None, tenant_id=7)
+             for _ in range(2)]
+    assert [c["version"] for c in cards] == ["v0001", "v0002"]
+    registry = tenant_registry(one, 7)
+    assert registry.versions() == sorted({"v0002", *([registry.active()] if registry.active() else [])})
+    assert list((settings.home / "training").iterdir()) == []  # the fine-tuning's own copy is gone
