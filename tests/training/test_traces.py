@@ -48,3 +48,14 @@ def test_a_record_that_does_not_load_is_named(measured: Bundle) -> None:
     with pytest.raises(SpecError, match="at least 2 iteration records"):
         finetune_on_traces([Bundle(manifest=measured.manifest, records=())], Path("/nonexistent"),
                            registry=Registry(Path("/nonexistent/registry")))
+
+
+def test_an_iteration_faster_than_the_devices_peak_is_refused(measured: Bundle, tmp_path: Path) -> None:
+    # what a service upload holds: records that no `traces import` checked against the model
+    records = list(measured.records)
+    first = next(i for i, r in enumerate(records) if isinstance(r, IterationRecord))
+    records[first] = records[first].model_copy(update={"measured_s": 1e-9})
+    forged = Bundle(manifest=measured.manifest, records=tuple(records))
+    with pytest.raises(SpecError, match=r"bundle 0 iteration record 0: measured_s 1e-09 s is shorter than"):
+        finetune_on_traces([forged], tmp_path / "run", registry=Registry(tmp_path / "registry"))
+    assert not (tmp_path / "registry").exists()
