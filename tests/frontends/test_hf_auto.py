@@ -165,3 +165,19 @@ def test_a_model_whose_blocks_differ_is_traced_whole_only_up_to_a_bound(monkeypa
                                         r"one by one; at most 4 are"):
         graph_from_hf("Qwen2MoeConfig", overrides, seq_len=16)
     assert len(graph_from_hf("Qwen2MoeConfig", {**overrides, "num_hidden_layers": "4"}, seq_len=16).layers) == 6
+
+
+def test_a_config_class_transformers_cannot_default_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    from tagplan.frontends.hf_config import make_config
+
+    class NeedsArguments(transformers.PretrainedConfig):  # e.g. a composite config whose parts are required
+        def __init__(self, encoder: dict, **kwargs: object) -> None:
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(transformers, "NeedsArgumentsConfig", NeedsArguments, raising=False)
+    with pytest.raises(SpecError, match=r"^NeedsArgumentsConfig: transformers cannot build its default config: "):
+        make_config("NeedsArgumentsConfig", {})
+    with pytest.raises(SpecError, match=r"unknown LlamaConfig key 'hidden_sise'\. Did you mean 'hidden_size'"):
+        make_config("LlamaConfig", {"hidden_sise": "64"})
