@@ -20,6 +20,16 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def keep_umask() -> Iterator[None]:
+    """The service's commands set umask 077 for their process (`cli.service._private_state`); a test that runs
+    one in-process gets the pytest process's umask back."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    yield
+    os.umask(umask)
+
+
 @pytest.fixture(scope="session")
 def rank_server() -> Iterator[Path]:
     """One rank server per test process (`tagplan.export.runtime_fork`), named in the environment, so

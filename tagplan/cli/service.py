@@ -83,6 +83,12 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     submit.set_defaults(func=_submit)
 
 
+def _private_state() -> None:
+    """Everything the service's processes create (the database, uploaded traces, tenants' GNN versions, the state
+    folder itself) is readable by its owner only: umask 077 for the rest of the process."""
+    os.umask(0o077)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -90,6 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tagplan.service.settings import Settings
     from tagplan.service.worker import WorkerPool
 
+    _private_state()
     settings = Settings.from_env()
     settings.home.mkdir(mode=0o700, parents=True, exist_ok=True)
     url = f"http://{args.host}:{args.port}"
@@ -268,6 +275,7 @@ def _worker(args: argparse.Namespace) -> int:
     from tagplan.service.settings import Settings
     from tagplan.service.worker import run_worker
 
+    _private_state()
     run_worker(Settings.from_env())
     return 0
 
@@ -277,6 +285,7 @@ def _revoke_key(args: argparse.Namespace) -> int:
     from tagplan.service.keys import revoke_key
     from tagplan.service.settings import Settings
 
+    _private_state()
     if not revoke_key(make_engine(Settings.from_env().database_url), args.key):
         raise SpecError(f"revoke-key: no valid key {args.key[:8]!r}... (unknown, ambiguous or already revoked)")
     print(f"revoked {args.key[:8]}...", file=sys.stderr)
@@ -288,6 +297,7 @@ def _purge_jobs(args: argparse.Namespace) -> int:
     from tagplan.service.settings import Settings
     from tagplan.service.store import JobStore
 
+    _private_state()
     settings = Settings.from_env()
     purged = JobStore(make_engine(settings.database_url), settings).purge()
     print(f"deleted {purged} finished jobs (kept: those that ended within {settings.job_retention_s:g} s, "
@@ -300,6 +310,7 @@ def _create_key(args: argparse.Namespace) -> int:
     from tagplan.service.keys import create_key
     from tagplan.service.settings import Settings
 
+    _private_state()
     settings = Settings.from_env()
     settings.home.mkdir(parents=True, exist_ok=True)
     key = create_key(make_engine(settings.database_url), args.tenant, admin=args.admin)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -111,8 +112,13 @@ def config_depth(config: Any) -> int:
 
 def spec_depth(config_class: str, overrides: dict[str, str]) -> int:
     """`config_depth` of an `hf:NAME?key=value` SPEC's config (a config class or an architecture), built without
-    the model; SpecError for an unknown name or key."""
-    return config_depth(make_config(resolve_hf_name(config_class).config_class, overrides))
+    the model; SpecError for an unknown name or key. Cached by SPEC: an upload repeats one SPEC per record."""
+    return _spec_depth(config_class, tuple(sorted(overrides.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_depth(config_class: str, overrides: tuple[tuple[str, str], ...]) -> int:
+    return config_depth(make_config(resolve_hf_name(config_class).config_class, dict(overrides)))
 
 
 def _config_classes() -> dict[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, HTMLResponse, Response
@@ -59,10 +60,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (jobs, traces, registry, ops):
         app.include_router(module.router)
     _add_web(app)
+    _document_bodies(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Outermost: it counts the 413s too.
     app.add_middleware(CountRequests, counter=services.metrics, routes=app.router.routes)
     return app
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Add the bodies validated outside FastAPI's own parsing (`jobs.request_schemas`) to the OpenAPI components."""
+    built = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = built()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(jobs.request_schemas())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _add_web(app: FastAPI) -> None:

@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSetti
 from tagplan.errors import SpecError
 
 _PREFIX = "TAGPLAN_"
+MAX_RETENTION_S = 100 * 365 * 86_400.0  # a century: "for ever", within what datetime can subtract from now
 _ENVIRON: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("tagplan_environ", default=None)
 
 
@@ -34,7 +35,8 @@ def default_home() -> Path:
 class Settings(BaseSettings):
     """Where the service keeps its state and how much one tenant or job may ask for."""
 
-    model_config = SettingsConfigDict(env_prefix=_PREFIX, frozen=True, extra="ignore", case_sensitive=False)
+    model_config = SettingsConfigDict(env_prefix=_PREFIX, frozen=True, extra="ignore", case_sensitive=False,
+                                      allow_inf_nan=False)
 
     database_url: str = Field(default="", description="SQLAlchemy URL; default sqlite:///<home>/service.db")
     home: Path = Field(default_factory=default_home)
@@ -55,7 +57,8 @@ class Settings(BaseSettings):
     max_queued_per_tenant: int = Field(default=1000, gt=0)
     max_running_per_tenant: int = Field(default=64, gt=0)
     max_traces_per_tenant: int = Field(default=200, gt=0)
-    job_retention_s: float = Field(default=30 * 86_400.0, gt=0,
+    max_training_records: int = Field(default=5000, gt=0, description="records a training run's traces may hold")
+    job_retention_s: float = Field(default=30 * 86_400.0, gt=0, le=MAX_RETENTION_S,
                                    description="how long a finished job (request, result) is kept after it ended")
     max_finished_jobs_per_tenant: int = Field(default=10_000, gt=0,
                                               description="a tenant's newest finished jobs kept; older are deleted")

@@ -246,6 +246,17 @@ class JobStore:
                     raise
         raise RuntimeError(f"Idempotency-Key {idempotency!r}: could not store or find its job")
 
+    def replay(self, tenant_id: int, idempotency: Idempotency | None) -> JobView | None:
+        """The job an earlier request with this key and body made, if it still exists (None without a key);
+        IdempotencyConflictError when the key was used for a different request. Routes ask before they check a
+        request again: a retry gets its job back even where the check would now fail (its trace since deleted)."""
+        if idempotency is None:
+            return None
+        earlier = self._earlier(tenant_id, idempotency)
+        if earlier is None or earlier.job_id is None:
+            return None
+        return self._get(earlier.job_id, tenant_id)
+
     def _insert_job(self, tenant_id: int, kind: JobKind, request: dict[str, Any],
                     idempotency: Idempotency | None) -> JobView:
         job_id = uuid.uuid4().hex
@@ -468,13 +479,21 @@ class JobStore:
                                  .with_for_update(read=True)).scalars().all()
         return set(found) == set(ids)
 
+    def trace_records(self, tenant_id: int, ids: builtins.list[str]) -> tuple[builtins.list[str], int] | None:
+        """(the paths of the tenant's traces `ids` in order, how many records they hold together); None if any is
+        unknown or another tenant's."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(Trace.id, Trace.path, Trace.records).where(Trace.tenant_id == tenant_id,
+                                                                                Trace.id.in_(ids))).all()
+        found = {r.id: r for r in rows}
+        if not all(i in found for i in ids):
+            return None
+        return [found[i].path for i in ids], sum(int(found[i].records) for i in ids)
+
     def traces(self, tenant_id: int, ids: builtins.list[str]) -> builtins.list[str] | None:
         """The paths of the tenant's traces `ids`, in order; None if any is unknown or another tenant's."""
-        with self.engine.connect() as conn:
-            rows = conn.execute(select(Trace.id, Trace.path).where(Trace.tenant_id == tenant_id,
-                                                                   Trace.id.in_(ids))).all()
-        paths = {r.id: r.path for r in rows}
-        return [paths[i] for i in ids] if all(i in paths for i in ids) else None
+        found = self.trace_records(tenant_id, ids)
+        return None if found is None else found[0]
 
     # -- retention -----------------------------------------------------------------------------
 

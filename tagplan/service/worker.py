@@ -44,6 +44,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tagplan.errors import SpecError
 from tagplan.service.db import make_engine
 from tagplan.service.jobs import run_job
+from tagplan.service.jobs.train import sweep_training_dirs
 from tagplan.service.settings import Settings
 from tagplan.service.store import JobStore, JobView, LeaseLost
 
@@ -114,7 +115,11 @@ def run_worker(settings: Settings, *, worker_id: str | None = None, stop: thread
 
 
 def _purge(store: JobStore, worker_id: str) -> None:
-    """Delete the finished jobs the service no longer keeps (`JobStore.purge`); a database away is tried next time."""
+    """Delete the finished jobs the service no longer keeps (`JobStore.purge`; a database away is tried next time)
+    and the folders killed training runs left (`sweep_training_dirs`)."""
+    swept = sweep_training_dirs(store.settings)
+    if swept:
+        log.info("worker %s: removed %d folders killed training runs left", worker_id, swept)
     try:
         purged = store.purge()
     except SQLAlchemyError as err:
@@ -276,15 +281,23 @@ def _job_process(pipe: Connection, job: JobView, settings: Settings, parent_pid:
         result = run_job(job.kind, job.request, settings, progress, tenant_id=job.tenant_id)
         pipe.send(("ok", result))
     except SpecError as err:
-        pipe.send(("spec", str(err)[:MAX_ERROR_CHARS]))
+        pipe.send(("spec", redacted(str(err), settings)[:MAX_ERROR_CHARS]))
     except MemoryError:
         pipe.send(("limit", f"the job used more memory than this service's limit of "
                             f"{settings.job_memory_bytes / 2**30:.2f} GiB per job (TAGPLAN_JOB_MEMORY_BYTES)"))
     except Exception as err:
         log.exception("job %s: attempt %d raised", job.id, job.attempts)  # the traceback stays in the log
-        pipe.send(("error", f"{type(err).__name__}: {err}"[:MAX_ERROR_CHARS]))
+        pipe.send(("error", redacted(f"{type(err).__name__}: {err}", settings)[:MAX_ERROR_CHARS]))
     finally:
         pipe.close()
+
+
+def redacted(text: str, settings: Settings) -> str:
+    """`text` (an error a tenant reads) with the service's state folder written `$TAGPLAN_HOME`: where the server
+    keeps its files is not the tenant's to know (the log keeps the whole message)."""
+    for home in sorted({str(settings.home.resolve()), str(settings.home)}, key=len, reverse=True):
+        text = text.replace(home, "$TAGPLAN_HOME")
+    return text
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:

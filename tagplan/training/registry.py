@@ -13,11 +13,14 @@ registry has no active version.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
+import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ from tagplan.search.planner import Correction
 from tagplan.search.problem import Scorer
 
 PACKAGED_CHECKPOINT = Path(__file__).resolve().parents[1] / "gnn" / "checkpoints" / "default.pt"
+_VERSION = re.compile(r"v\d{4,}")  # a version's name: v0001, ...
 AUTO_GNN_MAX_DEVICES = 256
 """Beyond this many devices, scoring each expansion's graphs costs more search time than it saves."""
 
@@ -73,23 +77,42 @@ class Registry:
         value = self._index()["active"]
         return str(value) if value else None
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the registry's lock (`flock` on `registry.lock`) while the index is read, changed and written:
+        two processes registering, pruning or activating at once (two workers' training runs) take turns."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / "registry.lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _folders(self) -> list[str]:
+        """The version folders on disk (a registration interrupted before its index write leaves one unlisted)."""
+        folder = self.root / "versions"
+        return sorted(p.name for p in folder.iterdir() if _VERSION.fullmatch(p.name)) if folder.is_dir() else []
+
     def register(self, checkpoint: Path, card: dict[str, Any], *, activate: bool = False,
                  calibration: Path | None = None, activate_if_first: bool = True) -> str:
         """Copy `checkpoint` in as a new version with `card` (and a pinned `calibration` file);
-        returns the version name. The first version becomes active unless `activate_if_first` is off."""
-        index = self._index()
-        numbers = [int(v[1:]) for v in index["versions"] if v[1:].isdigit()]
-        version = f"v{max(numbers, default=0) + 1:04d}"  # never a pruned version's name again
-        target = self.root / "versions" / version
-        target.mkdir(parents=True, exist_ok=False)
-        shutil.copyfile(checkpoint, target / "model.pt")
-        if calibration is not None:
-            self._copy_calibration(calibration, target)
-        (target / "card.json").write_text(json.dumps({**card, "version": version}, indent=2, default=str))
-        index["versions"].append(version)
-        if activate or (index["active"] is None and activate_if_first):
-            index["active"] = version
-        self._write(index)
+        returns the version name. The first version becomes active unless `activate_if_first` is off.
+        Named past every version listed or on disk, so a pruned or half-registered name is never reused."""
+        with self._locked():
+            index = self._index()
+            numbers = [int(v[1:]) for v in [*index["versions"], *self._folders()] if _VERSION.fullmatch(v)]
+            version = f"v{max(numbers, default=0) + 1:04d}"
+            target = self.root / "versions" / version
+            target.mkdir(parents=True, exist_ok=False)
+            shutil.copyfile(checkpoint, target / "model.pt")
+            if calibration is not None:
+                self._copy_calibration(calibration, target)
+            (target / "card.json").write_text(json.dumps({**card, "version": version}, indent=2, default=str))
+            index["versions"].append(version)
+            if activate or (index["active"] is None and activate_if_first):
+                index["active"] = version
+            self._write(index)
         return version
 
     def prune(self, keep: int) -> list[str]:
@@ -98,15 +121,17 @@ class Registry:
         The index is rewritten first, so a version is never listed without its files."""
         if keep < 1:
             raise SpecError(f"prune: keep={keep} is not accepted; keep at least 1 version")
-        index = self._index()
-        newest = set(index["versions"][-keep:])
-        gone = [v for v in index["versions"] if v not in newest and v != index["active"]]
-        if not gone:
-            return []
-        index["versions"] = [v for v in index["versions"] if v not in gone]
-        self._write(index)
-        for version in gone:
-            shutil.rmtree(self.root / "versions" / version, ignore_errors=True)
+        with self._locked():
+            index = self._index()
+            newest = set(index["versions"][-keep:])
+            gone = [v for v in index["versions"] if v not in newest and v != index["active"]]
+            if gone:
+                index["versions"] = [v for v in index["versions"] if v not in gone]
+                self._write(index)
+            # under the lock no registration is in flight: an unlisted folder is one a killed run left
+            orphans = [v for v in self._folders() if v not in index["versions"] and v not in gone]
+            for version in [*gone, *orphans]:
+                shutil.rmtree(self.root / "versions" / version, ignore_errors=True)
         return gone
 
     def pin_calibration(self, version: str, calibration: Path) -> None:
@@ -136,15 +161,12 @@ class Registry:
 
     def activate(self, version: str) -> None:
         """Make `version` the active one ("default": none, so the shipped checkpoint); SpecError if unknown."""
-        index = self._index()
-        if version == "default":
-            index["active"] = None
+        with self._locked():
+            index = self._index()
+            if version != "default" and version not in index["versions"]:
+                raise SpecError(f"unknown model version {version!r}; registered: {index['versions'] or 'none'}")
+            index["active"] = None if version == "default" else version
             self._write(index)
-            return
-        if version not in index["versions"]:
-            raise SpecError(f"unknown model version {version!r}; registered: {index['versions'] or 'none'}")
-        index["active"] = version
-        self._write(index)
 
     def card(self, version: str) -> dict[str, Any]:
         """The model card of `version`."""

@@ -30,7 +30,7 @@ from torch_geometric.data import Batch, HeteroData
 from tagplan.cost.bounds import lower_bound_s
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.cost.simulator import Simulator
-from tagplan.datasets.traces.bundle import Bundle
+from tagplan.datasets.traces.bundle import Bundle, IterationRecord
 from tagplan.datasets.traces.iterations import peak_refusal, rebuild_record
 from tagplan.errors import SpecError
 from tagplan.gnn.features import FeatureCache, featurize
@@ -62,14 +62,18 @@ class Measured:
     device_types: tuple[str, ...] = ()  # the GPU types of the measured cluster
 
 
-def measured_graphs(bundles: Sequence[Bundle], calibration: Calibration) -> list[Measured]:
-    """Every iteration record of `bundles` as a labelled graph, in order."""
+def measured_graphs(bundles: Sequence[Bundle], calibration: Calibration,
+                    names: Sequence[str] | None = None) -> list[Measured]:
+    """Every iteration record of `bundles` as a labelled graph, in order; SpecError naming the bundle (`names`, else
+    its position) and the record's line in its records.jsonl for one that does not load or cannot be a run."""
     cache = FeatureCache(size=16)
     out = []
     for b, bundle in enumerate(bundles):
-        for i, record in enumerate(bundle.iterations()):
-            where = f"bundle {b} iteration record {i}"
-            model, cluster, plan = rebuild_record(record, where)
+        built: dict[str, Any] = {}  # each SPEC of a bundle built once (a Hugging Face one takes a second)
+        iterations = [(line, r) for line, r in enumerate(bundle.records, start=1) if isinstance(r, IterationRecord)]
+        for i, (line, record) in enumerate(iterations):
+            where = f"{names[b] if names else f'bundle {b}'}: records.jsonl line {line}"
+            model, cluster, plan = rebuild_record(record, where, built)
             w = record.workload
             refusal = peak_refusal(model, cluster, plan, w, record.measured_s)
             if refusal:  # a bundle not written by `traces import` (an upload, a file by hand) is held to it here
@@ -134,8 +138,9 @@ def finetune(model: PlanGNN, train: Sequence[Measured], config: TraceFinetune) -
 
 def finetune_on_traces(bundles: Sequence[Bundle], out_dir: Path, *, registry: Registry | None = None,
                        calibration: Calibration = DEFAULT_CALIBRATION, config: TraceFinetune = TraceFinetune(),
-                       register: bool = True) -> dict[str, Any]:
-    """Fine-tune the active GNN on the bundles' iteration records; register it; return its card.
+                       register: bool = True, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Fine-tune the active GNN on the bundles' iteration records; register it; return its card. `names`: how
+    errors name the bundles (default: their positions).
 
     The card's `metrics.held_out` holds the MAPE before and after, and the simulator's; the
     version is activated only if it improved on the one it replaces.
@@ -145,7 +150,7 @@ def finetune_on_traces(bundles: Sequence[Bundle], out_dir: Path, *, registry: Re
     if base_path is None or not base_path.exists():
         raise SpecError("no GNN to fine-tune: train one with `tagplan train --data DIR` first")
     base, base_card = load_checkpoint(base_path)
-    items = measured_graphs(bundles, calibration)
+    items = measured_graphs(bundles, calibration, names)
     if len(items) < 2:
         raise SpecError(f"fine-tuning needs at least 2 iteration records in the bundles; found {len(items)} "
                         "(import measured iterations with `tagplan traces import`)")
@@ -153,7 +158,8 @@ def finetune_on_traces(bundles: Sequence[Bundle], out_dir: Path, *, registry: Re
     tuned = finetune(base, train_items, config)
     before, after = mape_s(predicted_s(base, held), held), mape_s(predicted_s(tuned, held), held)
     simulator = mape_s(np.array([m.simulator_s for m in held]), held)
-    replaced = registry.active() or "packaged default"
+    fallback = registry.fallback.active() if registry.fallback is not None else None
+    replaced = registry.active() or (f"service-wide {fallback}" if fallback else "packaged default")
     card = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "git_commit": git_commit(),
         "kind": "fine-tuned on measured iterations",

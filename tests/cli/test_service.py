@@ -202,3 +202,19 @@ def test_submit_builds_topology_dumps_and_cluster_options_locally() -> None:
     assert remote.link(0, 8) == local.link(0, 8) and remote.link(0, 1) == local.link(0, 1)
     assert inline_cluster("p3.8xlarge:nodes=2") == "p3.8xlarge:nodes=2"  # a plain SPEC goes as it is
     assert parse_cluster_data(inline_cluster("p3.8xlarge", ClusterOptions(nodes=3))).num_devices == 12
+
+
+def test_the_service_s_state_is_its_owner_s_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import stat
+
+    home = tmp_path / "new-home"
+    monkeypatch.setenv("TAGPLAN_HOME", str(home))
+    monkeypatch.delenv("TAGPLAN_DATABASE_URL", raising=False)
+    assert main(["admin", "create-key", "--tenant", "acme"]) == 0  # the first command on a new machine
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    later = home / "traces" / "1"
+    later.mkdir(parents=True)  # what the same process creates afterwards (an upload's folder) is private too
+    (later / "records.jsonl").write_text("{}")
+    assert stat.S_IMODE(later.stat().st_mode) == 0o700
+    assert stat.S_IMODE((later / "records.jsonl").stat().st_mode) == 0o600

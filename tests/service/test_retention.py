@@ -126,3 +126,11 @@ def test_retention_settings_are_checked(tmp_path: Path) -> None:
         Settings(home=tmp_path, job_retention_s=0)
     with pytest.raises(ValidationError, match="max_finished_jobs_per_tenant"):
         Settings(home=tmp_path, max_finished_jobs_per_tenant=0)
+
+
+def test_retention_for_ever_is_a_century_not_infinity(tmp_path: Path) -> None:
+    for forever in (float("inf"), float("nan"), 1e11):
+        with pytest.raises(ValidationError, match="job_retention_s"):
+            Settings(home=tmp_path, job_retention_s=forever)
+    century = Settings(home=tmp_path, job_retention_s=100 * 365 * 86_400.0)
+    assert century.job_retention_s > 3e9

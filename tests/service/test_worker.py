@@ -170,3 +170,12 @@ def test_pool_restarts_a_dead_worker_and_stops(settings: Settings) -> None:
     finally:
         pool.stop()
     assert pool.pids() == []
+
+
+def test_errors_a_tenant_reads_do_not_say_where_the_server_keeps_its_files(settings: Settings) -> None:
+    from tagplan.service.worker import redacted
+
+    folder = settings.home / "tenants" / "1" / "registry" / "versions" / "v0007"
+    text = redacted(f"FileExistsError: [Errno 17] File exists: '{folder}' and '{folder.resolve()}'", settings)
+    assert text == ("FileExistsError: [Errno 17] File exists: '$TAGPLAN_HOME/tenants/1/registry/versions/v0007' "
+                    "and '$TAGPLAN_HOME/tenants/1/registry/versions/v0007'")

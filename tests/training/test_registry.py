@@ -118,3 +118,39 @@ def test_prune_keeps_the_newest_and_the_active_and_never_reuses_a_name(tmp_path:
         reg.card("v0001")
     with pytest.raises(SpecError, match="keep=0"):
         reg.prune(0)
+
+
+def test_a_half_registered_version_is_skipped_and_pruned(tmp_path: Path) -> None:
+    ckpt = tmp_path / "m.pt"
+    ckpt.write_bytes(b"weights")
+    reg = Registry(tmp_path / "reg")
+    reg.register(ckpt, {})
+    (tmp_path / "reg" / "versions" / "v0002").mkdir()  # a run killed between its folder and the index write
+    assert reg.register(ckpt, {}) == "v0003" and reg.versions() == ["v0001", "v0003"]
+    assert reg.prune(5) == []  # nothing listed goes, but the orphan does
+    assert sorted(p.name for p in (tmp_path / "reg" / "versions").iterdir()) == ["v0001", "v0003"]
+
+
+def _register_and_prune(root: str, ckpt: str, rounds: int) -> None:
+    reg = Registry(Path(root))
+    for _ in range(rounds):
+        reg.register(Path(ckpt), {}, activate=True)
+        reg.prune(2)
+
+
+def test_processes_registering_and_pruning_at_once_take_turns(tmp_path: Path) -> None:
+    import multiprocessing
+
+    ckpt = tmp_path / "m.pt"
+    ckpt.write_bytes(b"weights")
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_register_and_prune, args=(str(tmp_path / "reg"), str(ckpt), 15))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    reg = Registry(tmp_path / "reg")
+    assert reg.versions()[-1] == "v0045" and len(reg.versions()) == 2 and reg.active() in reg.versions()
+    assert sorted(p.name for p in (tmp_path / "reg" / "versions").iterdir()) == reg.versions()

@@ -9,7 +9,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, HTTPException, Query, Response
+from fastapi import APIRouter, Body, Depends, HTTPException, Query, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
@@ -51,7 +53,30 @@ MAX_PAGE = 100
 PLAN_EXAMPLES: dict[str, Any] = {
     "gpt3-1.3b": {"summary": "GPT-3 1.3B on two p3.8xlarge nodes", "value": PLAN_EXAMPLE},
     "tiny": {"summary": "a 4-layer GPT on one node, 20 plans (seconds)", "value": TINY_PLAN_EXAMPLE}}
-PlanBody = Annotated[PlanRequest, Body(openapi_examples=PLAN_EXAMPLES)]
+
+
+def plan_body(raw: Annotated[dict[str, Any], Body(openapi_examples=PLAN_EXAMPLES)]) -> PlanRequest:
+    """The body as a PlanRequest, validated in a worker thread (a `def` dependency): its validators parse an
+    inline cluster's YAML and walk inline graphs, seconds for a 2 MB body, which must not stall the event loop
+    every other request is answered on. Errors are the 422 a body model's would be (`loc` from "body")."""
+    try:
+        return PlanRequest.model_validate(raw)
+    except ValidationError as err:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from None
+
+
+PlanBody = Annotated[PlanRequest, Depends(plan_body)]
+PLAN_BODY_SCHEMA: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/PlanRequest"}}}}}
+"""What the plan routes document as their body (`request_schemas` adds the PlanRequest component)."""
+
+
+def request_schemas() -> dict[str, Any]:
+    """The OpenAPI components of PlanRequest and the models it holds (the plan routes' body, validated by
+    `plan_body` rather than by FastAPI, which would then not list it)."""
+    schema = PlanRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    return {**defs, "PlanRequest": schema}
 WaitQuery = Annotated[float | None, Query(ge=0, allow_inf_nan=False, description=(
     "seconds to wait for the result (at most 60): 200 with the result if the job succeeded by then, "
     "else 202 with the job"))]
@@ -82,10 +107,11 @@ def validate(request: PlanRequest, settings: Settings) -> None:
 
 @router.post("/v1/plans", status_code=202, response_model=JobOut, dependencies=[RateLimitDep],
              responses={**_ERRORS, 200: {"description": "`?wait=`: the job finished in time; its result"},
-                        429: {"model": Error}}, summary="Submit a planning job")
+                        429: {"model": Error}}, summary="Submit a planning job", openapi_extra=PLAN_BODY_SCHEMA)
 @router.post("/plan", status_code=202, response_model=JobOut, dependencies=[RateLimitDep],
              responses={**_ERRORS, 200: {"description": "`?wait=`: the job finished in time; its result"},
-                        429: {"model": Error}}, summary="Submit a planning job (alias of POST /v1/plans)")
+                        429: {"model": Error}}, summary="Submit a planning job (alias of POST /v1/plans)",
+             openapi_extra=PLAN_BODY_SCHEMA)
 async def submit_plan(body: PlanBody, principal: PrincipalDep, services: ServicesDep,
                       wait: WaitQuery = None, idempotency_key: IdempotencyKeyHeader = None) -> Response:
     """Validate the problem (a bad one is a 422, never a job) and queue it; 202 with the job.
@@ -93,11 +119,15 @@ async def submit_plan(body: PlanBody, principal: PrincipalDep, services: Service
     With an `Idempotency-Key`, a retry of the same body gets the first request's job back
     (header `Idempotent-Replayed: true`); the key with a different body is a 422.
     """
-    await run_in_threadpool(validate, body, services.settings)
     request = body.to_request()
     once = Idempotency.of(idempotency_key, "POST /v1/plans", request)
-    job, replayed = await run_in_threadpool(services.store.submit_once, principal.tenant_id, JobKind.PLAN, request,
-                                            once)
+    earlier = await run_in_threadpool(services.store.replay, principal.tenant_id, once)
+    if earlier is not None:
+        job, replayed = earlier, True
+    else:
+        await run_in_threadpool(validate, body, services.settings)
+        job, replayed = await run_in_threadpool(services.store.submit_once, principal.tenant_id, JobKind.PLAN,
+                                                request, once)
     headers = {REPLAYED_HEADER: "true"} if replayed else None
     if wait:
         job, result = await _wait(services.store, principal.tenant_id, job.id, min(wait, MAX_WAIT_S))

@@ -26,8 +26,14 @@ def registry(services: ServicesDep) -> Registry:
 
 
 def _versions(reg: Registry) -> list[ModelVersion]:
-    active = reg.active()
-    return [ModelVersion(version=v, active=v == active, card=reg.card(v)) for v in reg.versions()]
+    """The registry's versions with their cards; one pruned between the index read and its card's is left out."""
+    active, out = reg.active(), []
+    for version in reg.versions():
+        try:
+            out.append(ModelVersion(version=version, active=version == active, card=reg.card(version)))
+        except SpecError:  # pruned by a training run meanwhile (`Registry.prune`)
+            continue
+    return out
 
 
 def _listing(reg: Registry, tenant: Registry | None = None) -> ModelsOut:

@@ -43,6 +43,7 @@ from tagplan.service.keys import Principal
 from tagplan.service.requests import (
     MAX_NESTING,
     CalibrationChoice,
+    LimitError,
     TrainRequest,
     calibration_of,
     check_iteration,
@@ -100,10 +101,11 @@ async def upload_trace(request: Request, response: Response, principal: Principa
         if earlier is not None:
             response.headers[REPLAYED_HEADER] = "true"
             return TraceCreated(id=earlier[0], records=earlier[1])
+    # the records are parsed and checked in a worker thread: seconds for a 2 MB upload, off the event loop
     if media in JSON_TYPES:
-        manifest, records = _from_json(body, settings)
+        manifest, records = await run_in_threadpool(_from_json, body, settings)
     elif media in LINES_TYPES:
-        manifest, records = _from_lines(_text(body), device, principal, settings)
+        manifest, records = await run_in_threadpool(_from_lines, _text(body), device, principal, settings)
     else:
         raise HTTPException(415, f"Content-Type {media or '(none)'!r}: send application/json (a bundle "
                                  f"{{manifest, records}}) or one of {', '.join(LINES_TYPES)} (records.jsonl)")
@@ -245,15 +247,26 @@ def _calibration(value: CalibrationChoice, settings: Settings) -> CalibrationCho
 def submit_training_run(body: TrainingRunRequest, principal: PrincipalDep, services: ServicesDep, response: Response,
                         idempotency_key: IdempotencyKeyHeader = None) -> JobOut:
     """Queue a training run (a job of kind `train`) on the tenant's traces; 404 if one is not theirs.
-    With an `Idempotency-Key`, a retry of the same body gets the first run's job back."""
+    With an `Idempotency-Key`, a retry of the same body gets the first run's job back (even once its traces
+    are deleted). The traces may hold at most `max_training_records` records together."""
+    once = Idempotency.of(idempotency_key, "POST /v1/training-runs", body.model_dump(mode="json"))
+    earlier = services.store.replay(principal.tenant_id, once)
+    if earlier is not None:
+        response.headers[REPLAYED_HEADER] = "true"
+        return job_out(earlier)
     ids = list(dict.fromkeys(body.traces))
     unknown = [t for t in ids if not ID_PATTERN.fullmatch(t)]
-    paths = None if unknown else services.store.traces(principal.tenant_id, ids)
-    if paths is None:
+    found = None if unknown else services.store.trace_records(principal.tenant_id, ids)
+    if found is None:
         raise HTTPException(404, f"unknown trace id(s) for tenant {principal.tenant!r} among {ids[:10]}; "
                                  "upload traces with POST /v1/traces")
+    paths, records = found
+    limit = services.settings.max_training_records
+    if records > limit:  # each iteration record is rebuilt, featurized and simulated by the run
+        raise LimitError(f"traces: {len(ids)} trace(s) of {records} records in all are over this service's limit "
+                         f"of {limit} records per training run (TAGPLAN_MAX_TRAINING_RECORDS); name fewer traces",
+                         limit="max_training_records")
     request = TrainRequest(traces=paths, calibration=_calibration(body.calibration, services.settings))
-    once = Idempotency.of(idempotency_key, "POST /v1/training-runs", body.model_dump(mode="json"))
     job, replayed = services.store.submit_once(principal.tenant_id, JobKind.TRAIN,
                                                request.model_dump(exclude_none=True), once)
     if not replayed and not services.store.traces_held(principal.tenant_id, ids):  # deleted as the run was queued

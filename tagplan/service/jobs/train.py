@@ -15,7 +15,9 @@ are deleted as a new one is registered (`Registry.prune`).
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +58,23 @@ def run_train(data: Any, settings: Settings, progress: Progress, *, tenant_id: i
     registry = tenant_registry(settings, tenant_id)
     (settings.home / "training").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=settings.home / "training") as out_dir:  # the registry keeps a copy
-        card = finetune_on_traces(bundles, Path(out_dir), registry=registry, calibration=calibration)
+        card = finetune_on_traces(bundles, Path(out_dir), registry=registry, calibration=calibration,
+                                  names=[f"trace {Path(p).name}" for p in request.traces])
     if tenant_id is not None:
         registry.prune(settings.max_versions_per_tenant)
     progress(1.0, "registered")
     scope = "service-wide" if tenant_id is None else f"tenant {tenant_id}"
     return {**json.loads(json.dumps(card, default=str)), "registry": scope}  # paths and dates as strings
+
+
+def sweep_training_dirs(settings: Settings, now_s: float | None = None) -> int:
+    """Remove what killed training runs left under `<home>/training` (a job process killed by a cancel, its
+    timeout or its memory cap never leaves its temporary directory); a folder older than twice the job timeout
+    belongs to no running job. Returns how many were removed."""
+    root, now_s = settings.home / "training", time.time() if now_s is None else now_s
+    if not root.is_dir():
+        return 0
+    stale = [p for p in root.iterdir() if p.is_dir() and now_s - p.stat().st_mtime > 2 * settings.job_timeout_s]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(stale)

@@ -524,6 +524,20 @@ def test_an_iteration_record_that_cannot_be_a_run_of_its_plan_is_refused_at_impo
     assert import_iterations(ITERATIONS_JSONL)  # the fixture's real runs pass
 
 
+def test_a_known_gpu_declared_faster_is_held_to_the_catalog_s_peak(tmp_path: Path) -> None:
+    """A record cannot make an impossible time possible by declaring a catalog GPU's figures itself."""
+    def gpu(name: str) -> dict[str, Any]:
+        return {"name": "forged", "node_groups": [{"gpus_per_node": 4, "gpu": {
+            "base": "V100-SXM2-16GB", "name": name, "peak_flops_fp16": 1e40, "peak_flops_bf16": 1e40}}]}
+
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps(_one_run(cluster=gpu("V100-SXM2-16GB"), measured_s=1e-9)) + "\n")
+    with pytest.raises(SpecError, match=r"runs\.jsonl:1: measured_s 1e-09 s is shorter than"):
+        import_iterations(path)
+    path.write_text(json.dumps(_one_run(cluster=gpu("lab-gpu-x"), measured_s=1e-9)) + "\n")
+    assert import_iterations(path)  # a GPU of its own name: its own figures, applied to clusters of that name only
+
+
 def test_import_names_devices_as_the_catalog_does_and_skips_records_it_already_holds(tmp_path: Path) -> None:
     out, warnings = tmp_path / "bundle", []
     once = tmp_path / "once.jsonl"

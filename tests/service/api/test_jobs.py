@@ -283,3 +283,29 @@ def test_the_job_list_shows_model_cluster_objective_and_predicted_time(client: T
     assert {k: done[k] for k in single if k != "eta_s"} == {k: v for k, v in single.items() if k != "eta_s"}
     assert set(single) == {"id", "kind", "status", "progress", "message", "error", "attempts", "created_at",
                            "started_at", "finished_at", "eta_s"}
+
+
+def test_a_plan_body_is_read_off_the_event_loop(client: TestClient, keys: Any, api: Any, monkeypatch: Any) -> None:
+    """A 2 MB cluster YAML takes seconds to parse: on the event loop it stalled every tenant's requests (a hostile
+    tenant's, 27 s per request). The body is validated in a worker thread, with the same 422s."""
+    import asyncio
+
+    from tagplan.service import requests
+
+    on_loop: list[bool] = []
+    parse = requests._cluster_yaml
+
+    def cluster_yaml(text: str) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return parse(text)
+
+    monkeypatch.setattr(requests, "_cluster_yaml", cluster_yaml)
+    body = {**api.TINY, "cluster": "name: lab\nnode_groups:\n  - {preset: p3.8xlarge, nodes: 1}\n"}
+    assert client.post("/v1/plans", json=body, headers=api.auth(keys.a)).status_code == 202
+    assert on_loop == [False]
+    bad = client.post("/v1/plans", json={**body, "budget_s": "soon"}, headers=api.auth(keys.a))
+    assert bad.status_code == 422 and bad.json()["errors"][0]["loc"] == ["body", "budget_s"]

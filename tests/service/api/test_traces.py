@@ -113,18 +113,70 @@ def test_a_training_run_whose_trace_is_deleted_as_it_is_queued_is_refused_not_lo
     queued run on a deleted bundle. The run now checks its traces again once queued."""
     mine = client.post("/v1/traces", json=_bundle(), headers=api.auth(keys.a)).json()["id"]
     store = client.app.state.services.store  # type: ignore[attr-defined]
-    looked_up = store.traces
+    looked_up = store.trace_records
 
     def then_deleted(tenant_id: int, ids: list[str]) -> Any:
-        paths = looked_up(tenant_id, ids)
+        found = looked_up(tenant_id, ids)
         assert store.delete_trace(tenant_id, mine) is not None  # no run reads it yet
-        return paths
+        return found
 
-    monkeypatch.setattr(store, "traces", then_deleted)
+    monkeypatch.setattr(store, "trace_records", then_deleted)
     answer = client.post("/v1/training-runs", json={"traces": [mine]}, headers=api.auth(keys.a))
     assert answer.status_code == 404 and "were deleted as this training run was queued" in answer.json()["detail"]
     job_id = answer.json()["detail"].split("its job ")[1].split()[0]
     assert client.get(f"/v1/jobs/{job_id}", headers=api.auth(keys.a)).json()["status"] == "cancelled"
+
+
+def test_a_retry_gets_its_training_run_back_after_its_trace_is_deleted(client: TestClient, keys: Any,
+                                                                      api: Any) -> None:
+    """The key belongs to the job it made: a retry is answered with it before the traces are looked up again."""
+    mine = client.post("/v1/traces", json=_bundle(), headers=api.auth(keys.a)).json()["id"]
+    headers = {**api.auth(keys.a), "Idempotency-Key": "run-1"}
+    run = client.post("/v1/training-runs", json={"traces": [mine]}, headers=headers).json()
+    assert client.delete(f"/v1/jobs/{run['id']}", headers=api.auth(keys.a)).status_code in (200, 202)
+    assert client.delete(f"/v1/traces/{mine}", headers=api.auth(keys.a)).status_code == 204
+    again = client.post("/v1/training-runs", json={"traces": [mine]}, headers=headers)
+    assert again.status_code == 202 and again.json()["id"] == run["id"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    fresh = client.post("/v1/training-runs", json={"traces": [mine]}, headers=api.auth(keys.a))
+    assert fresh.status_code == 404  # without the key it is a new request, on a trace that is gone
+
+
+def test_a_training_run_over_the_records_limit_is_refused_before_it_is_queued(make_settings: Any, keys: Any,
+                                                                             api: Any) -> None:
+    client = api.client_for(make_settings(max_training_records=7))
+    traces = [client.post("/v1/traces", json=_bundle(), headers=api.auth(keys.a)).json()["id"] for _ in range(2)]
+    assert client.post("/v1/training-runs", json={"traces": traces[:1]}, headers=api.auth(keys.a)).status_code == 202
+    answer = client.post("/v1/training-runs", json={"traces": traces}, headers=api.auth(keys.a))
+    assert answer.status_code == 422
+    assert "2 trace(s) of 10 records in all are over this service's limit of 7" in answer.json()["detail"]
+    assert "TAGPLAN_MAX_TRAINING_RECORDS" in answer.json()["detail"]
+
+
+def test_uploads_are_read_off_the_event_loop(client: TestClient, keys: Any, api: Any, monkeypatch: Any) -> None:
+    """Checking a 2 MB upload's records takes seconds; on the event loop it stalled every tenant's requests."""
+    import asyncio
+
+    from tagplan.service.api import traces
+
+    on_loop: list[bool] = []
+    checked = traces._record
+
+    def record(*args: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return checked(*args)
+
+    monkeypatch.setattr(traces, "_record", record)
+    text = "\n".join((FIXTURE_BUNDLE / "records.jsonl").read_text().splitlines()[:3]) + "\n"
+    created = client.post("/v1/traces", params={"device": "cpu-amd-epyc"}, content=text.encode(),
+                          headers={**api.auth(keys.a), "Content-Type": "application/x-ndjson"})
+    assert created.status_code == 201 and client.post("/v1/traces", json=_bundle(),
+                                                      headers=api.auth(keys.a)).status_code == 201
+    assert on_loop == [False] * 8
 
 
 # -- what no upload may turn into a 500 ------------------------------------------------------------

@@ -53,3 +53,20 @@ def test_a_tenant_keeps_its_newest_versions_and_no_training_leftovers(settings: 
     registry = tenant_registry(one, 7)
     assert registry.versions() == sorted({"v0002", *([registry.active()] if registry.active() else [])})
     assert list((settings.home / "training").iterdir()) == []  # the fine-tuning's own copy is gone
+
+
+def test_folders_killed_training_runs_left_are_swept(settings: Settings) -> None:
+    import os
+    import time
+
+    from tagplan.service.jobs.train import sweep_training_dirs
+
+    root = settings.home / "training"
+    old, young = root / "tmpold", root / "tmpyoung"
+    for folder in (old, young):
+        folder.mkdir(parents=True)
+        (folder / "model.pt").write_bytes(b"weights")
+    long_ago = time.time() - 3 * settings.job_timeout_s
+    os.utime(old, (long_ago, long_ago))
+    assert sweep_training_dirs(settings) == 1
+    assert sorted(p.name for p in root.iterdir()) == ["tmpyoung"]  # a running job's folder stays
