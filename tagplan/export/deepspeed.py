@@ -40,7 +40,7 @@ from tagplan.export.checks import (
     uniform_mesh,
     validate,
 )
-from tagplan.export.node_launch import fixed_rank_table
+from tagplan.export.node_launch import clear_launch_files, fixed_rank_table
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule
@@ -119,6 +119,7 @@ def write_deepspeed(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batc
     reduce = grad_reduce(plan, model.dtype, grad_reduce_dtype=grad_reduce_dtype,
                          grad_reduce_overlap=grad_reduce_overlap)
     out_dir.mkdir(parents=True, exist_ok=True)
+    clear_launch_files(out_dir)
     config_path, partition_path = out_dir / "ds_config.json", out_dir / "partition.json"
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     partition = deepspeed_partition(model, plan, notes=reduce.notes)

@@ -70,7 +70,7 @@ from tagplan.export.checks import (
     uniform_mesh,
     validate,
 )
-from tagplan.export.node_launch import fixed_rank_table, launch_scripts
+from tagplan.export.node_launch import clear_launch_files, fixed_rank_table, launch_scripts
 from tagplan.export.shapes import ffn_width, transformer_shape
 from tagplan.frontends.families import TransformerShape
 from tagplan.frontends.model_spec import ModelSpec
@@ -253,6 +253,7 @@ def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch
                               grad_reduce_dtype=grad_reduce_dtype, grad_reduce_overlap=grad_reduce_overlap,
                               tp_comm_overlap=tp_comm_overlap, loss=loss, cluster=cluster)
     out_dir.mkdir(parents=True, exist_ok=True)
+    clear_launch_files(out_dir)
     args_path = out_dir / "megatron_args.txt"
     args_path.write_text(_one_flag_per_line(args))
     if cluster is None:
@@ -410,8 +411,10 @@ def _model_args(family: str, shape: TransformerShape, seq_len: int) -> list[str]
     """Architecture flags: sizes from the shape, GPT defaults or the Llama/MoE switches."""
     args = ["--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden),
             "--ffn-hidden-size", str(ffn_width(family, shape)), "--num-attention-heads", str(shape.heads)]
-    if shape.head_dim and shape.head_dim != shape.hidden // shape.heads:
-        args += ["--kv-channels", str(shape.head_dim)]
+    if shape.head_dim != shape.hidden // shape.heads or shape.hidden % shape.heads:
+        # Megatron-LM derives kv_channels as hidden / heads only where heads divide hidden (it asserts so
+        # otherwise): gpt3-1.3b's 24 heads of 2048 // 24 = 85 need it written
+        args += ["--kv-channels", str(shape.dh)]
     positions = max(shape.max_positions, seq_len) if family == "gpt" else seq_len
     args += ["--seq-length", str(seq_len), "--max-position-embeddings", str(positions),
              "--vocab-size", str(shape.vocab)]

@@ -17,6 +17,7 @@ import itertools
 import re
 import shlex
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tagplan.export.runtime_layout import node_order, rank_devices
@@ -52,6 +53,19 @@ def fixed_rank_table(ranked: Sequence[int], cluster: Cluster) -> list[dict[str, 
         rows.append({"device": d, "node": cluster.nodes[dev.node].name, "node_rank": node_rank[dev.node],
                      "local_gpu": dev.local, "gpu": dev.spec.name})
     return rows
+
+
+LAUNCH_FILES = ("launch.sh", "launch_node*.sh", "ranks.json", "hostfile")
+"""What an exporter writes to launch a plan: one export's, left in `--out` by an earlier export of another plan,
+would launch that plan's nodes (`clear_launch_files`)."""
+
+
+def clear_launch_files(out_dir: Path) -> None:
+    """Remove an earlier export's launch files from `out_dir` (a 2-node plan's `launch_node1.sh` beside a 1-node
+    plan's `launch_node0.sh` would start a rank the new plan does not have)."""
+    for pattern in LAUNCH_FILES:
+        for old in out_dir.glob(pattern):
+            old.unlink()
 
 
 def launch_scripts(table: list[dict[str, Any]], program: str = "train.py", *, setup: Sequence[str] = (),

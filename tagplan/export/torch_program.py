@@ -71,7 +71,7 @@ from typing import Any
 from tagplan.errors import SpecError
 from tagplan.export.checks import ExportError, GradReduce, exported_loss
 from tagplan.export.modules import tp_ops
-from tagplan.export.node_launch import launch_scripts, rank_table
+from tagplan.export.node_launch import clear_launch_files, launch_scripts, rank_table
 from tagplan.export.runtime_train import PROGRAM_FORMAT
 from tagplan.export.shapes import ModelConfig, model_config, parsed
 from tagplan.export.torch_checks import (
@@ -262,8 +262,7 @@ def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, 
     cfg = program_config(text, plan, model, config, seq_len=seq_len, global_batch=global_batch, steps=steps,
                          seed=seed, table=table, dtype=dtype, optimizer=optimizer, reduce=reduce, loss=loss)
     (out_dir / "plan.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for old in out_dir.glob("launch_node*.sh"):
-        old.unlink()
+    clear_launch_files(out_dir)
     for name, body in launch_scripts(table, PROGRAM_NAME).items():
         (out_dir / name).write_text(body)
         (out_dir / name).chmod(0o755)

@@ -306,6 +306,23 @@ def test_megatron_launches_the_nodes_in_the_plans_rank_order_on_a_cluster(tmp_pa
         subprocess.run(["bash", "-n", str(script)], check=True)
 
 
+def test_a_new_export_leaves_no_launch_file_of_an_earlier_plan(tmp_path: Path) -> None:
+    """A 4-node plan's launch_node3.sh left beside a 1-node plan's launch script would start a rank it lacks."""
+    four = swap_devices(pipeline([24] * 4, tp=8), 0, 3)
+    export("gpt3-175b", four, tmp_path, fmt="megatron", seq_len=None, global_batch=64, cluster=load_cluster(MIXED))
+    export("gpt3-175b", pipeline([12] * 8, tp=8, recompute=True), tmp_path, fmt="megatron", seq_len=None,
+           global_batch=1536)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["launch.sh", "megatron_args.txt"]
+
+
+def test_heads_that_do_not_divide_the_hidden_size_write_their_width() -> None:
+    """gpt3-1.3b: 24 heads of 2048 // 24 = 85; Megatron-LM asserts hidden % heads == 0 unless --kv-channels."""
+    args = megatron_arguments(load_model("gpt3-1.3b"), pipeline([24], tp=1), global_batch=64, seq_len=2048)
+    assert args[args.index("--kv-channels") + 1] == "85"
+    even = megatron_arguments(load_model("gpt3-2.7b"), pipeline([32], tp=1), global_batch=64, seq_len=2048)
+    assert "--kv-channels" not in even
+
+
 def test_an_interleaved_plan_launches_its_first_chunks_node_first_on_a_cluster(tmp_path: Path) -> None:
     """Interleaved 1F1B on the mixed cluster with pipeline rank 0 on the last A100 node: every chunk of
     a rank stays on its rank's node, so the launch order is that of the first chunks' groups."""
