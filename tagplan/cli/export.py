@@ -48,9 +48,11 @@ def add_export_commands(sub: Subparsers) -> None:
     add_cluster_options(exp)
     exp.add_argument("--plan", required=True, help="a Plan JSON file")
     exp.add_argument("--format", choices=["torch", "megatron", "deepspeed"], default="torch", dest="fmt")
-    exp.add_argument("--batch", type=positive_int, default=DEFAULT_GLOBAL_BATCH,
-                     help=f"global batch in samples, as the plan was searched for (default {DEFAULT_GLOBAL_BATCH})")
-    exp.add_argument("--seq", type=positive_int, default=None, help="tokens per sample (default: the model's)")
+    exp.add_argument("--batch", type=positive_int, default=None,
+                     help="global batch in samples, as the plan was searched for (default: what the plan file says "
+                          f"it was searched for, else {DEFAULT_GLOBAL_BATCH})")
+    exp.add_argument("--seq", type=positive_int, default=None,
+                     help="tokens per sample (default: what the plan file says it was searched for, else the model's)")
     add_dtype_option(exp)
     exp.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value,
                      help="the optimizer the plan was costed with (torch program)")
@@ -97,8 +99,11 @@ def add_export_commands(sub: Subparsers) -> None:
     mea.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                      help="compute dtype (bf16/fp16: autocast over fp32 weights); default fp32 on cpu, bf16 on cuda")
     mea.add_argument("--plan", required=True, help="a Plan JSON file")
-    mea.add_argument("--batch", type=positive_int, default=DEFAULT_GLOBAL_BATCH, help="global batch in samples")
-    mea.add_argument("--seq", type=positive_int, required=True, help="tokens per sample")
+    mea.add_argument("--batch", type=positive_int, default=None,
+                     help=f"global batch in samples (default: the plan file's searched_for, else "
+                          f"{DEFAULT_GLOBAL_BATCH})")
+    mea.add_argument("--seq", type=positive_int, default=None,
+                     help="tokens per sample (default: the plan file's searched_for; required otherwise)")
     mea.add_argument("--steps", type=positive_int, default=5, help="timed steps (their median is recorded)")
     mea.add_argument("--warmup", type=int, default=2, help="steps run first and discarded")
     mea.add_argument("--optimizer", choices=[o.value for o in Optimizer], default=Optimizer.ADAM.value)
@@ -110,10 +115,12 @@ def add_export_commands(sub: Subparsers) -> None:
 def _export(args: argparse.Namespace) -> int:
     from tagplan.export.dispatch import export, grad_reduce_settings, loss_settings, tp_comm_settings
     from tagplan.frontends.model_spec import parse_model_spec
-    from tagplan.frontends.plan_file import load_plan
+    from tagplan.frontends.plan_file import load_plan_file, searched_workload
 
     spec = parse_model_spec(args.model)
-    plan = load_plan(args.plan)
+    plan, searched = load_plan_file(args.plan)
+    batch, args.seq = searched_workload(args.batch, args.seq, searched, args.plan)
+    args.batch = batch or DEFAULT_GLOBAL_BATCH
     cluster = load_cluster_option(args.cluster, args) if args.cluster else None
     dtype = DType(args.dtype)
     reduce_dtype = DType(args.grad_reduce_dtype) if args.grad_reduce_dtype else None
@@ -261,12 +268,16 @@ def _measure(args: argparse.Namespace) -> int:
     from tagplan.export.torch_program import reduce_overlaps, runtime_on
     from tagplan.frontends.cpu import cpu_cluster, gpu_cluster
     from tagplan.frontends.model_spec import parse_model_spec
-    from tagplan.frontends.plan_file import load_plan
+    from tagplan.frontends.plan_file import load_plan_file, searched_workload
     from tagplan.ir.workload import Workload
     from tagplan.profiling.device import cpu_device_spec, fingerprint
 
     spec = parse_model_spec(args.model)
-    plan = load_plan(args.plan)
+    plan, searched = load_plan_file(args.plan)
+    batch, args.seq = searched_workload(args.batch, args.seq, searched, args.plan)
+    args.batch = batch or DEFAULT_GLOBAL_BATCH
+    if args.seq is None:
+        raise SpecError(f"--seq: {args.plan} does not say what it was searched for; give the tokens per sample")
     optimizer = Optimizer(args.optimizer)
     cuda = args.device == "cuda"
     dtype = DType(args.dtype or ("bf16" if cuda else "fp32"))

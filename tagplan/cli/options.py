@@ -179,8 +179,9 @@ def add_problem_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model SPEC")
     parser.add_argument("--cluster", required=True, help="cluster SPEC")
     add_cluster_options(parser)
-    parser.add_argument("--batch", type=positive_int, default=DEFAULT_GLOBAL_BATCH,
-                        help=f"global batch in samples (default {DEFAULT_GLOBAL_BATCH})")
+    parser.add_argument("--batch", type=positive_int, default=None,
+                        help=f"global batch in samples (default {DEFAULT_GLOBAL_BATCH}; simulate: what the plan file "
+                             "says it was searched for)")
     parser.add_argument("--seq", type=positive_int, default=None, help="tokens per sample (default: the model's)")
     add_input_shape_option(parser)
     add_dtype_option(parser)
@@ -236,7 +237,7 @@ def workload_of(args: argparse.Namespace, model: ModelGraph) -> Workload:
     refusal = eager_dtype_refusal(eager, dtype)
     if refusal:
         raise SpecError(f"--eager {args.eager} with --dtype {dtype.value}: {refusal}")
-    return Workload(global_batch=args.batch, seq_len=model.seq_len, dtype=dtype,
+    return Workload(global_batch=args.batch or DEFAULT_GLOBAL_BATCH, seq_len=model.seq_len, dtype=dtype,
                     optimizer=Optimizer(args.optimizer), grad_reduce_dtype=DType(reduce) if reduce else None,
                     grad_reduce_overlap=getattr(args, "grad_reduce_overlap", True),
                     tp_comm_overlap=getattr(args, "tp_comm_overlap", False),

@@ -30,6 +30,7 @@ from tagplan.cli.options import (
 from tagplan.cost.comm import CommMode
 from tagplan.errors import SpecError
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
+from tagplan.frontends.plan_file import SearchedFor, plan_file_json
 from tagplan.ir.workload import LOSS_KERNEL_TEXT, LossKernel
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS, WORKERS, Objective, PlanProblem, Scorer
 from tagplan.search.result import PlanResult
@@ -102,8 +103,11 @@ def _simulate(args: argparse.Namespace) -> int:
     from tagplan.cost.baselines import data_parallel, megatron
     from tagplan.cost.simulator import Simulator
     from tagplan.cost.timeline import chrome_trace
-    from tagplan.frontends.plan_file import load_plan
+    from tagplan.frontends.plan_file import load_plan_file, searched_workload
 
+    plan_file = None if args.plan in ("dp", "megatron") else load_plan_file(args.plan)
+    if plan_file is not None:  # --batch and --seq default to what the plan was searched for
+        args.batch, args.seq = searched_workload(args.batch, args.seq, plan_file[1], args.plan)
     model, cluster, workload = load_problem(args)
     overlap = None
     if args.exportable:  # as `plan --exportable` costs it
@@ -119,12 +123,14 @@ def _simulate(args: argparse.Namespace) -> int:
             raise SpecError(f"--plan {args.plan}: the baseline does not apply: {baseline.reason}")
         plan = baseline.plan
     else:
-        plan = load_plan(args.plan)
+        assert plan_file is not None
+        plan = plan_file[0]
     result = sim.run(plan, record_tasks=bool(args.timeline))
     if args.timeline:
         Path(args.timeline).write_text(json.dumps(chrome_trace(result)))
     if args.plan_out:
-        Path(args.plan_out).write_text(plan.model_dump_json(indent=2))
+        Path(args.plan_out).write_text(plan_file_json(plan, SearchedFor(global_batch=workload.global_batch,
+                                                                        seq_len=model.seq_len)))
     if args.predictor == "gnn":
         return _with_correction(args, result.report, plan, (model, cluster, workload), sim.calibration)
     if not args.exportable:
@@ -231,7 +237,8 @@ def _plan(args: argparse.Namespace) -> int:
     from tagplan.cli.tables import plan_result_table
     from tagplan.export.checks import exported_loss
 
-    result = search(plan_problem(args), show_progress=not args.json and sys.stderr.isatty(),
+    problem = plan_problem(args)
+    result = search(problem, show_progress=not args.json and sys.stderr.isatty(),
                     exportable=args.exportable, spec=parse_model_spec(args.model))
     given = getattr(args, "loss", None)
     asked = LossKernel(given or LossKernel.EAGER.value)
@@ -243,7 +250,8 @@ def _plan(args: argparse.Namespace) -> int:
     refused = result.exporters.get(args.exportable) if args.exportable else None
     feasible = result.best.report.fits and refused is None
     if args.out and (feasible or args.allow_infeasible):
-        Path(args.out).write_text(result.best.plan.model_dump_json(indent=2))
+        searched = SearchedFor(global_batch=problem.workload.global_batch, seq_len=problem.model.seq_len)
+        Path(args.out).write_text(plan_file_json(result.best.plan, searched))
     if args.timeline:
         Path(args.timeline).write_text(json.dumps(result.timeline()))
     emit(result.to_json() if args.json else result, args.json, plan_result_table)

@@ -294,3 +294,31 @@ def test_an_export_in_a_dtype_the_gpus_lack_tensor_cores_for_says_the_run_is_slo
     assert json.loads(capsys.readouterr().out)["tensor_cores"] is None
     assert main([*args, "--cluster", "dgx-a100-80gb", "--out", str(tmp_path / "a100")]) == 0
     assert json.loads(capsys.readouterr().out)["tensor_cores"] is None
+
+
+def test_a_plan_file_says_what_it_was_searched_for_and_the_commands_take_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --out` records the batch and sequence; `export`, `simulate` and `measure` default to them and refuse
+    another (an export at the default batch 8 had refused the README tour's plan, and one at the model's own
+    sequence had written twice the searched tokens without a word)."""
+    problem = ["--model", TINY, "--cluster", "p3.8xlarge:nodes=1+g4dn.12xlarge:nodes=1"]
+    plan = tmp_path / "p.json"
+    assert main(["plan", *problem, "--batch", "12", "--seq", "16", "--max-evaluations", "20", "--workers", "1",
+                 "--out", str(plan)]) == 0
+    assert json.loads(plan.read_text())["searched_for"] == {"global_batch": 12, "seq_len": 16}
+    capsys.readouterr()
+    assert main(["export", "--model", TINY, "--plan", str(plan), "--format", "torch",
+                 "--out", str(tmp_path / "r")]) == 0
+    cfg = json.loads((tmp_path / "r" / "plan.json").read_text())
+    assert (cfg["global_batch"], cfg["seq_len"]) == (12, 16)
+    capsys.readouterr()
+    assert main(["simulate", *problem, "--plan", str(plan), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tokens_per_s"] * report["iteration_time_s"] == pytest.approx(12 * 16)
+    for option, value in (("--batch", "8"), ("--seq", "32")):
+        assert main(["export", "--model", TINY, "--plan", str(plan), option, value, "--format", "torch",
+                     "--out", str(tmp_path / "x")]) == 2
+        assert f"{option} {value}: {plan} was searched for {option} " in capsys.readouterr().err
+    bare = write_plan(tmp_path / "bare.json", json.loads(plan.read_text())["stages"])  # no searched_for: defaults
+    assert main(["measure", "--model", TINY, "--plan", str(bare), "--batch", "12", "--out", str(tmp_path / "b")]) == 2
+    assert "--seq: " in capsys.readouterr().err

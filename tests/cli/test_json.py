@@ -29,7 +29,8 @@ def test_plan_json_timeline_and_out(tmp_path: Path, capsys: pytest.CaptureFixtur
     result = _json(capsys)
     assert {"objective", "best", "pareto", "baselines", "search"} <= set(result)
     assert result["search"]["evaluations"] <= 20
-    assert json.loads(out.read_text()) == result["best"]["plan"]
+    written = json.loads(out.read_text())
+    assert written.pop("searched_for") == {"global_batch": 8, "seq_len": 64} and written == result["best"]["plan"]
     assert any(e.get("cat") == "forward" for e in json.loads(timeline.read_text())["traceEvents"])
     # the written plan simulates to the reported figures
     assert main(["simulate", "--model", TINY, "--seq", "64", "--cluster", "p3.8xlarge", "--plan", str(out),

@@ -35,10 +35,13 @@ def test_every_cluster_command_takes_the_same_cluster_options(command: list[str]
 
 
 def test_plan_defaults_are_the_problem_defaults() -> None:
+    from tagplan.cli.options import load_problem
+
     args = build_parser().parse_args(["plan", *PROBLEM])
-    assert (args.budget_s, args.max_evaluations, args.batch) == (DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS,
-                                                                 DEFAULT_GLOBAL_BATCH)
-    assert build_parser().parse_args(["simulate", *PROBLEM, "--plan", "dp"]).batch == DEFAULT_GLOBAL_BATCH
+    assert (args.budget_s, args.max_evaluations) == (DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS)
+    assert load_problem(args)[2].global_batch == DEFAULT_GLOBAL_BATCH  # --batch unset: the default, resolved there
+    simulate = build_parser().parse_args(["simulate", *PROBLEM, "--plan", "dp"])
+    assert load_problem(simulate)[2].global_batch == DEFAULT_GLOBAL_BATCH
 
 
 @pytest.mark.parametrize("command", PRINTING, ids=lambda c: " ".join(c[:2]))

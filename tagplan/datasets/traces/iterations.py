@@ -30,6 +30,7 @@ from tagplan.frontends.cluster_file import parse_cluster_data
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.json_graph import graph_from_dict
 from tagplan.frontends.model_spec import load_model
+from tagplan.frontends.plan_file import plan_data
 from tagplan.frontends.presets import replace_node
 from tagplan.frontends.textfile import read_text
 from tagplan.ir.cluster import Cluster
@@ -208,7 +209,7 @@ def _load_plan(text: str, where: str, base: Path) -> Any:
     if not path.is_file():
         raise SpecError(f"{where}: plan {text!r} is neither JSON text nor a file ({path} does not exist)")
     try:
-        return json.loads(read_text(path))
+        return plan_data(json.loads(read_text(path)), str(path))[0]  # a `plan --out` file: without its searched_for
     except json.JSONDecodeError as err:
         raise SpecError(f"{where}: plan file {path}: malformed JSON at line {err.lineno}, column {err.colno}: "
                         f"{err.msg}") from None
