@@ -31,6 +31,21 @@ def refuse(fmt: str, message: str) -> ExportError:
     return ExportError(f"{fmt}: {message}")
 
 
+def reduce_dtype_note(fmt: str, dtype: DType, grad_reduce_dtype: DType | None, runs: DType, hint: str) -> str | None:
+    """A note where the exported run reduces gradients in `runs` while the plan was costed with `grad_reduce_dtype`
+    (None: the training `dtype`, as `plan` and `simulate` cost it by default), in a dtype of another width: the
+    reduction moves that many times the bytes, and the run is slower or faster than predicted where it is exposed."""
+    costed = grad_reduce_dtype or dtype
+    if costed.nbytes == runs.nbytes:
+        return None
+    default = " (the default: the training dtype)" if grad_reduce_dtype is None else ""
+    ratio = runs.nbytes / costed.nbytes
+    way = f"{ratio:g}x the bytes: slower" if ratio > 1 else f"{ratio:g}x the bytes: faster"
+    said = "16 bits" if costed.quantized else costed.value  # a quantized recipe keeps its gradients in 16 bits
+    return (f"the plan was costed with gradients reduced in {said}{default}; {fmt} reduces them in "
+            f"{runs.value}, {way} than predicted where the reduction is exposed. {hint}")
+
+
 @dataclass(frozen=True)
 class GradReduce:
     """How an export's files make the run reduce its data-parallel gradients.

@@ -66,6 +66,7 @@ from tagplan.export.checks import (
     check_rank_order,
     check_reduce_dtype,
     micro_batch_size,
+    reduce_dtype_note,
     refuse,
     uniform_mesh,
     validate,
@@ -519,8 +520,11 @@ def grad_reduce(plan: Plan, dtype: DType, *, grad_reduce_dtype: DType | None = N
     notes = (("ZeRO-3 under Megatron FSDP overlaps its parameter gathers (costed so whatever the setting), and "
               "with them the gradient reduction, which was costed after the backward: the run reduces faster "
               "than predicted",) if overlap and not grad_reduce_overlap else ())
-    return GradReduce(dtype=grad_reduce_dtype or _REDUCE_DEFAULT[dtype], overlap=overlap, written=tuple(written),
-                      notes=notes)
+    runs = grad_reduce_dtype or _REDUCE_DEFAULT[dtype]
+    wider = reduce_dtype_note(FMT, dtype, grad_reduce_dtype, runs, f"Export with --grad-reduce-dtype {dtype.value} "
+                              "to write the flag that reduces in the training dtype, or cost the plan with "
+                              f"--grad-reduce-dtype {runs.value}") if plan.stages[0].dp_cp > 1 else None
+    return GradReduce(dtype=runs, overlap=overlap, written=tuple(written), notes=(*notes, *([wider] if wider else [])))
 
 
 def _one_flag_per_line(args: list[str]) -> str:

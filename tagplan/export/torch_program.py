@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from tagplan.errors import SpecError
-from tagplan.export.checks import ExportError, GradReduce, exported_loss
+from tagplan.export.checks import ExportError, GradReduce, exported_loss, reduce_dtype_note
 from tagplan.export.modules import tp_ops
 from tagplan.export.node_launch import clear_launch_files, launch_scripts, rank_table
 from tagplan.export.runtime_train import PROGRAM_FORMAT
@@ -209,7 +209,9 @@ def grad_reduce(plan: Plan, runtime: str, *, dtype: DType, grad_reduce_dtype: DT
         notes.append(f"the program reduces the gradients of stages {exposed} after their last backward, exposed; a "
                      "plan costed with the reduction overlapped will run slower than predicted there. `plan "
                      "--exportable torch` costs it as the program runs it")
-    return GradReduce(dtype=DType.FP32, overlap=not exposed, notes=tuple(notes))
+    wider = reduce_dtype_note(FMT, dtype, grad_reduce_dtype, DType.FP32,
+                              "`plan --exportable torch` costs it as the program runs it")
+    return GradReduce(dtype=DType.FP32, overlap=not exposed, notes=(*notes, *([wider] if wider else [])))
 
 
 def _carry_user_file(spec: ModelSpec, out_dir: Path) -> str | None:

@@ -435,7 +435,17 @@ def test_megatron_fsdp_zero3_always_overlaps_its_gathers(gpt3: ModelGraph) -> No
     assert "--overlap-param-gather" not in zero2 and "--overlap-grad-reduce" not in zero2
     said = megatron_grad_reduce(plan, DType.BF16, grad_reduce_overlap=False)
     assert said.overlap is True and "faster than predicted" in said.notes[0]  # the run differs from the costing
-    assert megatron_grad_reduce(all_stages(plan, zero=2), DType.BF16, grad_reduce_overlap=False).notes == ()
+    assert megatron_grad_reduce(all_stages(plan, zero=2), DType.BF16, grad_reduce_dtype=DType.FP32,
+                                grad_reduce_overlap=False).notes == ()
+    default = megatron_grad_reduce(all_stages(plan, zero=2), DType.BF16, grad_reduce_overlap=False)
+    assert default.dtype is DType.FP32 and default.notes == (  # plan and simulate cost the default in bf16
+        "the plan was costed with gradients reduced in bf16 (the default: the training dtype); megatron reduces "
+        "them in fp32, 2x the bytes: slower than predicted where the reduction is exposed. Export with "
+        "--grad-reduce-dtype bf16 to write the flag that reduces in the training dtype, or cost the plan with "
+        "--grad-reduce-dtype fp32",)
+    in_bf16 = megatron_grad_reduce(all_stages(plan, zero=2), DType.BF16, grad_reduce_dtype=DType.BF16,
+                                   grad_reduce_overlap=False)
+    assert in_bf16.notes == () and "--grad-reduce-in-bf16" in in_bf16.written
 
 
 def test_tp_comm_overlap_is_written_for_megatron_where_tp_splits_the_model(gpt3: ModelGraph) -> None:

@@ -161,7 +161,12 @@ def test_torch_program_overlaps_on_one_rank_and_reduces_pipelined_stages_after_t
     assert runtime_on(piped, None) == "mesh" and reduce_overlaps(piped, "mesh") == {0: False, 1: False}
     noted = grad_reduce(piped, "mesh", dtype=BF16)
     assert noted.overlap is False and "stages [0, 1] after their last backward" in noted.notes[0]
-    assert grad_reduce(piped, "mesh", dtype=BF16, grad_reduce_overlap=False).notes == ()
+    assert grad_reduce(piped, "mesh", dtype=BF16, grad_reduce_dtype=FP32, grad_reduce_overlap=False).notes == ()
+    wider = grad_reduce(piped, "mesh", dtype=BF16, grad_reduce_overlap=False).notes  # costed in bf16 by default
+    assert wider == ("the plan was costed with gradients reduced in bf16 (the default: the training dtype); torch "
+                     "reduces them in fp32, 2x the bytes: slower than predicted where the reduction is exposed. "
+                     "`plan --exportable torch` costs it as the program runs it",)
+    assert grad_reduce(piped, "mesh", dtype=FP32, grad_reduce_overlap=False).notes == ()  # an fp32 run: as costed
 
 
 def test_pipeline_runtime_overlaps_zero3_stages_only() -> None:
