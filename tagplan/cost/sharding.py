@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from tagplan.cost.comm import Collective
-from tagplan.ir.model import Block, Op, OpKind
+from tagplan.ir.model import Block, ModelGraph, Op, OpKind, PartitionDim
+from tagplan.ir.plan import Plan
 from tagplan.ir.plan import ShardStrategy as St
 
 
@@ -94,6 +95,39 @@ def candidate_strategies(op: Op) -> tuple[St, ...]:
     if op.kind in (OpKind.LAYERNORM, OpKind.REDUCTION):
         return (St.SEQUENCE, St.REPLICATE)
     return (St.SEQUENCE, St.COLUMN, St.REPLICATE)
+
+
+def accepted_strategies(op: Op) -> tuple[St, ...]:
+    """What a plan's `sharding` may give `op`: its kind's `candidate_strategies`, `batch` wherever `sequence` is (a
+    token split too), and `experts` for an expert bank's matmuls (an op partitioned along its experts)."""
+    out = [*candidate_strategies(op)]
+    if St.SEQUENCE in out:
+        out.append(St.BATCH)
+    if PartitionDim.EXPERTS in op.partition_dims:
+        out.append(St.EXPERTS)
+    return tuple(out)
+
+
+def sharding_problem(plan: Plan, model: ModelGraph) -> str | None:
+    """Why a stage's `sharding` cannot be costed as written (None: it can): it names an op no layer of the stage
+    holds (a typo, `attn.Q`, was dropped in silence and the defaults costed), or gives an op a strategy its kind does
+    not take (`accepted_strategies`)."""
+    for i, stage in enumerate(plan.stages):
+        if not stage.sharding:
+            continue
+        ops = {op.name: op for j in range(*stage.layers) for op in model.block_of(j).ops}
+        for name, strategy in stage.sharding.items():
+            op = ops.get(name)
+            if op is None:
+                listed = sorted(ops)
+                more = f", ... ({len(listed)} in all)" if len(listed) > 12 else ""
+                return (f"stages[{i}].sharding names op {name[:80]!r}, which no layer of the stage has (its ops: "
+                        f"{', '.join(listed[:12])}{more})")
+            accepted = accepted_strategies(op)
+            if strategy not in accepted:
+                return (f"stages[{i}].sharding[{name!r}] = {strategy.value!r} is not accepted for a "
+                        f"{op.kind.value} op; accepted: {', '.join(a.value for a in accepted)}")
+    return None
 
 
 def layouts(op: Op, strategy: St) -> OpLayouts:

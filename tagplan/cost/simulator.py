@@ -27,7 +27,7 @@ from tagplan.cost.memory import (
 from tagplan.cost.object_memo import object_memo
 from tagplan.cost.pipeline import PipelineResult, StageTiming, lane_peaks, max_in_flight, simulate_pipeline
 from tagplan.cost.report import Breakdown, DeviceMemoryReport, Report, StageReport
-from tagplan.cost.sharding import divides
+from tagplan.cost.sharding import divides, sharding_problem
 from tagplan.cost.stage_cost import GroupCost, StageCoster, sharding_key
 from tagplan.errors import SpecError
 from tagplan.ir.cluster import Cluster
@@ -820,6 +820,12 @@ def _check(plan: Plan, model: ModelGraph, cluster: Cluster, workload: Workload) 
         check_plan(plan, model, cluster)
     except ValueError as exc:
         raise SpecError(f"plan: {exc}") from None
+    if any(s.sharding for s in plan.stages) and (problem := sharding_problem(plan, model)) is not None:
+        raise SpecError(f"plan: {problem}")
+    for i, stage in enumerate(plan.stages):
+        if stage.cp > 1 and workload.seq_len % stage.cp:  # each context-parallel rank holds whole tokens
+            raise SpecError(f"plan: stages[{i}].cp = {stage.cp} does not divide the {workload.seq_len} tokens per "
+                            f"sample; accepted: a cp that divides them (Megatron also needs 2 * cp to)")
     if plan.schedule is Schedule.INTERLEAVED_1F1B:
         groups = len({s.devices for s in plan.stages})
         if plan.micro_batches % groups:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tagplan.cost.sharding import sharding_problem
 from tagplan.errors import SpecError, unknown
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
@@ -86,6 +87,8 @@ def validate(plan: Plan, model: ModelGraph, cluster: Cluster | None = None) -> N
                              f"{len(model.layers)} layers [0, {len(model.layers)})")
     except ValueError as exc:
         raise SpecError(f"plan: {exc}") from None
+    if (problem := sharding_problem(plan, model)) is not None:
+        raise SpecError(f"plan: {problem}")
 
 
 def uniform_mesh(plan: Plan, fmt: str, why: str) -> tuple[int, int]:
