@@ -51,8 +51,8 @@ def load_plan_file(path: str) -> tuple[Plan, SearchedFor | None]:
     """The plan in the JSON (or YAML) file at `path` and what it was searched for (None where the file does not
     say); SpecError naming the stage and field if invalid."""
     data, searched = plan_data(parse_structured(read_text(path), path), path)
-    try:
-        return Plan.model_validate(data), searched
+    try:  # strict, as JSON: "2" is no micro-batch count and "yes" no recompute flag (whole numbers stay numbers)
+        return Plan.model_validate_json(json.dumps(data), strict=True), searched
     except ValidationError as exc:
         raise from_validation(path, exc) from None
 

@@ -43,3 +43,18 @@ def test_a_bad_stage_is_reported_once_not_again_as_a_short_list(tmp_path: Path) 
     assert len(lines) == 1 and lines[0].startswith("  stages.0: ")
     with pytest.raises(SpecError, match="stages: Tuple should have at least 1 item"):
         load_plan(write(tmp_path, {"stages": []}))  # an empty list is still reported
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"micro_batches": "2"}, r"micro_batches: Input should be a valid integer"),
+    ({"stages": [{"layers": [0, 2], "devices": [0, 1], "dp": "2"}]}, r"stages.0.dp: Input should be a valid integer"),
+    ({"stages": [{"layers": [0, 2], "devices": [0], "recompute": "yes"}]}, r"stages.0.recompute: .*valid boolean"),
+    ({"micro_batches": 2.5}, r"micro_batches: Input should be a valid integer"),
+])
+def test_a_plan_file_s_numbers_and_flags_are_not_guessed_from_text(tmp_path: Path, change: dict[str, object],
+                                                                   needle: str) -> None:
+    base = {"micro_batches": 2, "schedule": "1f1b", "stages": [{"layers": [0, 2], "devices": [0]}]}
+    with pytest.raises(SpecError, match=needle):
+        load_plan(write(tmp_path, {**base, **change}))
+    shares = load_plan(write(tmp_path, {**base, "stages": [{"layers": [0, 2], "devices": [0], "batch_shares": [1]}]}))
+    assert shares.stages[0].batch_shares == (1.0,)  # a whole number is a number where a float is asked
