@@ -194,7 +194,10 @@ def model_refusal(fmt: str, model: ModelGraph, spec: ModelSpec | None = None,
         except SpecError as err:
             return str(err)
         return torch_refusal(model, spec)
-    return None  # DeepSpeed's config describes the parallelism, not the model
+    if model.dtype.quantized:  # DeepSpeed's config describes the parallelism, not the model: only its dtype counts
+        return (f"dtype {model.dtype.value}: DeepSpeed's config has no quantized GEMMs; accepted: bf16, fp16, fp32 "
+                "(or --format megatron, whose Transformer Engine runs them)")
+    return None
 
 
 def verdicts(plan: Plan, model: ModelGraph, workload: Workload, *,

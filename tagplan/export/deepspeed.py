@@ -232,14 +232,15 @@ def rank_order(plan: Plan, cluster: Cluster | None = None) -> tuple[int, ...]:
 def plan_checks(plan: Plan, cluster: Cluster | None = None) -> tuple[int, int]:
     """(dp, pipeline depth) after every refusal the plan alone decides (ExportError naming the stage);
     with `cluster`, the rank order on its nodes (`rank_order`)."""
-    dp, tp = uniform_mesh(plan, FMT, "DeepSpeed's pipeline topology has one data-parallel degree for all stages")
-    if plan.stages[0].cp > 1:
-        raise refuse(FMT, f"stages[0].cp = {plan.stages[0].cp}: DeepSpeed's pipeline engine has no context "
-                          "parallelism (ring attention; its Ulysses sequence parallelism is another scheme); export "
-                          "with fmt='megatron' (--context-parallel-size)")
-    if tp > 1:
-        raise refuse(FMT, f"stages[0].tp = {tp}: DeepSpeed's pipeline engine has no tensor parallelism; that needs "
-                          "Megatron-DeepSpeed (its --tensor-model-parallel-size), or export with fmt='megatron'")
+    for i, stage in enumerate(plan.stages):  # what DeepSpeed lacks at all, before what it lacks per stage
+        if stage.tp > 1:
+            raise refuse(FMT, f"stages[{i}].tp = {stage.tp}: DeepSpeed's pipeline engine has no tensor parallelism; "
+                              "that needs Megatron-DeepSpeed (its --tensor-model-parallel-size), or --format megatron")
+        if stage.cp > 1:
+            raise refuse(FMT, f"stages[{i}].cp = {stage.cp}: DeepSpeed's pipeline engine has no context parallelism "
+                              "(ring attention; its Ulysses sequence parallelism is another scheme); export with "
+                              "--format megatron (--context-parallel-size)")
+    dp, _ = uniform_mesh(plan, FMT, "DeepSpeed's pipeline topology has one data-parallel degree for all stages")
     pp = len(plan.stages)
     if pp > 1 and plan.schedule is Schedule.INTERLEAVED_1F1B:
         raise refuse(FMT, "schedule 'interleaved_1f1b' is not supported: DeepSpeed's PipelineEngine runs one "
@@ -266,5 +267,5 @@ def _checkpoint_intervals(plan: Plan) -> list[int]:
         raise refuse(FMT, f"stages {partial} recompute only some of their layers (recompute_layers); DeepSpeed's "
                           "pipeline engine checkpoints every k-th layer of every stage "
                           "(activation_checkpoint_interval), not the first N: re-plan with full recomputation "
-                          "or export with fmt='megatron' or 'torch'")
+                          "or export with --format megatron or --format torch")
     return [1 if s.recompute else 0 for s in plan.stages]

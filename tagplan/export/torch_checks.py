@@ -124,8 +124,8 @@ def _moe_problems(plan: Plan, model: ModelGraph) -> list[str]:
                 out.append(f"stages[{i}] layer {j}: experts strategies {dict(zip(EXPERT_OPS, chosen, strict=True))}: "
                            f"the program splits each expert's FFN ({', '.join(EXPERTS_SPLIT)}) or runs whole "
                            f"experts (all three {' or all three '.join(WHOLE_EXPERTS)}); experts spread over the "
-                           "group (expert parallelism) need Megatron-LM (fmt='megatron', --expert-model-parallel-size) "
-                           "where it accepts the rest of the plan")
+                           "group (expert parallelism) need Megatron-LM (--format megatron, "
+                           "--expert-model-parallel-size) where it accepts the rest of the plan")
             if resolved[ROUTER] not in ROUTER_LOGITS:
                 out.append(f"stages[{i}] layer {j}: router={resolved[ROUTER]!r}: the program runs the router as "
                            f"{', '.join(ROUTER_LOGITS)}")
@@ -139,7 +139,7 @@ def _stage_problems(i: int, stage: Stage, model: ModelGraph, config: ModelConfig
     out = []
     if stage.cp > 1:
         out.append(f"stages[{i}].cp = {stage.cp}: the program has no context parallelism (ring attention); export "
-                   "with fmt='megatron' (--context-parallel-size)")
+                   "with --format megatron (--context-parallel-size)")
     if config is not None and stage.tp > 1 and (config.heads % stage.tp or config.kv_heads % stage.tp):
         out.append(f"stages[{i}]: tp={stage.tp} must divide heads={config.heads} and kv_heads={config.kv_heads}: "
                    "the program splits attention by whole heads")

@@ -19,7 +19,8 @@ HETERO = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2
 def test_torch_runs_heterogeneous_stages_that_megatron_and_deepspeed_refuse() -> None:
     assert exportable(HETERO, "torch") is None
     assert "stages[1].tp = 1 but stages[0].tp = 2" in (exportable(HETERO, "megatron") or "")
-    assert "stages[1].tp = 1 but stages[0].tp = 2" in (exportable(HETERO, "deepspeed") or "")
+    assert "stages[0].tp = 2: DeepSpeed's pipeline engine has no tensor parallelism" in (
+        exportable(HETERO, "deepspeed") or "")
 
 
 def test_the_global_batch_adds_the_whole_sample_rule() -> None:
@@ -196,6 +197,8 @@ def test_a_format_refuses_a_model_family_it_cannot_build_whatever_the_plan() -> 
                                 or "")
     assert "family 't5'" in (model_refusal("torch", t5) or "")  # no SPEC: the graph's own family
     assert model_refusal("deepspeed", t5) is None  # its config describes the parallelism, not the model
+    fp8 = load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=16, dtype=DType.FP8)
+    assert "dtype fp8: DeepSpeed's config has no quantized GEMMs" in (model_refusal("deepspeed", fp8) or "")  # at once
     assert all(model_refusal(fmt, gpt) is None for fmt in ("torch", "megatron", "deepspeed"))
     moe = "moe?layers=2&hidden=64&heads=4&kv_heads=2&vocab=128&experts=4&top_k=2&ffn=96"
     assert model_refusal("torch", load_model(moe, seq_len=16), parse_model_spec(moe)) is None  # at tp 1
