@@ -252,19 +252,19 @@ def _plan(args: argparse.Namespace) -> int:
     if args.out and (feasible or args.allow_infeasible):
         searched = SearchedFor(global_batch=problem.workload.global_batch, seq_len=problem.model.seq_len)
         Path(args.out).write_text(plan_file_json(result.best.plan, searched))
-    if args.timeline:
+    if args.timeline and (feasible or args.allow_infeasible):
         Path(args.timeline).write_text(json.dumps(result.timeline()))
     emit(result.to_json() if args.json else result, args.json, plan_result_table)
     if feasible or args.allow_infeasible:
         return 0
-    if not args.json:
-        what = f"plan that {args.exportable} runs" if args.exportable else "plan"
-        why = (f"no {what} fits in memory: the best needs {result.best.report.peak_memory_bytes / 2**30:.1f} GiB "
-               f"on device {result.best.report.worst_device}" if not result.best.report.fits else
-               f"--exportable {args.exportable}: the search found no plan that format runs and that fits in memory; "
-               f"the plan shown is not one ({refused})")
-        print(why + ("" if not args.out else f"; {args.out} not written (--allow-infeasible writes it)"),
-              file=sys.stderr)
+    what = f"plan that {args.exportable} runs" if args.exportable else "plan"
+    why = (f"no {what} fits in memory: the best needs {result.best.report.peak_memory_bytes / 2**30:.1f} GiB "
+           f"on device {result.best.report.worst_device}" if not result.best.report.fits else
+           f"--exportable {args.exportable}: the search found no plan that format runs and that fits in memory; "
+           f"the plan shown is not one ({refused})")
+    unwritten = [f"{flag} {path}" for flag, path in (("--out", args.out), ("--timeline", args.timeline)) if path]
+    said = f"; {' and '.join(unwritten)} not written (--allow-infeasible writes them)" if unwritten else ""
+    print(why + said, file=sys.stderr)  # stderr, with --json too: stdout holds the JSON alone
     return EXIT_INFEASIBLE
 
 

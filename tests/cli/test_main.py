@@ -186,15 +186,20 @@ def test_simulate_plan_file_and_bad_plan(tmp_path) -> None:
 
 def test_plan_exits_1_and_writes_nothing_when_no_plan_fits(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
+    timeline = tmp_path / "timeline.json"
     args = ["plan", "--model", "gpt3-175b", "--cluster", "rtx4090x4", "--batch", "8", "--max-evaluations", "20",
-            "--out", str(out)]
+            "--out", str(out), "--timeline", str(timeline)]
     assert main(args) == 1
     captured = capsys.readouterr()
     assert "no plan fits in memory: the best needs" in captured.err  # the why of exit 1, beside the table's note
+    assert f"--out {out} and --timeline {timeline} not written (--allow-infeasible writes them)" in captured.err
     assert "note: no plan fits in memory" in " ".join(captured.out.split())
-    assert not out.exists()
+    assert not out.exists() and not timeline.exists()
+    assert main([*args, "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["best"] and "no plan fits in memory" in captured.err  # why, beside the JSON
     assert main([*args, "--allow-infeasible"]) == 0
-    assert out.exists()
+    assert out.exists() and timeline.exists()
 
 
 def test_plan_exportable_restricts_the_answer(capsys) -> None:
