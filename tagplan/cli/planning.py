@@ -23,6 +23,7 @@ from tagplan.cli.options import (
     emit,
     load_calibration_option,
     load_problem,
+    non_negative_int,
     output_file,
     positive_float,
     positive_int,
@@ -68,7 +69,7 @@ def add_planning_commands(sub: Subparsers) -> None:
     cmd.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.TIME.value)
     cmd.add_argument("--time-bound-s", type=positive_float, default=None,
                      help="for --objective memory|gpus: slowest acceptable iteration (default 1.25 x the fastest)")
-    cmd.add_argument("--exhaustive-limit", type=int, default=0,
+    cmd.add_argument("--exhaustive-limit", type=non_negative_int, default=0,
                      help="also enumerate the whole space when it has at most this many plans")
     cmd.add_argument("--seed", type=int, default=0)
     cmd.add_argument("--workers", type=int, choices=WORKERS, default=None,
@@ -105,6 +106,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from tagplan.cost.timeline import chrome_trace
     from tagplan.frontends.plan_file import load_plan_file, searched_workload
 
+    if args.plan not in ("dp", "megatron") and not Path(args.plan).is_file():
+        raise SpecError(f"--plan {args.plan[:80]!r}: no such file; accepted: a Plan JSON file, dp or megatron")
     plan_file = None if args.plan in ("dp", "megatron") else load_plan_file(args.plan)
     if plan_file is not None:  # --batch and --seq default to what the plan was searched for
         args.batch, args.seq = searched_workload(args.batch, args.seq, plan_file[1], args.plan)

@@ -235,7 +235,8 @@ def plan_checks(plan: Plan, cluster: Cluster | None = None) -> tuple[int, int]:
     for i, stage in enumerate(plan.stages):  # what DeepSpeed lacks at all, before what it lacks per stage
         if stage.tp > 1:
             raise refuse(FMT, f"stages[{i}].tp = {stage.tp}: DeepSpeed's pipeline engine has no tensor parallelism; "
-                              "that needs Megatron-DeepSpeed (its --tensor-model-parallel-size), or --format megatron")
+                              "that needs Megatron-DeepSpeed (its --tensor-model-parallel-size), or --format megatron "
+                              "instead")
         if stage.cp > 1:
             raise refuse(FMT, f"stages[{i}].cp = {stage.cp}: DeepSpeed's pipeline engine has no context parallelism "
                               "(ring attention; its Ulysses sequence parallelism is another scheme); export with "
@@ -267,5 +268,5 @@ def _checkpoint_intervals(plan: Plan) -> list[int]:
         raise refuse(FMT, f"stages {partial} recompute only some of their layers (recompute_layers); DeepSpeed's "
                           "pipeline engine checkpoints every k-th layer of every stage "
                           "(activation_checkpoint_interval), not the first N: re-plan with full recomputation "
-                          "or export with --format megatron or --format torch")
+                          "or export with --format megatron or --format torch instead")
     return [1 if s.recompute else 0 for s in plan.stages]

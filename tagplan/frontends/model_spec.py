@@ -122,7 +122,9 @@ def parse_model_spec(text: str) -> ModelSpec:
         entry = ZOO[key]
         return ModelSpec(spec, ModelSpecKind.ZOO, key, family=entry.family, shape=entry.shape,
                          blocks=_block_count(entry.family, entry.shape))
-    raise unknown("model", spec, [*zoo_names(), *FAMILIES])
+    err = unknown("model", spec, [*zoo_names(), *FAMILIES])
+    raise SpecError(f"{err} (or FAMILY?key=value, hf:Name, a graph file, module.py:Name, or a folder holding "
+                    f"config.json written with a trailing '/': {spec}/)")
 
 
 def _block_count(family: str, shape: TransformerShape) -> int:
@@ -162,6 +164,9 @@ def build_model(
     """
     if seq_len is not None and seq_len <= 0:
         raise SpecError(f"seq_len={seq_len}: must be a positive number of tokens")
+    if input_shape is not None and spec.kind is not ModelSpecKind.MODULE:
+        raise SpecError(f"input shape {input_shape[:40]!r}: only a user module (module.py:Name) is traced on example "
+                        f"inputs; model {spec.text[:80]!r} takes its length from --seq")
     if spec.kind is ModelSpecKind.HF:
         from tagplan.frontends.huggingface import graph_from_hf  # torch + transformers: import on demand
 

@@ -47,6 +47,9 @@ def resolve_calibration(choice: Any, registry: Registry, *, allow_paths: bool) -
     if isinstance(choice, str) and choice in registry.versions():
         return _pinned(registry, choice)
     if isinstance(choice, str) and allow_paths:
+        if not Path(choice).exists():
+            raise SpecError(f"calibration {choice!r}: no such file, nor a registry version with a "
+                            f"calibration pinned ({', '.join(registry.versions()) or 'none registered'})")
         return load_calibration(choice)
     shown = repr(choice)[:_SHOWN_CHARS]
     raise SpecError(f"calibration: {shown} is not accepted; expected a calibration object (from `tagplan calibrate`) "

@@ -481,3 +481,24 @@ def test_times_below_a_tenth_of_a_second_print_in_milli_or_microseconds() -> Non
 
     assert [duration(t) for t in (1.2345, 0.1, 0.0123456, 0.000365, 4.2e-5, 0.0)] == [
         "1.234 s", "0.100 s", "12.346 ms", "0.365 ms", "42.00 us", "0.000 s"]
+
+
+def test_wrong_options_name_what_is_accepted(tmp_path, capsys, monkeypatch) -> None:
+    """From a reader's walkthrough: each of these was accepted and ignored, or refused without saying what is."""
+    monkeypatch.setenv("TAGPLAN_HOME", str(tmp_path / "home"))
+    problem = ["--model", "gpt?layers=2&hidden=64&heads=4&vocab=100", "--cluster", "p3.8xlarge", "--seq", "32"]
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", *problem, "--exhaustive-limit", "-1"])
+    assert exited.value.code == 2 and "-1 must be 0 or more" in capsys.readouterr().err
+    cases = {
+        ("simulate", *problem, "--plan", "foo"):
+            "--plan 'foo': no such file; accepted: a Plan JSON file, dp or megatron",
+        ("simulate", *problem, "--plan", "dp", "--calibration", "v9999"):
+            "calibration 'v9999': no such file, nor a registry version with a calibration pinned (none registered)",
+        ("simulate", *problem, "--plan", "dp", "--input-shape", "2x16"):
+            "input shape '2x16': only a user module (module.py:Name) is traced on example inputs",
+        ("inspect", "model", "mdir"): "a folder holding config.json written with a trailing '/': mdir/)",
+    }
+    for args, said in cases.items():
+        assert main(list(args)) == 2
+        assert said in " ".join(capsys.readouterr().err.split())
