@@ -239,7 +239,16 @@ def custom_device(data: Mapping[str, object], field: str) -> DeviceSpec:
     values = dict(data)
     base = values.pop("base", None)
     if base is not None:
-        values = {**lookup_device(str(base)).model_dump(), **values}
+        try:
+            known = lookup_device(str(base)).model_dump()
+        except SpecError as err:
+            raise SpecError(f"{field}.base: {err}") from None
+        changed = sorted(k for k, v in values.items() if k != "name" and known.get(k) != v)
+        if changed and "name" not in values:  # device types are told apart, calibrated and measured by name
+            raise SpecError(f"{field}: a GPU that changes {', '.join(changed)} of its base {known['name']} needs a "
+                            f"name of its own (e.g. name: {known['name']}-custom): calibrations and measurements "
+                            "apply by name, and the catalog's GPU of that name has other figures")
+        values = {**known, **values}
     try:
         return DeviceSpec.model_validate(values)
     except ValidationError as err:

@@ -102,7 +102,15 @@ def test_custom_device_from_mapping_and_base() -> None:
 
 def test_custom_device_errors_name_the_field_path() -> None:
     with pytest.raises(SpecError, match=r"node_groups\[2\]\.gpu\.peak_flops_fp16: .*-1"):
-        custom_device({"base": "T4", "peak_flops_fp16": -1}, "node_groups[2].gpu")
+        custom_device({"base": "T4", "name": "t4-x", "peak_flops_fp16": -1}, "node_groups[2].gpu")
+    with pytest.raises(SpecError, match=r"node_groups\[0\]\.gpu\.base: unknown GPU type 'H999'"):
+        custom_device({"base": "H999", "name": "h"}, "node_groups[0].gpu")
+    with pytest.raises(SpecError, match=r"gpu: a GPU that changes peak_flops_bf16 of its base H100-SXM needs a name "
+                                        r"of its own \(e\.g\. name: H100-SXM-custom\)"):
+        custom_device({"base": "H100-SXM", "peak_flops_bf16": 1e14}, "gpu")  # two 'H100-SXM's of other figures
+    assert custom_device({"base": "H100-SXM", "name": "h100-capped", "peak_flops_bf16": 1e14}, "gpu").name == (
+        "h100-capped")
+    assert custom_device({"base": "H100-SXM"}, "gpu") == CATALOG["H100-SXM"]  # the base as it is keeps its name
     with pytest.raises(SpecError, match=r"gpu\.mem_bytes: .*got nothing"):
         custom_device({"name": "x", "peak_flops_bf16": None, "peak_flops_fp16": 1.0, "peak_flops_fp32": 1.0,
                        "mem_bandwidth_Bps": 1.0}, "gpu")
