@@ -178,6 +178,8 @@ def build_model(
     if spec.kind in (ModelSpecKind.FILE, ModelSpecKind.HF_FILE):
         return _load_file(spec.name, seq_len, dtype)
     if spec.kind is ModelSpecKind.ZOO:
+        if seq_len is not None and (why := positions_refusal(spec, seq_len)) is not None:
+            raise SpecError(why)
         return build_zoo(spec.name, seq_len=seq_len, dtype=dtype)
     return _build_family(spec, seq_len, dtype)
 
@@ -187,6 +189,18 @@ def load_model(
 ) -> ModelGraph:
     """`build_model(parse_model_spec(text), ...)`: the ModelGraph a SPEC string names."""
     return build_model(parse_model_spec(text), seq_len=seq_len, dtype=dtype, input_shape=input_shape)
+
+
+def positions_refusal(spec: ModelSpec, seq_len: int) -> str | None:
+    """Why a zoo model of learned positions (gpt, bert) cannot take `seq_len` tokens: it keeps its published table
+    (a `gpt?...` SPEC grows its own: `family_positions`); None where it can, or the SPEC is another kind."""
+    if spec.kind is not ModelSpecKind.ZOO or spec.family not in {"gpt", "bert"} or spec.shape is None:
+        return None
+    positions = spec.shape.max_positions
+    if seq_len <= positions:
+        return None
+    return (f"{spec.text}: seq_len={seq_len} exceeds its {positions} learned positions; accepted: at most {positions} "
+            f"(or {spec.family}?... with max_positions={seq_len})")
 
 
 def family_positions(spec: ModelSpec, seq_len: int) -> TransformerShape:

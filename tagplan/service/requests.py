@@ -49,7 +49,7 @@ from tagplan.frontends.cluster_file import parse_cluster_data
 from tagplan.frontends.cluster_spec import ClusterSpec, parse_cluster_spec
 from tagplan.frontends.hf_config import spec_depth
 from tagplan.frontends.json_graph import graph_from_dict
-from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, parse_model_spec
+from tagplan.frontends.model_spec import ModelSpec, ModelSpecKind, parse_model_spec, positions_refusal
 from tagplan.ir.workload import (
     EAGER_RUNTIME_TEXT,
     LOSS_KERNEL_TEXT,
@@ -510,6 +510,10 @@ def check_sizes(model: ModelSpec | Mapping[str, Any], cluster: ClusterSpec | Map
         _at_most(f"{where}workload.global_batch", workload.global_batch, settings.max_global_batch,
                  "max_global_batch")
         _at_most(f"{where}workload.seq_len", workload.seq_len, settings.max_seq_len, "max_seq_len")
+        if isinstance(model, ModelSpec) and workload.seq_len is not None:
+            why = positions_refusal(model, workload.seq_len)
+            if why is not None:
+                raise SpecError(f"{where}workload.seq_len: {why}")
 
 
 def _at_most(what: str, value: int | None, limit: int, name: str) -> None:

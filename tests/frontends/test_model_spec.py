@@ -92,3 +92,18 @@ def test_user_module_factory_with_example_inputs(tmp_path: Path) -> None:
         load_model(f"{source}:missing")
     with pytest.raises(SpecError, match=r"no example inputs"):
         load_model(f"{source}:Net")
+
+
+def test_a_zoo_model_of_learned_positions_keeps_its_table() -> None:
+    """gpt3-1.3b at 8,192 tokens was costed on its 2,048-row table while Megatron would grow it; a gpt?... SPEC
+    grows its own table, a zoo model refuses what it cannot hold, as the family refuses max_positions."""
+    from tagplan.frontends.model_spec import load_model
+
+    assert load_model("gpt3-1.3b", seq_len=2048).seq_len == 2048
+    with pytest.raises(SpecError, match=r"gpt3-1\.3b: seq_len=8192 exceeds its 2048 learned positions; accepted: "
+                                        r"at most 2048 \(or gpt\?\.\.\. with max_positions=8192\)"):
+        load_model("gpt3-1.3b", seq_len=8192)
+    with pytest.raises(SpecError, match="bert-large: seq_len=1024 exceeds its 512 learned positions"):
+        load_model("bert-large", seq_len=1024)
+    assert load_model("llama2-7b", seq_len=16384).seq_len == 16384  # rotary positions: any length
+    assert load_model("gpt?layers=2&hidden=64&heads=4&vocab=100", seq_len=8192).seq_len == 8192  # grows its own

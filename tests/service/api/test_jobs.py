@@ -309,3 +309,12 @@ def test_a_plan_body_is_read_off_the_event_loop(client: TestClient, keys: Any, a
     assert on_loop == [False]
     bad = client.post("/v1/plans", json={**body, "budget_s": "soon"}, headers=api.auth(keys.a))
     assert bad.status_code == 422 and bad.json()["errors"][0]["loc"] == ["body", "budget_s"]
+
+
+def test_a_zoo_model_past_its_learned_positions_is_refused_before_it_is_queued(client: TestClient, keys: Any,
+                                                                              api: Any) -> None:
+    body = {**api.TINY, "model": "gpt3-125m", "workload": {"global_batch": 8, "seq_len": 4096}}
+    answer = client.post("/v1/plans", json=body, headers=api.auth(keys.a))
+    assert answer.status_code == 422
+    assert "workload.seq_len: gpt3-125m: seq_len=4096 exceeds its 2048 learned positions" in answer.json()["detail"]
+    assert client.get("/v1/jobs", headers=api.auth(keys.a)).json()["total"] == 0
