@@ -105,6 +105,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from tagplan.cost.simulator import Simulator
     from tagplan.cost.timeline import chrome_trace
     from tagplan.frontends.plan_file import load_plan_file, searched_workload
+    from tagplan.search.planner import dtype_notes
 
     if args.plan not in ("dp", "megatron") and not Path(args.plan).is_file():
         raise SpecError(f"--plan {args.plan[:80]!r}: no such file; accepted: a Plan JSON file, dp or megatron")
@@ -129,6 +130,8 @@ def _simulate(args: argparse.Namespace) -> int:
         assert plan_file is not None
         plan = plan_file[0]
     result = sim.run(plan, record_tasks=bool(args.timeline))
+    for note in dtype_notes(cluster, workload.dtype, plan.devices):  # on stderr: --json keeps stdout the report's
+        print(f"note: {note}", file=sys.stderr)
     if args.timeline:
         Path(args.timeline).write_text(json.dumps(chrome_trace(result)))
     if args.plan_out:

@@ -195,6 +195,12 @@ def plan_result_table(result: PlanResult) -> Table:
         lines.append(workload_line(result.workload, result.reduce_overlap))
     if result.exporters:
         lines.append(exporters_line(result.exporters, fits=best.report.fits))
+    predictor = result.predictor
+    if predictor is not None and predictor.correction_applied:
+        corrected = best.corrected_time_s
+        said = f": {duration(corrected)} per iteration as corrected" if corrected is not None else ""
+        lines.append(f"ranked by GNN {predictor.gnn}'s learned correction{said} (times shown are the simulator's; "
+                     "`simulate --predictor gnn` gives both)")
     lines += [f"note: {note}" for note in result.notes]
     asked = bool(result.exporters)
     pareto = result.pareto_exporters or (None,) * len(result.pareto)

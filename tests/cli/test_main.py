@@ -502,3 +502,14 @@ def test_wrong_options_name_what_is_accepted(tmp_path, capsys, monkeypatch) -> N
     for args, said in cases.items():
         assert main(list(args)) == 2
         assert said in " ".join(capsys.readouterr().err.split())
+
+
+def test_simulate_says_where_it_costs_another_precision(capsys) -> None:
+    """`plan` noted a V100's missing bf16 tensor cores; `simulate` of the same plan said nothing."""
+    args = ["simulate", "--model", "gpt?layers=2&hidden=64&heads=4&vocab=100", "--cluster", "p3.8xlarge", "--seq",
+            "32", "--plan", "dp", "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "note: V100-SXM2-16GB: no bf16 tensor cores; costed at the fp16 rate" in captured.err
+    assert json.loads(captured.out)["iteration_time_s"] > 0  # stdout stays the report
+    assert main([*args, "--dtype", "fp16"]) == 0 and "tensor cores" not in capsys.readouterr().err

@@ -207,6 +207,18 @@ def test_a_learned_correction_reranks_the_final_candidates() -> None:
     assert family_of(corrected.best.plan) != family
     assert corrected.best.corrected_time_s == 1.0
     assert corrected.to_json()["best"]["predicted_time_s"]["corrected"] == 1.0
+    from rich.console import Console
+
+    from tagplan.cli.tables import plan_result_table
+
+    def as_text(table: object) -> str:
+        console = Console(width=300, record=True)
+        console.print(table)
+        return " ".join(console.export_text().split())
+
+    assert "ranked by GNN v0007's learned correction: 1.000 s per iteration as corrected" in as_text(
+        plan_result_table(corrected))
+    assert "learned correction" not in as_text(plan_result_table(plain))
 
 
 @pytest.mark.parametrize(("model", "cluster", "batch", "seq"), [
