@@ -152,9 +152,19 @@ def device_disagrees(measured: str, device: str) -> bool:
     trace filed as a GPU or the other way round)."""
     if is_cpu_name(measured) != is_cpu_name(device):
         return True
+    both = [_catalog_or_none(name) for name in (measured, device)]
+    if None not in both and both[0] != both[1]:  # two catalog variants of one model (A100 40 GB and 80 GB)
+        return True
     tokens = lambda name: set(re.findall(r"[a-z]{1,3}\d{2,4}[a-z]?", name.lower()))  # noqa: E731
     a, b = tokens(measured), tokens(device)
     return bool(a and b and not a & b)
+
+
+def _catalog_or_none(name: str) -> str | None:
+    try:
+        return lookup_device(name).name
+    except SpecError:
+        return None
 
 
 def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], *, device: str,

@@ -569,3 +569,15 @@ def test_import_names_devices_as_the_catalog_does_and_skips_records_it_already_h
     with pytest.raises(SpecError, match=r"measured device 'A100-SXM-80GB', but the files are imported as 'H100-SXM'"):
         import_to_bundle([table], tmp_path / "h100", device="h100", source="t",
                          model="gpt?layers=2&hidden=64&heads=4&vocab=100")
+
+
+def test_a_file_of_another_variant_of_the_gpu_is_named_in_a_warning() -> None:
+    """An A100 80 GB's nccl-tests log imported as `a100` (the 40 GB SXM) was filed under the wrong variant in
+    silence: the tokens `a100` agreed."""
+    from tagplan.datasets.traces.importing import device_disagrees
+
+    assert device_disagrees("NVIDIA A100-SXM4-80GB", "A100-SXM-40GB")
+    assert not device_disagrees("NVIDIA A100-SXM4-80GB", "A100-SXM-80GB")
+    assert not device_disagrees("NVIDIA H100 80GB HBM3", "H100-SXM")
+    assert device_disagrees("NVIDIA H100 80GB HBM3", "A100-SXM-80GB")
+    assert device_disagrees("cpu-amd-epyc", "H100-SXM") and not device_disagrees("lab-gpu", "lab-gpu")
