@@ -187,8 +187,11 @@ def _fit_ops_and_links(bundles: Sequence[Bundle], ops: list[OpRecord], collectiv
         fit_links, held_out = _split_sizes(members)
         links[key] = _fit_link(fit_links or members)
         if held_out:
-            after = _mape([_link_time(links[key], r) for r in held_out], [r.time_s for r in held_out])
-            link_rows.append(ErrorRow(key.split("/")[0], key, len(fit_links), len(held_out), None, after))
+            measured = [r.time_s for r in held_out]
+            after = _mape([_link_time(links[key], r) for r in held_out], measured)
+            replaced = base.links.get(key)  # the defaults cost a link from a cluster, which a record does not name
+            before = _mape([_link_time(replaced, r) for r in held_out], measured) if replaced is not None else None
+            link_rows.append(ErrorRow(key.split("/")[0], key, len(fit_links), len(held_out), before, after))
     calibration = base.model_copy(update=dict(name=name, compute=compute, memory_efficiency=memory,
                                               launch_by_device=launches, links=links))
     rows = [row for device in by_device for row in _op_rows(device, held[device], specs[device], given, calibration,

@@ -78,6 +78,12 @@ def test_links_are_fitted_by_alpha_beta_and_replace_the_datasheet() -> None:
     link = fit.calibration.links[link_key("test-accel", "intra")]
     assert link.latency_s == pytest.approx(alpha, rel=0.05) and link.bandwidth_Bps == pytest.approx(bandwidth, rel=0.05)
     assert all(r.mape_after < 0.01 for r in fit.rows)
+    assert [r.mape_before for r in fit.rows] == [None]  # the defaults cost a link from a cluster, not a record
+    stale = fit.calibration.model_copy(update={"links": {link_key("test-accel", "intra"): link.model_copy(
+        update={"bandwidth_Bps": bandwidth / 2})}})
+    refit = fit_calibration([bundle(records)], base=stale)  # the link fit it replaces is scored too
+    [row] = refit.rows
+    assert row.mape_before is not None and row.mape_before > 0.2 and row.mape_after < 0.01
 
     cluster = load_cluster("p3.8xlarge")
     measured = Calibration(links={link_key(cluster.nodes[0].device.name, "intra"): link})
