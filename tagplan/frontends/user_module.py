@@ -71,12 +71,10 @@ def graph_from_user_module(
     name = f"{module}:{attr}"
     module_obj, inputs = instantiate(module, attr, input_shape=input_shape)
     args, kwargs = _as_call(inputs)
-    traced = _tokens_per_sample(args, kwargs, name)
-    if seq_len is not None and seq_len != traced:  # the graph is the trace's: a --seq would only relabel it
-        raise SpecError(f"model {name!r}: seq_len={seq_len}, but the module is traced on {traced} tokens per sample "
-                        "(dim 1 of its example input); give the length through --input-shape BxS (e.g. "
-                        f"--input-shape 1x{seq_len}:long), not --seq")
-    return fold_trace(module_obj, args, kwargs, name=name, seq_len=traced, dtype=dtype, fold=fold)
+    # a given seq_len only labels the trace (an exported program runs the module at its own length); the commands
+    # that cost a model refuse a --seq other than the traced one (`cli.options.costed_model`)
+    seq = seq_len or _tokens_per_sample(args, kwargs, name)
+    return fold_trace(module_obj, args, kwargs, name=name, seq_len=seq, dtype=dtype, fold=fold)
 
 
 def instantiate(module: str, attr: str, *, input_shape: str | None = None, device: str = "meta") -> tuple[

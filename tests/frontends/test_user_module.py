@@ -53,10 +53,14 @@ def test_two_towers_stay_two_towers_without_empty_layers() -> None:
 def test_input_shape_replaces_the_example_inputs() -> None:
     g = build(DEEP, "TinyLM", input_shape="4x32:long")
     assert g.seq_len == 32
-    assert load_model(f"{DEEP}:TinyLM", seq_len=32, input_shape="4x32:long").seq_len == 32  # a --seq that agrees
-    with pytest.raises(SpecError, match=r"seq_len=256, but the module is traced on 64 tokens per sample .*"
+    from tagplan.cli.options import costed_model
+
+    assert costed_model(f"{DEEP}:TinyLM", seq_len=32, dtype=DType.BF16, input_shape="4x32:long").seq_len == 32
+    with pytest.raises(SpecError, match=r"--seq 256: model .* is traced on 64 tokens per sample .*"
                                         r"--input-shape 1x256:long"):
-        load_model(f"{DEEP}:TinyLM", seq_len=256)  # it relabelled the 64-token trace as 256 tokens
+        costed_model(f"{DEEP}:TinyLM", seq_len=256, dtype=DType.BF16, input_shape=None)  # a relabelled trace
+    # an exported program runs the module at the length it is given: the graph is only labelled so
+    assert load_model(f"{DEEP}:TinyLM", seq_len=16).seq_len == 16
     assert parse_input_shape("8,3,224,224")[0] == (8, 3, 224, 224)
     with pytest.raises(SpecError, match="input shape '8x0'"):
         parse_input_shape("8x0")
