@@ -109,19 +109,24 @@ def accepted_strategies(op: Op) -> tuple[St, ...]:
 
 
 def sharding_problem(plan: Plan, model: ModelGraph) -> str | None:
-    """Why a stage's `sharding` cannot be costed as written (None: it can): it names an op no layer of the stage
-    holds (a typo, `attn.Q`, was dropped in silence and the defaults costed), or gives an op a strategy its kind does
-    not take (`accepted_strategies`)."""
+    """Why a stage's `sharding` cannot be costed as written (None: it can): it names an op no layer of the model has
+    (a typo, `attn.Q`, was dropped in silence and the defaults costed; one dict may serve every stage, so an op of
+    another stage is no error), or gives an op of the stage a strategy its kind does not take
+    (`accepted_strategies`)."""
+    every = {op.name for block in model.blocks for op in block.ops}
     for i, stage in enumerate(plan.stages):
         if not stage.sharding:
             continue
-        ops = {op.name: op for j in range(*stage.layers) for op in model.block_of(j).ops}
+        hashes = {model.layers[j].block for j in range(*stage.layers)}  # each distinct block once
+        ops = {op.name: op for block in model.blocks if block.hash in hashes for op in block.ops}
         for name, strategy in stage.sharding.items():
             op = ops.get(name)
             if op is None:
-                listed = sorted(ops)
+                if name in every:
+                    continue
+                listed = sorted(every)
                 more = f", ... ({len(listed)} in all)" if len(listed) > 12 else ""
-                return (f"stages[{i}].sharding names op {name[:80]!r}, which no layer of the stage has (its ops: "
+                return (f"stages[{i}].sharding names op {name[:80]!r}, which no layer of the model has (its ops: "
                         f"{', '.join(listed[:12])}{more})")
             accepted = accepted_strategies(op)
             if strategy not in accepted:

@@ -28,9 +28,13 @@ def _one_stage(**stage: object) -> Plan:
 
 def test_a_sharding_that_names_no_op_or_a_strategy_its_op_does_not_take_is_refused() -> None:
     assert _simulate(_one_stage(tp=2, sharding={"mlp.fc1": "column", "attn.sdpa": "replicate"})) > 0
-    with pytest.raises(SpecError, match=r"stages\[0\]\.sharding names op 'attn\.Q', which no layer of the stage "
+    with pytest.raises(SpecError, match=r"stages\[0\]\.sharding names op 'attn\.Q', which no layer of the model "
                                         r"has \(its ops: .*attn\.q"):
         _simulate(_one_stage(tp=2, sharding={"attn.Q": "column"}))
+    shared = {"attn.q": "column", "final_norm": "replicate", "wte": "replicate"}  # one dict for every stage
+    two = Plan(micro_batches=2, stages=(Stage(layers=(0, 2), devices=(0, 1), tp=2, sharding=shared),
+                                        Stage(layers=(2, 4), devices=(2, 3), tp=2, sharding=shared)))
+    assert _simulate(two) > 0
     with pytest.raises(SpecError, match=r"stages\[0\]\.sharding\['mlp\.fc1'\] = 'experts' is not accepted for a "
                                         r"matmul op; accepted: column, row, sequence, replicate, batch"):
         _simulate(_one_stage(tp=2, sharding={"mlp.fc1": "experts"}))
