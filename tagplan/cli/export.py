@@ -121,6 +121,8 @@ def _export(args: argparse.Namespace) -> int:
     plan, searched = load_plan_file(args.plan)
     batch, args.seq = searched_workload(args.batch, args.seq, searched, args.plan)
     args.batch = batch or DEFAULT_GLOBAL_BATCH
+    if args.grad_reduce_dtype is None and searched is not None and searched.grad_reduce_dtype is not None:
+        args.grad_reduce_dtype = searched.grad_reduce_dtype.value  # as the plan was costed
     cluster = load_cluster_option(args.cluster, args) if args.cluster else None
     dtype = DType(args.dtype)
     reduce_dtype = DType(args.grad_reduce_dtype) if args.grad_reduce_dtype else None

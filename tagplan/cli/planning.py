@@ -31,7 +31,7 @@ from tagplan.cli.options import (
 from tagplan.cost.comm import CommMode
 from tagplan.errors import SpecError
 from tagplan.frontends.model_spec import ModelSpec, parse_model_spec
-from tagplan.frontends.plan_file import SearchedFor, plan_file_json
+from tagplan.frontends.plan_file import plan_file_json, searched_for
 from tagplan.ir.workload import LOSS_KERNEL_TEXT, LossKernel
 from tagplan.search.problem import DEFAULT_BUDGET_S, DEFAULT_MAX_EVALUATIONS, WORKERS, Objective, PlanProblem, Scorer
 from tagplan.search.result import PlanResult
@@ -135,8 +135,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.timeline:
         Path(args.timeline).write_text(json.dumps(chrome_trace(result)))
     if args.plan_out:
-        Path(args.plan_out).write_text(plan_file_json(plan, SearchedFor(global_batch=workload.global_batch,
-                                                                        seq_len=model.seq_len)))
+        Path(args.plan_out).write_text(plan_file_json(plan, searched_for(workload, model.seq_len)))
     if args.predictor == "gnn":
         return _with_correction(args, result.report, plan, (model, cluster, workload), sim.calibration)
     if not args.exportable:
@@ -256,8 +255,8 @@ def _plan(args: argparse.Namespace) -> int:
     refused = result.exporters.get(args.exportable) if args.exportable else None
     feasible = result.best.report.fits and refused is None
     if args.out and (feasible or args.allow_infeasible):
-        searched = SearchedFor(global_batch=problem.workload.global_batch, seq_len=problem.model.seq_len)
-        Path(args.out).write_text(plan_file_json(result.best.plan, searched))
+        costed = result.workload or problem.workload  # as `--exportable` costed it (its runtime's reduction)
+        Path(args.out).write_text(plan_file_json(result.best.plan, searched_for(costed, problem.model.seq_len)))
     if args.timeline and (feasible or args.allow_infeasible):
         Path(args.timeline).write_text(json.dumps(result.timeline()))
     emit(result.to_json() if args.json else result, args.json, plan_result_table)

@@ -17,6 +17,7 @@ from tagplan.errors import SpecError, from_validation
 from tagplan.frontends.textfile import parse_structured, read_text
 from tagplan.ir.base import Record
 from tagplan.ir.plan import Plan
+from tagplan.ir.workload import DType, Workload
 
 SEARCHED_FOR = "searched_for"
 
@@ -26,6 +27,9 @@ class SearchedFor(Record):
 
     global_batch: int = Field(gt=0, description="samples per iteration")
     seq_len: int = Field(gt=0, description="tokens per sample")
+    grad_reduce_dtype: DType | None = Field(
+        default=None, description="what the data-parallel gradients were costed crossing the group in (None: the "
+        "training dtype); `plan --exportable torch` costs fp32, as the program reduces")
 
 
 def plan_data(data: Any, where: str) -> tuple[Any, SearchedFor | None]:
@@ -42,9 +46,16 @@ def plan_data(data: Any, where: str) -> tuple[Any, SearchedFor | None]:
         raise from_validation(f"{where}: {SEARCHED_FOR}", exc) from None
 
 
+def searched_for(workload: Workload, seq_len: int) -> SearchedFor:
+    """What a plan costed under `workload` (at `seq_len` tokens, the model's) was searched for."""
+    return SearchedFor(global_batch=workload.global_batch, seq_len=seq_len,
+                       grad_reduce_dtype=workload.grad_reduce_dtype)
+
+
 def plan_file_json(plan: Plan, searched: SearchedFor) -> str:
-    """What `tagplan plan --out` writes: the Plan JSON with `searched_for`."""
-    return json.dumps({**plan.model_dump(mode="json"), SEARCHED_FOR: searched.model_dump(mode="json")}, indent=2)
+    """What `tagplan plan --out` writes: the Plan JSON with `searched_for` (its unset fields left out)."""
+    return json.dumps({**plan.model_dump(mode="json"), SEARCHED_FOR: searched.model_dump(mode="json",
+                                                                                          exclude_none=True)}, indent=2)
 
 
 def load_plan_file(path: str) -> tuple[Plan, SearchedFor | None]:

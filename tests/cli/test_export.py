@@ -320,6 +320,16 @@ def test_a_plan_file_says_what_it_was_searched_for_and_the_commands_take_it(
         assert main(["export", "--model", TINY, "--plan", str(plan), option, value, "--format", "torch",
                      "--out", str(tmp_path / "x")]) == 2
         assert f"{option} {value}: {plan} was searched for {option} " in capsys.readouterr().err
+    exportable = tmp_path / "torch.json"  # costed as the torch program reduces: in fp32, and it says so
+    assert main(["plan", *problem, "--batch", "12", "--seq", "16", "--max-evaluations", "20", "--workers", "1",
+                 "--exportable", "torch", "--out", str(exportable)]) == 0
+    assert json.loads(exportable.read_text())["searched_for"]["grad_reduce_dtype"] == "fp32"
+    capsys.readouterr()
+    for path, noted in ((exportable, False), (plan, True)):
+        assert main(["export", "--model", TINY, "--plan", str(path), "--format", "torch", "--out",
+                     str(tmp_path / "t"), "--json"]) == 0
+        notes = json.loads(capsys.readouterr().out)["grad_reduce"]["notes"]
+        assert any("costed with gradients reduced in bf16" in n for n in notes) is noted
     bare = write_plan(tmp_path / "bare.json", json.loads(plan.read_text())["stages"])  # no searched_for: defaults
     assert main(["measure", "--model", TINY, "--plan", str(bare), "--batch", "12", "--out", str(tmp_path / "b")]) == 2
     assert "--seq: " in capsys.readouterr().err
