@@ -40,7 +40,7 @@ from tagplan.export.checks import (
     uniform_mesh,
     validate,
 )
-from tagplan.export.node_launch import clear_launch_files, fixed_rank_table
+from tagplan.export.node_launch import clear_launch_files, fixed_rank_table, record_launch_files
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
 from tagplan.ir.plan import Plan, Schedule
@@ -129,6 +129,7 @@ def write_deepspeed(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batc
         hostfile = out_dir / "hostfile"
         hostfile.write_text(partition["launch"]["hostfile_text"])
         paths.append(hostfile)
+        record_launch_files(out_dir, [hostfile])
     partition_path.write_text(json.dumps(partition, indent=2) + "\n")
     return paths
 

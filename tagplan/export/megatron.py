@@ -71,7 +71,7 @@ from tagplan.export.checks import (
     uniform_mesh,
     validate,
 )
-from tagplan.export.node_launch import clear_launch_files, fixed_rank_table, launch_scripts
+from tagplan.export.node_launch import clear_launch_files, fixed_rank_table, launch_scripts, record_launch_files
 from tagplan.export.shapes import ffn_width, transformer_shape
 from tagplan.frontends.families import TransformerShape
 from tagplan.frontends.model_spec import ModelSpec
@@ -261,6 +261,7 @@ def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch
         launch_path = out_dir / "launch.sh"
         launch_path.write_text(_launch_script(len(plan.devices), fsdp=uses_megatron_fsdp(plan)))
         launch_path.chmod(0o755)
+        record_launch_files(out_dir, [launch_path])
         return [args_path, launch_path]
     table = fixed_rank_table(rank_order(plan, cluster), cluster)
     paths = [args_path]
@@ -271,6 +272,7 @@ def write_megatron(model: ModelGraph, plan: Plan, out_dir: Path, *, global_batch
         paths.append(path)
     table_path = out_dir / "ranks.json"
     table_path.write_text(json.dumps(table, indent=1) + "\n")
+    record_launch_files(out_dir, [*paths[1:], table_path])
     return [*paths, table_path]
 
 
@@ -412,7 +414,7 @@ def _model_args(family: str, shape: TransformerShape, seq_len: int) -> list[str]
     """Architecture flags: sizes from the shape, GPT defaults or the Llama/MoE switches."""
     args = ["--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden),
             "--ffn-hidden-size", str(ffn_width(family, shape)), "--num-attention-heads", str(shape.heads)]
-    if shape.head_dim != shape.hidden // shape.heads or shape.hidden % shape.heads:
+    if shape.dh != shape.hidden // shape.heads or shape.hidden % shape.heads:
         # Megatron-LM derives kv_channels as hidden / heads only where heads divide hidden (it asserts so
         # otherwise): gpt3-1.3b's 24 heads of 2048 // 24 = 85 need it written
         args += ["--kv-channels", str(shape.dh)]

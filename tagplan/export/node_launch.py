@@ -55,17 +55,27 @@ def fixed_rank_table(ranked: Sequence[int], cluster: Cluster) -> list[dict[str, 
     return rows
 
 
-LAUNCH_FILES = ("launch.sh", "launch_node*.sh", "ranks.json", "hostfile")
-"""What an exporter writes to launch a plan: one export's, left in `--out` by an earlier export of another plan,
-would launch that plan's nodes (`clear_launch_files`)."""
+LAUNCH_MANIFEST = ".tagplan-launch"
+"""Lists the launch files an export wrote in its `--out` (`record_launch_files`), so the next export there removes
+those and nothing else (`clear_launch_files`): a user's own `hostfile` or `launch.sh` beside them stays."""
 
 
 def clear_launch_files(out_dir: Path) -> None:
-    """Remove an earlier export's launch files from `out_dir` (a 2-node plan's `launch_node1.sh` beside a 1-node
-    plan's `launch_node0.sh` would start a rank the new plan does not have)."""
-    for pattern in LAUNCH_FILES:
-        for old in out_dir.glob(pattern):
-            old.unlink()
+    """Remove the launch files an earlier export wrote in `out_dir` (its `LAUNCH_MANIFEST`): a 2-node plan's
+    `launch_node1.sh` left beside a 1-node plan's `launch_node0.sh` would start a rank the new plan does not have."""
+    manifest = out_dir / LAUNCH_MANIFEST
+    if not manifest.is_file():
+        return
+    for name in manifest.read_text().split():
+        path = out_dir / Path(name).name  # a name in this folder, never a path elsewhere
+        if path.is_file():
+            path.unlink()
+    manifest.unlink()
+
+
+def record_launch_files(out_dir: Path, paths: Sequence[Path]) -> None:
+    """Write `out_dir`'s `LAUNCH_MANIFEST`: the launch files this export wrote there."""
+    (out_dir / LAUNCH_MANIFEST).write_text("".join(f"{p.name}\n" for p in paths))
 
 
 def launch_scripts(table: list[dict[str, Any]], program: str = "train.py", *, setup: Sequence[str] = (),

@@ -71,7 +71,7 @@ from typing import Any
 from tagplan.errors import SpecError
 from tagplan.export.checks import ExportError, GradReduce, exported_loss, reduce_dtype_note
 from tagplan.export.modules import tp_ops
-from tagplan.export.node_launch import clear_launch_files, launch_scripts, rank_table
+from tagplan.export.node_launch import clear_launch_files, launch_scripts, rank_table, record_launch_files
 from tagplan.export.runtime_train import PROGRAM_FORMAT
 from tagplan.export.shapes import ModelConfig, model_config, parsed
 from tagplan.export.torch_checks import (
@@ -265,9 +265,11 @@ def write_torch_program(model_spec: str | ModelSpec, plan: Plan, out_dir: Path, 
                          seed=seed, table=table, dtype=dtype, optimizer=optimizer, reduce=reduce, loss=loss)
     (out_dir / "plan.json").write_text(json.dumps(cfg, indent=2) + "\n")
     clear_launch_files(out_dir)
-    for name, body in launch_scripts(table, PROGRAM_NAME).items():
+    scripts = launch_scripts(table, PROGRAM_NAME)
+    for name, body in scripts.items():
         (out_dir / name).write_text(body)
         (out_dir / name).chmod(0o755)
+    record_launch_files(out_dir, [out_dir / name for name in scripts])
     target = out_dir / PROGRAM_NAME
     shutil.copyfile(PROGRAM_SOURCE, target)
     return target

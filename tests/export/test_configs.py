@@ -308,11 +308,14 @@ def test_megatron_launches_the_nodes_in_the_plans_rank_order_on_a_cluster(tmp_pa
 
 def test_a_new_export_leaves_no_launch_file_of_an_earlier_plan(tmp_path: Path) -> None:
     """A 4-node plan's launch_node3.sh left beside a 1-node plan's launch script would start a rank it lacks."""
+    (tmp_path / "hostfile").write_text("mine slots=8\n")  # a user's own: no export wrote it
     four = swap_devices(pipeline([24] * 4, tp=8), 0, 3)
     export("gpt3-175b", four, tmp_path, fmt="megatron", seq_len=None, global_batch=64, cluster=load_cluster(MIXED))
     export("gpt3-175b", pipeline([12] * 8, tp=8, recompute=True), tmp_path, fmt="megatron", seq_len=None,
            global_batch=1536)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["launch.sh", "megatron_args.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tagplan-launch", "hostfile", "launch.sh",
+                                                         "megatron_args.txt"]
+    assert (tmp_path / "hostfile").read_text() == "mine slots=8\n"
 
 
 def test_heads_that_do_not_divide_the_hidden_size_write_their_width() -> None:
