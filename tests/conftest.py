@@ -22,7 +22,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def keep_umask() -> Iterator[None]:
-    """The service's commands set umask 077 for their process (`cli.service._private_state`); a test that runs
+    """The service's commands set umask 077 for their process (`service.settings.private_files`); a test that runs
     one in-process gets the pytest process's umask back."""
     umask = os.umask(0o022)
     os.umask(umask)

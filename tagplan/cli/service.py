@@ -83,10 +83,10 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     submit.set_defaults(func=_submit)
 
 
-def _private_state() -> None:
-    """Everything the service's processes create (the database, uploaded traces, tenants' GNN versions, the state
-    folder itself) is readable by its owner only: umask 077 for the rest of the process."""
-    os.umask(0o077)
+def _private_files() -> None:
+    from tagplan.service.settings import private_files  # pydantic-settings: imported by the service's commands only
+
+    private_files()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -96,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tagplan.service.settings import Settings
     from tagplan.service.worker import WorkerPool
 
-    _private_state()
+    _private_files()
     settings = Settings.from_env()
     settings.home.mkdir(mode=0o700, parents=True, exist_ok=True)
     url = f"http://{args.host}:{args.port}"
@@ -275,7 +275,7 @@ def _worker(args: argparse.Namespace) -> int:
     from tagplan.service.settings import Settings
     from tagplan.service.worker import run_worker
 
-    _private_state()
+    _private_files()
     run_worker(Settings.from_env())
     return 0
 
@@ -285,7 +285,7 @@ def _revoke_key(args: argparse.Namespace) -> int:
     from tagplan.service.keys import revoke_key
     from tagplan.service.settings import Settings
 
-    _private_state()
+    _private_files()
     if not revoke_key(make_engine(Settings.from_env().database_url), args.key):
         raise SpecError(f"revoke-key: no valid key {args.key[:8]!r}... (unknown, ambiguous or already revoked)")
     print(f"revoked {args.key[:8]}...", file=sys.stderr)
@@ -297,11 +297,11 @@ def _purge_jobs(args: argparse.Namespace) -> int:
     from tagplan.service.settings import Settings
     from tagplan.service.store import JobStore
 
-    _private_state()
+    _private_files()
     settings = Settings.from_env()
     purged = JobStore(make_engine(settings.database_url), settings).purge()
-    print(f"deleted {purged} finished jobs (kept: those that ended within {settings.job_retention_s:g} s, "
-          f"at most {settings.max_finished_jobs_per_tenant} per tenant)", file=sys.stderr)
+    print(f"deleted {purged} finished jobs (kept: those that ended within {settings.job_retention_s / 86_400:g} "
+          f"days, at most {settings.max_finished_jobs_per_tenant} per tenant)", file=sys.stderr)
     return 0
 
 
@@ -310,7 +310,7 @@ def _create_key(args: argparse.Namespace) -> int:
     from tagplan.service.keys import create_key
     from tagplan.service.settings import Settings
 
-    _private_state()
+    _private_files()
     settings = Settings.from_env()
     settings.home.mkdir(parents=True, exist_ok=True)
     key = create_key(make_engine(settings.database_url), args.tenant, admin=args.admin)

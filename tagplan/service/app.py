@@ -26,7 +26,7 @@ from tagplan.service.api.limits import BodySizeLimit, RateLimiter
 from tagplan.service.api.metrics import CountRequests, JobMetrics, ServiceMetrics, job_durations
 from tagplan.service.api.schemas import SafeJSONResponse
 from tagplan.service.db import make_engine
-from tagplan.service.settings import Settings, get_settings
+from tagplan.service.settings import Settings, get_settings, private_files
 from tagplan.service.store import JobStore
 
 WEB_DIR = Path(__file__).resolve().parent / "web"
@@ -42,6 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """The service's app on `settings` (default: `get_settings()`, the environment's); migrates the
     database to the newest schema first (`db.migrate`)."""
     settings = settings or get_settings()
+    private_files()  # `uvicorn --factory` starts here: the database and uploads are the service owner's alone
     engine = make_engine(settings.database_url, timeout_s=settings.db_timeout_s)
     store = JobStore(engine, settings)
     metrics = ServiceMetrics(JobMetrics(store.counts, lambda: job_durations(engine)))
@@ -68,13 +69,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def _document_bodies(app: FastAPI) -> None:
-    """Add the bodies validated outside FastAPI's own parsing (`jobs.request_schemas`) to the OpenAPI components."""
+    """Document the bodies validated outside FastAPI's own parsing (`jobs.document_plan_bodies`)."""
     built = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = built()
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(jobs.request_schemas())
+            jobs.document_plan_bodies(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 

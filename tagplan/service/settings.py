@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -138,3 +139,10 @@ def _described(error: Any) -> str:
     expected = {int: "a whole number", float: "a number", "int": "a whole number", "float": "a number"}.get(
         kind, str(error.get("msg", "invalid")))
     return f"{variable}={value!r}: expected {expected}"
+
+
+def private_files() -> None:
+    """Make everything this process creates from now on its owner's alone (umask 077: folders 0700, files 0600): the
+    database, uploaded traces, tenants' GNN versions. Every service process calls it as it starts (`tagplan serve`,
+    `worker`, `admin`, `create_app`)."""
+    os.umask(0o077)

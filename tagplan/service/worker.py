@@ -45,7 +45,7 @@ from tagplan.errors import SpecError
 from tagplan.service.db import make_engine
 from tagplan.service.jobs import run_job
 from tagplan.service.jobs.train import sweep_training_dirs
-from tagplan.service.settings import Settings
+from tagplan.service.settings import Settings, private_files
 from tagplan.service.store import JobStore, JobView, LeaseLost
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,11 @@ def run_worker(settings: Settings, *, worker_id: str | None = None, stop: thread
 def _purge(store: JobStore, worker_id: str) -> None:
     """Delete the finished jobs the service no longer keeps (`JobStore.purge`; a database away is tried next time)
     and the folders killed training runs left (`sweep_training_dirs`)."""
-    swept = sweep_training_dirs(store.settings)
+    try:
+        swept = sweep_training_dirs(store.settings)
+    except OSError as err:  # the state folder unreadable for a moment: tried again next time
+        log.warning("worker %s: sweeping training folders failed: %s", worker_id, err)
+        swept = 0
     if swept:
         log.info("worker %s: removed %d folders killed training runs left", worker_id, swept)
     try:
@@ -452,6 +456,7 @@ def main() -> int:
     """`python -m tagplan.service.worker`: one worker with the environment's settings until SIGTERM,
     SIGINT or (under `WorkerPool`) the death of the process that started it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    private_files()
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -171,9 +171,10 @@ class Registry:
     def card(self, version: str) -> dict[str, Any]:
         """The model card of `version`."""
         path = self.root / "versions" / version / "card.json"
-        if not path.exists():
-            raise SpecError(f"unknown model version {version!r}; registered: {self.versions() or 'none'}")
-        return dict(json.loads(path.read_text()))
+        try:
+            return dict(json.loads(path.read_text()))
+        except FileNotFoundError:  # never registered, or pruned meanwhile
+            raise SpecError(f"unknown model version {version!r}; registered: {self.versions() or 'none'}") from None
 
     def checkpoint(self, version: str | None = None) -> Path | None:
         """Path of `version` (default: the active one, else the fallback's, else the packaged default;

@@ -65,14 +65,14 @@ class Measured:
 def measured_graphs(bundles: Sequence[Bundle], calibration: Calibration,
                     names: Sequence[str] | None = None) -> list[Measured]:
     """Every iteration record of `bundles` as a labelled graph, in order; SpecError naming the bundle (`names`, else
-    its position) and the record's line in its records.jsonl for one that does not load or cannot be a run."""
+    its position) and the record's number in its records.jsonl for one that does not load or cannot be a run."""
     cache = FeatureCache(size=16)
     out = []
     for b, bundle in enumerate(bundles):
         built: dict[str, Any] = {}  # each SPEC of a bundle built once (a Hugging Face one takes a second)
-        iterations = [(line, r) for line, r in enumerate(bundle.records, start=1) if isinstance(r, IterationRecord)]
-        for i, (line, record) in enumerate(iterations):
-            where = f"{names[b] if names else f'bundle {b}'}: records.jsonl line {line}"
+        iterations = [(n, r) for n, r in enumerate(bundle.records, start=1) if isinstance(r, IterationRecord)]
+        for i, (number, record) in enumerate(iterations):
+            where = f"{names[b] if names else f'bundle {b}'}: record {number} of records.jsonl"
             model, cluster, plan = rebuild_record(record, where, built)
             w = record.workload
             refusal = peak_refusal(model, cluster, plan, w, record.measured_s)

@@ -56,6 +56,7 @@ def test_an_iteration_faster_than_the_devices_peak_is_refused(measured: Bundle, 
     first = next(i for i, r in enumerate(records) if isinstance(r, IterationRecord))
     records[first] = records[first].model_copy(update={"measured_s": 1e-9})
     forged = Bundle(manifest=measured.manifest, records=tuple(records))
-    with pytest.raises(SpecError, match=rf"^trace t1: records.jsonl line {first + 1}: measured_s 1e-09 s is shorter"):
+    with pytest.raises(SpecError, match=rf"^trace t1: record {first + 1} of records.jsonl: measured_s 1e-09 s is "
+                                        r"shorter"):
         finetune_on_traces([forged], tmp_path / "run", registry=Registry(tmp_path / "registry"), names=["trace t1"])
     assert not (tmp_path / "registry").exists()

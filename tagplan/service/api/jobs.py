@@ -66,17 +66,18 @@ def plan_body(raw: Annotated[dict[str, Any], Body(openapi_examples=PLAN_EXAMPLES
 
 
 PlanBody = Annotated[PlanRequest, Depends(plan_body)]
-PLAN_BODY_SCHEMA: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/json": {
-    "schema": {"$ref": "#/components/schemas/PlanRequest"}}}}}
-"""What the plan routes document as their body (`request_schemas` adds the PlanRequest component)."""
+PLAN_PATHS = ("/v1/plans", "/plan")
 
 
-def request_schemas() -> dict[str, Any]:
-    """The OpenAPI components of PlanRequest and the models it holds (the plan routes' body, validated by
-    `plan_body` rather than by FastAPI, which would then not list it)."""
-    schema = PlanRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = schema.pop("$defs", {})
-    return {**defs, "PlanRequest": schema}
+def document_plan_bodies(schema: dict[str, Any]) -> None:
+    """Give the OpenAPI `schema` the plan routes' body as PlanRequest (validated by `plan_body`, not by FastAPI,
+    which documents it as any object): its components, and each route's body schema a reference to it."""
+    found = PlanRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = found.pop("$defs", {})
+    schema.setdefault("components", {}).setdefault("schemas", {}).update({**defs, "PlanRequest": found})
+    for path in PLAN_PATHS:
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        body["schema"] = {"$ref": "#/components/schemas/PlanRequest"}
 WaitQuery = Annotated[float | None, Query(ge=0, allow_inf_nan=False, description=(
     "seconds to wait for the result (at most 60): 200 with the result if the job succeeded by then, "
     "else 202 with the job"))]
@@ -107,11 +108,10 @@ def validate(request: PlanRequest, settings: Settings) -> None:
 
 @router.post("/v1/plans", status_code=202, response_model=JobOut, dependencies=[RateLimitDep],
              responses={**_ERRORS, 200: {"description": "`?wait=`: the job finished in time; its result"},
-                        429: {"model": Error}}, summary="Submit a planning job", openapi_extra=PLAN_BODY_SCHEMA)
+                        429: {"model": Error}}, summary="Submit a planning job")
 @router.post("/plan", status_code=202, response_model=JobOut, dependencies=[RateLimitDep],
              responses={**_ERRORS, 200: {"description": "`?wait=`: the job finished in time; its result"},
-                        429: {"model": Error}}, summary="Submit a planning job (alias of POST /v1/plans)",
-             openapi_extra=PLAN_BODY_SCHEMA)
+                        429: {"model": Error}}, summary="Submit a planning job (alias of POST /v1/plans)")
 async def submit_plan(body: PlanBody, principal: PrincipalDep, services: ServicesDep,
                       wait: WaitQuery = None, idempotency_key: IdempotencyKeyHeader = None) -> Response:
     """Validate the problem (a bad one is a 422, never a job) and queue it; 202 with the job.

@@ -15,6 +15,7 @@ are deleted as a new one is registered (`Registry.prune`).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -72,9 +73,17 @@ def sweep_training_dirs(settings: Settings, now_s: float | None = None) -> int:
     timeout or its memory cap never leaves its temporary directory); a folder older than twice the job timeout
     belongs to no running job. Returns how many were removed."""
     root, now_s = settings.home / "training", time.time() if now_s is None else now_s
-    if not root.is_dir():
+    removed = 0
+    try:
+        entries = list(os.scandir(root))
+    except OSError:  # no folder yet
         return 0
-    stale = [p for p in root.iterdir() if p.is_dir() and now_s - p.stat().st_mtime > 2 * settings.job_timeout_s]
-    for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
-    return len(stale)
+    for entry in entries:
+        try:  # another worker's sweep, or a run ending, may remove an entry meanwhile
+            stale = entry.is_dir() and now_s - entry.stat().st_mtime > 2 * settings.job_timeout_s
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+    return removed

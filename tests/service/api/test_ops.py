@@ -67,6 +67,10 @@ def test_web_view_and_openapi(client: TestClient) -> None:
             "/v1/jobs/{job_id}/events", "/v1/traces", "/v1/training-runs", "/v1/models",
             "/v1/models/{version}/activate", "/healthz", "/readyz", "/metrics"} <= set(schema["paths"])
     components = schema["components"]["schemas"]
+    for path in ("/v1/plans", "/plan"):  # validated off the event loop (`jobs.plan_body`), documented as the model
+        body = schema["paths"][path]["post"]["requestBody"]
+        assert body["required"] and body["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/PlanRequest"}
     plan_request = components["PlanRequest"]
     assert plan_request["examples"][0]["model"] == "gpt3-1.3b"
     assert set(plan_request["required"]) == {"model", "cluster"}
