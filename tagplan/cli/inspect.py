@@ -10,7 +10,6 @@ from tagplan.cli.options import (
     add_dtype_option,
     add_input_shape_option,
     add_json_option,
-    costed_model,
     emit,
     load_cluster_option,
     positive_int,
@@ -41,9 +40,10 @@ def add_inspect_commands(sub: Subparsers) -> None:
 
 def _inspect_model(args: argparse.Namespace) -> int:
     from tagplan.cli.tables import model_table
+    from tagplan.frontends.model_spec import load_model
     from tagplan.ir.summary import model_summary
 
-    graph = costed_model(args.spec, seq_len=args.seq, dtype=DType(args.dtype), input_shape=args.input_shape)
+    graph = load_model(args.spec, seq_len=args.seq, dtype=DType(args.dtype), input_shape=args.input_shape)
     emit(model_summary(graph, batch=args.batch), args.json, model_table)
     return 0
 

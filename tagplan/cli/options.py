@@ -230,26 +230,12 @@ def add_grad_reduce_options(parser: argparse.ArgumentParser, *, costed: bool = F
                              "(DeepSpeed's pipeline engine, DeepSpeed without ZeRO, Megatron-LM before Megatron-Core)")
 
 
-def costed_model(text: str, *, seq_len: int | None, dtype: DType, input_shape: str | None) -> ModelGraph:
-    """The model a costing command (`plan`, `simulate`, `inspect model`) costs. A user module is costed at the length
-    it is traced on: a `--seq` other than that would only relabel the trace (the same time at more tokens per
-    second), so it is refused, naming `--input-shape`."""
-    from tagplan.frontends.model_spec import ModelSpecKind, load_model, parse_model_spec
-
-    if parse_model_spec(text).kind is not ModelSpecKind.MODULE:
-        return load_model(text, seq_len=seq_len, dtype=dtype, input_shape=input_shape)
-    model = load_model(text, seq_len=None, dtype=dtype, input_shape=input_shape)
-    if seq_len is not None and seq_len != model.seq_len:
-        raise SpecError(f"--seq {seq_len}: model {text[:80]!r} is traced on {model.seq_len} tokens per sample (dim 1 "
-                        f"of its example input); give the length through --input-shape (e.g. --input-shape "
-                        f"1x{seq_len}:long), not --seq")
-    return model
-
-
 def load_problem(args: argparse.Namespace) -> tuple[ModelGraph, Cluster, Workload]:
     """(ModelGraph, Cluster, Workload) from the options `add_problem_options` defines."""
-    model = costed_model(args.model, seq_len=args.seq, dtype=DType(args.dtype),
-                         input_shape=getattr(args, "input_shape", None))
+    from tagplan.frontends.model_spec import load_model
+
+    model = load_model(args.model, seq_len=args.seq, dtype=DType(args.dtype),
+                       input_shape=getattr(args, "input_shape", None))
     return model, load_cluster_option(args.cluster, args), workload_of(args, model)
 
 

@@ -71,10 +71,31 @@ def graph_from_user_module(
     name = f"{module}:{attr}"
     module_obj, inputs = instantiate(module, attr, input_shape=input_shape)
     args, kwargs = _as_call(inputs)
-    # a given seq_len only labels the trace (an exported program runs the module at its own length); the commands
-    # that cost a model refuse a --seq other than the traced one (`cli.options.costed_model`)
-    seq = seq_len or _tokens_per_sample(args, kwargs, name)
-    return fold_trace(module_obj, args, kwargs, name=name, seq_len=seq, dtype=dtype, fold=fold)
+    traced = _tokens_per_sample(args, kwargs, name)
+    if seq_len is not None and seq_len != traced:  # trace it at that length: a label alone would cost the other
+        if input_shape is not None:
+            raise SpecError(f"model {name!r}: seq_len={seq_len}, but --input-shape {input_shape} gives {traced} "
+                            "tokens per sample; give one length")
+        module_obj, inputs = instantiate(module, attr, input_shape=_at_length(args, kwargs, seq_len, name))
+        args, kwargs = _as_call(inputs)
+    return fold_trace(module_obj, args, kwargs, name=name, seq_len=seq_len or traced, dtype=dtype, fold=fold)
+
+
+def _at_length(args: tuple[Any, ...], kwargs: dict[str, Any], seq_len: int, name: str) -> str:
+    """The `--input-shape` of the module's one example input with dim 1 (the tokens) set to `seq_len`; SpecError
+    for a module of several inputs (their lengths cannot be told apart) or a 1-D input (no tokens)."""
+    import torch
+
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    if len(tensors) != 1 or tensors[0].dim() < 2:
+        raise SpecError(f"model {name!r}: it is traced on its example inputs; seq_len={seq_len} cannot be set on "
+                        f"{len(tensors)} input tensor(s) of shapes {[tuple(t.shape) for t in tensors][:4]}: give "
+                        "the example inputs of that length")
+    dims = list(tensors[0].shape)
+    dims[1] = seq_len
+    kinds = {torch.long: "long", torch.int32: "int", torch.bool: "bool"}
+    kind = kinds.get(tensors[0].dtype, "float")
+    return "x".join(str(d) for d in dims) + f":{kind}"
 
 
 def instantiate(module: str, attr: str, *, input_shape: str | None = None, device: str = "meta") -> tuple[

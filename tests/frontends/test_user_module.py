@@ -53,14 +53,17 @@ def test_two_towers_stay_two_towers_without_empty_layers() -> None:
 def test_input_shape_replaces_the_example_inputs() -> None:
     g = build(DEEP, "TinyLM", input_shape="4x32:long")
     assert g.seq_len == 32
-    from tagplan.cli.options import costed_model
-
-    assert costed_model(f"{DEEP}:TinyLM", seq_len=32, dtype=DType.BF16, input_shape="4x32:long").seq_len == 32
-    with pytest.raises(SpecError, match=r"--seq 256: model .* is traced on 64 tokens per sample .*"
-                                        r"--input-shape 1x256:long"):
-        costed_model(f"{DEEP}:TinyLM", seq_len=256, dtype=DType.BF16, input_shape=None)  # a relabelled trace
-    # an exported program runs the module at the length it is given: the graph is only labelled so
-    assert load_model(f"{DEEP}:TinyLM", seq_len=16).seq_len == 16
+    at_32 = load_model(f"{DEEP}:TinyLM", seq_len=32, input_shape="4x32:long")
+    assert at_32.seq_len == 32
+    # a --seq other than the example's is traced at that length: a label alone had costed the 64-token trace
+    long, own = load_model(f"{DEEP}:TinyLM", seq_len=256), build(DEEP, "TinyLM")
+    assert long.seq_len == 256 and own.seq_len == 64
+    flops = lambda g: sum(op.flops for op in g.block_of(1).ops)  # noqa: E731
+    assert flops(long) > 3.9 * flops(own)  # at least linear in the tokens
+    with pytest.raises(SpecError, match=r"seq_len=128, but --input-shape 4x32:long gives 32 tokens"):
+        load_model(f"{DEEP}:TinyLM", seq_len=128, input_shape="4x32:long")
+    with pytest.raises(SpecError, match=r"seq_len=8 cannot be set on 2 input tensor\(s\)"):
+        load_model(f"{TOWERS}:TwoTower", seq_len=8)
     assert parse_input_shape("8,3,224,224")[0] == (8, 3, 224, 224)
     with pytest.raises(SpecError, match="input shape '8x0'"):
         parse_input_shape("8x0")
