@@ -233,19 +233,19 @@ def custom_device(data: Mapping[str, object], field: str) -> DeviceSpec:
     """A device defined inline by the `DeviceSpec` fields (FLOP/s, bytes, bytes/s).
 
     With `base: <catalog name>` the catalog device's figures are the defaults the other keys
-    override (and the name defaults to the base's). A device whose figures differ from the catalog device its name
-    names needs a name of its own: device types are told apart, calibrated and measured by name. `field` is the
-    path used in error messages. Raises SpecError naming the field, the value and what is accepted.
+    override (and the name defaults to the base's). `field` is the path used in error messages.
+    Raises SpecError naming the field, the value and what is accepted.
     """
     values = dict(data)
     base = values.pop("base", None)
+    known: dict[str, object] = {}
     if base is not None:
         try:
-            values = {**lookup_device(str(base)).model_dump(), **values}
+            known = lookup_device(str(base)).model_dump()
         except SpecError as err:
             raise SpecError(f"{field}.base: {err}") from None
     try:
-        device = DeviceSpec.model_validate(values)
+        device = DeviceSpec.model_validate({**known, **values})
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -255,21 +255,12 @@ def custom_device(data: Mapping[str, object], field: str) -> DeviceSpec:
             f"{field}.{where}: {first['msg']} (got {got}); a custom device takes {accepted} "
             "(FLOP/s, bytes, bytes/s)"
         ) from None
-    named = _catalog_device(device.name)
-    if named is not None and device.model_copy(update={"name": named.name}) != named:
-        changed = sorted(k for k, v in device.model_dump().items() if k != "name" and getattr(named, k) != v)
-        raise SpecError(f"{field}: a GPU named {device.name!r} with {', '.join(changed)} other than the catalog's "
-                        f"{named.name} needs a name of its own (e.g. name: {named.name}-custom): calibrations and "
-                        "measurements apply by name")
+    changed = sorted(k for k, v in values.items() if k != "name" and known.get(k) != v) if known else []
+    if changed and "name" not in values:  # device types are told apart, calibrated and measured by name
+        raise SpecError(f"{field}: a GPU that changes {', '.join(changed)} of its base {known['name']} needs a "
+                        f"name of its own (e.g. name: {known['name']}-custom): calibrations and measurements "
+                        "apply by name, and the catalog's GPU of that name has other figures")
     return device
-
-
-def _catalog_device(name: str) -> DeviceSpec | None:
-    """The catalog device `name` names, or None (`lookup_device` without the error)."""
-    try:
-        return lookup_device(name)
-    except SpecError:
-        return None
 
 
 def device_value(value: object, field: str) -> DeviceSpec:

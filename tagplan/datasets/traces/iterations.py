@@ -25,11 +25,13 @@ from pydantic import ValidationError
 
 from tagplan.cost.bounds import lower_bound_s
 from tagplan.errors import SpecError
+from tagplan.frontends.catalog import lookup_device
 from tagplan.frontends.cluster_file import parse_cluster_data
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.json_graph import graph_from_dict
 from tagplan.frontends.model_spec import load_model
 from tagplan.frontends.plan_file import plan_data
+from tagplan.frontends.presets import replace_node
 from tagplan.frontends.textfile import read_text
 from tagplan.ir.cluster import Cluster
 from tagplan.ir.model import ModelGraph
@@ -171,6 +173,19 @@ def rebuild_record(record: IterationRecord, where: str,
     return model, cluster, plan
 
 
+def catalog_figures(cluster: Cluster) -> Cluster:
+    """`cluster` with every device whose name the catalog knows at the catalog's figures: a record cannot make
+    its time possible by declaring a GPU of a known name faster than it is (a cluster file's own GPU under
+    another name keeps its figures, and applies only to clusters of that name)."""
+    nodes = []
+    for node in cluster.nodes:
+        try:
+            nodes.append(replace_node(node, device=lookup_device(node.device.name)))
+        except SpecError:
+            nodes.append(node)
+    return Cluster(name=cluster.name, nodes=tuple(nodes), network=cluster.network)
+
+
 def peak_refusal(model: ModelGraph, cluster: Cluster, plan: Plan, workload: Workload, measured_s: float) -> str | None:
     """Why `measured_s` cannot be an iteration of `plan` (None: it can): it is shorter than the model's matrix
     multiplications alone take (forward, and twice that backward, over the global batch) on the plan's devices at
@@ -178,8 +193,8 @@ def peak_refusal(model: ModelGraph, cluster: Cluster, plan: Plan, workload: Work
     rate, since it may compute its GEMMs as TF32 or on AMD's matrix cores, faster than the catalog's fp32 figure."""
     if workload.dtype is DType.FP32:
         workload = workload.model_copy(update={"dtype": DType.BF16})
-    bound_s = lower_bound_s(model, cluster, workload, devices=plan.devices, matmuls_only=True)  # a catalog GPU's
-    # figures cannot be raised under its own name (`catalog.custom_device`), so a record cannot claim a faster one
+    bound_s = max(lower_bound_s(model, c, workload, devices=plan.devices, matmuls_only=True)
+                  for c in (cluster, catalog_figures(cluster)))
     if measured_s >= bound_s:
         return None
     return (f"measured_s {measured_s:g} s is shorter than the {bound_s:.3g} s this model's matrix multiplications "

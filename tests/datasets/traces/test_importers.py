@@ -532,8 +532,7 @@ def test_a_known_gpu_declared_faster_is_held_to_the_catalog_s_peak(tmp_path: Pat
 
     path = tmp_path / "runs.jsonl"
     path.write_text(json.dumps(_one_run(cluster=gpu("V100-SXM2-16GB"), measured_s=1e-9)) + "\n")
-    with pytest.raises(SpecError, match=r"runs\.jsonl:1: .*a GPU named 'V100-SXM2-16GB' with peak_flops_bf16, "
-                                        r"peak_flops_fp16 other than the catalog's V100-SXM2-16GB needs a name"):
+    with pytest.raises(SpecError, match=r"runs\.jsonl:1: measured_s 1e-09 s is shorter than"):
         import_iterations(path)
     path.write_text(json.dumps(_one_run(cluster=gpu("lab-gpu-x"), measured_s=1e-9)) + "\n")
     assert import_iterations(path)  # a GPU of its own name: its own figures, applied to clusters of that name only
