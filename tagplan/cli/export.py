@@ -121,8 +121,10 @@ def _export(args: argparse.Namespace) -> int:
     plan, searched = load_plan_file(args.plan)
     batch, args.seq = searched_workload(args.batch, args.seq, searched, args.plan)
     args.batch = batch or DEFAULT_GLOBAL_BATCH
-    if args.grad_reduce_dtype is None and searched is not None and searched.grad_reduce_dtype is not None:
-        args.grad_reduce_dtype = searched.grad_reduce_dtype.value  # as the plan was costed
+    if args.grad_reduce_dtype is None and searched is not None and searched.grad_reduce_dtype is DType.FP32:
+        # costed reducing in fp32 (plan --exportable): every format runs that, so it is the plan's as costed; a
+        # 16-bit one is the training dtype's, the default, which a format may refuse by name (the torch program)
+        args.grad_reduce_dtype = DType.FP32.value
     cluster = load_cluster_option(args.cluster, args) if args.cluster else None
     dtype = DType(args.dtype)
     reduce_dtype = DType(args.grad_reduce_dtype) if args.grad_reduce_dtype else None

@@ -74,8 +74,11 @@ def clear_launch_files(out_dir: Path) -> None:
 
 
 def record_launch_files(out_dir: Path, paths: Sequence[Path]) -> None:
-    """Write `out_dir`'s `LAUNCH_MANIFEST`: the launch files this export wrote there."""
-    (out_dir / LAUNCH_MANIFEST).write_text("".join(f"{p.name}\n" for p in paths))
+    """Write `out_dir`'s `LAUNCH_MANIFEST`: the launch files this export wrote there (a new file: one planted as a
+    link is removed first, never written through)."""
+    manifest = out_dir / LAUNCH_MANIFEST
+    manifest.unlink(missing_ok=True)
+    manifest.write_text("".join(f"{p.name}\n" for p in paths))
 
 
 def launch_scripts(table: list[dict[str, Any]], program: str = "train.py", *, setup: Sequence[str] = (),

@@ -325,7 +325,11 @@ def test_a_plan_file_says_what_it_was_searched_for_and_the_commands_take_it(
                  "--exportable", "torch", "--out", str(exportable)]) == 0
     assert json.loads(exportable.read_text())["searched_for"]["grad_reduce_dtype"] == "fp32"
     capsys.readouterr()
-    for path, noted in ((exportable, False), (plan, True)):
+    in_bf16 = tmp_path / "bf16.json"  # costed in bf16 said outright: exported as the default, noted, not refused
+    assert main(["plan", *problem, "--batch", "12", "--seq", "16", "--max-evaluations", "20", "--workers", "1",
+                 "--grad-reduce-dtype", "bf16", "--out", str(in_bf16)]) == 0
+    capsys.readouterr()
+    for path, noted in ((exportable, False), (plan, True), (in_bf16, True)):
         assert main(["export", "--model", TINY, "--plan", str(path), "--format", "torch", "--out",
                      str(tmp_path / "t"), "--json"]) == 0
         notes = json.loads(capsys.readouterr().out)["grad_reduce"]["notes"]
