@@ -157,14 +157,17 @@ def _sharding_problems(i: int, stage: Stage, model: ModelGraph, *, analytic: boo
     if not stage.sharding:
         return []
     ops = {op.name: op for j in range(*stage.layers) for op in model.block_of(j).ops}
+    every = {op.name for block in model.blocks for op in block.ops}
     out = []
     for name, strategy in stage.sharding.items():
         op = ops.get(name)
         if model.family == "moe" and (name in EXPERT_OPS or name == ROUTER):
             continue  # `_moe_problems`
+        if op is None and name in every:
+            continue  # another stage's op: one dict may serve every stage, and each layer reads its own ops
         if op is None:
-            out.append(f"stages[{i}].sharding names op {name!r}, which no layer of the stage has "
-                       f"(ops: {', '.join(sorted(ops))})")
+            out.append(f"stages[{i}].sharding names op {name!r}, which no layer of the model has "
+                       f"(the stage's ops: {', '.join(sorted(ops))})")
         elif op.kind is OpKind.MATMUL and analytic and strategy.value not in MATMUL_STRATEGIES:
             out.append(f"stages[{i}].sharding[{name!r}]={strategy.value!r}: the program runs a gpt, llama or moe "
                        "matmul as column, row, replicate or sequence (tokens split along the sequence); batch- and "

@@ -169,7 +169,11 @@ def test_every_inexpressible_feature_is_listed(gpt_spec: str) -> None:
     assert "stages[0].sharding['mlp.fc1']='batch': the program runs a gpt, llama or moe matmul as column, row, " \
            "replicate or sequence" in message
     assert "sharding['mlp.fc2']" not in message  # a token-split matmul runs (export.tp_flow)
-    assert "names op 'attn.qq', which no layer of the stage has" in message
+    assert "names op 'attn.qq', which no layer of the model has" in message
+    shared = {"mlp.fc1": "column", "final_norm": "sequence"}  # one dict for both stages, as `simulate` takes it
+    check_expressible(Plan(schedule="1f1b", micro_batches=2, stages=(
+        _stage((0, 2), (0, 1), tp=2, sharding=shared), _stage((2, 4), (2, 3), tp=2, sharding=shared))),
+        load_model(gpt_spec))
     assert "dp=2" not in message and "micro_batches" not in message  # the pipeline runtime runs those
 
 
