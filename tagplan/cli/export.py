@@ -35,6 +35,7 @@ from tagplan.ir.workload import DEFAULT_GLOBAL_BATCH, DType, LossKernel, Optimiz
 
 if TYPE_CHECKING:
     from tagplan.frontends.model_spec import ModelSpec
+    from tagplan.frontends.plan_file import SearchedFor
     from tagplan.ir.cluster import Cluster, DeviceSpec
     from tagplan.ir.plan import Plan
 
@@ -112,15 +113,23 @@ def add_export_commands(sub: Subparsers) -> None:
     mea.set_defaults(func=_measure)
 
 
-def _export(args: argparse.Namespace) -> int:
-    from tagplan.export.dispatch import export, grad_reduce_settings, loss_settings, tp_comm_settings
-    from tagplan.frontends.model_spec import parse_model_spec
+def _plan_file(args: argparse.Namespace) -> tuple[Plan, SearchedFor | None]:
+    """(the plan `--plan` holds, what it was searched for); `args.batch` and `args.seq` set to what it was searched
+    for where not given (SpecError where given otherwise), the batch else the default."""
     from tagplan.frontends.plan_file import load_plan_file, searched_workload
 
-    spec = parse_model_spec(args.model)
     plan, searched = load_plan_file(args.plan)
     batch, args.seq = searched_workload(args.batch, args.seq, searched, args.plan)
     args.batch = batch or DEFAULT_GLOBAL_BATCH
+    return plan, searched
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tagplan.export.dispatch import export, grad_reduce_settings, loss_settings, tp_comm_settings
+    from tagplan.frontends.model_spec import parse_model_spec
+
+    spec = parse_model_spec(args.model)
+    plan, searched = _plan_file(args)
     if args.grad_reduce_dtype is None and searched is not None and searched.grad_reduce_dtype is DType.FP32:
         # costed reducing in fp32 (plan --exportable): every format runs that, so it is the plan's as costed; a
         # 16-bit one is the training dtype's, the default, which a format may refuse by name (the torch program)
@@ -272,14 +281,11 @@ def _measure(args: argparse.Namespace) -> int:
     from tagplan.export.torch_program import reduce_overlaps, runtime_on
     from tagplan.frontends.cpu import cpu_cluster, gpu_cluster
     from tagplan.frontends.model_spec import parse_model_spec
-    from tagplan.frontends.plan_file import load_plan_file, searched_workload
     from tagplan.ir.workload import Workload
     from tagplan.profiling.device import cpu_device_spec, fingerprint
 
     spec = parse_model_spec(args.model)
-    plan, searched = load_plan_file(args.plan)
-    batch, args.seq = searched_workload(args.batch, args.seq, searched, args.plan)
-    args.batch = batch or DEFAULT_GLOBAL_BATCH
+    plan, _ = _plan_file(args)
     if args.seq is None:
         raise SpecError(f"--seq: {args.plan} does not say what it was searched for; give the tokens per sample")
     optimizer = Optimizer(args.optimizer)

@@ -212,6 +212,14 @@ def known_devices() -> tuple[str, ...]:
     return tuple(CATALOG)
 
 
+def find_device(name: str) -> DeviceSpec | None:
+    """The catalog device called `name` (as `lookup_device` reads names), or None where the catalog has none."""
+    try:
+        return lookup_device(name)
+    except SpecError:
+        return None
+
+
 def lookup_device(name: str) -> DeviceSpec:
     """The catalog device called `name` (case and separators ignored; nvidia-smi names accepted).
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tagplan.errors import SpecError
-from tagplan.frontends.catalog import lookup_device
+from tagplan.frontends.catalog import find_device
 from tagplan.frontends.presets import replace_node
 from tagplan.frontends.textfile import read_text
 from tagplan.ir.cluster import Cluster, Node
@@ -145,10 +145,8 @@ def load_nccl_tests(path: str | Path) -> NcclTestResult:
 
 def _catalog_name(name: str) -> str | None:
     """The device catalog's name for the GPU `name` spells (nvidia-smi names accepted); None if it knows none."""
-    try:
-        return lookup_device(name).name
-    except SpecError:
-        return None
+    found = find_device(name)
+    return found.name if found is not None else None
 
 
 def _target_nodes(cluster: Cluster, result: NcclTestResult) -> list[int]:

@@ -35,7 +35,7 @@ from typing import Literal
 
 from tagplan.datasets.traces.bundle import Fingerprint, host_fingerprint
 from tagplan.errors import SpecError
-from tagplan.frontends.catalog import lookup_device
+from tagplan.frontends.catalog import find_device
 from tagplan.ir.cluster import DeviceSpec
 from tagplan.ir.workload import DType
 
@@ -250,10 +250,9 @@ def cuda_device_spec(index: int = 0) -> DeviceSpec:
 
     require_cuda()
     name = torch.cuda.get_device_name(index)
-    try:
-        return lookup_device(name)
-    except SpecError:
-        log.warning("GPU %r is not in the catalog; estimating its peaks from its properties", name)
+    if (known := find_device(name)) is not None:
+        return known
+    log.warning("GPU %r is not in the catalog; estimating its peaks from its properties", name)
     props = torch.cuda.get_device_properties(index)
     clock_khz = getattr(props, "clock_rate", 0) or 0
     cycles_per_s = props.multi_processor_count * (clock_khz * 1e3 if clock_khz else _DEFAULT_GPU_CLOCK_HZ)
@@ -275,10 +274,8 @@ def device_type(device: Literal["cpu", "cuda"]) -> str:
 
     require_cuda()
     name = torch.cuda.get_device_name(0)
-    try:
-        return lookup_device(name).name
-    except SpecError:
-        return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "cuda"
+    known = find_device(name)
+    return known.name if known is not None else re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "cuda"
 
 
 def fingerprint(device: str) -> Fingerprint:

@@ -31,7 +31,7 @@ from tagplan.cost.bounds import lower_bound_s
 from tagplan.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from tagplan.cost.simulator import Simulator
 from tagplan.datasets.traces.bundle import Bundle, IterationRecord
-from tagplan.datasets.traces.iterations import peak_refusal, rebuild_record
+from tagplan.datasets.traces.iterations import possible_record
 from tagplan.errors import SpecError
 from tagplan.gnn.features import FeatureCache, featurize
 from tagplan.gnn.model import PlanGNN, load_checkpoint, save_checkpoint
@@ -73,11 +73,8 @@ def measured_graphs(bundles: Sequence[Bundle], calibration: Calibration,
         iterations = [(n, r) for n, r in enumerate(bundle.records, start=1) if isinstance(r, IterationRecord)]
         for i, (number, record) in enumerate(iterations):
             where = f"{names[b] if names else f'bundle {b}'}: record {number} of records.jsonl"
-            model, cluster, plan = rebuild_record(record, where, built)
+            model, cluster, plan = possible_record(record, where, built)
             w = record.workload
-            refusal = peak_refusal(model, cluster, plan, w, record.measured_s)
-            if refusal:  # a bundle not written by `traces import` (an upload, a file by hand) is held to it here
-                raise SpecError(f"{where}: {refusal}")
             graph = featurize(model, cluster, w, plan, cache=cache, calibration=calibration)
             bound = lower_bound_s(model, cluster, w)
             graph.y = torch.tensor([math.log(record.measured_s / bound)], dtype=torch.float)

@@ -316,6 +316,12 @@ def test_a_new_export_leaves_no_launch_file_of_an_earlier_plan(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tagplan-launch", "hostfile", "launch.sh",
                                                          "megatron_args.txt"]
     assert (tmp_path / "hostfile").read_text() == "mine slots=8\n"
+    planted = tmp_path / "elsewhere"
+    (tmp_path / ".tagplan-launch").unlink()
+    (tmp_path / ".tagplan-launch").symlink_to(planted)  # a link to a file that does not exist yet
+    export("gpt3-175b", pipeline([12] * 8, tp=8, recompute=True), tmp_path, fmt="megatron", seq_len=None,
+           global_batch=1536)
+    assert not planted.exists() and not (tmp_path / ".tagplan-launch").is_symlink()  # never written through
 
 
 def test_heads_that_do_not_divide_the_hidden_size_write_their_width() -> None:
@@ -324,6 +330,9 @@ def test_heads_that_do_not_divide_the_hidden_size_write_their_width() -> None:
     assert args[args.index("--kv-channels") + 1] == "85"
     even = megatron_arguments(load_model("gpt3-2.7b"), pipeline([32], tp=1), global_batch=64, seq_len=2048)
     assert "--kv-channels" not in even
+    family = megatron_arguments(load_model("gpt?layers=2&hidden=64&heads=4&vocab=128", seq_len=16),
+                                pipeline([2], tp=1, micro_batches=1), global_batch=8, seq_len=16)
+    assert "--kv-channels" not in family  # head_dim unset: derived as hidden // heads, as Megatron-LM derives it
 
 
 def test_an_interleaved_plan_launches_its_first_chunks_node_first_on_a_cluster(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from tagplan.errors import SpecError, unknown
-from tagplan.frontends.catalog import known_devices, lookup_device
+from tagplan.frontends.catalog import find_device, known_devices, lookup_device
 from tagplan.ir.cluster import is_cpu_name
 
 from .bundle import (
@@ -152,19 +152,12 @@ def device_disagrees(measured: str, device: str) -> bool:
     trace filed as a GPU or the other way round)."""
     if is_cpu_name(measured) != is_cpu_name(device):
         return True
-    both = [_catalog_or_none(name) for name in (measured, device)]
-    if None not in both and both[0] != both[1]:  # two catalog variants of one model (A100 40 GB and 80 GB)
+    known, imported = find_device(measured), find_device(device)
+    if known is not None and imported is not None and known.name != imported.name:  # A100 40 GB and 80 GB
         return True
     tokens = lambda name: set(re.findall(r"[a-z]{1,3}\d{2,4}[a-z]?", name.lower()))  # noqa: E731
     a, b = tokens(measured), tokens(device)
     return bool(a and b and not a & b)
-
-
-def _catalog_or_none(name: str) -> str | None:
-    try:
-        return lookup_device(name).name
-    except SpecError:
-        return None
 
 
 def import_to_bundle(paths: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], *, device: str,

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from tagplan.cost.bounds import lower_bound_s
 from tagplan.errors import SpecError
-from tagplan.frontends.catalog import lookup_device
+from tagplan.frontends.catalog import find_device
 from tagplan.frontends.cluster_file import parse_cluster_data
 from tagplan.frontends.cluster_spec import load_cluster
 from tagplan.frontends.json_graph import graph_from_dict
@@ -141,10 +141,7 @@ def _record(data: dict[str, Any], where: str, base: Path, built: dict[str, Any])
     fields = {**data, "record": "iteration", "plan": _validated(Plan, plan, "plan", where).model_dump(mode="json"),
               "workload": _validated(Workload, data["workload"], "workload", where)}
     record = _validated(IterationRecord, fields, "", where)
-    model, cluster, checked = rebuild_record(record, where, built)
-    refusal = peak_refusal(model, cluster, checked, record.workload, record.measured_s)
-    if refusal:
-        raise SpecError(f"{where}: {refusal}")
+    possible_record(record, where, built)
     return record
 
 
@@ -173,17 +170,25 @@ def rebuild_record(record: IterationRecord, where: str,
     return model, cluster, plan
 
 
+def possible_record(record: IterationRecord, where: str,
+                    built: dict[str, Any] | None = None) -> tuple[ModelGraph, Cluster, Plan]:
+    """`rebuild_record`, then SpecError naming `where` where the measured time cannot be a run of the plan
+    (`peak_refusal`): what an import holds every record to, and fine-tuning every record of a bundle no import wrote
+    (a service upload, a file by hand)."""
+    model, cluster, plan = rebuild_record(record, where, built)
+    refusal = peak_refusal(model, cluster, plan, record.workload, record.measured_s)
+    if refusal:
+        raise SpecError(f"{where}: {refusal}")
+    return model, cluster, plan
+
+
 def catalog_figures(cluster: Cluster) -> Cluster:
     """`cluster` with every device whose name the catalog knows at the catalog's figures: a record cannot make
     its time possible by declaring a GPU of a known name faster than it is (a cluster file's own GPU under
     another name keeps its figures, and applies only to clusters of that name)."""
-    nodes = []
-    for node in cluster.nodes:
-        try:
-            nodes.append(replace_node(node, device=lookup_device(node.device.name)))
-        except SpecError:
-            nodes.append(node)
-    return Cluster(name=cluster.name, nodes=tuple(nodes), network=cluster.network)
+    nodes = tuple(replace_node(node, device=known) if (known := find_device(node.device.name)) is not None else node
+                  for node in cluster.nodes)
+    return Cluster(name=cluster.name, nodes=nodes, network=cluster.network)
 
 
 def peak_refusal(model: ModelGraph, cluster: Cluster, plan: Plan, workload: Workload, measured_s: float) -> str | None:
